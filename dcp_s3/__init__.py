@@ -1,0 +1,45 @@
+"""dcp_s3: save and load PyTorch Distributed Checkpoints straight to S3 and S3-compatible stores.
+
+    import torch.distributed.checkpoint as dcp
+    from dcp_s3 import S3StorageWriter, S3StorageReader
+
+    dcp.save(state_dict, storage_writer=S3StorageWriter("s3://bucket/run1/step-0001000"))
+    dcp.load(state_dict, storage_reader=S3StorageReader("s3://bucket/run1/step-0001000"))
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import ClientConfig, TransferConfig
+from .errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpS3Error,
+    InvalidCheckpointIdError,
+    S3AccessDeniedError,
+    S3TransferError,
+)
+from .reader import S3StorageReader
+from .writer import S3StorageWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "S3StorageWriter",
+    "S3StorageReader",
+    "TransferConfig",
+    "ClientConfig",
+    "DcpS3Error",
+    "InvalidCheckpointIdError",
+    "ConfigError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "S3AccessDeniedError",
+    "S3TransferError",
+    "CheckpointFormatError",
+]
+
+logging.getLogger("dcp_s3").addHandler(logging.NullHandler())

@@ -1,0 +1,54 @@
+"""The dcp_s3 exception hierarchy.
+
+Every class takes exactly one message argument so that it survives pickling:
+DCP ships exceptions raised on one rank to the coordinator by pickle, and an
+exception whose ``__init__`` needs extra arguments breaks that hand-off. Where a
+builtin fits, the class also derives from it (``FileNotFoundError``,
+``FileExistsError``, ``PermissionError``, ``ValueError``) so callers can catch
+the builtin. Messages name the bucket/key and the cause, never credentials.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DcpS3Error",
+    "InvalidCheckpointIdError",
+    "ConfigError",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "S3AccessDeniedError",
+    "S3TransferError",
+    "CheckpointFormatError",
+]
+
+
+class DcpS3Error(Exception):
+    """Base class of every error raised by dcp_s3."""
+
+
+class InvalidCheckpointIdError(DcpS3Error, ValueError):
+    """The checkpoint id is not of the form ``s3://bucket/key...``."""
+
+
+class ConfigError(DcpS3Error, ValueError):
+    """A writer/reader option, credential file or client setting is invalid."""
+
+
+class CheckpointNotFoundError(DcpS3Error, FileNotFoundError):
+    """The bucket, the checkpoint or one of its objects does not exist."""
+
+
+class CheckpointExistsError(DcpS3Error, FileExistsError):
+    """A complete checkpoint already exists where a new one was to be written."""
+
+
+class S3AccessDeniedError(DcpS3Error, PermissionError):
+    """The server refused the credentials or the operation."""
+
+
+class S3TransferError(DcpS3Error, OSError):
+    """A request failed after retries (network error, server error, throttling)."""
+
+
+class CheckpointFormatError(DcpS3Error, ValueError):
+    """Stored bytes or metadata are not what the checkpoint format requires."""

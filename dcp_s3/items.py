@@ -1,0 +1,115 @@
+"""How one tensor becomes bytes in a data object, streamed without whole-tensor copies.
+
+A tensor item is exactly what ``torch.save(tensor)`` writes (so stock
+``FileSystemReader`` loads it), but produced in three pieces: the small zip
+header that ``torch.save`` writes under ``skip_data``, the tensor's raw bytes
+taken straight from its memory (CUDA tensors in bounded chunks), and the zip
+trailer. The header length is the payload offset the reader uses to fetch raw
+bytes directly into the destination tensor.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view"]
+
+#: Largest device-to-host copy made at once for non-CPU tensors.
+DEVICE_COPY_CHUNK = 64 << 20
+
+
+class _Recorder(io.RawIOBase):
+    """A seekable sink that records ``torch.save``'s writes and the hole it skips."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.writes: list[tuple[int, bytes]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        data = bytes(b)
+        self.writes.append((self.pos, data))
+        self.pos += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == io.SEEK_SET else self.pos + offset if whence == io.SEEK_CUR else -1
+        if self.pos < 0:
+            raise io.UnsupportedOperation("seek from end")
+        return self.pos
+
+
+@dataclass(frozen=True)
+class TensorBlob:
+    """``header + payload + trailer`` is the ``torch.save`` file of ``tensor``."""
+
+    header: bytes
+    tensor: torch.Tensor  # contiguous; its raw bytes are the payload
+    trailer: bytes
+
+    @property
+    def payload_offset(self) -> int:
+        return len(self.header)
+
+    @property
+    def length(self) -> int:
+        return len(self.header) + self.tensor.nbytes + len(self.trailer)
+
+    def payload_chunks(self) -> Iterator[memoryview]:
+        """The raw bytes, as views of CPU memory (device tensors: bounded host copies)."""
+        if self.tensor.nbytes == 0:
+            return
+        if self.tensor.device.type == "cpu":
+            yield raw_bytes_view(self.tensor)
+            return
+        flat = self.tensor.reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), DEVICE_COPY_CHUNK):
+            host = flat[start : start + DEVICE_COPY_CHUNK].to("cpu")
+            yield memoryview(host.numpy())
+
+
+def raw_bytes_view(tensor: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
+    if tensor.nbytes == 0:
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
+    """Split ``torch.save(tensor)`` into header, payload (the tensor) and trailer."""
+    tensor = tensor.detach()
+    if tensor.device.type == "meta":
+        raise ValueError("cannot save a tensor on the meta device")
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+        # torch.save writes the whole storage; a view or strided tensor becomes a compact copy.
+        tensor = tensor.contiguous() if not tensor.is_contiguous() else tensor.clone()
+    recorder = _Recorder()
+    with torch.serialization.skip_data():
+        torch.save(tensor, recorder)
+    writes = sorted(recorder.writes)
+    # torch.save writes its records in order and seeks once, over the storage bytes.
+    gaps = [
+        (pos + len(data), nxt)
+        for (pos, data), (nxt, _) in zip(writes, writes[1:])
+        if pos + len(data) != nxt
+    ]
+    if not gaps and tensor.nbytes == 0:
+        return TensorBlob(b"".join(d for _, d in writes), tensor, b"")
+    if len(gaps) != 1 or gaps[0][1] - gaps[0][0] != tensor.nbytes:
+        raise RuntimeError("unexpected torch.save layout: storage bytes are not one contiguous record")
+    hole_start = gaps[0][0]
+    header = b"".join(d for pos, d in writes if pos < hole_start)
+    trailer = b"".join(d for pos, d in writes if pos > hole_start)
+    return TensorBlob(header, tensor, trailer)

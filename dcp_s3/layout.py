@@ -1,0 +1,116 @@
+"""Object keys and the metadata format of a checkpoint.
+
+The layout is torch's filesystem layout, so a checkpoint copied to a local
+directory loads with stock ``FileSystemReader``::
+
+    <prefix>/.metadata            pickled ``Metadata``; written last: its presence marks a complete checkpoint
+    <prefix>/__{rank}_{n}.distcp  data objects; each item is an independent ``torch.save`` blob or raw bytes
+
+``Metadata.storage_data`` maps each ``MetadataIndex`` to an ``ItemLocation`` (a
+``_StorageInfo`` subclass, so stock readers use its path/offset/length) that also
+records where a tensor's raw bytes start inside its blob, letting the reader
+fetch them straight into the destination tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import posixpath
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .errors import CheckpointFormatError
+
+__all__ = ["METADATA_KEY", "ItemLocation", "data_object_name", "dump_metadata", "load_metadata", "check_object_name"]
+
+METADATA_KEY = ".metadata"
+DATA_SUFFIX = ".distcp"
+#: Version of dcp_s3's storage data, recorded in ``Metadata.storage_meta.modules``.
+FORMAT_TAG = "dcp_s3/1"
+
+
+def data_object_name(rank_prefix: str, n: int) -> str:
+    """``__{rank}_{n}.distcp`` — the name torch's FileSystemWriter would use."""
+    return f"{rank_prefix}{n}{DATA_SUFFIX}"
+
+
+@dataclass
+class ItemLocation(_StorageInfo):
+    """Where one item lives: object, offset, length; plus where a tensor's raw bytes start.
+
+    ``payload_offset`` is relative to ``offset``; ``None`` for byte items and for
+    items written by other writers (those are read with ``torch.load``).
+    """
+
+    payload_offset: int | None = None
+
+
+def check_object_name(name: str) -> str:
+    """Reject object names from metadata that would escape the checkpoint prefix."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name.startswith("/")
+        or "://" in name
+        or "\\" in name
+        or any(part in ("", ".", "..") for part in name.split("/"))
+        or posixpath.normpath(name) != name
+    ):
+        raise CheckpointFormatError(f"metadata names an invalid object path {name!r}")
+    return name
+
+
+def dump_metadata(metadata: Metadata) -> bytes:
+    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+# Classes a checkpoint's .metadata may reference; anything else is refused.
+_ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+            "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "dcp_s3.layout": frozenset({"ItemLocation"}),
+    "dcp_s3.codec": frozenset({"FrameIndex"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles only the classes DCP metadata is made of: a crafted pickle cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointFormatError(f"refusing to load {module}.{name}: not a checkpoint metadata class")
+
+
+def load_metadata(data: bytes, where: str) -> Metadata:
+    """Unpickle ``.metadata`` bytes with the restricted unpickler; errors name ``where``."""
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(f"{where}: {exc}") from None
+    except Exception as exc:
+        raise CheckpointFormatError(f"{where} is not a DCP metadata file ({type(exc).__name__}: {exc})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointFormatError(f"{where} does not hold DCP Metadata with storage data")
+    for info in metadata.storage_data.values():
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointFormatError(f"{where}: storage data entry of type {type(info).__name__}")
+        check_object_name(info.relative_path)
+    return metadata

@@ -1,0 +1,517 @@
+"""The S3 transfer engine: streaming multipart uploads and concurrent ranged reads.
+
+A narrow transport over botocore: put, multipart (create/part/complete/abort),
+ranged get, head, list, delete. It knows nothing of torch or DCP (a test checks
+that it does not import torch). Byte ranges are ``[start, end)`` (end exclusive)
+everywhere; the inclusive HTTP ``Range`` header is built in ``_range_header`` only.
+
+Memory is bounded by a pool of part buffers shared by every object a writer
+streams: a part is filled, handed to the upload pool, and its buffer returns to
+the pool when the part is acknowledged. Reads go straight into caller-provided
+memory (``RangeRead.open`` returns the destination), so the engine itself holds
+no object-sized buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionClosedError,
+    EndpointConnectionError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+from urllib3.exceptions import HTTPError as Urllib3HTTPError
+
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    DcpS3Error,
+    S3AccessDeniedError,
+    S3TransferError,
+)
+
+__all__ = ["S3Transport", "ObjectWriter", "BufferPool", "RangeRead", "coalesce", "fit_part_size"]
+
+log = logging.getLogger("dcp_s3")
+
+MAX_PARTS = 10_000
+MIN_PART_SIZE = 5 << 20
+
+_NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "404", "NotFound"}
+_DENIED = {
+    "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem",
+}
+_EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+# Errors raised while a response body is being read: botocore does not retry these.
+_BODY_ERRORS = (
+    IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ConnectionClosedError,
+    EndpointConnectionError, Urllib3HTTPError, ConnectionError, TimeoutError,
+)
+
+
+def translate_error(exc: BaseException, action: str, bucket: str, key: str | None = None) -> DcpS3Error:
+    """Map a botocore failure to a picklable dcp_s3 error naming bucket/key and cause."""
+    where = f"s3://{bucket}/{key}" if key is not None else f"s3://{bucket}"
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        cause = f"{code or status}: {err.get('Message') or 'no message'}"
+        if code == "NoSuchBucket":
+            return CheckpointNotFoundError(f"{action} {where}: bucket {bucket!r} does not exist ({cause})")
+        if code in _NOT_FOUND or status == 404:
+            return CheckpointNotFoundError(f"{action} {where}: not found ({cause})")
+        if code in _DENIED or status == 403:
+            return S3AccessDeniedError(f"{action} {where}: access denied ({cause})")
+        if code in _EXISTS or status == 412:
+            return CheckpointExistsError(f"{action} {where}: already exists ({cause})")
+        return S3TransferError(f"{action} {where} failed: {cause}")
+    if isinstance(exc, DcpS3Error):
+        return exc
+    detail = str(exc) or type(exc).__name__
+    if isinstance(exc, BotoCoreError) and "credentials" in detail.lower():
+        return S3AccessDeniedError(f"{action} {where}: {detail}")
+    return S3TransferError(f"{action} {where} failed: {type(exc).__name__}: {detail}")
+
+
+def _range_header(start: int, end: int) -> str:
+    # RFC 9110 byte ranges are inclusive at both ends.
+    return f"bytes={start}-{end - 1}"
+
+
+def fit_part_size(part_size: int, expected_size: int | None) -> int:
+    """The part size to use so an object of ``expected_size`` bytes needs at most 10,000 parts."""
+    size = max(part_size, MIN_PART_SIZE)
+    if expected_size is not None:
+        while -(-expected_size // size) > MAX_PARTS:
+            size *= 2
+    return size
+
+
+class BufferPool:
+    """A fixed number of reusable part buffers; ``acquire`` blocks while all are in use.
+
+    This is the memory bound of uploads: bytes in flight never exceed
+    ``count * size``. Buffers are allocated on first use and dropped by ``clear``.
+    """
+
+    def __init__(self, count: int, size: int) -> None:
+        self.size = size
+        self._free: list[bytearray] = []
+        self._available = threading.Semaphore(count)
+        self._lock = threading.Lock()
+
+    def acquire(self, size: int | None = None) -> bytearray:
+        need = size or self.size
+        self._available.acquire()
+        with self._lock:
+            while self._free:
+                buf = self._free.pop()
+                if len(buf) >= need:
+                    return buf
+        return bytearray(need)
+
+    def release(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
+        self._available.release()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class RangeRead:
+    """Read object bytes ``[start, end)`` (end exclusive) into memory the caller provides.
+
+    ``open()`` is called in the worker thread right before the bytes arrive and returns a
+    writable buffer of exactly ``end - start`` bytes; ``done()`` runs after it is filled.
+    """
+
+    key: str
+    start: int
+    end: int
+    open: Callable[[], memoryview]
+    done: Callable[[], None] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def coalesce(reads: Iterable[RangeRead], max_gap: int, max_size: int) -> list[list[RangeRead]]:
+    """Group reads of one object into ranged GETs: sorted, merged across gaps ``<= max_gap``.
+
+    A group spans at most ``max_size`` bytes unless a single read is larger on its own.
+    """
+    groups: list[list[RangeRead]] = []
+    current: list[RangeRead] = []
+    for read in sorted(reads, key=lambda r: (r.key, r.start)):
+        if current:
+            first, last = current[0], current[-1]
+            if (
+                read.key == first.key
+                and read.start >= last.end
+                and read.start - last.end <= max_gap
+                and read.end - first.start <= max_size
+            ):
+                current.append(read)
+                continue
+            groups.append(current)
+        current = [read]
+    if current:
+        groups.append(current)
+    return groups
+
+
+class S3Transport:
+    """S3 operations on one bucket with error translation and body-level retries."""
+
+    def __init__(
+        self,
+        client_factory: Callable[[], Any],
+        bucket: str,
+        *,
+        max_attempts: int = 5,
+        extra_args: dict[str, Any] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._client_factory = client_factory
+        self.bucket = bucket
+        self.max_attempts = max_attempts
+        self.extra_args = dict(extra_args or {})
+        self._sleep = sleep
+
+    @property
+    def client(self) -> Any:
+        return self._client_factory()
+
+    def _call(self, action: str, key: str | None, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except (ClientError, BotoCoreError) as exc:
+            raise translate_error(exc, action, self.bucket, key) from exc
+
+    def _backoff(self, attempt: int) -> None:
+        # Full jitter (AWS architecture blog "Exponential Backoff And Jitter").
+        self._sleep(random.uniform(0, min(10.0, 0.1 * 2**attempt)))
+
+    # -- small objects -------------------------------------------------------------
+    def put_object(self, key: str, body: bytes | bytearray | memoryview, *, if_none_match: bool = False) -> None:
+        """One PUT. ``if_none_match`` makes it fail with ``CheckpointExistsError`` if the key exists."""
+        kwargs: dict[str, Any] = dict(self.extra_args)
+        if if_none_match:
+            kwargs["IfNoneMatch"] = "*"
+        self._call("PUT", key, self.client.put_object, Key=key, Body=body, **kwargs)
+
+    def get_object(self, key: str) -> bytes:
+        """The whole object (for small objects such as ``.metadata``)."""
+        for attempt in range(self.max_attempts):
+            resp = self._call("GET", key, self.client.get_object, Key=key)
+            try:
+                return bytes(resp["Body"].read())
+            except _BODY_ERRORS as exc:
+                if attempt + 1 == self.max_attempts:
+                    raise translate_error(exc, "GET", self.bucket, key) from exc
+                log.debug("GET s3://%s/%s: body failed (%s), retrying", self.bucket, key, exc)
+                self._backoff(attempt)
+        raise AssertionError("unreachable")
+
+    def head_object(self, key: str) -> dict[str, Any] | None:
+        """The object's HEAD response, or None if it does not exist."""
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=key)  # type: ignore[no-any-return]
+        except ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                return None
+            raise translate_error(exc, "HEAD", self.bucket, key) from exc
+        except BotoCoreError as exc:
+            raise translate_error(exc, "HEAD", self.bucket, key) from exc
+
+    def check_bucket(self) -> None:
+        """Fail with a clear error if the bucket is missing or not accessible."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                raise CheckpointNotFoundError(f"bucket {self.bucket!r} does not exist") from exc
+            raise translate_error(exc, "HEAD", self.bucket) from exc
+        except BotoCoreError as exc:
+            raise translate_error(exc, "HEAD", self.bucket) from exc
+
+    def delete_object(self, key: str) -> None:
+        self._call("DELETE", key, self.client.delete_object, Key=key)
+
+    def list_objects(self, prefix: str) -> Iterator[dict[str, Any]]:
+        """Every object under ``prefix`` (``Key``, ``Size``, ``LastModified``...)."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                yield from page.get("Contents", [])
+        except (ClientError, BotoCoreError) as exc:
+            raise translate_error(exc, "LIST", self.bucket, prefix) from exc
+
+    def list_multipart_uploads(self, prefix: str) -> list[dict[str, Any]]:
+        """Multipart uploads started under ``prefix`` and neither completed nor aborted."""
+        uploads: list[dict[str, Any]] = []
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                uploads.extend(page.get("Uploads", []))
+        except (ClientError, BotoCoreError) as exc:
+            raise translate_error(exc, "LIST uploads", self.bucket, prefix) from exc
+        return uploads
+
+    def abort_multipart_upload(self, key: str, upload_id: str) -> None:
+        self._call("ABORT", key, self.client.abort_multipart_upload, Key=key, UploadId=upload_id)
+
+    # -- streaming upload ------------------------------------------------------------
+    def open_writer(
+        self, key: str, *, pool: BufferPool, executor: ThreadPoolExecutor, expected_size: int | None = None
+    ) -> ObjectWriter:
+        """A file-like writer that streams ``key`` as a multipart upload (single PUT if small)."""
+        return ObjectWriter(self, key, pool=pool, executor=executor, expected_size=expected_size)
+
+    # -- ranged reads --------------------------------------------------------------------
+    def read_ranges(
+        self, reads: Sequence[RangeRead], *, executor: ThreadPoolExecutor, max_gap: int, max_size: int
+    ) -> None:
+        """Fill every read, coalescing neighbours into ranged GETs run concurrently.
+
+        Raises the first failure after the other requests have settled.
+        """
+        groups = coalesce(reads, max_gap, max_size)
+        futures = [executor.submit(self._read_group, group) for group in groups]
+        _wait_all(futures)
+
+    def _read_group(self, group: list[RangeRead]) -> None:
+        key = group[0].key
+        start, end = group[0].start, group[-1].end
+        pos = start  # next object byte to receive
+        index = 0  # read in ``group`` that holds ``pos`` (or the gap before it)
+        dest: memoryview | None = None
+        scratch = bytearray(min(1 << 20, max(1, end - start)))
+        attempt = 0
+        while pos < end:
+            try:
+                resp = self._call("GET", key, self.client.get_object, Key=key, Range=_range_header(pos, end))
+                length = int(resp.get("ContentLength", -1))
+                if length != end - pos:
+                    raise S3TransferError(
+                        f"GET s3://{self.bucket}/{key} bytes {pos}-{end}: server sent {length} bytes, "
+                        f"expected {end - pos} (object shorter than the checkpoint metadata says?)"
+                    )
+                readinto = _body_readinto(resp["Body"])
+                while pos < end:
+                    read = group[index]
+                    if pos < read.start:  # a gap between coalesced reads: discard
+                        n = _readinto_exact(readinto, memoryview(scratch)[: min(len(scratch), read.start - pos)])
+                        pos += n
+                        continue
+                    if dest is None:
+                        dest = read.open()
+                        if len(dest) != read.size:
+                            raise ValueError(f"destination of {key}[{read.start}:{read.end}] has {len(dest)} bytes")
+                    pos += _readinto_exact(readinto, dest[pos - read.start :])
+                    if pos == read.end:
+                        if read.done is not None:
+                            read.done()
+                        dest = None
+                        index += 1
+                resp["Body"].close()
+            except _BODY_ERRORS as exc:
+                attempt += 1
+                if attempt >= self.max_attempts:
+                    raise translate_error(exc, "GET", self.bucket, key) from exc
+                log.debug("GET s3://%s/%s from byte %d failed (%s); retrying", self.bucket, key, pos, exc)
+                self._backoff(attempt)
+
+
+def _body_readinto(body: Any) -> Callable[[memoryview], int]:
+    """A ``readinto`` for a botocore streaming body, copying as little as possible."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)  # http.client.HTTPResponse under urllib3
+    if fp is not None and hasattr(fp, "readinto") and not getattr(raw, "headers", {}).get("content-encoding"):
+        return fp.readinto  # type: ignore[no-any-return]
+
+    def readinto(buf: memoryview) -> int:
+        data = body.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    return readinto
+
+
+def _readinto_exact(readinto: Callable[[memoryview], int], buf: memoryview) -> int:
+    got = 0
+    while got < len(buf):
+        n = readinto(buf[got:])
+        if not n:
+            raise IncompleteReadError(actual_bytes=got, expected_bytes=len(buf))
+        got += n
+    return got
+
+
+def _wait_all(futures: Iterable[Future[Any]]) -> None:
+    """Wait for every future; raise the first exception (others are logged at debug)."""
+    first: BaseException | None = None
+    for fut in futures:
+        exc = fut.exception()
+        if exc is not None:
+            if first is None:
+                first = exc
+            else:
+                log.debug("further failure: %s", exc)
+    if first is not None:
+        raise first
+
+
+class ObjectWriter:
+    """A write-only stream that uploads one object in parts as they fill.
+
+    Small objects go up in one PUT on ``close``; larger ones as a multipart upload whose
+    parts upload concurrently on ``executor``. On any failure (or ``abort()``) the
+    multipart upload is aborted, so no orphan parts are left behind.
+    """
+
+    def __init__(
+        self,
+        transport: S3Transport,
+        key: str,
+        *,
+        pool: BufferPool,
+        executor: ThreadPoolExecutor,
+        expected_size: int | None = None,
+    ) -> None:
+        self.transport = transport
+        self.key = key
+        self._pool = pool
+        self._executor = executor
+        self.part_size = fit_part_size(pool.size, expected_size)
+        self._buf: bytearray | None = None
+        self._fill = 0
+        self._position = 0
+        self._upload_id: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._closed = False
+
+    def tell(self) -> int:
+        return self._position
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._closed:
+            raise ValueError(f"write to closed writer of s3://{self.transport.bucket}/{self.key}")
+        view = memoryview(data).cast("B")
+        total = len(view)
+        try:
+            while view:
+                if self._buf is None:
+                    self._buf = self._pool.acquire(self.part_size)
+                    self._fill = 0
+                n = min(len(view), self.part_size - self._fill)
+                self._buf[self._fill : self._fill + n] = view[:n]
+                self._fill += n
+                view = view[n:]
+                if self._fill == self.part_size:
+                    self._submit_part()
+        except BaseException:
+            self.abort()
+            raise
+        self._position += total
+        return total
+
+    def _submit_part(self) -> None:
+        if self._upload_id is None:
+            resp = self.transport._call(
+                "CreateMultipartUpload", self.key, self.transport.client.create_multipart_upload,
+                Key=self.key, **self.transport.extra_args,
+            )
+            self._upload_id = resp["UploadId"]
+        # Fail fast if an earlier part already failed.
+        for fut in self._parts:
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+        buf, fill = self._buf, self._fill
+        assert buf is not None
+        self._buf, self._fill = None, 0
+        part_number = len(self._parts) + 1
+        self._parts.append(self._executor.submit(self._upload_part, part_number, buf, fill))
+
+    def _upload_part(self, part_number: int, buf: bytearray, fill: int) -> dict[str, Any]:
+        try:
+            # botocore takes bytes/bytearray, not memoryview: only a short last part is copied.
+            body = buf if fill == len(buf) else bytes(memoryview(buf)[:fill])
+            resp = self.transport._call(
+                "UploadPart", self.key, self.transport.client.upload_part,
+                Key=self.key, UploadId=self._upload_id, PartNumber=part_number, Body=body,
+                **_sse_customer_args(self.transport.extra_args),
+            )
+            return {"PartNumber": part_number, "ETag": resp["ETag"]}
+        finally:
+            self._pool.release(buf)
+
+    def close(self) -> int:
+        """Finish the object; returns its size in bytes."""
+        if self._closed:
+            return self._position
+        try:
+            if self._upload_id is None:
+                body = bytes(memoryview(self._buf)[: self._fill]) if self._buf is not None else b""
+                self.transport.put_object(self.key, body)
+                if self._buf is not None:
+                    self._pool.release(self._buf)
+                    self._buf = None
+            else:
+                if self._fill or not self._parts:
+                    self._submit_part()
+                _wait_all(self._parts)
+                parts = [fut.result() for fut in self._parts]
+                self.transport._call(
+                    "CompleteMultipartUpload", self.key, self.transport.client.complete_multipart_upload,
+                    Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": parts},
+                )
+                self._upload_id = None
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        return self._position
+
+    def abort(self) -> None:
+        """Drop the object: cancel queued parts and abort the multipart upload."""
+        self._closed = True
+        for fut in self._parts:
+            fut.cancel()
+        for fut in self._parts:
+            if not fut.cancelled():
+                fut.exception()  # wait: a part still uploading would outlive the abort
+        if self._buf is not None:
+            self._pool.release(self._buf)
+            self._buf = None
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            try:
+                self.transport.abort_multipart_upload(self.key, upload_id)
+                log.debug("aborted multipart upload of s3://%s/%s", self.transport.bucket, self.key)
+            except DcpS3Error as exc:
+                log.warning("could not abort multipart upload of s3://%s/%s: %s", self.transport.bucket, self.key, exc)
+
+
+def _sse_customer_args(extra_args: dict[str, Any]) -> dict[str, Any]:
+    # UploadPart takes only the SSE-C and payer arguments of CreateMultipartUpload.
+    allowed = {"SSECustomerAlgorithm", "SSECustomerKey", "SSECustomerKeyMD5", "RequestPayer", "ExpectedBucketOwner"}
+    return {k: v for k, v in extra_args.items() if k in allowed}

@@ -1,0 +1,250 @@
+"""``S3StorageWriter``: DCP's StorageWriter for S3 and S3-compatible stores.
+
+Call order (torch DCP): every rank calls ``reset`` → ``set_up_storage_writer`` →
+``prepare_local_plan``; the coordinator calls ``prepare_global_plan`` (checks the
+bucket and the overwrite rule, once); every rank calls ``write_data`` (streams its
+items into ``files_per_rank`` objects); the coordinator calls ``finish``, which
+PUTs ``.metadata`` last — a checkpoint exists if and only if its ``.metadata`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .config import ClientConfig, TransferConfig, parse_s3_uri
+from .errors import CheckpointExistsError, DcpS3Error
+from .items import tensor_blob
+from .layout import FORMAT_TAG, METADATA_KEY, ItemLocation, data_object_name, dump_metadata
+from .session import S3Session
+from .transfer import BufferPool, ObjectWriter, _wait_all
+
+__all__ = ["S3StorageWriter"]
+
+log = logging.getLogger("dcp_s3")
+
+
+class S3StorageWriter(StorageWriter, BlockingAsyncStager):
+    """Save DCP checkpoints to ``s3://bucket/prefix`` with streaming multipart uploads.
+
+    Args:
+        path: ``s3://bucket/key`` of the checkpoint (or pass ``checkpoint_id=`` to ``dcp.save``).
+        credential_path: JSON file of boto3 client arguments (``aws_access_key_id``,
+            ``aws_secret_access_key``, ``aws_session_token``, ``endpoint_url``, ``region_name``).
+            Without it the standard boto3 chain applies (env, profile, instance role).
+        endpoint_url, region, profile: S3 endpoint (MinIO, SeaweedFS, Ceph...), region, boto3 profile.
+        overwrite: replace a complete checkpoint already at ``path`` (default: refuse).
+        part_size: multipart part size; peak extra memory is about
+            ``part_size * (max_concurrency + files_per_rank)``.
+        max_concurrency: parallel part uploads per process.
+        files_per_rank: data objects per rank, each serialized by its own thread.
+        transfer: full engine settings; the three arguments above override its fields.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        credential_path: str | None = None,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        profile: str | None = None,
+        overwrite: bool = False,
+        part_size: int | None = None,
+        max_concurrency: int | None = None,
+        files_per_rank: int | None = None,
+        transfer: TransferConfig | None = None,
+    ) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self)
+        transfer = _transfer_config(transfer, part_size=part_size, max_concurrency=max_concurrency,
+                                    files_per_rank=files_per_rank)
+        client = ClientConfig(
+            credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
+            max_pool_connections=transfer.max_concurrency + transfer.files_per_rank + 2,
+        )
+        self._session = S3Session(path, client, transfer)
+        self.overwrite = overwrite
+        self.save_id = str(uuid.uuid4())
+        self.rank: int | None = None
+        self.is_coordinator = False
+
+    def __repr__(self) -> str:
+        return f"S3StorageWriter({str(self._session.uri)!r}, overwrite={self.overwrite})"
+
+    # docstring inherited
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self._session.set_path(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """True for ``s3://bucket/key...``; anything else is not ours."""
+        try:
+            parse_s3_uri(checkpoint_id)
+        except DcpS3Error:
+            return False
+        return True
+
+    @property
+    def checkpoint_id(self) -> str:
+        return str(self._session.require_uri())
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id, modules=[FORMAT_TAG])
+
+    # The parameter must be literally named ``kwargs`` for DCP to pass rank/use_collectives.
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self._session.require_uri()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator only: check bucket and overwrite rule once, name each rank's objects."""
+        transport = self._session.transport
+        transport.check_bucket()
+        metadata_key = self._session.key(METADATA_KEY)
+        if transport.head_object(metadata_key) is not None:
+            if not self.overwrite:
+                raise CheckpointExistsError(
+                    f"a complete checkpoint already exists at {self.checkpoint_id}; "
+                    "pass overwrite=True to replace it or choose a new path"
+                )
+            # Un-commit the old checkpoint first: while its objects are being replaced
+            # it must not look complete.
+            transport.delete_object(metadata_key)
+            log.info("overwriting checkpoint %s", self.checkpoint_id)
+        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_")) for i, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Stream this rank's items into ``files_per_rank`` objects; no object for an empty plan."""
+        fut: Future[list[WriteResult]] = Future()
+        try:
+            fut.set_result(self._write_all(plan, planner))
+        except Exception as exc:  # delivered through the future, as DCP expects
+            fut.set_exception(exc)
+        return fut
+
+    def _write_all(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        if not plan.items:
+            return []
+        prefix: _StoragePrefix = plan.storage_data
+        transfer = self._session.transfer
+        buckets = [b for b in _split_items(plan.items, transfer.files_per_rank) if b]
+        transport, executor = self._session.transport, self._session.executor
+        pool = BufferPool(transfer.max_concurrency + len(buckets), transfer.part_size)
+        failed = threading.Event()
+
+        def write_object(n: int, items: list[WriteItem]) -> list[WriteResult]:
+            name = data_object_name(prefix.prefix, n)
+            writer = transport.open_writer(
+                self._session.key(name), pool=pool, executor=executor, expected_size=_planned_size(items)
+            )
+            try:
+                results = [_write_item(writer, name, item, planner, failed) for item in items]
+                writer.close()
+            except BaseException:
+                failed.set()
+                writer.abort()
+                raise
+            return results
+
+        # Serializer threads are separate from the I/O pool so they never wait on their own parts.
+        with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcp_s3-serialize") as serializers:
+            futures = [serializers.submit(write_object, n, items) for n, items in enumerate(buckets)]
+            _wait_all(futures)
+        pool.clear()
+        results = [r for f in futures for r in f.result()]
+        log.debug("rank %s wrote %d items in %d objects", self.rank, len(results), len(buckets))
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator only: PUT ``.metadata`` — the commit point of the checkpoint."""
+        metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = "1.0.0"
+        key = self._session.key(METADATA_KEY)
+        try:
+            self._session.transport.put_object(key, dump_metadata(metadata), if_none_match=not self.overwrite)
+        except CheckpointExistsError as exc:
+            raise CheckpointExistsError(
+                f"another save completed a checkpoint at {self.checkpoint_id} while this one was being written; "
+                "this save was not committed"
+            ) from exc
+        log.info("committed checkpoint %s (%d items)", self.checkpoint_id, len(metadata.storage_data))
+
+
+def _transfer_config(base: TransferConfig | None, **overrides: int | None) -> TransferConfig:
+    base = base or TransferConfig()
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+def _item_size(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.size.numel() * torch._utils._element_size(item.tensor_data.properties.dtype)
+
+
+def _planned_size(items: list[WriteItem]) -> int:
+    # Tensor bytes plus headroom for torch.save headers; byte items have no planned size.
+    return sum(_item_size(i) + 4096 for i in items)
+
+
+def _split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Balance items over ``bins`` objects by size (largest first into the emptiest)."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    for item in sorted(items, key=_item_size, reverse=True):
+        i = sizes.index(min(sizes))
+        buckets[i].append(item)
+        sizes[i] += _item_size(item) or 1
+    return buckets
+
+
+def _write_item(
+    writer: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner, failed: threading.Event
+) -> WriteResult:
+    if failed.is_set():
+        raise DcpS3Error(f"not writing {item.index.fqn}: another object of this save failed")
+    offset = writer.tell()
+    data = planner.resolve_data(item)
+    payload_offset: int | None = None
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise TypeError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO")
+        writer.write(data.getbuffer())
+    else:
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
+        blob = tensor_blob(data)
+        writer.write(blob.header)
+        for chunk in blob.payload_chunks():
+            writer.write(chunk)
+        writer.write(blob.trailer)
+        payload_offset = blob.payload_offset
+    length = writer.tell() - offset
+    return WriteResult(
+        index=item.index,
+        size_in_bytes=length,
+        storage_data=ItemLocation(name, offset, length, payload_offset=payload_offset),
+    )
+

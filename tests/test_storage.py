@@ -1,0 +1,317 @@
+"""S3StorageWriter / S3StorageReader against a real SeaweedFS server, single process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from dcp_s3 import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    InvalidCheckpointIdError,
+    S3AccessDeniedError,
+    S3StorageReader,
+    S3StorageWriter,
+)
+from dcp_s3.local_server import LocalS3Server
+
+MiB = 1 << 20
+
+
+def sample_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 48, generator=g)
+    return {
+        "bf16": torch.randn(300, 200, generator=g).to(torch.bfloat16),
+        "fp32": torch.randn(1000, generator=g),
+        "fp16": torch.randn(7, 5, 3, generator=g).half(),
+        "i64": torch.arange(100),
+        "bool": torch.rand(33, generator=g) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 4),
+        "transposed": base.t(),  # non-contiguous source
+        "view": base[10:20],  # storage larger than the tensor
+        "nested": {"a": torch.ones(3, 3), "b": [torch.zeros(2), 7]},
+        "step": 12,
+        "name": "run-1",
+        "cfg": {"lr": 0.1, "betas": (0.9, 0.99)},
+    }
+
+
+def blank_like(sd: Any) -> Any:
+    if isinstance(sd, torch.Tensor):
+        return torch.full_like(sd, 0) if sd.dtype != torch.bool else torch.zeros_like(sd)
+    if isinstance(sd, dict):
+        return {k: blank_like(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [blank_like(v) for v in sd]
+    return None
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def keys(server: LocalS3Server, bucket: str, prefix: str = "") -> dict[str, int]:
+    resp = server.client().list_objects_v2(Bucket=bucket, Prefix=prefix)
+    return {o["Key"]: o["Size"] for o in resp.get("Contents", [])}
+
+
+def test_round_trip_every_kind_of_value(bucket: str, s3_env: LocalS3Server) -> None:
+    sd = sample_state()
+    uri = f"s3://{bucket}/run/step-1"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri))
+    assert set(keys(s3_env, bucket)) == {"run/step-1/.metadata", "run/step-1/__0_0.distcp"}
+    out = blank_like(sd)
+    dcp.load(out, storage_reader=S3StorageReader(uri))
+    assert_same(sd, out)
+
+
+def test_checkpoint_id_argument_and_keyword_path(bucket: str) -> None:
+    sd = {"w": torch.randn(10)}
+    dcp.save(sd, storage_writer=S3StorageWriter(), checkpoint_id=f"s3://{bucket}/a")
+    out = {"w": torch.zeros(10)}
+    dcp.load(out, storage_reader=S3StorageReader(path=f"s3://{bucket}/a"))
+    assert torch.equal(out["w"], sd["w"])
+
+
+def test_large_object_goes_multipart_and_small_in_one_put(bucket: str, s3_env: LocalS3Server) -> None:
+    sd = {f"w{i}": torch.randn(MiB // 4 * 3) for i in range(4)}  # 12 MiB
+    uri = f"s3://{bucket}/big"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri, part_size=5 * MiB, max_concurrency=3))
+    client = s3_env.client()
+    data_etag = client.head_object(Bucket=bucket, Key="big/__0_0.distcp")["ETag"]
+    meta_etag = client.head_object(Bucket=bucket, Key="big/.metadata")["ETag"]
+    assert data_etag.strip('"').endswith("-3"), data_etag  # 12 MiB in 5 MiB parts
+    assert "-" not in meta_etag  # single PUT
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=S3StorageReader(uri, max_range_size=1 * MiB, max_concurrency=4))
+    assert_same(sd, out)
+
+
+def test_files_per_rank_splits_items(bucket: str, s3_env: LocalS3Server) -> None:
+    sd = {f"w{i}": torch.randn(1000) for i in range(6)}
+    uri = f"s3://{bucket}/split"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri, files_per_rank=3))
+    assert {k for k in keys(s3_env, bucket) if k.endswith(".distcp")} == {
+        f"split/__0_{n}.distcp" for n in range(3)
+    }
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(out, storage_reader=S3StorageReader(uri))
+    assert_same(sd, out)
+
+
+def test_stock_filesystem_reader_loads_a_downloaded_copy(bucket: str, s3_env: LocalS3Server, tmp_path: Path) -> None:
+    sd = sample_state()
+    dcp.save(sd, storage_writer=S3StorageWriter(f"s3://{bucket}/ck"))
+    client = s3_env.client()
+    for key in keys(s3_env, bucket, "ck/"):
+        client.download_file(bucket, key, str(tmp_path / key.split("/", 1)[1]))
+    out = blank_like(sd)
+    dcp.load(out, storage_reader=FileSystemReader(tmp_path))
+    assert_same(sd, out)
+
+
+def test_reads_checkpoint_written_by_stock_filesystem_writer(bucket: str, s3_env: LocalS3Server, tmp_path: Path) -> None:
+    sd = sample_state()
+    dcp.save(sd, checkpoint_id=tmp_path)
+    client = s3_env.client()
+    for f in tmp_path.iterdir():
+        client.upload_file(str(f), bucket, f"stock/{f.name}")
+    out = blank_like(sd)
+    dcp.load(out, storage_reader=S3StorageReader(f"s3://{bucket}/stock"))
+    assert_same(sd, out)
+
+
+def test_cast_and_non_contiguous_destinations(bucket: str) -> None:
+    src = {"w": torch.randn(40, 30), "v": torch.randn(30, 40)}
+    uri = f"s3://{bucket}/cast"
+    dcp.save(src, storage_writer=S3StorageWriter(uri))
+    strided = torch.zeros(40, 30).t()  # shape (30, 40), column-major
+    out = {"w": torch.zeros(40, 30, dtype=torch.float64), "v": strided}
+    dcp.load(out, storage_reader=S3StorageReader(uri, max_range_size=64 * 1024))
+    assert out["w"].dtype == torch.float64 and torch.equal(out["w"], src["w"].double())
+    assert out["v"] is strided and torch.equal(out["v"], src["v"])
+
+
+def test_partial_load_reads_only_needed_bytes(bucket: str) -> None:
+    sd = {f"layer{i}": torch.randn(256, 1024) for i in range(20)}  # 20 MiB
+    uri = f"s3://{bucket}/partial"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri))
+    reader = S3StorageReader(uri)
+    fetched: list[int] = []
+    client = reader._session.transport.client
+    client.meta.events.register(
+        "after-call.s3.GetObject", lambda parsed, **_: fetched.append(int(parsed["ContentLength"]))
+    )
+    out = {"layer3": torch.zeros(256, 1024), "layer11": torch.zeros(256, 1024)}  # 10% of keys
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["layer3"], sd["layer3"]) and torch.equal(out["layer11"], sd["layer11"])
+    needed = 2 * 256 * 1024 * 4
+    metadata_bytes = fetched[0]
+    assert sum(fetched) - metadata_bytes <= 1.2 * needed, fetched
+
+
+def test_overwrite_refused_then_allowed(bucket: str) -> None:
+    uri = f"s3://{bucket}/ow"
+    dcp.save({"w": torch.ones(4)}, storage_writer=S3StorageWriter(uri))
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.zeros(4)}, storage_writer=S3StorageWriter(uri))
+    assert "already exists" in str(info.value) and uri in str(info.value)
+    out = {"w": torch.zeros(4)}
+    dcp.load(out, storage_reader=S3StorageReader(uri))
+    assert torch.equal(out["w"], torch.ones(4)), "refused save must not touch the checkpoint"
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=S3StorageWriter(uri, overwrite=True))
+    dcp.load(out, storage_reader=S3StorageReader(uri))
+    assert torch.equal(out["w"], torch.full((4,), 2.0))
+
+
+def test_conditional_commit_refuses_a_racing_save(bucket: str) -> None:
+    uri = f"s3://{bucket}/race"
+    writer = S3StorageWriter(uri)
+    writer.prepare_global_plan([])  # passes: nothing there yet
+    dcp.save({"w": torch.ones(2)}, storage_writer=S3StorageWriter(uri))  # another job commits first
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with pytest.raises(CheckpointExistsError, match="while this one was being written"):
+        writer.finish(Metadata(state_dict_metadata={}), [])
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["/tmp/ckpt", "file:///tmp/ckpt", "gs://bucket/key", "s3://bucket", "s3://bucket/", "s3:///key", "s3://B!/k",
+     "s3://bucket/a/../b"],
+)
+def test_non_s3_uris_rejected(uri: str) -> None:
+    assert not S3StorageWriter.validate_checkpoint_id(uri)
+    assert not S3StorageReader.validate_checkpoint_id(uri)
+    with pytest.raises(InvalidCheckpointIdError, match="checkpoint id"):
+        S3StorageWriter(uri)
+    with pytest.raises(InvalidCheckpointIdError, match="checkpoint id"):
+        S3StorageReader(uri)
+
+
+def test_path_objects_rejected() -> None:
+    with pytest.raises(InvalidCheckpointIdError, match="local path"):
+        S3StorageWriter(Path("/tmp/x"))  # type: ignore[arg-type]
+
+
+def test_missing_path_is_a_clear_error() -> None:
+    with pytest.raises(BaseException, match="no checkpoint location"):
+        dcp.save({"w": torch.ones(1)}, storage_writer=S3StorageWriter())
+
+
+def test_missing_bucket(s3_env: LocalS3Server) -> None:
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.ones(1)}, storage_writer=S3StorageWriter("s3://no-such-bucket-xyz/ck"))
+    assert "no-such-bucket-xyz" in str(info.value) and "does not exist" in str(info.value)
+    with pytest.raises(CheckpointNotFoundError, match="no-such-bucket-xyz"):
+        S3StorageReader("s3://no-such-bucket-xyz/ck").read_metadata()
+
+
+def test_nonexistent_checkpoint(bucket: str) -> None:
+    with pytest.raises(BaseException) as info:
+        dcp.load({"w": torch.ones(1)}, storage_reader=S3StorageReader(f"s3://{bucket}/nothing-here"))
+    assert f"no checkpoint at s3://{bucket}/nothing-here" in str(info.value)
+
+
+def test_bad_credentials(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.ones(1)}, storage_writer=S3StorageWriter(f"s3://{bucket}/ck"))
+    assert "access denied" in str(info.value) and bucket in str(info.value)
+    assert "wrong-secret-value" not in str(info.value)
+    with pytest.raises(S3AccessDeniedError):
+        S3StorageReader(f"s3://{bucket}/ck").read_metadata()
+
+
+def test_credential_file(bucket: str, s3_env: LocalS3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name)
+    cred = tmp_path / "cred.json"
+    cred.write_text(json.dumps(s3_env.credentials()))
+    cred.chmod(0o600)
+    uri = f"s3://{bucket}/cred"
+    writer = S3StorageWriter(credential_path=str(cred), path=uri)
+    dcp.save({"w": torch.arange(5)}, storage_writer=writer)
+    out = {"w": torch.zeros(5, dtype=torch.long)}
+    dcp.load(out, storage_reader=S3StorageReader(uri, credential_path=str(cred)))
+    assert torch.equal(out["w"], torch.arange(5))
+    # Pickled state names the file, never the secret it holds.
+    blob = pickle.dumps(writer)
+    assert s3_env.secret_key.encode() not in blob and str(cred).encode() in blob
+    assert s3_env.secret_key not in repr(writer)
+
+
+def test_writer_and_reader_pickle_and_work_after(bucket: str) -> None:
+    uri = f"s3://{bucket}/pk"
+    writer = pickle.loads(pickle.dumps(S3StorageWriter(uri)))
+    dcp.save({"w": torch.arange(3)}, storage_writer=writer)
+    reader = S3StorageReader(uri)
+    reader.read_metadata()  # creates the client
+    reader = pickle.loads(pickle.dumps(reader))
+    out = {"w": torch.zeros(3, dtype=torch.long)}
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["w"], torch.arange(3))
+
+
+def test_shape_mismatch_names_the_key(bucket: str) -> None:
+    uri = f"s3://{bucket}/shape"
+    dcp.save({"w": torch.ones(4, 4)}, storage_writer=S3StorageWriter(uri))
+    with pytest.raises(BaseException, match="w"):
+        dcp.load({"w": torch.zeros(5, 4)}, storage_reader=S3StorageReader(uri))
+
+
+def test_truncated_object_is_detected(bucket: str, s3_env: LocalS3Server) -> None:
+    uri = f"s3://{bucket}/trunc"
+    dcp.save({"w": torch.randn(1000)}, storage_writer=S3StorageWriter(uri))
+    client = s3_env.client()
+    body = client.get_object(Bucket=bucket, Key="trunc/__0_0.distcp")["Body"].read()
+    client.put_object(Bucket=bucket, Key="trunc/__0_0.distcp", Body=body[:-2000])
+    with pytest.raises(BaseException) as info:
+        dcp.load({"w": torch.zeros(1000)}, storage_reader=S3StorageReader(uri))
+    assert "trunc/__0_0.distcp" in str(info.value)
+
+
+def test_metadata_pickle_cannot_run_code(bucket: str, s3_env: LocalS3Server) -> None:
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, ("echo pwned > /dev/null",))
+
+    s3_env.client().put_object(Bucket=bucket, Key="evil/.metadata", Body=pickle.dumps(Evil()))
+    with pytest.raises(BaseException, match="refusing to load posix.system|refusing to load os.system"):
+        S3StorageReader(f"s3://{bucket}/evil").read_metadata()
+
+
+def test_torch_load_of_item_bytes_matches(bucket: str, s3_env: LocalS3Server) -> None:
+    """Each stored tensor item is a complete torch.save file (the stock format)."""
+    t = torch.randn(17, 3).to(torch.bfloat16)
+    uri = f"s3://{bucket}/fmt"
+    dcp.save({"t": t}, storage_writer=S3StorageWriter(uri))
+    md = S3StorageReader(uri).read_metadata()
+    (info,) = md.storage_data.values()
+    body = s3_env.client().get_object(Bucket=bucket, Key=f"fmt/{info.relative_path}")["Body"].read()
+    item = body[info.offset : info.offset + info.length]
+    assert torch.equal(torch.load(io.BytesIO(item), weights_only=True), t)
