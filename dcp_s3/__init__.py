@@ -22,6 +22,7 @@ from .errors import (
     S3AccessDeniedError,
     S3TransferError,
 )
+from .planners import MetaRankLoadPlanner, TrainableOnlyLoadPlanner, TrainableOnlySavePlanner, frozen_parameter_fqns
 from .reader import S3StorageReader
 from .writer import S3StorageWriter
 
@@ -30,6 +31,10 @@ __version__ = "0.1.0"
 __all__ = [
     "S3StorageWriter",
     "S3StorageReader",
+    "TrainableOnlySavePlanner",
+    "TrainableOnlyLoadPlanner",
+    "MetaRankLoadPlanner",
+    "frozen_parameter_fqns",
     "TransferConfig",
     "ClientConfig",
     "DcpS3Error",
