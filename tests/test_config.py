@@ -1,0 +1,88 @@
+"""URIs, credential files and client settings (no server needed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from pathlib import Path
+
+import pytest
+
+from dcp_s3.config import ClientConfig, TransferConfig, parse_s3_uri
+from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
+
+
+def test_parse_s3_uri() -> None:
+    uri = parse_s3_uri("s3://my-bucket/runs/a/step-1/")
+    assert (uri.bucket, uri.key) == ("my-bucket", "runs/a/step-1")
+    assert uri.join(".metadata") == "runs/a/step-1/.metadata"
+    assert str(uri) == "s3://my-bucket/runs/a/step-1"
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("s3://bucket", "no key prefix"),
+        ("s3:///key", "names no bucket"),
+        ("gs://bucket/key", "scheme 'gs://'"),
+        ("relative/path", "is not a URI"),
+        ("s3://UPPER/key", "not a valid bucket name"),
+        ("s3://bucket/../etc", "'..'"),
+    ],
+)
+def test_bad_uris_name_the_problem(uri: str, message: str) -> None:
+    with pytest.raises(InvalidCheckpointIdError, match=message):
+        parse_s3_uri(uri)
+
+
+def test_credential_file_values_and_overrides(tmp_path: Path) -> None:
+    cred = tmp_path / "c.json"
+    cred.write_text(json.dumps({"aws_access_key_id": "AK", "aws_secret_access_key": "SK",
+                                "endpoint_url": "http://file:1", "region_name": "eu-west-1"}))
+    cred.chmod(0o600)
+    cfg = ClientConfig(credential_path=str(cred), region="us-east-2")
+    kwargs = cfg.client_kwargs()
+    assert kwargs["aws_secret_access_key"] == "SK" and kwargs["endpoint_url"] == "http://file:1"
+    assert kwargs["region_name"] == "us-east-2"  # explicit argument wins
+    assert b"SK" not in pickle.dumps(cfg) and "SK" not in repr(cfg)
+
+
+def test_credential_file_unknown_key_and_bad_json_do_not_leak(tmp_path: Path) -> None:
+    cred = tmp_path / "c.json"
+    cred.write_text(json.dumps({"aws_secret_access_key": "TOPSECRET", "secret_key": "x"}))
+    with pytest.raises(ConfigError, match="unknown keys \\['secret_key'\\]") as info:
+        ClientConfig(credential_path=str(cred)).client_kwargs()
+    assert "TOPSECRET" not in str(info.value)
+    cred.write_text('{"aws_secret_access_key": "TOPSECRET",')
+    with pytest.raises(ConfigError, match="not readable JSON") as info:
+        ClientConfig(credential_path=str(cred)).client_kwargs()
+    assert "TOPSECRET" not in str(info.value)
+
+
+def test_missing_credential_file() -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        ClientConfig(credential_path="/nonexistent/cred.json")
+
+
+def test_world_readable_credential_file_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cred = tmp_path / "c.json"
+    cred.write_text(json.dumps({"aws_access_key_id": "AK", "aws_secret_access_key": "SK"}))
+    cred.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="dcp_s3"):
+        ClientConfig(credential_path=str(cred)).client_kwargs()
+    assert "readable by other users" in caplog.text and "SK" not in caplog.text
+
+
+def test_client_is_path_style_for_custom_endpoints() -> None:
+    client = ClientConfig(endpoint_url="http://127.0.0.1:9", region="us-east-1").make_client()
+    assert client.meta.config.s3["addressing_style"] == "path"
+    assert client.meta.config.retries["mode"] == "standard"
+    assert client.meta.config.connect_timeout == 10.0
+
+
+def test_transfer_config_validation() -> None:
+    with pytest.raises(ConfigError, match="part_size"):
+        TransferConfig(part_size=1024)
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        TransferConfig(max_concurrency=0)

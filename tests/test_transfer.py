@@ -1,0 +1,167 @@
+"""The transfer engine against SeaweedFS, with faults injected by a client wrapper."""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import pickle
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+
+from dcp_s3.config import ClientConfig
+from dcp_s3.errors import S3TransferError
+from dcp_s3.local_server import LocalS3Server
+from dcp_s3.transfer import BufferPool, RangeRead, S3Transport, coalesce, fit_part_size
+
+MiB = 1 << 20
+
+
+class FlakyClient:
+    """Wraps a boto3 client; fails or truncates chosen calls, passes the rest through."""
+
+    def __init__(self, client: Any, *, fail_part: int | None = None, truncate_gets: int = 0) -> None:
+        self._client = client
+        self.fail_part = fail_part
+        self.truncate_gets = truncate_gets
+        self.gets: list[str] = []
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def upload_part(self, **kwargs: Any) -> Any:
+        if kwargs["PartNumber"] == self.fail_part:
+            raise ClientError({"Error": {"Code": "InternalError", "Message": "injected"}}, "UploadPart")
+        return self._client.upload_part(**kwargs)
+
+    def get_object(self, **kwargs: Any) -> Any:
+        resp = self._client.get_object(**kwargs)
+        with self._lock:
+            self.gets.append(kwargs.get("Range", ""))
+            cut = self.truncate_gets > 0
+            self.truncate_gets -= cut
+        if cut:  # deliver half the body, then drop the connection
+            data = resp["Body"].read()
+            resp["Body"] = _CutBody(data[: len(data) // 2])
+        return resp
+
+
+class _CutBody:
+    def __init__(self, data: bytes) -> None:
+        self._buf = io.BytesIO(data)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._buf.read(n)
+        if not data:
+            raise ConnectionResetError("injected reset")
+        return data
+
+    def close(self) -> None:
+        pass
+
+
+def transport(server: LocalS3Server, bucket: str, client: Any = None) -> S3Transport:
+    client = client or ClientConfig(endpoint_url=server.endpoint_url).make_client()
+    return S3Transport(lambda: client, bucket, max_attempts=3, sleep=lambda s: None)
+
+
+def test_streamed_multipart_upload_round_trip(bucket: str, s3_env: LocalS3Server) -> None:
+    t = transport(s3_env, bucket)
+    data = os.urandom(13 * MiB + 123)
+    pool = BufferPool(3, 5 * MiB)
+    with ThreadPoolExecutor(2) as ex:
+        writer = t.open_writer("obj", pool=pool, executor=ex)
+        for i in range(0, len(data), 777_777):  # writes that straddle part boundaries
+            writer.write(data[i : i + 777_777])
+        assert writer.close() == len(data)
+    head = s3_env.client().head_object(Bucket=bucket, Key="obj")
+    assert head["ContentLength"] == len(data) and head["ETag"].strip('"').endswith("-3")
+    assert s3_env.client().get_object(Bucket=bucket, Key="obj")["Body"].read() == data
+
+
+def test_failed_part_aborts_the_upload(bucket: str, s3_env: LocalS3Server) -> None:
+    t = transport(s3_env, bucket, FlakyClient(ClientConfig(endpoint_url=s3_env.endpoint_url).make_client(), fail_part=2))
+    with ThreadPoolExecutor(2) as ex:
+        writer = t.open_writer("broken", pool=BufferPool(3, 5 * MiB), executor=ex)
+        with pytest.raises(S3TransferError, match=f"s3://{bucket}/broken.*InternalError") as info:
+            writer.write(os.urandom(12 * MiB))
+            writer.close()
+    pickle.loads(pickle.dumps(info.value))  # crosses ranks intact
+    assert s3_env.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert "Contents" not in s3_env.client().list_objects_v2(Bucket=bucket)
+
+
+def test_truncated_bodies_are_resumed(bucket: str, s3_env: LocalS3Server) -> None:
+    data = os.urandom(3 * MiB)
+    s3_env.client().put_object(Bucket=bucket, Key="r", Body=data)
+    flaky = FlakyClient(ClientConfig(endpoint_url=s3_env.endpoint_url).make_client(), truncate_gets=2)
+    t = transport(s3_env, bucket, flaky)
+    out = bytearray(len(data))
+    view = memoryview(out)
+    reads = [RangeRead("r", lo, lo + MiB, (lambda lo=lo: view[lo : lo + MiB])) for lo in range(0, len(data), MiB)]
+    with ThreadPoolExecutor(3) as ex:
+        t.read_ranges(reads, executor=ex, max_gap=0, max_size=MiB)
+    assert out == data
+    assert len(flaky.gets) == 5  # 3 ranges + 2 resumptions
+
+
+def test_persistent_body_failure_names_the_object(bucket: str, s3_env: LocalS3Server) -> None:
+    s3_env.client().put_object(Bucket=bucket, Key="bad", Body=os.urandom(1000))
+    flaky = FlakyClient(ClientConfig(endpoint_url=s3_env.endpoint_url).make_client(), truncate_gets=100)
+    t = transport(s3_env, bucket, flaky)
+    buf = bytearray(1000)
+    with ThreadPoolExecutor(1) as ex, pytest.raises(S3TransferError, match=f"s3://{bucket}/bad"):
+        t.read_ranges([RangeRead("bad", 0, 1000, lambda: memoryview(buf))], executor=ex, max_gap=0, max_size=MiB)
+    assert len(flaky.gets) == 3  # max_attempts
+
+
+def test_coalesce_merges_neighbours_within_gap_and_size() -> None:
+    def r(key: str, start: int, end: int) -> RangeRead:
+        return RangeRead(key, start, end, lambda: memoryview(bytearray(end - start)))
+
+    reads = [r("a", 100, 200), r("a", 0, 100), r("a", 250, 300), r("a", 2000, 2100), r("b", 0, 10), r("a", 300, 1200)]
+    groups = coalesce(reads, max_gap=64, max_size=1000)
+    spans = [(g[0].key, g[0].start, g[-1].end) for g in groups]
+    assert spans == [("a", 0, 300), ("a", 300, 1200), ("a", 2000, 2100), ("b", 0, 10)]
+
+
+def test_fit_part_size_stays_under_10000_parts() -> None:
+    assert fit_part_size(16 * MiB, 10 * MiB) == 16 * MiB
+    big = 400 * 1024 * MiB  # 400 GiB
+    size = fit_part_size(16 * MiB, big)
+    assert -(-big // size) <= 10_000 and size == 64 * MiB
+    assert fit_part_size(1, None) == 5 * MiB
+
+
+def test_buffer_pool_bounds_buffers_in_use() -> None:
+    pool = BufferPool(2, 1024)
+    a, b = pool.acquire(), pool.acquire()
+    got: list[bytearray] = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire()))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got  # a third buffer waits for a release
+    pool.release(a)
+    t.join(5)
+    assert got and got[0] is a
+    pool.release(b)
+
+
+def test_transport_layer_does_not_import_torch() -> None:
+    """transfer/config/errors form the transport: no torch, no DCP (layering rule)."""
+    root = Path(__file__).resolve().parent.parent / "dcp_s3"
+    for name in ("transfer.py", "config.py", "errors.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {
+            (node.module or "") if isinstance(node, ast.ImportFrom) else alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        }
+        assert not {m for m in imported if m.split(".")[0] == "torch"}, (name, imported)
