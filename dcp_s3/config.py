@@ -8,12 +8,14 @@ boto3 chain), never the secrets themselves, so a writer pickled into an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import stat
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError, InvalidCheckpointIdError
@@ -90,6 +92,11 @@ class TransferConfig:
     #: Attempts per request (first try included) for errors botocore does not retry (e.g. a body cut short).
     max_attempts: int = 5
 
+    def override(self, **changes: int | None) -> TransferConfig:
+        """A copy with the given fields replaced; ``None`` values are ignored."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **changes) if changes else self
+
     def __post_init__(self) -> None:
         if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
             raise ConfigError(f"part_size={self.part_size} must be between 5 MiB and 5 GiB (S3 limits)")
@@ -121,7 +128,12 @@ class ClientConfig:
     retry_attempts: int = 5
     retry_mode: str = "standard"
     max_pool_connections: int = 10
-    _local: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
+    #: Options added to every request that takes them: ``ServerSideEncryption``, ``SSEKMSKeyId``,
+    #: ``SSEKMSEncryptionContext``, ``BucketKeyEnabled``, ``StorageClass``, ``ExpectedBucketOwner``,
+    #: ``RequestPayer``.
+    request_args: Mapping[str, Any] = field(default_factory=dict)
+    _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.retry_mode not in ("standard", "adaptive"):
@@ -132,13 +144,13 @@ class ClientConfig:
             raise ConfigError(f"credential file {self.credential_path!r} does not exist")
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "_local"}
-        return state
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             object.__setattr__(self, k, v)
-        object.__setattr__(self, "_local", threading.local())
+        object.__setattr__(self, "_cache", {})
+        object.__setattr__(self, "_lock", threading.Lock())
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``boto3.session.Session.client('s3', ...)`` (may hold secrets: never log)."""
@@ -179,13 +191,11 @@ class ClientConfig:
         return session.client("s3", config=config, **kwargs)
 
     def client(self) -> Any:
-        """This process's shared client, created on first use (so the config pickles)."""
-        pid = os.getpid()
-        cached = getattr(self._local, "client", None)
-        if cached is None or cached[0] != pid:
-            cached = (pid, self.make_client())
-            self._local.client = cached
-        return cached[1]
+        """This process's client, created on first use and shared by its threads."""
+        with self._lock:
+            if self._cache.get("pid") != os.getpid():  # a forked child makes its own
+                self._cache.update(pid=os.getpid(), client=self.make_client())
+            return self._cache["client"]
 
 
 def _read_credential_file(path: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view"]
+__all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view", "streamable"]
 
 #: Largest device-to-host copy made at once for non-CPU tensors.
 DEVICE_COPY_CHUNK = 64 << 20
@@ -80,6 +80,16 @@ class TensorBlob:
             yield memoryview(host.numpy())
 
 
+def streamable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain dense tensor whose bytes ``tensor_blob`` can stream."""
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and tensor.device.type != "meta"
+    )
+
+
 def raw_bytes_view(tensor: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
     if tensor.nbytes == 0:
@@ -90,8 +100,6 @@ def raw_bytes_view(tensor: torch.Tensor) -> memoryview:
 def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
     """Split ``torch.save(tensor)`` into header, payload (the tensor) and trailer."""
     tensor = tensor.detach()
-    if tensor.device.type == "meta":
-        raise ValueError("cannot save a tensor on the meta device")
     if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
         # torch.save writes the whole storage; a view or strided tensor becomes a compact copy.
         tensor = tensor.contiguous() if not tensor.is_contiguous() else tensor.clone()

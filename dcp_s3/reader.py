@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -32,7 +32,6 @@ from .items import raw_bytes_view
 from .layout import METADATA_KEY, load_metadata
 from .session import S3Session
 from .transfer import RangeRead
-from .writer import _transfer_config
 
 __all__ = ["S3StorageReader"]
 
@@ -55,14 +54,16 @@ class S3StorageReader(StorageReader):
         endpoint_url: str | None = None,
         region: str | None = None,
         profile: str | None = None,
+        request_args: Mapping[str, Any] | None = None,
         max_concurrency: int | None = None,
         max_range_size: int | None = None,
         transfer: TransferConfig | None = None,
     ) -> None:
         super().__init__()
-        transfer = _transfer_config(transfer, max_concurrency=max_concurrency, max_range_size=max_range_size)
+        transfer = (transfer or TransferConfig()).override(max_concurrency=max_concurrency, max_range_size=max_range_size)
         client = ClientConfig(
             credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
+            request_args=dict(request_args or {}),
             max_pool_connections=transfer.max_concurrency + 2,
         )
         self._session = S3Session(path, client, transfer)

@@ -14,7 +14,7 @@ from typing import Any
 
 from .config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
 from .errors import InvalidCheckpointIdError
-from .transfer import S3Transport
+from .transfer import S3Transport, check_request_args
 
 __all__ = ["S3Session"]
 
@@ -24,6 +24,7 @@ class S3Session:
 
     def __init__(self, path: str | os.PathLike[str] | None, client: ClientConfig, transfer: TransferConfig) -> None:
         self.uri: S3Uri | None = None if path is None else parse_s3_uri(path)
+        check_request_args(client.request_args)
         self.client_config = client
         self.transfer = transfer
         self._lock = threading.Lock()
@@ -62,7 +63,8 @@ class S3Session:
             self._check_fork()
             if self._transport is None:
                 self._transport = S3Transport(
-                    self.client_config.client, uri.bucket, max_attempts=self.transfer.max_attempts
+                    self.client_config.client, uri.bucket, max_attempts=self.transfer.max_attempts,
+                    request_args=self.client_config.request_args,
                 )
             return self._transport
 

@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +37,7 @@ from urllib3.exceptions import HTTPError as Urllib3HTTPError
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConfigError,
     DcpS3Error,
     S3AccessDeniedError,
     S3TransferError,
@@ -90,6 +91,45 @@ def translate_error(exc: BaseException, action: str, bucket: str, key: str | Non
 def _range_header(start: int, end: int) -> str:
     # RFC 9110 byte ranges are inclusive at both ends.
     return f"bytes={start}-{end - 1}"
+
+
+def _op_label(op: str) -> str:
+    return "".join(w.capitalize() for w in op.split("_"))
+
+
+def _status(exc: BaseException | None) -> int | None:
+    if isinstance(exc, ClientError):
+        return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")  # type: ignore[no-any-return]
+    return None
+
+
+def _is_not_implemented(exc: ClientError) -> bool:
+    return exc.response.get("Error", {}).get("Code") == "NotImplemented" or _status(exc) == 501
+
+
+_OBJECT_OPS = frozenset(
+    {"put_object", "create_multipart_upload", "upload_part", "complete_multipart_upload", "abort_multipart_upload",
+     "get_object", "head_object", "delete_object", "list_objects_v2", "list_multipart_uploads"}
+)
+_NEW_OBJECT_OPS = frozenset({"put_object", "create_multipart_upload"})
+#: Request options passed through to S3, and the operations that take each.
+_REQUEST_ARG_OPS: dict[str, frozenset[str]] = {
+    "ServerSideEncryption": _NEW_OBJECT_OPS,
+    "SSEKMSKeyId": _NEW_OBJECT_OPS,
+    "SSEKMSEncryptionContext": _NEW_OBJECT_OPS,
+    "BucketKeyEnabled": _NEW_OBJECT_OPS,
+    "StorageClass": _NEW_OBJECT_OPS,
+    "ExpectedBucketOwner": _OBJECT_OPS | {"head_bucket"},
+    "RequestPayer": _OBJECT_OPS,
+}
+
+
+def check_request_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate pass-through request options (SSE, storage class, bucket owner, payer)."""
+    unknown = sorted(set(args) - set(_REQUEST_ARG_OPS))
+    if unknown:
+        raise ConfigError(f"unsupported request_args {unknown}; supported: {sorted(_REQUEST_ARG_OPS)}")
+    return dict(args)
 
 
 def fit_part_size(part_size: int, expected_size: int | None) -> int:
@@ -187,41 +227,54 @@ class S3Transport:
         bucket: str,
         *,
         max_attempts: int = 5,
-        extra_args: dict[str, Any] | None = None,
+        request_args: Mapping[str, str] | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._client_factory = client_factory
         self.bucket = bucket
         self.max_attempts = max_attempts
-        self.extra_args = dict(extra_args or {})
+        self.request_args = check_request_args(request_args or {})
         self._sleep = sleep
 
     @property
     def client(self) -> Any:
         return self._client_factory()
 
-    def _call(self, action: str, key: str | None, fn: Callable[..., Any], **kwargs: Any) -> Any:
+    def _call(self, op: str, key: str | None, **kwargs: Any) -> Any:
+        """``client.<op>(Bucket=..., **kwargs)`` plus the request options ``op`` takes."""
+        kwargs.update(self._args_for(op))
         try:
-            return fn(Bucket=self.bucket, **kwargs)
+            return getattr(self.client, op)(Bucket=self.bucket, **kwargs)
         except (ClientError, BotoCoreError) as exc:
-            raise translate_error(exc, action, self.bucket, key) from exc
+            raise translate_error(exc, _op_label(op), self.bucket, key) from exc
+
+    def _args_for(self, op: str) -> dict[str, Any]:
+        return {k: v for k, v in self.request_args.items() if op in _REQUEST_ARG_OPS[k]}
 
     def _backoff(self, attempt: int) -> None:
         # Full jitter (AWS architecture blog "Exponential Backoff And Jitter").
         self._sleep(random.uniform(0, min(10.0, 0.1 * 2**attempt)))
 
     # -- small objects -------------------------------------------------------------
-    def put_object(self, key: str, body: bytes | bytearray | memoryview, *, if_none_match: bool = False) -> None:
+    def put_object(self, key: str, body: bytes | bytearray, *, if_none_match: bool = False) -> None:
         """One PUT. ``if_none_match`` makes it fail with ``CheckpointExistsError`` if the key exists."""
-        kwargs: dict[str, Any] = dict(self.extra_args)
-        if if_none_match:
-            kwargs["IfNoneMatch"] = "*"
-        self._call("PUT", key, self.client.put_object, Key=key, Body=body, **kwargs)
+        if not if_none_match:
+            self._call("put_object", key, Key=key, Body=body)
+            return
+        try:
+            self._call("put_object", key, Key=key, Body=body, IfNoneMatch="*")
+        except S3TransferError as exc:
+            # Servers without conditional writes answer 501 NotImplemented; the caller has
+            # already checked for the key, so fall back to a plain PUT.
+            if not isinstance(exc.__cause__, ClientError) or not _is_not_implemented(exc.__cause__):
+                raise
+            log.warning("s3://%s does not support conditional writes; writing %s unconditionally", self.bucket, key)
+            self._call("put_object", key, Key=key, Body=body)
 
     def get_object(self, key: str) -> bytes:
         """The whole object (for small objects such as ``.metadata``)."""
         for attempt in range(self.max_attempts):
-            resp = self._call("GET", key, self.client.get_object, Key=key)
+            resp = self._call("get_object", key, Key=key)
             try:
                 return bytes(resp["Body"].read())
             except _BODY_ERRORS as exc:
@@ -234,33 +287,27 @@ class S3Transport:
     def head_object(self, key: str) -> dict[str, Any] | None:
         """The object's HEAD response, or None if it does not exist."""
         try:
-            return self.client.head_object(Bucket=self.bucket, Key=key)  # type: ignore[no-any-return]
-        except ClientError as exc:
-            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+            return self._call("head_object", key, Key=key)  # type: ignore[no-any-return]
+        except CheckpointNotFoundError as exc:
+            if _status(exc.__cause__) == 404:
                 return None
-            raise translate_error(exc, "HEAD", self.bucket, key) from exc
-        except BotoCoreError as exc:
-            raise translate_error(exc, "HEAD", self.bucket, key) from exc
+            raise
 
     def check_bucket(self) -> None:
         """Fail with a clear error if the bucket is missing or not accessible."""
         try:
-            self.client.head_bucket(Bucket=self.bucket)
-        except ClientError as exc:
-            if exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                raise CheckpointNotFoundError(f"bucket {self.bucket!r} does not exist") from exc
-            raise translate_error(exc, "HEAD", self.bucket) from exc
-        except BotoCoreError as exc:
-            raise translate_error(exc, "HEAD", self.bucket) from exc
+            self._call("head_bucket", None)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(f"bucket {self.bucket!r} does not exist") from exc.__cause__
 
     def delete_object(self, key: str) -> None:
-        self._call("DELETE", key, self.client.delete_object, Key=key)
+        self._call("delete_object", key, Key=key)
 
     def list_objects(self, prefix: str) -> Iterator[dict[str, Any]]:
         """Every object under ``prefix`` (``Key``, ``Size``, ``LastModified``...)."""
         paginator = self.client.get_paginator("list_objects_v2")
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, **self._args_for("list_objects_v2")):
                 yield from page.get("Contents", [])
         except (ClientError, BotoCoreError) as exc:
             raise translate_error(exc, "LIST", self.bucket, prefix) from exc
@@ -270,14 +317,15 @@ class S3Transport:
         uploads: list[dict[str, Any]] = []
         paginator = self.client.get_paginator("list_multipart_uploads")
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            args = self._args_for("list_multipart_uploads")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, **args):
                 uploads.extend(page.get("Uploads", []))
         except (ClientError, BotoCoreError) as exc:
             raise translate_error(exc, "LIST uploads", self.bucket, prefix) from exc
         return uploads
 
     def abort_multipart_upload(self, key: str, upload_id: str) -> None:
-        self._call("ABORT", key, self.client.abort_multipart_upload, Key=key, UploadId=upload_id)
+        self._call("abort_multipart_upload", key, Key=key, UploadId=upload_id)
 
     # -- streaming upload ------------------------------------------------------------
     def open_writer(
@@ -308,7 +356,7 @@ class S3Transport:
         attempt = 0
         while pos < end:
             try:
-                resp = self._call("GET", key, self.client.get_object, Key=key, Range=_range_header(pos, end))
+                resp = self._call("get_object", key, Key=key, Range=_range_header(pos, end))
                 length = int(resp.get("ContentLength", -1))
                 if length != end - pos:
                     raise S3TransferError(
@@ -436,10 +484,7 @@ class ObjectWriter:
 
     def _submit_part(self) -> None:
         if self._upload_id is None:
-            resp = self.transport._call(
-                "CreateMultipartUpload", self.key, self.transport.client.create_multipart_upload,
-                Key=self.key, **self.transport.extra_args,
-            )
+            resp = self.transport._call("create_multipart_upload", self.key, Key=self.key)
             self._upload_id = resp["UploadId"]
         # Fail fast if an earlier part already failed.
         for fut in self._parts:
@@ -456,9 +501,7 @@ class ObjectWriter:
             # botocore takes bytes/bytearray, not memoryview: only a short last part is copied.
             body = buf if fill == len(buf) else bytes(memoryview(buf)[:fill])
             resp = self.transport._call(
-                "UploadPart", self.key, self.transport.client.upload_part,
-                Key=self.key, UploadId=self._upload_id, PartNumber=part_number, Body=body,
-                **_sse_customer_args(self.transport.extra_args),
+                "upload_part", self.key, Key=self.key, UploadId=self._upload_id, PartNumber=part_number, Body=body
             )
             return {"PartNumber": part_number, "ETag": resp["ETag"]}
         finally:
@@ -481,7 +524,7 @@ class ObjectWriter:
                 _wait_all(self._parts)
                 parts = [fut.result() for fut in self._parts]
                 self.transport._call(
-                    "CompleteMultipartUpload", self.key, self.transport.client.complete_multipart_upload,
+                    "complete_multipart_upload", self.key,
                     Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": parts},
                 )
                 self._upload_id = None
@@ -509,9 +552,3 @@ class ObjectWriter:
                 log.debug("aborted multipart upload of s3://%s/%s", self.transport.bucket, self.key)
             except DcpS3Error as exc:
                 log.warning("could not abort multipart upload of s3://%s/%s: %s", self.transport.bucket, self.key, exc)
-
-
-def _sse_customer_args(extra_args: dict[str, Any]) -> dict[str, Any]:
-    # UploadPart takes only the SSE-C and payer arguments of CreateMultipartUpload.
-    allowed = {"SSECustomerAlgorithm", "SSECustomerKey", "SSECustomerKeyMD5", "RequestPayer", "ExpectedBucketOwner"}
-    return {k: v for k, v in extra_args.items() if k in allowed}

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch.futures import Future
 
 from .config import ClientConfig, TransferConfig, parse_s3_uri
 from .errors import CheckpointExistsError, DcpS3Error
-from .items import tensor_blob
+from .items import streamable, tensor_blob
 from .layout import FORMAT_TAG, METADATA_KEY, ItemLocation, data_object_name, dump_metadata
 from .session import S3Session
 from .transfer import BufferPool, ObjectWriter, _wait_all
@@ -47,6 +48,8 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
             ``aws_secret_access_key``, ``aws_session_token``, ``endpoint_url``, ``region_name``).
             Without it the standard boto3 chain applies (env, profile, instance role).
         endpoint_url, region, profile: S3 endpoint (MinIO, SeaweedFS, Ceph...), region, boto3 profile.
+        request_args: options sent with every request that takes them (``ServerSideEncryption``,
+            ``SSEKMSKeyId``, ``StorageClass``, ``ExpectedBucketOwner``, ``RequestPayer``...).
         overwrite: replace a complete checkpoint already at ``path`` (default: refuse).
         part_size: multipart part size; peak extra memory is about
             ``part_size * (max_concurrency + files_per_rank)``.
@@ -63,6 +66,7 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
         endpoint_url: str | None = None,
         region: str | None = None,
         profile: str | None = None,
+        request_args: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         part_size: int | None = None,
         max_concurrency: int | None = None,
@@ -71,10 +75,12 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self)
-        transfer = _transfer_config(transfer, part_size=part_size, max_concurrency=max_concurrency,
-                                    files_per_rank=files_per_rank)
+        transfer = (transfer or TransferConfig()).override(
+            part_size=part_size, max_concurrency=max_concurrency, files_per_rank=files_per_rank
+        )
         client = ClientConfig(
             credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
+            request_args=dict(request_args or {}),
             max_pool_connections=transfer.max_concurrency + transfer.files_per_rank + 2,
         )
         self._session = S3Session(path, client, transfer)
@@ -192,12 +198,6 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
         log.info("committed checkpoint %s (%d items)", self.checkpoint_id, len(metadata.storage_data))
 
 
-def _transfer_config(base: TransferConfig | None, **overrides: int | None) -> TransferConfig:
-    base = base or TransferConfig()
-    changes = {k: v for k, v in overrides.items() if v is not None}
-    return dataclasses.replace(base, **changes) if changes else base
-
-
 def _item_size(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
@@ -235,6 +235,8 @@ def _write_item(
     else:
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
+        if not streamable(data):
+            raise TypeError(f"{item.index.fqn}: cannot save a {data.layout} tensor on {data.device}")
         blob = tensor_blob(data)
         writer.write(blob.header)
         for chunk in blob.payload_chunks():

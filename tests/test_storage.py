@@ -315,3 +315,24 @@ def test_torch_load_of_item_bytes_matches(bucket: str, s3_env: LocalS3Server) ->
     body = s3_env.client().get_object(Bucket=bucket, Key=f"fmt/{info.relative_path}")["Body"].read()
     item = body[info.offset : info.offset + info.length]
     assert torch.equal(torch.load(io.BytesIO(item), weights_only=True), t)
+
+
+def test_request_args_reach_every_request(bucket: str) -> None:
+    uri = f"s3://{bucket}/sse"
+    args = {"ServerSideEncryption": "AES256", "StorageClass": "STANDARD"}
+    writer = S3StorageWriter(uri, request_args=args, part_size=5 * MiB)
+    seen: dict[str, dict[str, Any]] = {}
+
+    def record(params: dict[str, Any], model: Any, **_: Any) -> None:
+        seen.setdefault(model.name, dict(params))  # returning a value would replace the params
+
+    writer._session.transport.client.meta.events.register("provide-client-params.s3", record)
+    dcp.save({"big": torch.randn(3 * MiB // 2)}, storage_writer=writer)  # 6 MiB: multipart
+    for op in ("PutObject", "CreateMultipartUpload"):
+        assert seen[op]["ServerSideEncryption"] == "AES256" and seen[op]["StorageClass"] == "STANDARD", op
+    for op in ("UploadPart", "CompleteMultipartUpload", "HeadObject"):
+        assert "ServerSideEncryption" not in seen[op], op  # S3 rejects it there
+    out = {"big": torch.zeros(3 * MiB // 2)}
+    dcp.load(out, storage_reader=S3StorageReader(uri, request_args={"RequestPayer": "requester"}))
+    with pytest.raises(ValueError, match="unsupported request_args \\['SSECustomerKey'\\]"):
+        S3StorageWriter(uri, request_args={"SSECustomerKey": "k"})
