@@ -45,9 +45,11 @@ class ItemLocation(_StorageInfo):
 
     ``payload_offset`` is relative to ``offset``; ``None`` for byte items and for
     items written by other writers (those are read with ``torch.load``).
+    ``crc32c`` covers the payload: a tensor's raw bytes, or a byte item's bytes.
     """
 
     payload_offset: int | None = None
+    crc32c: int | None = None
 
 
 def check_object_name(name: str) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from crc32c import crc32c
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -172,7 +173,12 @@ class S3StorageReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             buf = bytearray(info.length)
             reads.append(RangeRead(key, info.offset, info.offset + info.length, lambda: memoryview(buf)))
-            return lambda: planner.load_bytes(req, io.BytesIO(buf))
+
+            def load_bytes() -> None:
+                self._verify(req, info, memoryview(buf))
+                planner.load_bytes(req, io.BytesIO(buf))
+
+            return load_bytes
 
         dest = planner.resolve_tensor(req).detach()
         if tuple(dest.shape) != tuple(req.lengths):
@@ -181,11 +187,30 @@ class S3StorageReader(StorageReader):
                 f"checkpoint's {tuple(req.lengths)}"
             )
         payload_offset = getattr(info, "payload_offset", None)
+        whole = False
         if payload_offset is None:
             self._plan_torch_load(req, key, info, dest, reads)
         else:
-            self._plan_raw(req, key, info.offset + payload_offset, info, dest, reads)
-        return lambda: planner.commit_tensor(req, dest)
+            whole = self._plan_raw(req, key, info.offset + payload_offset, info, dest, reads)
+
+        def commit() -> None:
+            if whole:  # the destination holds the item's entire payload: check it
+                self._verify(req, info, raw_bytes_view(dest))
+            planner.commit_tensor(req, dest)
+
+        return commit
+
+    def _verify(self, req: ReadItem, info: Any, payload: memoryview) -> None:
+        expected = getattr(info, "crc32c", None)
+        if expected is None:
+            return
+        actual = crc32c(payload)
+        if actual != expected:
+            raise CheckpointFormatError(
+                f"{req.storage_index.fqn}: checksum mismatch in s3://{self._session.require_uri().bucket}/"
+                f"{self._session.key(info.relative_path)} bytes {info.offset}-{info.offset + info.length} "
+                f"(crc32c {actual:#010x}, expected {expected:#010x}): the stored object is corrupt"
+            )
 
     def _plan_torch_load(self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]) -> None:
         """Items written by other writers: fetch the whole ``torch.save`` blob and load it."""
@@ -199,8 +224,11 @@ class S3StorageReader(StorageReader):
 
     def _plan_raw(
         self, req: ReadItem, key: str, payload_start: int, info: Any, dest: torch.Tensor, reads: list[RangeRead]
-    ) -> None:
-        """Fetch the rows of the stored chunk that ``req`` covers, straight into ``dest`` if possible."""
+    ) -> bool:
+        """Fetch the rows of the stored chunk that ``req`` covers, straight into ``dest`` if possible.
+
+        Returns whether ``dest`` then holds the whole stored payload (so its checksum can be checked).
+        """
         fqn = req.storage_index.fqn
         sizes, dtype = self._chunks.get((fqn, tuple(req.storage_index.offset or ())), (None, None))
         if sizes is None or dtype is None:
@@ -216,7 +244,7 @@ class S3StorageReader(StorageReader):
         row0 = req.storage_offsets[0] if len(sizes) else 0
         rows = req.lengths[0] if len(sizes) else 1
         if rows == 0 or math.prod(req.lengths) == 0:
-            return
+            return False
         max_bytes = self._session.transfer.max_range_size
         whole_rows = tuple(req.lengths[1:]) == tuple(sizes[1:])
         direct = whole_rows and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
@@ -226,7 +254,7 @@ class S3StorageReader(StorageReader):
             for lo in range(0, len(view), max_bytes):
                 hi = min(lo + max_bytes, len(view))
                 reads.append(RangeRead(key, start + lo, start + hi, _slice_opener(view, lo, hi)))
-            return
+            return row0 == 0 and rows == rows_total
         # Staged: whole rows into a bounded CPU buffer, then narrowed, cast and copied into dest.
         rows_per_piece = max(1, max_bytes // max(1, row_bytes))
         for r in range(0, rows, rows_per_piece):
@@ -234,6 +262,7 @@ class S3StorageReader(StorageReader):
             piece = _StagedRows(dest, sizes, dtype, req, r, n)
             start = payload_start + (row0 + r) * row_bytes
             reads.append(RangeRead(key, start, start + n * row_bytes, piece.open, piece.done))
+        return False
 
 
 def _slice_opener(view: memoryview, lo: int, hi: int) -> Callable[[], memoryview]:

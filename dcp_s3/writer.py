@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from crc32c import crc32c
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -232,6 +233,7 @@ def _write_item(
         if not isinstance(data, io.BytesIO):
             raise TypeError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO")
         writer.write(data.getbuffer())
+        checksum = crc32c(data.getbuffer())
     else:
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
@@ -239,14 +241,16 @@ def _write_item(
             raise TypeError(f"{item.index.fqn}: cannot save a {data.layout} tensor on {data.device}")
         blob = tensor_blob(data)
         writer.write(blob.header)
+        checksum = 0
         for chunk in blob.payload_chunks():
             writer.write(chunk)
+            checksum = crc32c(chunk, checksum)
         writer.write(blob.trailer)
         payload_offset = blob.payload_offset
     length = writer.tell() - offset
     return WriteResult(
         index=item.index,
         size_in_bytes=length,
-        storage_data=ItemLocation(name, offset, length, payload_offset=payload_offset),
+        storage_data=ItemLocation(name, offset, length, payload_offset=payload_offset, crc32c=checksum),
     )
 

@@ -336,3 +336,21 @@ def test_request_args_reach_every_request(bucket: str) -> None:
     dcp.load(out, storage_reader=S3StorageReader(uri, request_args={"RequestPayer": "requester"}))
     with pytest.raises(ValueError, match="unsupported request_args \\['SSECustomerKey'\\]"):
         S3StorageWriter(uri, request_args={"SSECustomerKey": "k"})
+
+
+def test_corrupted_bytes_are_detected(bucket: str, s3_env: LocalS3Server) -> None:
+    uri = f"s3://{bucket}/corrupt"
+    sd = {"w": torch.randn(1000), "meta": {"note": "x" * 100}}
+    dcp.save(sd, storage_writer=S3StorageWriter(uri))
+    md = S3StorageReader(uri).read_metadata()
+    client = s3_env.client()
+    body = bytearray(client.get_object(Bucket=bucket, Key="corrupt/__0_0.distcp")["Body"].read())
+    for index, info in md.storage_data.items():
+        bad = bytearray(body)
+        start = info.offset + (info.payload_offset or 0)
+        bad[start + 10] ^= 0xFF  # one flipped byte inside this item's payload
+        client.put_object(Bucket=bucket, Key="corrupt/__0_0.distcp", Body=bytes(bad))
+        with pytest.raises(BaseException) as exc:
+            dcp.load(blank_like(sd) | {"meta": {"note": ""}}, storage_reader=S3StorageReader(uri))
+        message = str(exc.value)
+        assert "checksum mismatch" in message and "corrupt/__0_0.distcp" in message and index.fqn in message
