@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from .checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
 from .config import ClientConfig, TransferConfig
 from .errors import (
     CheckpointExistsError,
@@ -31,6 +32,11 @@ __version__ = "0.1.0"
 __all__ = [
     "S3StorageWriter",
     "S3StorageReader",
+    "Checkpointer",
+    "AsyncSave",
+    "latest_checkpoint",
+    "save_object",
+    "load_object",
     "TrainableOnlySavePlanner",
     "TrainableOnlyLoadPlanner",
     "MetaRankLoadPlanner",

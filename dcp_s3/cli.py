@@ -1,27 +1,353 @@
-"""The ``dcp-s3`` command line (``python -m dcp_s3`` does the same)."""
+"""The ``dcp-s3`` command line (``python -m dcp_s3`` does the same).
+
+A thin layer over :mod:`dcp_s3.admin`: parse arguments, call one function, print.
+Errors are one line on stderr and exit status 1; ``verify`` also exits 1 when it finds a problem.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import re
 import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["main"]
 
+EXAMPLES = {
+    "ls": """examples:
+  dcp-s3 ls s3://bucket/run1                 # steps of a run, oldest first
+  dcp-s3 ls ./checkpoints --endpoint-url http://127.0.0.1:9000""",
+    "inspect": """examples:
+  dcp-s3 inspect s3://bucket/run1/0001000    # every part of a step
+  dcp-s3 inspect s3://bucket/run1/0001000.model_model --json""",
+    "verify": """examples:
+  dcp-s3 verify s3://bucket/run1/0001000     # one step
+  dcp-s3 verify s3://bucket/run1             # every step of a run
+exit status: 0 if everything checks out, 1 on any problem""",
+    "gc": """examples:
+  dcp-s3 gc s3://bucket/run1                 # dry run: what would be removed
+  dcp-s3 gc s3://bucket/run1 --older-than 30m --yes""",
+    "cp": """examples:
+  dcp-s3 cp s3://bucket/run1/0001000 ./ckpt/0001000      # one step to disk
+  dcp-s3 cp ./ckpt s3://bucket/run2                       # a whole run to S3
+  dcp-s3 cp s3://bucket/run1/0001000.model_model /tmp/m   # one DCP checkpoint""",
+    "rm": """examples:
+  dcp-s3 rm s3://bucket/run1/0001000         # one step (marker first)
+  dcp-s3 rm s3://bucket/run1 --recursive     # everything under the prefix""",
+    "convert": """examples:
+  dcp-s3 convert s3://bucket/run1/0001000 model.pt                # full tensors, torch.save
+  dcp-s3 convert s3://bucket/run1/0001000 model.safetensors       # needs the safetensors package
+  dcp-s3 convert s3://bucket/run1/0001000.model_model s3://bucket/plain/0001000 --format dcp""",
+}
+
+
+# -- formatting ------------------------------------------------------------------------------------
+def human_size(n: int | None) -> str:
+    """``1536`` → ``1.5 KiB``."""
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``30m``, ``1h``, ``2d``, ``1w`` or a number of seconds → seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}; use e.g. 90s, 30m, 1h, 2d")
+    scale = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
+    return float(match[1]) * scale
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _table(rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+class _ProgressLine:
+    """``label: 42% 1.2 GiB/2.9 GiB`` on stderr, rewritten in place; silent unless stderr is a terminal."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self._last < 0.2 and done < total):
+            return
+        self._last = now
+        pct = 100 * done // total if total else 100
+        sys.stderr.write(f"\r{self.label}: {pct:3d}% {human_size(done)}/{human_size(total)}\x1b[K")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+# -- commands ----------------------------------------------------------------------------------------
+def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
+    """S3 client options from the command line, for s3:// locations only."""
+    if not uri.startswith("s3://"):
+        return {}
+    names = ("credential_path", "endpoint_url", "region", "profile")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from .admin import list_steps
+
+    steps = list_steps(args.uri, **_options(args, args.uri))
+    rows = [["STEP", "STATUS", "STORED", "LOGICAL", "RATIO", "OBJECTS", "TIME"]]
+    for s in steps:
+        status = ("UNREADABLE" if s.error else "complete" if s.complete else "INCOMPLETE") + (
+            " (dcp)" if s.kind == "dcp" else "")
+        ratio = f"{s.ratio:.2f}x" if s.ratio is not None else "-"
+        rows.append([s.name, status, human_size(s.stored_bytes), human_size(s.logical_bytes), ratio,
+                     str(s.objects), _when(s.mtime)])
+    print(_table(rows, right={2, 3, 4, 5}))
+    for s in steps:
+        if s.error:
+            print(f"{s.name}: {s.error}")
+    done = sum(s.complete for s in steps)
+    print(f"{len(steps)} checkpoints ({done} complete, {len(steps) - done} incomplete), "
+          f"{human_size(sum(s.stored_bytes for s in steps))} stored")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .admin import inspect_checkpoint
+
+    entries = inspect_checkpoint(args.uri, **_options(args, args.uri))
+    if args.json:
+        print(json.dumps([e.__dict__ for e in entries], indent=2))
+        return 0
+    for part in sorted({e.part for e in entries}):
+        mine = [e for e in entries if e.part == part]
+        if part:
+            print(f"== {part}")
+        rows = [["NAME", "SHAPE", "DTYPE", "CHUNKS", "STORED"]]
+        for e in mine:
+            shape = "x".join(map(str, e.shape)) if e.shape else ("scalar" if e.kind == "tensor" else "-")
+            rows.append([e.fqn, shape, e.dtype or "object", str(len(e.chunks)) if e.kind == "tensor" else "-",
+                         human_size(e.stored_bytes)])
+        print(_table(rows, right={3, 4}))
+        tensors = [e for e in mine if e.kind == "tensor"]
+        logical = sum(e.logical_bytes for e in tensors)
+        stored = sum(e.stored_bytes for e in tensors)
+        ratio = f", ratio {logical / stored:.2f}x" if stored else ""
+        print(f"{len(tensors)} tensors ({human_size(logical)}), {len(mine) - len(tensors)} other entries, "
+              f"{human_size(stored)} stored{ratio}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .admin import verify_checkpoint
+
+    bar = _ProgressLine("verify")
+    try:
+        report = verify_checkpoint(args.uri, progress=bar, **_options(args, args.uri))
+    finally:
+        bar.close()
+    for p in report.problems:
+        item = f" [{p.item}]" if p.item else ""
+        print(f"FAIL {p.url}{item}: {p.message}")
+    summary = (f"{report.checkpoints} checkpoints, {report.objects} objects, {report.items} items, "
+               f"{human_size(report.bytes_read)} read")
+    if report.ok:
+        print(f"OK: {summary}")
+        return 0
+    print(f"{len(report.problems)} problems: {summary}")
+    return 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .admin import collect_garbage, find_garbage
+
+    garbage = find_garbage(args.uri, older_than=args.older_than, **_options(args, args.uri))
+    verb = "removing" if args.yes else "would remove"
+    for step in garbage.steps:
+        print(f"{verb} incomplete {'step' if step.kind == 'step' else 'checkpoint'} "
+              f"{garbage.store.url(step.name)} ({len(step.objects)} objects, {human_size(step.stored_bytes)})")
+    for upload in garbage.uploads:
+        print(f"{verb} unfinished upload {garbage.store.url(upload.name)} (started {_when(upload.initiated)})")
+    if not garbage.steps and not garbage.uploads:
+        print(f"nothing to remove under {args.uri} (older than {args.older_than:g}s)")
+        return 0
+    if not args.yes:
+        print(f"dry run: {len(garbage.steps)} incomplete checkpoints ({human_size(garbage.bytes)}), "
+              f"{len(garbage.uploads)} uploads; pass --yes to remove them")
+        return 0
+    objects, uploads = collect_garbage(garbage)
+    print(f"removed {objects} objects ({human_size(garbage.bytes)}) and aborted {uploads} uploads")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    from .admin import copy_checkpoint
+
+    bar = _ProgressLine("cp")
+    try:
+        report = copy_checkpoint(
+            args.src, args.dst, workers=args.workers, overwrite=args.overwrite, progress=bar,
+            src_options=_options(args, args.src), dst_options=_options(args, args.dst),
+        )
+    finally:
+        bar.close()
+    rate = report.bytes / report.seconds if report.seconds > 0 else 0
+    print(f"copied {report.objects} objects ({human_size(report.bytes)}) from {report.source} to "
+          f"{report.destination} in {report.seconds:.1f}s ({human_size(int(rate))}/s); sizes verified")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from .admin import remove_checkpoint
+
+    removed = remove_checkpoint(args.uri, recursive=args.recursive, dry_run=args.dry_run,
+                                **_options(args, args.uri))
+    for url in removed:
+        print(f"{'would remove' if args.dry_run else 'removed'} {url}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .admin import convert_checkpoint
+
+    report = convert_checkpoint(args.uri, args.out, fmt=args.format, src_options=_options(args, args.uri),
+                                dst_options=_options(args, args.out))
+    print(f"wrote {report.destination} ({report.format}): {report.tensors} tensors, {human_size(report.bytes)} "
+          f"from {report.source}")
+    if report.skipped:
+        print(f"left out {len(report.skipped)} non-tensor entries (safetensors holds tensors only), "
+              f"e.g. {report.skipped[0]}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main
+
+    return demo_main([])
+
+
+# -- parser --------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    s3 = common.add_argument_group("S3 options (default: the standard AWS_* environment / profile chain)")
+    s3.add_argument("--endpoint-url", help="S3 endpoint (MinIO, SeaweedFS, Ceph, R2...)")
+    s3.add_argument("--region", help="S3 region")
+    s3.add_argument("--profile", help="boto3 profile name")
+    s3.add_argument("--credential-path", help="JSON file of boto3 client arguments")
+    common.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
+
+    parser = argparse.ArgumentParser(
+        prog="dcp-s3", description="Look after DCP checkpoints on S3 and on local disk.",
+        epilog="run 'dcp-s3 COMMAND --help' for a command's options and examples",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str, description: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=description, epilog=EXAMPLES.get(name),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=fn)
+        return p
+
+    p = add("ls", cmd_ls, "list steps under a prefix",
+            "List steps (and plain DCP checkpoints) under a prefix: complete or not, bytes stored, tensor bytes "
+            "per the metadata, their ratio (compression), object count and time.")
+    p.add_argument("uri", help="s3://bucket/prefix or a local directory")
+
+    p = add("inspect", cmd_inspect, "show the tensors of a checkpoint",
+            "Show every entry of a checkpoint (all parts of a step): shape, dtype, number of chunks (shards), "
+            "stored size.")
+    p.add_argument("uri", help="a step or a DCP checkpoint")
+    p.add_argument("--json", action="store_true", help="machine-readable output (chunks listed in full)")
+
+    p = add("verify", cmd_verify, "read every item and check integrity",
+            "Read every item of a checkpoint (or of every step under a prefix) and check it: markers, metadata, "
+            "object sizes, each tensor blob loads (weights_only) with the shape and dtype of the metadata.")
+    p.add_argument("uri", help="a step, a DCP checkpoint or a prefix of several")
+
+    p = add("gc", cmd_gc, "remove incomplete steps and stale uploads",
+            "Find incomplete steps/checkpoints (no marker or no .metadata) and unfinished multipart uploads "
+            "older than --older-than under a prefix; remove them with --yes (otherwise a dry run).")
+    p.add_argument("uri", help="s3://bucket/prefix or a local directory")
+    p.add_argument("--older-than", type=parse_duration, default=3600.0, metavar="AGE",
+                   help="only what was last written more than AGE ago (e.g. 90s, 30m, 1h, 2d; default 1h); "
+                        "protects saves in progress")
+    p.add_argument("--yes", action="store_true", help="really remove (default: dry run)")
+
+    p = add("cp", cmd_cp, "copy a checkpoint between S3 and local disk",
+            "Copy a step, a DCP checkpoint or a whole prefix between S3 and local disk (or S3 to S3), concurrently; "
+            "data first, then .metadata, then markers, so an interrupted copy never looks complete; sizes verified.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--workers", type=int, default=8, help="concurrent object copies (default 8)")
+    p.add_argument("--overwrite", action="store_true", help="replace objects that exist at the destination")
+
+    p = add("rm", cmd_rm, "remove a step or checkpoint",
+            "Remove a step or DCP checkpoint (marker and .metadata first, so it never looks complete while "
+            "half deleted). A prefix holding several checkpoints needs --recursive.")
+    p.add_argument("uri")
+    p.add_argument("-r", "--recursive", action="store_true", help="remove everything under the prefix")
+    p.add_argument("-n", "--dry-run", action="store_true", help="only print what would be removed")
+
+    p = add("convert", cmd_convert, "convert to one torch.save/safetensors file or plain DCP",
+            "Load a checkpoint into this process as full (unsharded) tensors and write it as one torch.save file, "
+            "a safetensors file (if the safetensors package is installed) or a new uncompressed DCP checkpoint.")
+    p.add_argument("uri", help="a DCP checkpoint, or a step with one *_model part")
+    p.add_argument("out", help="output file, or for --format dcp a checkpoint location")
+    p.add_argument("--format", choices=("torch", "safetensors", "dcp"),
+                   help="default: safetensors if OUT ends with .safetensors, else torch")
+
+    add("demo", cmd_demo, "save a 2-rank FSDP2 checkpoint to a local S3 server and load it on 1 rank",
+        "Starts SeaweedFS on 127.0.0.1, saves from 2 ranks, loads on 1, checks every tensor.")
+    return parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dcp-s3", description="Look after DCP checkpoints on S3.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser(
-        "demo",
-        help="save a 2-rank FSDP2 checkpoint to a local S3 server and load it on 1 rank",
-        description="Starts SeaweedFS on 127.0.0.1, saves from 2 ranks, loads on 1, checks every tensor.",
-    )
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .demo import main as demo_main
-
-        return demo_main([])
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("dcp-s3: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one clear line, no traceback
+        if args.verbose:
+            logging.getLogger("dcp_s3").exception("%s failed", args.command)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"dcp-s3: error: {message}", file=sys.stderr)
+        return 1
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        if type(exc).__name__ != "CheckpointException":
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"dcp-s3: error: {message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -21,12 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from crc32c import crc32c
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .errors import CheckpointFormatError
 
-__all__ = ["METADATA_KEY", "ItemLocation", "data_object_name", "dump_metadata", "load_metadata", "check_object_name"]
+__all__ = [
+    "METADATA_KEY", "ItemLocation", "data_object_name", "dump_metadata", "load_metadata", "check_object_name",
+    "checksum_error",
+]
 
 METADATA_KEY = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -50,6 +54,17 @@ class ItemLocation(_StorageInfo):
 
     payload_offset: int | None = None
     crc32c: int | None = None
+
+
+def checksum_error(info: _StorageInfo, payload: bytes | memoryview) -> str | None:
+    """Why ``payload`` (the item's payload, see ``ItemLocation``) fails its recorded CRC32C, or None."""
+    expected = getattr(info, "crc32c", None)
+    if expected is None:
+        return None
+    actual = crc32c(payload)
+    if actual == expected:
+        return None
+    return f"checksum mismatch (crc32c {actual:#010x}, expected {expected:#010x}): the stored bytes are corrupt"
 
 
 def check_object_name(name: str) -> str:

@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from crc32c import crc32c
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -30,7 +29,7 @@ from torch.futures import Future
 from .config import ClientConfig, TransferConfig, parse_s3_uri
 from .errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from .items import raw_bytes_view
-from .layout import METADATA_KEY, load_metadata
+from .layout import METADATA_KEY, checksum_error, load_metadata
 from .session import S3Session
 from .transfer import RangeRead
 
@@ -201,15 +200,11 @@ class S3StorageReader(StorageReader):
         return commit
 
     def _verify(self, req: ReadItem, info: Any, payload: memoryview) -> None:
-        expected = getattr(info, "crc32c", None)
-        if expected is None:
-            return
-        actual = crc32c(payload)
-        if actual != expected:
+        error = checksum_error(info, payload)
+        if error is not None:
+            where = f"s3://{self._session.require_uri().bucket}/{self._session.key(info.relative_path)}"
             raise CheckpointFormatError(
-                f"{req.storage_index.fqn}: checksum mismatch in s3://{self._session.require_uri().bucket}/"
-                f"{self._session.key(info.relative_path)} bytes {info.offset}-{info.offset + info.length} "
-                f"(crc32c {actual:#010x}, expected {expected:#010x}): the stored object is corrupt"
+                f"{req.storage_index.fqn}: {where} bytes {info.offset}-{info.offset + info.length}: {error}"
             )
 
     def _plan_torch_load(self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]) -> None:

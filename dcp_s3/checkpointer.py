@@ -1,0 +1,691 @@
+"""A checkpoint manager for training loops: save, resume, keep the store tidy.
+
+::
+
+    ckpt = Checkpointer("s3://bucket/run1", keep_last=3)
+    start = ckpt.load({"model": model}, {"model": optim}, {"model": sched})   # 0 if nothing saved yet
+    for it in range(start, steps):
+        ...
+        if it % 1000 == 0:
+            ckpt.save({"model": model}, {"model": optim}, {"model": sched}, iteration=it)
+
+Every rank of the job calls ``save``/``load`` with the same arguments (a single process
+without ``torch.distributed`` works too). The layout is described in :mod:`dcp_s3.steps`:
+one DCP checkpoint per model and per optimizer, and a small ``<step>.pth`` marker that
+rank 0 writes last. Works the same on ``s3://bucket/prefix`` and on a local directory.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
+from .planners import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
+from .steps import MARKER_FORMAT, MARKER_SUFFIX, Step, complete_steps, latest_complete, ordered, part_name, scan
+from .store import LocalStore, S3Store, open_object, open_store
+
+__all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object", "delete_step"]
+
+log = logging.getLogger("dcp_s3")
+
+ALLOW_MISSING_OPTIM_ENV = "DCP_S3_ALLOW_MISSING_OPTIM"
+Store = S3Store | LocalStore
+T = TypeVar("T")
+
+
+# -- small objects ----------------------------------------------------------------------------
+def save_object(obj: Any, uri: str | os.PathLike[str], **storage_options: Any) -> None:
+    """``torch.save`` ``obj`` to ``s3://bucket/key`` or a local file, in one atomic write."""
+    store, name = open_object(uri, **storage_options)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    store.write(name, buf.getvalue())
+
+
+def load_object(
+    uri: str | os.PathLike[str], *, weights_only: bool = True, map_location: Any = "cpu", **storage_options: Any
+) -> Any:
+    """``torch.load`` an object written by :func:`save_object` (``weights_only=True`` by default)."""
+    store, name = open_object(uri, **storage_options)
+    return _torch_load(store.read(name), store.url(name), weights_only=weights_only, map_location=map_location)
+
+
+def _torch_load(data: bytes, where: str, *, weights_only: bool = True, map_location: Any = "cpu") -> Any:
+    try:
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointFormatError(
+            f"{where}: weights_only loading refused it ({first}); if you trust the file, register its classes "
+            "with torch.serialization.add_safe_globals([...])"
+        ) from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise CheckpointFormatError(f"{where} is not a readable torch.save file ({exc})") from exc
+
+
+# -- finding and deleting steps -------------------------------------------------------------------
+def latest_checkpoint(uri_or_dir: str | os.PathLike[str], **storage_options: Any) -> str | None:
+    """The location of the newest complete step under ``uri_or_dir`` (None if there is none).
+
+    A step is complete once its ``<step>.pth`` marker exists (written last, after every
+    part committed); steps without a marker (a crash, a save in progress) are never returned.
+    """
+    store = open_store(uri_or_dir, **storage_options)
+    step = latest_complete(scan(store.list_objects()))
+    return None if step is None else store.url(step.name)
+
+
+def delete_step(store: Store, step: Step, uploads: bool = True) -> int:
+    """Delete one step (marker first, so it never looks complete while half deleted); returns objects removed."""
+    objects = step.objects
+    first = [step.marker.name] if step.marker is not None else []
+    first += [o.name for o in objects if o.name.endswith("/.metadata") or o.name == ".metadata"]
+    rest = [o.name for o in objects if o.name not in first]
+    store.delete(first)
+    store.delete(rest)
+    if uploads and step.kind == "step":
+        for upload in store.uploads(f"{step.name}."):
+            store.abort(upload)
+    return len(objects)
+
+
+# -- the manager ------------------------------------------------------------------------------------
+class AsyncSave:
+    """Handle of an asynchronous save: ``result()`` waits for it and returns the step location."""
+
+    def __init__(self, path: str, future: Future[str]) -> None:
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> str:
+        """Wait until every part is written and (on rank 0) the marker too; re-raise any failure."""
+        return self._future.result(timeout)
+
+    wait = result
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"AsyncSave({self.path!r}, {state})"
+
+
+class Checkpointer:
+    """Save and resume training state under ``save_dir`` (``s3://bucket/prefix`` or a local directory).
+
+    Args:
+        save_dir: where steps are written and looked for.
+        keep_last: after a step completes, rank 0 deletes older complete steps beyond the
+            newest ``keep_last`` (never the one just written); incomplete steps and single-file
+            checkpoints are never touched (see ``dcp-s3 gc``).
+        async_save: ``save`` stages the state on the CPU, starts ``dcp.async_save`` for every
+            part and returns an :class:`AsyncSave` handle; the next ``save``/``load`` first waits
+            for it. Each part gets its own gloo process group so parts upload concurrently
+            without interleaving collectives.
+        storage_options: ``S3StorageWriter``/``S3StorageReader`` keywords (``credential_path``,
+            ``endpoint_url``, ``region``, ``profile``, ``part_size``, ``max_concurrency``...);
+            rejected for local directories.
+
+    Rank roles: every rank calls ``save``/``load``; rank 0 alone lists, writes the marker and
+    deletes, and tells the other ranks what it found (so all agree on the step to load and on
+    errors). ``model_dict`` maps names (no ``.`` or ``/``) to modules; ``optimizer_dict``,
+    ``scheduler_dict`` map the same names to optimizers and LR schedulers.
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        **storage_options: Any,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError(f"keep_last={keep_last} must be >= 1 (or None to keep every step)")
+        self.storage_options = storage_options
+        self.store = open_store(save_dir, **storage_options)
+        self.save_dir = self.store.url()
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._stores: dict[str, Store] = {self.save_dir: self.store}
+        self._pending: AsyncSave | None = None
+        self._finisher: ThreadPoolExecutor | None = None
+        self._control: Any = None
+        self._control_ready = False
+        self._groups: dict[str, Any] = {}
+        # Writers/readers are reused across steps (``reset`` retargets them): each S3 one owns a
+        # client and an I/O pool, which are costly to create. One per part, so that the
+        # concurrent parts of an async save never share one.
+        self._writers: dict[tuple[str, str, str], Any] = {}
+        self._readers: dict[tuple[str, str, str], Any] = {}
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.save_dir!r}, keep_last={self.keep_last}, async_save={self.async_save})"
+
+    # -- save -----------------------------------------------------------------------------------
+    def save(
+        self,
+        model_dict: Mapping[str, nn.Module],
+        optimizer_dict: Mapping[str, torch.optim.Optimizer] | None = None,
+        scheduler_dict: Mapping[str, Any] | None = None,
+        grad_scaler: Any = None,
+        callbacks: Any = None,
+        path: str | os.PathLike[str] | None = None,
+        iteration: int = 0,
+    ) -> Any:
+        """Save one step; returns its location (``<save_dir>/<iteration:07d>`` unless ``path`` is given).
+
+        For each ``k`` in ``model_dict``: the trainable model state as DCP checkpoint
+        ``<step>.<k>_model`` and, if ``optimizer_dict`` has ``k``, the optimizer state as
+        ``<step>.<k>_optim``. Then rank 0 writes ``<step>.pth`` (iteration, scheduler, grad
+        scaler and callback state) and applies ``keep_last``. A step already at that location
+        is deleted first. With ``async_save=True`` returns an :class:`AsyncSave` handle instead.
+        """
+        self.wait()
+        _check_dicts(model_dict, optimizer_dict)
+        store, step = self._locate(path, iteration)
+        self._run_on_rank0(lambda: self._clear(store, step))
+        parts: list[tuple[str, str, dict[str, Any], Any]] = []
+        for key, model in model_dict.items():
+            parts.append((key, "model", get_model_state_dict(model), TrainableOnlySavePlanner(model)))
+            if optimizer_dict is not None and key in optimizer_dict:
+                osd = get_optimizer_state_dict(model, optimizer_dict[key])
+                parts.append((key, "optim", osd, DefaultSavePlanner()))
+        marker = _marker_bytes(
+            {
+                "format": MARKER_FORMAT,
+                "iteration": int(iteration),
+                "parts": [f"{key}_{kind}" for key, kind, _, _ in parts],
+                "scheduler": _state_of(scheduler_dict),
+                "grad_scaler": _state_of(grad_scaler),
+                "callbacks": _state_of(callbacks),
+                "world_size": dist.get_world_size() if _distributed() else 1,
+                "saved_at": time.time(),
+            }
+        )
+        location = store.url(step)
+        if not self.async_save:
+            t0 = time.perf_counter()
+            for key, kind, state, planner in parts:
+                writer, url = self._writer(store, step, key, kind)
+                dcp.save(state, checkpoint_id=url, storage_writer=writer, planner=planner, no_dist=not _distributed())
+            self._run_on_rank0(lambda: self._commit(store, step, marker))
+            log.info("saved step %s in %.1fs", location, time.perf_counter() - t0)
+            return location
+
+        groups = [self._group_for(f"{key}_{kind}") for key, kind, _, _ in parts]  # before any part starts
+        futures = []
+        for (key, kind, state, planner), group in zip(parts, groups):
+            writer, url = self._writer(store, step, key, kind)
+            fut = dcp.async_save(
+                state, checkpoint_id=url, storage_writer=writer, planner=planner, process_group=group,
+                no_dist=not _distributed(),
+            )
+            futures.append(fut.upload_completion if isinstance(fut, AsyncSaveResponse) else fut)
+        rank0 = _rank() == 0
+
+        def finish() -> str:
+            for fut in futures:
+                fut.result()
+            if rank0:  # every part's .metadata is committed once the coordinator's futures resolve
+                self._commit(store, step, marker)
+            return location
+
+        if self._finisher is None:
+            self._finisher = ThreadPoolExecutor(1, thread_name_prefix="dcp_s3-checkpointer")
+        self._pending = AsyncSave(location, self._finisher.submit(finish))
+        return self._pending
+
+    def wait(self) -> str | None:
+        """Wait for a pending asynchronous save (re-raising its failure); returns its location."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Wait for a pending save and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._finisher is not None:
+                self._finisher.shutdown(wait=True)
+                self._finisher = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _clear(self, store: Store, step: str) -> None:
+        """Rank 0, before a save: remove whatever a crashed or earlier save left at this step."""
+        found = [s for s in scan(store.list_objects(f"{step}.")) if s.name == step and s.kind == "step"]
+        for old in found:
+            log.warning(
+                "replacing the %s step at %s (%d objects)",
+                "complete" if old.complete else "incomplete", store.url(step), len(old.objects),
+            )
+            delete_step(store, old)
+        if not found:
+            for upload in store.uploads(f"{step}."):
+                store.abort(upload)
+
+    def _commit(self, store: Store, step: str, marker: bytes) -> None:
+        """Rank 0, after every part committed: write the marker, then apply ``keep_last``."""
+        store.write(step + MARKER_SUFFIX, marker)
+        if self.keep_last is None:
+            return
+        try:
+            self._retain(keep=store.url(step))
+        except (DcpS3Error, OSError) as exc:
+            log.warning("keep_last=%d: could not delete old steps under %s: %s", self.keep_last, self.save_dir, exc)
+
+    def _retain(self, keep: str) -> None:
+        assert self.keep_last is not None
+        # Single-file checkpoints (no parts) may be the user's own files: never deleted.
+        complete = ordered(s for s in complete_steps(scan(self.store.list_objects())) if s.parts)
+        kept = {s.name for s in complete[-self.keep_last :]}
+        for old in complete:
+            if old.name in kept or self.store.url(old.name) == keep:
+                continue
+            n = delete_step(self.store, old)
+            log.info("keep_last=%d: deleted step %s (%d objects)", self.keep_last, self.store.url(old.name), n)
+
+    # -- load ---------------------------------------------------------------------------------------
+    def load(
+        self,
+        model_dict: Mapping[str, nn.Module],
+        optimizer_dict: Mapping[str, torch.optim.Optimizer] | None = None,
+        scheduler_dict: Mapping[str, Any] | None = None,
+        grad_scaler: Any = None,
+        callbacks: Any = None,
+        path: str | os.PathLike[str] | None = None,
+        allow_missing_optim: bool = False,
+    ) -> int:
+        """Restore a step; returns its iteration (0, loading nothing, if ``path`` is None and no step is complete).
+
+        ``path=None`` takes the newest complete step under ``save_dir``; ``path`` may name a
+        step (``.../0000100``), its marker (``.../0000100.pth``) or a legacy single-file
+        checkpoint. Ranks whose model is entirely on the meta device take part with empty
+        plans and keep their meta tensors. A missing optimizer checkpoint raises
+        ``CheckpointNotFoundError`` unless ``allow_missing_optim`` (or env
+        ``DCP_S3_ALLOW_MISSING_OPTIM=1``); an optimizer checkpoint whose entries do not match
+        the optimizer is skipped with a warning. Either way the optimizer keeps fresh state.
+        """
+        self.wait()
+        _check_dicts(model_dict, optimizer_dict)
+        allow_missing_optim = allow_missing_optim or os.environ.get(ALLOW_MISSING_OPTIM_ENV, "") in ("1", "true", "yes")
+        optim_keys = sorted(optimizer_dict or {})
+        plan = self._run_on_rank0(lambda: self._plan_load(path, list(model_dict), optim_keys, allow_missing_optim))
+        if plan is None:
+            log.info("no complete checkpoint under %s: starting from scratch", self.save_dir)
+            return 0
+        store = self._store(plan["root"])
+        step: str = plan["step"]
+        marker = _torch_load(store.read(plan["marker"]), store.url(plan["marker"]))
+        t0 = time.perf_counter()
+        if plan["legacy"]:
+            iteration = self._load_legacy(marker, store.url(plan["marker"]), model_dict, optimizer_dict,
+                                          allow_missing_optim)
+        else:
+            for key, model in model_dict.items():
+                self._load_model(store, step, key, model)
+            for key, status in plan["optim"].items():
+                if status == "missing":
+                    name = part_name(step, key, "optim")
+                    _warn(f"optimizer checkpoint {store.url(name)} is missing; {key!r} continues with fresh state")
+                    continue
+                self._load_optim(store, step, key, model_dict[key], (optimizer_dict or {}).get(key))
+            iteration = int(marker.get("iteration", 0))
+        _restore(scheduler_dict, marker.get("scheduler"), "scheduler_dict")
+        _restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")
+        _restore(callbacks, marker.get("callbacks"), "callbacks")
+        log.info("loaded step %s (iteration %d) in %.1fs", store.url(step), iteration, time.perf_counter() - t0)
+        return iteration
+
+    def _plan_load(
+        self, path: str | os.PathLike[str] | None, model_keys: list[str], optim_keys: list[str], allow_missing: bool
+    ) -> dict[str, Any] | None:
+        """Rank 0: find the step, read its marker, check that its parts exist."""
+        if path is None:
+            store: Store = self.store
+            found = latest_complete(scan(store.list_objects()))
+            if found is None:
+                return None
+            step = found.name
+        else:
+            store, step = self._object(path)
+            if step.endswith(MARKER_SUFFIX):
+                step = step[: -len(MARKER_SUFFIX)]
+        marker_name = step + MARKER_SUFFIX
+        if path is not None and store.size(marker_name) is None and store.size(step) is not None:
+            marker_name = step  # a legacy single file under another name (model.pt)
+        if store.size(marker_name) is None:
+            partial = [s for s in scan(store.list_objects(f"{step}.")) if s.name == step]
+            why = "the save did not complete (no marker)" if partial else "nothing is saved there"
+            raise CheckpointNotFoundError(f"no complete checkpoint at {store.url(step)}: {why}")
+        marker = _torch_load(store.read(marker_name), store.url(marker_name))
+        if not isinstance(marker, dict):
+            raise CheckpointFormatError(f"{store.url(marker_name)} holds a {type(marker).__name__}, not a checkpoint")
+        legacy = marker.get("format") != MARKER_FORMAT
+        plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {}}
+        if legacy:
+            if "model" not in marker:
+                raise CheckpointFormatError(
+                    f"{store.url(marker_name)} is neither a dcp_s3 step marker "
+                    "nor a legacy checkpoint with a 'model' entry"
+                )
+            return plan
+        for key in model_keys:
+            name = part_name(step, key, "model")
+            if not _committed(store, name):
+                raise CheckpointNotFoundError(f"model checkpoint {store.url(name)} is missing or incomplete")
+        for key in optim_keys:
+            name = part_name(step, key, "optim")
+            if _committed(store, name):
+                plan["optim"][key] = "load"
+            elif allow_missing:
+                plan["optim"][key] = "missing"
+            else:
+                raise CheckpointNotFoundError(
+                    f"optimizer checkpoint {store.url(name)} is missing; pass allow_missing_optim=True "
+                    f"(or set {ALLOW_MISSING_OPTIM_ENV}=1) to continue with fresh optimizer state"
+                )
+        return plan
+
+    def _load_model(self, store: Store, step: str, key: str, model: nn.Module) -> None:
+        reader = self._reader(store, step, key, "model")
+        if _on_meta(model):
+            # All collectives, no reads: the planner gives this rank an empty plan.
+            dcp.load(model.state_dict(), storage_reader=reader, planner=TrainableOnlyLoadPlanner(model),
+                     no_dist=not _distributed())
+            return
+        state = get_model_state_dict(model)
+        dcp.load(state, storage_reader=reader, planner=TrainableOnlyLoadPlanner(model), no_dist=not _distributed())
+        set_model_state_dict(model, state)
+
+    def _load_optim(
+        self, store: Store, step: str, key: str, model: nn.Module, optim: torch.optim.Optimizer | None
+    ) -> None:
+        name = part_name(step, key, "optim")
+        reader = self._reader(store, step, key, "optim")
+        state: dict[str, Any] = {}
+        problem: str | None = None
+        if optim is not None and not _on_meta(model):
+            state = get_optimizer_state_dict(model, optim)  # initializes fresh state, so DTensor state loads
+            problem = _optim_mismatch(state, reader.read_metadata())
+        problems = [p for p in self._gather(problem) if p]
+        if problems:
+            _warn(f"optimizer checkpoint {store.url(name)} does not match the optimizer ({problems[0]}); "
+                  "continuing with fresh optimizer state")
+            return
+        dcp.load(state, storage_reader=self._reader(store, step, key, "optim"),
+                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=not _distributed())
+        if state and optim is not None:
+            set_optimizer_state_dict(model, optim, state)
+
+    def _load_legacy(
+        self,
+        marker: dict[str, Any],
+        where: str,
+        model_dict: Mapping[str, nn.Module],
+        optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
+        allow_missing_optim: bool,
+    ) -> int:
+        """A single-file ``{"model": ..., "optimizer": ..., "iteration": ...}`` checkpoint (every rank reads it)."""
+        models, optims = marker["model"], marker.get("optimizer")
+        single = len(model_dict) == 1
+        for key, model in model_dict.items():
+            msd = models if single else models.get(key)
+            if msd is None:
+                raise CheckpointFormatError(f"legacy checkpoint {where} has no model state for {key!r}")
+            if not _on_meta(model):
+                result = set_model_state_dict(model, msd, options=StateDictOptions(full_state_dict=True, strict=False))
+                if result is not None and (result.missing_keys or result.unexpected_keys):
+                    log.warning("legacy checkpoint %s: %d missing, %d unexpected model keys (loaded non-strict)",
+                                where, len(result.missing_keys), len(result.unexpected_keys))
+            optim = (optimizer_dict or {}).get(key)
+            if optim is None or _on_meta(model):
+                continue
+            osd = optims if single or optims is None else optims.get(key)
+            if osd is None:
+                if not allow_missing_optim:
+                    raise CheckpointNotFoundError(
+                        f"legacy checkpoint {where} has no optimizer state; pass allow_missing_optim=True "
+                        f"(or set {ALLOW_MISSING_OPTIM_ENV}=1) to continue with fresh optimizer state"
+                    )
+                _warn(f"legacy checkpoint {where} has no optimizer state; {key!r} continues with fresh state")
+                continue
+            try:
+                if all(isinstance(k, int) for k in osd.get("state", {})) and not _sharded(model):
+                    optim.load_state_dict(osd)
+                else:
+                    set_optimizer_state_dict(model, optim, osd, options=StateDictOptions(full_state_dict=True))
+            except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+                _warn(f"legacy checkpoint {where}: optimizer state does not match ({exc}); "
+                      "continuing with fresh optimizer state")
+        return int(marker.get("iteration", 0))
+
+    # -- locations and rank coordination -------------------------------------------------------------
+    def _store(self, root: str) -> Store:
+        if root not in self._stores:
+            self._stores[root] = open_store(root, **self.storage_options)
+        return self._stores[root]
+
+    def _object(self, path: str | os.PathLike[str]) -> tuple[Store, str]:
+        store, name = open_object(path, **self.storage_options)
+        return self._stores.setdefault(store.url(), store), name
+
+    def _locate(self, path: str | os.PathLike[str] | None, iteration: int) -> tuple[Store, str]:
+        if path is None:
+            return self.store, f"{int(iteration):07d}"
+        store, name = self._object(path)
+        if name.endswith(MARKER_SUFFIX):
+            name = name[: -len(MARKER_SUFFIX)]
+        if not name:
+            raise ConfigError(f"path={os.fspath(path)!r} names no step")
+        return store, name
+
+    def _writer(self, store: Store, step: str, key: str, kind: str) -> tuple[Any, str]:
+        """(the reusable writer of this part, the part's location to pass as ``checkpoint_id``)."""
+        name = part_name(step, key, kind)
+        cache = (store.url(), key, kind)
+        if cache not in self._writers:
+            self._writers[cache] = store.writer(name)
+        return self._writers[cache], store.url(name)
+
+    def _reader(self, store: Store, step: str, key: str, kind: str) -> Any:
+        """The reusable reader of this part, pointed at ``step``."""
+        name = part_name(step, key, kind)
+        cache = (store.url(), key, kind)
+        if cache not in self._readers:
+            self._readers[cache] = store.reader(name)
+        reader = self._readers[cache]
+        reader.reset(store.url(name))
+        return reader
+
+    def _control_group(self) -> Any:
+        """The group for small object collectives: the default one if it has a CPU backend, else gloo."""
+        if not self._control_ready:
+            default = dist.distributed_c10d._get_default_group()
+            if torch.device("cpu") not in default._device_types:
+                self._control = dist.new_group(backend="gloo")
+            self._control_ready = True
+        return self._control
+
+    def _group_for(self, part: str) -> Any:
+        """A gloo group per part name for ``async_save`` (concurrent saves must not share a group)."""
+        if not _distributed():
+            return None
+        key = part.split(".", 1)[1] if "." in part else part
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(backend="gloo")
+        return self._groups[key]
+
+    def _run_on_rank0(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 and hand its result, or its error, to every rank."""
+        result: Any = None
+        error: BaseException | None = None
+        if _rank() == 0:
+            try:
+                result = fn()
+            except Exception as exc:
+                error = exc
+        if _distributed():
+            box = [(result, _picklable(error))]
+            dist.broadcast_object_list(box, src=0, group=self._control_group())
+            result, error = box[0]
+        if error is not None:
+            raise error
+        return result  # type: ignore[no-any-return]
+
+    def _gather(self, value: Any) -> list[Any]:
+        if not _distributed():
+            return [value]
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value, group=self._control_group())
+        return out
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _picklable(error: BaseException | None) -> BaseException | None:
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return DcpS3Error(f"on rank 0: {type(error).__name__}: {error}")
+
+
+def _warn(message: str) -> None:
+    log.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _check_dicts(model_dict: Mapping[str, Any], optimizer_dict: Mapping[str, Any] | None) -> None:
+    if not isinstance(model_dict, Mapping) or not model_dict:
+        raise TypeError("model_dict must be a non-empty dict of name -> nn.Module")
+    for key, model in model_dict.items():
+        if not isinstance(key, str) or not key or "." in key or "/" in key:
+            raise ValueError(f"model_dict key {key!r} must be a non-empty string without '.' or '/'")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model_dict[{key!r}] is a {type(model).__name__}, not an nn.Module")
+    extra = sorted(set(optimizer_dict or {}) - set(model_dict))
+    if extra:
+        raise ValueError(f"optimizer_dict keys {extra} are not in model_dict (it maps the same names)")
+
+
+def _committed(store: Store, part: str) -> bool:
+    return store.size(f"{part}/.metadata") is not None
+
+
+def _on_meta(model: nn.Module) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and all(t.is_meta for t in tensors)
+
+
+def _sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _marker_bytes(obj: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _state_of(obj: Any) -> Any:
+    """``state_dict()`` of an object, or of each value of a dict / item of a list."""
+    if obj is None:
+        return None
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    if isinstance(obj, Mapping):
+        return {k: _state_of(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_state_of(v) for v in obj]
+    raise TypeError(f"cannot save a {type(obj).__name__}: it has no state_dict()")
+
+
+def _restore(obj: Any, state: Any, what: str) -> None:
+    if obj is None:
+        return
+    if state is None:
+        _warn(f"the checkpoint has no {what} state; {what} keeps its current state")
+        return
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(state)
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            if isinstance(state, Mapping) and key in state:
+                _restore(value, state[key], f"{what}[{key!r}]")
+            else:
+                _warn(f"the checkpoint has no {what}[{key!r}] state; it keeps its current state")
+    elif isinstance(obj, (list, tuple)):
+        if not isinstance(state, (list, tuple)) or len(state) != len(obj):
+            raise CheckpointFormatError(f"the checkpoint's {what} state does not match: expected {len(obj)} entries")
+        for i, (value, sub) in enumerate(zip(obj, state)):
+            _restore(value, sub, f"{what}[{i}]")
+    else:
+        raise TypeError(f"cannot restore a {type(obj).__name__}: it has no load_state_dict()")
+
+
+def _optim_mismatch(state: dict[str, Any], metadata: Metadata) -> str | None:
+    """Why the optimizer's ``state.*`` entries do not fit the checkpoint's, or None if they do.
+
+    Hyper-parameter entries (``param_groups.*``) are not compared: a torch release that adds
+    an option must not make old checkpoints unloadable; missing ones keep their current values.
+    """
+    flat, _ = flatten_state_dict(state)
+    stored = metadata.state_dict_metadata
+    mine = {k for k in flat if k.startswith("state.")}
+    theirs = {k for k in stored if k.startswith("state.")}
+    if mine - theirs:
+        return f"{len(mine - theirs)} entries missing from the checkpoint, e.g. {min(mine - theirs)!r}"
+    if theirs - mine:
+        return f"{len(theirs - mine)} unexpected entries in the checkpoint, e.g. {min(theirs - mine)!r}"
+    for key in sorted(mine):
+        value, md = flat[key], stored[key]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(md, TensorStorageMetadata):
+                return f"{key!r} is a tensor but the checkpoint stores an object"
+            if tuple(value.shape) != tuple(md.size):
+                return f"{key!r} has shape {tuple(value.shape)}, the checkpoint {tuple(md.size)}"
+        elif not isinstance(md, BytesStorageMetadata):
+            return f"{key!r} is an object but the checkpoint stores a tensor"
+    return None

@@ -1,0 +1,145 @@
+"""The on-store layout of the checkpoint manager, and how to find steps in a listing.
+
+A *step* saved by :class:`dcp_s3.checkpointer.Checkpointer` under a root is::
+
+    <root>/<step>.<key>_model/   DCP checkpoint of model_dict[key]   (.metadata + __*_*.distcp)
+    <root>/<step>.<key>_optim/   DCP checkpoint of optimizer_dict[key]
+    <root>/<step>.pth            torch.save of iteration, scheduler/scaler/callback state:
+                                 written by rank 0 LAST, so it marks a complete step
+
+Steps are recognized at any depth below the root (``run1/0000100`` when listing a bucket).
+
+``<step>`` defaults to ``{iteration:07d}``. A lone ``<step>.pth`` without parts is a
+legacy single-file checkpoint (``{"model": ..., "optimizer": ..., "iteration": ...}``).
+Any other directory that directly holds ``.metadata`` or ``*.distcp`` objects is a plain
+DCP checkpoint. Nothing here knows about S3 or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .layout import METADATA_KEY
+from .store import Entry
+
+__all__ = [
+    "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "latest_complete", "part_name",
+]
+
+MARKER_SUFFIX = ".pth"
+#: Value of the marker's ``"format"`` entry (a legacy single-file checkpoint has none).
+MARKER_FORMAT = "dcp_s3.checkpointer/1"
+_PART_RE = re.compile(r"^(?P<step>.+)\.(?P<part>[^./]+_(?:model|optim))$")
+_DATA_SUFFIX = ".distcp"
+
+
+def part_name(step: str, key: str, kind: str) -> str:
+    """``<step>.<key>_<kind>``: the DCP checkpoint of one model (kind ``model``) or optimizer (``optim``)."""
+    return f"{step}.{key}_{kind}"
+
+
+@dataclass
+class Part:
+    """One DCP checkpoint: a directory of objects, committed once its ``.metadata`` exists."""
+
+    name: str  # relative to the root: "0000100.model_model", or "a/b" for a plain DCP checkpoint
+    objects: list[Entry] = field(default_factory=list)
+
+    @property
+    def committed(self) -> bool:
+        return any(o.name == _meta(self.name) for o in self.objects)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+
+@dataclass
+class Step:
+    """A step of the manager (``kind="step"``) or a plain DCP checkpoint (``kind="dcp"``)."""
+
+    name: str
+    kind: str
+    marker: Entry | None = None
+    parts: dict[str, Part] = field(default_factory=dict)  # by part suffix ("model_model") or "" for dcp
+
+    @property
+    def objects(self) -> list[Entry]:
+        objs = [o for p in self.parts.values() for o in p.objects]
+        return objs + ([self.marker] if self.marker is not None else [])
+
+    @property
+    def complete(self) -> bool:
+        """Marker present and every part committed (a plain DCP checkpoint: ``.metadata`` present)."""
+        if self.kind == "dcp":
+            return all(p.committed for p in self.parts.values())
+        return self.marker is not None and all(p.committed for p in self.parts.values())
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(o.size for o in self.objects)
+
+    @property
+    def mtime(self) -> float:
+        """When the marker was written; else when the newest object was."""
+        if self.marker is not None:
+            return self.marker.mtime
+        return max((o.mtime for o in self.objects), default=0.0)
+
+    @property
+    def iteration(self) -> int | None:
+        return int(self.name) if self.name.isdigit() else None
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}/{b}" if a else b
+
+
+def _meta(part: str) -> str:
+    return f"{part}/{METADATA_KEY}" if part else METADATA_KEY
+
+
+def scan(entries: Iterable[Entry]) -> list[Step]:
+    """Group a recursive listing (names relative to the root) into steps and DCP checkpoints."""
+    steps: dict[str, Step] = {}
+    loose: dict[str, list[Entry]] = {}
+    for entry in entries:
+        directory, _, base = entry.name.rpartition("/")
+        parent, _, last = directory.rpartition("/")
+        match = _PART_RE.match(last) if directory else None
+        if match:
+            name = _join(parent, match["step"])
+            step = steps.setdefault(name, Step(name, "step"))
+            step.parts.setdefault(match["part"], Part(directory)).objects.append(entry)
+        elif base.endswith(MARKER_SUFFIX) and len(base) > len(MARKER_SUFFIX):
+            name = entry.name[: -len(MARKER_SUFFIX)]
+            steps.setdefault(name, Step(name, "step")).marker = entry
+        else:
+            loose.setdefault(directory, []).append(entry)
+    out = list(steps.values())
+    for directory, objs in loose.items():
+        names = {o.name.rpartition("/")[2] for o in objs}
+        if METADATA_KEY in names or any(n.endswith(_DATA_SUFFIX) for n in names):
+            out.append(Step(directory, "dcp", parts={"": Part(directory, objs)}))
+    return ordered(out)
+
+
+def ordered(steps: Iterable[Step]) -> list[Step]:
+    """Oldest first: by iteration number when every name is a number, else by marker time."""
+    steps = list(steps)
+    if steps and all(s.iteration is not None for s in steps):
+        return sorted(steps, key=lambda s: (s.iteration, s.name))
+    return sorted(steps, key=lambda s: (s.mtime, s.name))
+
+
+def complete_steps(steps: Iterable[Step]) -> list[Step]:
+    """Complete manager steps directly under the root (not nested, not plain DCP checkpoints), oldest first."""
+    return ordered(s for s in steps if s.kind == "step" and s.complete and "/" not in s.name)
+
+
+def latest_complete(steps: Iterable[Step]) -> Step | None:
+    """The newest complete manager step directly under the root."""
+    done = complete_steps(steps)
+    return done[-1] if done else None

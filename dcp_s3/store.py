@@ -1,0 +1,407 @@
+"""One interface over a checkpoint root on S3 (``s3://bucket/prefix``) or on local disk.
+
+The checkpoint manager and the ``dcp-s3`` tools work on *objects* named relative to a
+root: list (recursively, by name prefix), read, read byte ranges, write (atomically),
+delete, and make a DCP ``StorageWriter``/``StorageReader`` for a sub-location. On S3 the
+writer/reader are ``S3StorageWriter``/``S3StorageReader``; on disk torch's
+``FileSystemWriter``/``FileSystemReader``. Names always use ``/``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from .config import ClientConfig, S3Uri, parse_s3_uri
+from .errors import CheckpointNotFoundError, ConfigError, DcpS3Error, InvalidCheckpointIdError
+from .reader import S3StorageReader
+from .transfer import RangeRead, S3Transport, translate_error
+from .writer import S3StorageWriter
+
+__all__ = ["Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "open_object", "split_storage_options"]
+
+#: Options that choose the S3 client (the rest tune the writer/reader).
+_CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile")
+_IO_THREADS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One stored object: ``name`` relative to the store root, size in bytes, modification time (epoch s)."""
+
+    name: str
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """A multipart upload that was started and neither completed nor aborted (S3 only)."""
+
+    name: str
+    upload_id: str
+    initiated: float
+
+
+def _option_names(cls: type) -> set[str]:
+    params = inspect.signature(cls).parameters
+    return {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def split_storage_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split S3 storage options into (``S3StorageWriter`` kwargs, ``S3StorageReader`` kwargs).
+
+    Raises ``ConfigError`` naming any option neither class accepts.
+    """
+    writer_names, reader_names = _option_names(S3StorageWriter), _option_names(S3StorageReader)
+    unknown = sorted(set(options) - writer_names - reader_names)
+    if unknown:
+        raise ConfigError(
+            f"unknown storage option(s) {unknown}; S3 locations accept {sorted(writer_names | reader_names)}"
+        )
+    writer = {k: v for k, v in options.items() if k in writer_names}
+    reader = {k: v for k, v in options.items() if k in reader_names}
+    return writer, reader
+
+
+class Store(Protocol):
+    """Objects under one root location; names are relative to the root and use ``/``."""
+
+    root: str
+
+    def url(self, name: str = "") -> str:
+        """The location of ``name`` as a user would write it (``s3://...`` or a path)."""
+        ...
+
+    def list_objects(self, prefix: str = "") -> list[Entry]:
+        """Every object whose relative name starts with ``prefix`` (a plain string prefix)."""
+        ...
+
+    def read(self, name: str) -> bytes:
+        """The whole object; ``CheckpointNotFoundError`` if it does not exist."""
+        ...
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Bytes ``[start, end)`` of ``name`` for each range (fetched concurrently on S3)."""
+        ...
+
+    def size(self, name: str) -> int | None:
+        """The object's size, or None if it does not exist."""
+        ...
+
+    def write(self, name: str, data: bytes) -> None:
+        """Create or replace ``name`` atomically (readers see the old or the new bytes)."""
+        ...
+
+    def delete(self, names: Iterable[str]) -> None:
+        """Delete objects (missing ones are ignored)."""
+        ...
+
+    def writer(self, name: str) -> StorageWriter:
+        """A DCP storage writer for the checkpoint at ``name``."""
+        ...
+
+    def reader(self, name: str) -> StorageReader:
+        """A DCP storage reader for the checkpoint at ``name``."""
+        ...
+
+    def uploads(self, prefix: str = "") -> list[Upload]:
+        """Unfinished multipart uploads under ``prefix`` (always empty on disk)."""
+        ...
+
+    def abort(self, upload: Upload) -> None:
+        """Abort an unfinished multipart upload."""
+        ...
+
+    def download(self, name: str, path: str) -> None:
+        """Copy object ``name`` to the local file ``path``."""
+        ...
+
+    def upload(self, path: str, name: str) -> None:
+        """Copy the local file ``path`` to object ``name``."""
+        ...
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}/{b}" if a and b else a or b
+
+
+class S3Store:
+    """Objects under ``s3://bucket/prefix``."""
+
+    def __init__(self, uri: S3Uri, **options: Any) -> None:
+        self.uri = uri
+        self.root = str(uri).rstrip("/")
+        self._writer_options, self._reader_options = split_storage_options(options)
+        client_options = {k: options[k] for k in _CLIENT_OPTIONS if options.get(k) is not None}
+        self._client_config = ClientConfig(**client_options, max_pool_connections=_IO_THREADS + 2)
+        self.transport = S3Transport(self._client_config.client, uri.bucket)
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.root!r})"
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="dcp_s3-store")
+            return self._executor
+
+    def close(self) -> None:
+        with self._lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def key(self, name: str) -> str:
+        return _join(self.uri.key, name)
+
+    def url(self, name: str = "") -> str:
+        return f"s3://{self.uri.bucket}/{self.key(name)}".rstrip("/")
+
+    def _rel(self, key: str) -> str:
+        return key[len(self.uri.key) + 1 :] if self.uri.key else key
+
+    def list_objects(self, prefix: str = "") -> list[Entry]:
+        # The root is a "directory": list "key/" so that "run" does not match "run2/...".
+        full = self.key(prefix) if prefix else (self.uri.key + "/" if self.uri.key else "")
+        return [
+            Entry(self._rel(o["Key"]), int(o["Size"]), o["LastModified"].timestamp())
+            for o in self.transport.list_objects(full)
+            if not o["Key"].endswith("/")
+        ]
+
+    def read(self, name: str) -> bytes:
+        return self.transport.get_object(self.key(name))
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        bufs = [bytearray(end - start) for start, end in ranges]
+        reads = [
+            RangeRead(self.key(name), start, end, _opener(buf))
+            for (start, end), buf in zip(ranges, bufs)
+            if end > start
+        ]
+        self.transport.read_ranges(reads, executor=self._pool(), max_gap=1 << 20, max_size=16 << 20)
+        return [bytes(b) for b in bufs]
+
+    def size(self, name: str) -> int | None:
+        head = self.transport.head_object(self.key(name))
+        return None if head is None else int(head["ContentLength"])
+
+    def write(self, name: str, data: bytes) -> None:
+        self.transport.put_object(self.key(name), data)  # one PUT: atomic on S3
+
+    def delete(self, names: Iterable[str]) -> None:
+        keys = [self.key(n) for n in names]
+        if len(keys) == 1:
+            self.transport.delete_object(keys[0])
+        for start in range(0, len(keys) if len(keys) > 1 else 0, 1000):  # DeleteObjects takes up to 1000 keys
+            batch = keys[start : start + 1000]
+            try:
+                resp = self.transport.client.delete_objects(
+                    Bucket=self.uri.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
+            except Exception as exc:
+                raise translate_error(exc, "DELETE", self.uri.bucket, batch[0]) from exc
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise DcpS3Error(
+                    f"DELETE s3://{self.uri.bucket}/{first.get('Key')} failed: {first.get('Code')}: "
+                    f"{first.get('Message')} ({len(errors)} of {len(batch)} keys failed)"
+                )
+
+    def writer(self, name: str) -> StorageWriter:
+        return S3StorageWriter(self.url(name), **self._writer_options)
+
+    def reader(self, name: str) -> StorageReader:
+        return S3StorageReader(self.url(name), **self._reader_options)
+
+    def uploads(self, prefix: str = "") -> list[Upload]:
+        full = self.key(prefix) if prefix else (self.uri.key + "/" if self.uri.key else "")
+        return [
+            Upload(self._rel(u["Key"]), u["UploadId"], u["Initiated"].timestamp())
+            for u in self.transport.list_multipart_uploads(full)
+        ]
+
+    def abort(self, upload: Upload) -> None:
+        self.transport.abort_multipart_upload(self.key(upload.name), upload.upload_id)
+
+    def download(self, name: str, path: str) -> None:
+        key = self.key(name)
+        try:
+            self.transport.client.download_file(self.uri.bucket, key, path)
+        except Exception as exc:
+            raise translate_error(exc, "GET", self.uri.bucket, key) from exc
+
+    def upload(self, path: str, name: str) -> None:
+        key = self.key(name)
+        try:
+            self.transport.client.upload_file(path, self.uri.bucket, key)
+        except Exception as exc:
+            raise translate_error(exc, "PUT", self.uri.bucket, key) from exc
+
+
+def _opener(buf: bytearray) -> Callable[[], memoryview]:
+    return lambda: memoryview(buf)
+
+
+class LocalStore:
+    """Files under a local directory (which need not exist yet)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.root!r})"
+
+    def close(self) -> None:
+        pass
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, *name.split("/")) if name else self.root
+
+    def url(self, name: str = "") -> str:
+        return self.path(name)
+
+    def list_objects(self, prefix: str = "") -> list[Entry]:
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = self.path(base)
+        out: list[Entry] = []
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            for fn in sorted(filenames):
+                name = fn if rel_dir == "." else f"{rel_dir}/{fn}"
+                if not name.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, fn))
+                except FileNotFoundError:  # removed while listing
+                    continue
+                out.append(Entry(name, st.st_size, st.st_mtime))
+        return out
+
+    def read(self, name: str) -> bytes:
+        try:
+            with open(self.path(name), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path(name)} does not exist") from None
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        out = []
+        try:
+            with open(self.path(name), "rb") as f:
+                for start, end in ranges:
+                    f.seek(start)
+                    data = f.read(end - start)
+                    if len(data) != end - start:
+                        raise CheckpointNotFoundError(
+                            f"{self.path(name)}: bytes {start}-{end} requested, file ends at {start + len(data)}"
+                        )
+                    out.append(data)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path(name)} does not exist") from None
+        return out
+
+    def size(self, name: str) -> int | None:
+        try:
+            return os.stat(self.path(name)).st_size
+        except FileNotFoundError:
+            return None
+
+    def write(self, name: str, data: bytes) -> None:
+        target = self.path(name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)  # atomic on POSIX
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def delete(self, names: Iterable[str]) -> None:
+        dirs = set()
+        for name in names:
+            try:
+                os.unlink(self.path(name))
+            except FileNotFoundError:
+                pass
+            if "/" in name:
+                dirs.add(os.path.dirname(self.path(name)))
+        # Remove directories left empty (deepest first), never the root.
+        for d in sorted(dirs, key=len, reverse=True):
+            while d.startswith(self.root + os.sep):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+                d = os.path.dirname(d)
+
+    def writer(self, name: str) -> StorageWriter:
+        return FileSystemWriter(self.path(name))
+
+    def reader(self, name: str) -> StorageReader:
+        return FileSystemReader(self.path(name))
+
+    def uploads(self, prefix: str = "") -> list[Upload]:
+        return []
+
+    def abort(self, upload: Upload) -> None:  # pragma: no cover - nothing to abort on disk
+        raise DcpS3Error("local directories have no multipart uploads")
+
+    def download(self, name: str, path: str) -> None:
+        try:
+            shutil.copyfile(self.path(name), path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path(name)} does not exist") from None
+
+    def upload(self, path: str, name: str) -> None:
+        target = self.path(name)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(path, target)
+
+
+def open_store(location: str | os.PathLike[str], **storage_options: Any) -> S3Store | LocalStore:
+    """A store rooted at ``s3://bucket[/prefix]`` or at a local directory.
+
+    ``storage_options`` are ``S3StorageWriter``/``S3StorageReader`` keywords; they are
+    rejected (``ConfigError``) for local directories, where they would silently do nothing.
+    """
+    text = os.fspath(location)
+    if text.startswith("s3://"):
+        return S3Store(parse_s3_uri(text, require_key=False), **storage_options)
+    if "://" in text:
+        raise InvalidCheckpointIdError(f"{text!r}: unsupported scheme; expected s3://bucket/prefix or a local path")
+    given = sorted(k for k, v in storage_options.items() if v is not None)
+    if given:
+        raise ConfigError(f"storage options {given} apply to s3:// locations only, not to local path {text!r}")
+    return LocalStore(text)
+
+
+def open_object(location: str | os.PathLike[str], **storage_options: Any) -> tuple[S3Store | LocalStore, str]:
+    """(store of the parent location, object name) for one object/file location."""
+    text = os.fspath(location).rstrip("/")
+    if text.startswith("s3://"):
+        uri = parse_s3_uri(text)
+        parent, _, name = uri.key.rpartition("/")
+        return open_store(f"s3://{uri.bucket}/{parent}", **storage_options), name
+    parent, name = os.path.split(os.path.abspath(text))
+    return open_store(parent, **storage_options), name
