@@ -209,13 +209,17 @@ class S3StorageReader(StorageReader):
 
     def _plan_torch_load(self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]) -> None:
         """Items written by other writers: fetch the whole ``torch.save`` blob and load it."""
-        buf = bytearray(info.length)
+        state: dict[str, bytearray] = {}
+
+        def open_buffer() -> memoryview:  # allocated only while the request is in flight
+            state["buf"] = bytearray(info.length)
+            return memoryview(state["buf"])
 
         def done() -> None:
-            tensor = torch.load(io.BytesIO(buf), map_location="cpu", weights_only=True)
+            tensor = torch.load(io.BytesIO(state.pop("buf")), map_location="cpu", weights_only=True)
             dest.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
 
-        reads.append(RangeRead(key, info.offset, info.offset + info.length, lambda: memoryview(buf), done))
+        reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer, done))
 
     def _plan_raw(
         self, req: ReadItem, key: str, payload_start: int, info: Any, dest: torch.Tensor, reads: list[RangeRead]
