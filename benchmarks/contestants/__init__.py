@@ -1,0 +1,226 @@
+"""The contestants: each saves and loads a flat state dict through one storage path.
+
+Every DCP contestant runs through ``dcp.save``/``dcp.load`` with ``no_dist=True``
+and its library's defaults, except where noted (``sync_files=False`` for the
+object-store writers built on ``FileSystemWriter``: there is no file descriptor,
+and torch would otherwise call ``os.sync()`` for the whole machine).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Target", "Contestant", "CONTESTANTS", "get"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one measurement's checkpoint lives."""
+
+    bucket: str
+    prefix: str
+    endpoint_url: str
+    region: str
+    local_dir: str
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+@dataclass(frozen=True)
+class Contestant:
+    name: str
+    description: str
+    save: Callable[[dict[str, Any], Target], None]
+    load: Callable[[dict[str, Any], Target], None]
+    unavailable: Callable[[], str | None] = lambda: None  # a reason, or None when it can run
+    uses_s3: bool = True
+
+
+# -- dcp_s3 -------------------------------------------------------------------------------------
+def _dcp_s3_save(sd: dict[str, Any], t: Target, **opts: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_s3 import S3StorageWriter
+
+    w = S3StorageWriter(t.uri, endpoint_url=t.endpoint_url, region=t.region,
+                        **{k: v for k, v in opts.items() if k in ("part_size", "max_concurrency", "files_per_rank")})
+    dcp.save(sd, storage_writer=w, no_dist=True)
+
+
+def _dcp_s3_load(sd: dict[str, Any], t: Target, **opts: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_s3 import S3StorageReader
+
+    r = S3StorageReader(t.uri, endpoint_url=t.endpoint_url, region=t.region,
+                        **{k: v for k, v in opts.items() if k in ("max_concurrency", "max_range_size")})
+    dcp.load(sd, storage_reader=r, no_dist=True)
+
+
+def dcp_s3_variant(spec: str) -> Contestant:
+    """``dcp_s3`` with non-default options, e.g. ``dcp_s3:part_size_mib=8,max_concurrency=4``."""
+    _, _, rest = spec.partition(":")
+    opts: dict[str, Any] = {}
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition("=")
+        if k.endswith("_mib"):
+            opts[k[: -len("_mib")]] = int(float(v) * (1 << 20))
+        else:
+            opts[k] = int(v)
+
+    def save(sd: dict[str, Any], t: Target) -> None:
+        _dcp_s3_save(sd, t, **opts)
+
+    def load(sd: dict[str, Any], t: Target) -> None:
+        _dcp_s3_load(sd, t, **opts)
+
+    return Contestant(spec, f"dcp_s3 with options {opts}", save, load)
+
+
+# -- torch FsspecWriter/FsspecReader over s3fs ----------------------------------------------------
+def _fsspec_kwargs(t: Target) -> dict[str, Any]:
+    return {"endpoint_url": t.endpoint_url, "client_kwargs": {"region_name": t.region}}
+
+
+def _fsspec_save(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    dcp.save(sd, storage_writer=FsspecWriter(t.uri, sync_files=False, **_fsspec_kwargs(t)), no_dist=True)
+
+
+def _fsspec_load(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    dcp.load(sd, storage_reader=FsspecReader(t.uri, **_fsspec_kwargs(t)), no_dist=True)
+
+
+def _fsspec_unavailable() -> str | None:
+    try:
+        import s3fs  # noqa: F401
+    except ImportError as exc:
+        return f"s3fs is not installed ({exc}); pip install -r benchmarks/requirements.txt"
+    return None
+
+
+# -- AWS s3torchconnector -------------------------------------------------------------------------
+def _s3tc_config() -> Any:
+    from s3torchconnector import S3ClientConfig
+
+    return S3ClientConfig(force_path_style=True)
+
+
+def _s3tc_save(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+    from s3torchconnector.dcp import S3StorageWriter
+
+    # It takes no endpoint argument: the CRT client reads AWS_ENDPOINT_URL (set by the parent).
+    os.environ["AWS_ENDPOINT_URL"] = t.endpoint_url
+    w = S3StorageWriter(t.region, t.uri, s3client_config=_s3tc_config())
+    dcp.save(sd, storage_writer=w, no_dist=True)
+
+
+def _s3tc_load(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+    from s3torchconnector.dcp import S3StorageReader
+
+    os.environ["AWS_ENDPOINT_URL"] = t.endpoint_url
+    r = S3StorageReader(t.region, t.uri, s3client_config=_s3tc_config())
+    dcp.load(sd, storage_reader=r, no_dist=True)
+
+
+def _s3tc_unavailable() -> str | None:
+    try:
+        from s3torchconnector.dcp import S3StorageReader, S3StorageWriter  # noqa: F401
+    except Exception as exc:  # ImportError, or a native-library load failure
+        return f"s3torchconnector[dcp] is not usable here ({type(exc).__name__}: {exc})"
+    return None
+
+
+# -- the naive BytesIO backend ----------------------------------------------------------------------
+def _naive_kwargs(t: Target) -> dict[str, Any]:
+    return {"client_kwargs": {"endpoint_url": t.endpoint_url, "region_name": t.region}}
+
+
+def _naive_save(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from .naive import NaiveS3Writer
+
+    dcp.save(sd, storage_writer=NaiveS3Writer(t.uri, **_naive_kwargs(t)), no_dist=True)
+
+
+def _naive_load(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from .naive import NaiveS3Reader
+
+    dcp.load(sd, storage_reader=NaiveS3Reader(t.uri, **_naive_kwargs(t)), no_dist=True)
+
+
+# -- local disk reference ---------------------------------------------------------------------------
+def _local_save(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    dcp.save(sd, storage_writer=FileSystemWriter(t.local_dir), no_dist=True)
+
+
+def _local_load(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dcp.load(sd, storage_reader=FileSystemReader(t.local_dir), no_dist=True)
+
+
+# -- raw boto3 transfer ceiling ---------------------------------------------------------------------
+def _ceiling_save(sd: dict[str, Any], t: Target) -> None:
+    from . import ceiling
+
+    ceiling.save(sd, t.bucket, t.prefix)
+
+
+def _ceiling_load(sd: dict[str, Any], t: Target) -> None:
+    from . import ceiling
+
+    ceiling.load(sd, t.bucket, t.prefix)
+
+
+CONTESTANTS: dict[str, Contestant] = {
+    c.name: c
+    for c in [
+        Contestant("dcp_s3", "this project: streaming multipart upload from tensor memory (bounded part pool), "
+                   "concurrent coalesced ranged GETs into the destination tensors", _dcp_s3_save, _dcp_s3_load),
+        Contestant("fsspec_s3fs", "torch FsspecWriter/FsspecReader over s3fs (FileSystemWriter through fsspec "
+                   "file objects; sync_files=False)", _fsspec_save, _fsspec_load, _fsspec_unavailable),
+        Contestant("s3torchconnector", "AWS s3torchconnector DCP S3StorageWriter/S3StorageReader "
+                   "(Rust CRT client; endpoint from AWS_ENDPOINT_URL, path-style)", _s3tc_save, _s3tc_load,
+                   _s3tc_unavailable),
+        Contestant("naive", "FileSystemBase subclass buffering each whole file in a BytesIO, boto3 "
+                   "upload_fileobj on close, whole-object download_fileobj on read", _naive_save, _naive_load),
+        Contestant("dcp_s3_reads_naive", "cross-format check (not in the default set): saved by the naive "
+                   "FileSystemWriter backend (torch.save blobs without dcp_s3's payload offsets), loaded by "
+                   "dcp_s3's S3StorageReader", _naive_save, _dcp_s3_load),
+        Contestant("local_fs", "reference: torch FileSystemWriter/FileSystemReader on local disk "
+                   "(defaults: fsync on, 1 thread; loads come from the page cache)", _local_save, _local_load,
+                   uses_s3=False),
+        Contestant("boto3_ceiling", "transport ceiling: the same tensor bytes as one object via boto3 "
+                   "upload_fileobj/download_fileobj (16 MiB parts, 8 threads); partial = one ranged GET per "
+                   "tensor; no DCP", _ceiling_save, _ceiling_load),
+    ]
+}
+
+
+def get(name: str) -> Contestant:
+    if name.startswith("dcp_s3") and name not in CONTESTANTS:
+        return dcp_s3_variant(name)
+    try:
+        return CONTESTANTS[name]
+    except KeyError:
+        raise SystemExit(f"unknown contestant {name!r}; choose from {', '.join(CONTESTANTS)}") from None

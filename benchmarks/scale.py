@@ -1,0 +1,411 @@
+"""What a checkpoint costs at 8 to 16,384 ranks: a simulation, no server.
+
+    python -m benchmarks.scale                         # Llama-70B-like, FSDP over all ranks
+    python -m benchmarks.scale --model llama-7b --rank-gbps 0.5
+    python -m benchmarks.scale --ranks 8,64,512 --plan-max-ranks 512
+
+Model: FSDP2-style training state — every parameter, AdamW ``exp_avg`` and
+``exp_avg_sq`` sharded on dim 0 over all ranks (``torch.chunk`` rule, so small
+tensors leave trailing ranks with empty shards, which DCP still records), plus
+one replicated ``step`` scalar per parameter (deduplicated by DCP). ``--bytes-per-param``
+12 = fp32 param + two fp32 moments. dcp_s3 defaults: one data object per rank,
+16 MiB parts (doubled while an object would need more than 10,000), 16 MiB ranged
+GETs, ``.metadata`` written once.
+
+Columns, per checkpoint:
+* objects; save requests (PUT-class: PUT, CreateMultipartUpload, UploadPart,
+  Complete — S3 allows ~3,500/s per prefix) and load requests (GET-class:
+  ranged GETs plus one ``.metadata`` GET per rank — ~5,500/s per prefix); the rates
+  assume every rank moves data at ``--rank-gbps`` and all keys share one prefix
+  (DCP's layout); "min s" is the shortest save/load the per-prefix limit allows.
+* ``.metadata`` size: a real ``Metadata`` with dcp_s3's ``ItemLocation`` entries is
+  built and pickled while it has at most ``--metadata-max-entries`` chunks, and
+  extrapolated linearly in chunks beyond (marked ~). Every rank GETs it on load.
+* coordinator planning: torch's ``DefaultSavePlanner.create_global_plan`` timed on
+  synthetic per-rank ``SavePlan``s for up to ``--plan-max-ranks`` ranks, once per
+  distinct tensor shape (its cost depends on shape and rank count only) and summed
+  over the model's tensors; larger rank counts are extrapolated (marked ~).
+* request cost at S3 list prices: PUT-class $0.005 / 1,000, GET-class $0.0004 / 1,000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import pickle
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+
+PUT_LIMIT = 3500  # requests / s / prefix (S3 guidance)
+GET_LIMIT = 5500
+PUT_PRICE = 0.005 / 1000  # $ per request, S3 Standard list price
+GET_PRICE = 0.0004 / 1000
+MAX_PARTS = 10_000
+MiB = common.MiB
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    d: int
+    layers: int
+    ffn: int
+    vocab: int
+    kv: int  # k/v projection output width (GQA)
+
+    def params(self) -> list[tuple[str, tuple[int, ...]]]:
+        out: list[tuple[str, tuple[int, ...]]] = [("embed_tokens.weight", (self.vocab, self.d))]
+        for i in range(self.layers):
+            p = f"layers.{i}."
+            out += [
+                (p + "self_attn.q_proj.weight", (self.d, self.d)),
+                (p + "self_attn.k_proj.weight", (self.kv, self.d)),
+                (p + "self_attn.v_proj.weight", (self.kv, self.d)),
+                (p + "self_attn.o_proj.weight", (self.d, self.d)),
+                (p + "mlp.gate_proj.weight", (self.ffn, self.d)),
+                (p + "mlp.up_proj.weight", (self.ffn, self.d)),
+                (p + "mlp.down_proj.weight", (self.d, self.ffn)),
+                (p + "input_layernorm.weight", (self.d,)),
+                (p + "post_attention_layernorm.weight", (self.d,)),
+            ]
+        out += [("norm.weight", (self.d,)), ("lm_head.weight", (self.vocab, self.d))]
+        return out
+
+
+MODELS = {
+    "llama-7b": ModelShape("llama-7b", 4096, 32, 11008, 32000, 4096),
+    "llama-70b": ModelShape("llama-70b", 8192, 80, 28672, 32000, 1024),
+    "llama-405b": ModelShape("llama-405b", 16384, 126, 53248, 128256, 1024),
+}
+
+
+def sharded_tensors(model: ModelShape) -> list[tuple[str, tuple[int, ...]]]:
+    """(fqn, global shape) of every dim-0-sharded tensor of the training state."""
+    out = []
+    for name, shape in model.params():
+        out.append((f"model.{name}", shape))
+        out.append((f"optim.state.{name}.exp_avg", shape))
+        out.append((f"optim.state.{name}.exp_avg_sq", shape))
+    return out
+
+
+def shard_rows(dim0: int, ranks: int, r: int) -> tuple[int, int]:
+    """(offset, rows) of rank ``r``'s shard under ``torch.chunk`` (FSDP2's rule)."""
+    c = -(-dim0 // ranks)
+    lo = min(r * c, dim0)
+    return lo, min(lo + c, dim0) - lo
+
+
+def fit_part(part: int, size: int) -> int:
+    while -(-size // part) > MAX_PARTS:
+        part *= 2
+    return part
+
+
+# ---------------------------------------------------------------------------------------------
+# .metadata
+# ---------------------------------------------------------------------------------------------
+def build_metadata(model: ModelShape, ranks: int) -> Any:
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+
+    from dcp_s3.layout import ItemLocation
+
+    props = TensorProperties(dtype=torch.float32)
+    sd_md: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    file_pos = [0] * ranks
+    header = 420  # torch.save zip header of one tensor, roughly
+    for fqn, shape in sharded_tensors(model):
+        row = math.prod(shape[1:]) * 4
+        chunks = []
+        for r in range(ranks):
+            off, rows = shard_rows(shape[0], ranks, r)
+            offsets = torch.Size([off] + [0] * (len(shape) - 1))
+            sizes = torch.Size([rows, *shape[1:]])
+            chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
+            length = header + rows * row + 200
+            storage[MetadataIndex(fqn, offsets, r)] = ItemLocation(
+                f"__{r}_0.distcp", file_pos[r], length, payload_offset=header)
+            file_pos[r] += length
+        sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(shape), chunks=chunks)
+    for name, _ in model.params():  # replicated AdamW step scalars: one copy each
+        fqn = f"optim.state.{name}.step"
+        sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size([]),
+                                           chunks=[ChunkStorageMetadata(torch.Size([]), torch.Size([]))])
+        storage[MetadataIndex(fqn, torch.Size([]), 0)] = ItemLocation("__0_0.distcp", file_pos[0], 600,
+                                                                        payload_offset=420)
+        file_pos[0] += 600
+    sd_md["optim.param_groups"] = BytesStorageMetadata()
+    storage[MetadataIndex("optim.param_groups")] = ItemLocation("__0_0.distcp", file_pos[0], 900)
+    planner_data = {fqn: tuple(fqn.split(".")) for fqn in sd_md}
+    return Metadata(state_dict_metadata=sd_md, planner_data=planner_data, storage_data=storage)
+
+
+def chunk_count(model: ModelShape, ranks: int) -> int:
+    return len(sharded_tensors(model)) * ranks + len(model.params()) + 1
+
+
+def measure_metadata(model: ModelShape, ranks_list: list[int], max_entries: int) -> dict[int, dict[str, Any]]:
+    from dcp_s3.layout import dump_metadata, load_metadata
+
+    out: dict[int, dict[str, Any]] = {}
+    per_entry: float | None = None
+    load_per_entry: float | None = None
+    for n in ranks_list:
+        entries = chunk_count(model, n)
+        if entries <= max_entries:
+            md = build_metadata(model, n)
+            blob = dump_metadata(md)
+            del md
+            gc.collect()
+            t0 = time.perf_counter()
+            load_metadata(blob, "s3://sim/.metadata")
+            load_s = time.perf_counter() - t0
+            per_entry, load_per_entry = len(blob) / entries, load_s / entries
+            out[n] = {"bytes": len(blob), "entries": entries, "load_s": load_s, "measured": True}
+            del blob
+            gc.collect()
+        else:
+            assert per_entry is not None and load_per_entry is not None, "raise --metadata-max-entries"
+            out[n] = {"bytes": per_entry * entries, "entries": entries, "load_s": load_per_entry * entries,
+                      "measured": False}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Coordinator planning
+# ---------------------------------------------------------------------------------------------
+def synthetic_plans(tensors: list[tuple[str, tuple[int, ...]]], ranks: int) -> list[Any]:
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    props = TensorProperties(dtype=torch.float32)
+    mappings = {fqn: tuple(fqn.split(".")) for fqn, _ in tensors}
+    plans = []
+    for r in range(ranks):
+        items = []
+        for fqn, shape in tensors:
+            off, rows = shard_rows(shape[0], ranks, r)
+            offsets = torch.Size([off] + [0] * (len(shape) - 1))
+            chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *shape[1:]]))
+            items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(shape))))
+        plans.append(SavePlan(items, planner_data=mappings))
+    return plans
+
+
+def time_global_plan(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, repeat: int = 2
+                     ) -> tuple[float, int]:
+    """Seconds of ``DefaultSavePlanner.create_global_plan`` (+ dcp_s3's prepare_global_plan naming) and
+    the pickled size of one rank's plan (what the coordinator gathers from every rank)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+    best = math.inf
+    plan_bytes = 0
+    for _ in range(repeat):  # best of ``repeat``: the machine is shared, the planner is deterministic
+        plans = synthetic_plans(tensors, ranks)
+        plan_bytes = len(pickle.dumps(plans[0], protocol=pickle.HIGHEST_PROTOCOL))
+        gc.collect()
+        gc.disable()
+        try:
+            t0 = time.perf_counter()
+            global_plan, _ = DefaultSavePlanner().create_global_plan(plans)
+            [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(global_plan)]
+            best = min(best, time.perf_counter() - t0)
+        finally:
+            gc.enable()
+        del plans, global_plan
+        gc.collect()
+    return best, plan_bytes
+
+
+def measure_planning(model: ModelShape, ranks_list: list[int], max_ranks: int, per_shape: int
+                     ) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Coordinator planning time for the whole model, per rank count.
+
+    The planner's cost per tensor depends on the tensor's shape and the rank count, not
+    on its name, so each distinct shape is timed once (``per_shape`` tensors of it, all
+    ranks' items) and multiplied by how many tensors have that shape; the merge of every
+    rank's ``planner_data`` (one dict per rank, all keys) is timed on its own. Rank counts
+    above ``max_ranks`` are extrapolated per shape with the growth exponent of the last
+    two measured counts.
+    """
+    from collections import ChainMap, Counter
+
+    tensors = sharded_tensors(model)
+    shapes = Counter(shape for _, shape in tensors)
+    mappings = {fqn: tuple(fqn.split(".")) for fqn, _ in tensors}
+    mappings.update({f"optim.state.{n}.step": ("optim", "state", n, "step") for n, _ in model.params()})
+    measured: dict[int, dict[tuple[int, ...], float]] = {}
+    item_bytes: dict[tuple[int, ...], float] = {}
+    merge_s: dict[int, float] = {}
+    for n in ranks_list:
+        if n > max_ranks:
+            continue
+        measured[n] = {}
+        for shape in shapes:
+            batch = [(f"t{i}", shape) for i in range(per_shape)]
+            secs, plan_bytes = time_global_plan(batch, n)
+            measured[n][shape] = secs / per_shape
+            item_bytes[shape] = plan_bytes / per_shape
+        t0 = time.perf_counter()
+        dict(ChainMap(*([mappings] * n)))
+        merge_s[n] = time.perf_counter() - t0
+    out: dict[int, dict[str, Any]] = {}
+    done = sorted(measured)
+    for n in ranks_list:
+        if n in measured:
+            per = measured[n]
+            merge = merge_s[n]
+            extrapolated = False
+        elif len(done) >= 2:
+            a, b = done[-2], done[-1]
+            per = {}
+            for shape in shapes:
+                ta, tb = measured[a][shape], measured[b][shape]
+                k = math.log(max(tb, 1e-9) / max(ta, 1e-9)) / math.log(b / a)
+                per[shape] = tb * (n / b) ** max(k, 1.0)
+            merge = merge_s[b] * n / b
+            extrapolated = True
+        else:
+            continue
+        total = sum(per[shape] * count for shape, count in shapes.items()) + merge
+        worst = max(shapes, key=lambda sh: per[sh] * shapes[sh])
+        out[n] = {"s": total, "extrapolated": extrapolated, "merge_s": merge,
+                  "per_shape_s": {str(sh): per[sh] for sh in shapes},
+                  "worst_shape": str(worst), "worst_share": per[worst] * shapes[worst] / total,
+                  "plan_bytes": sum(item_bytes[sh] * c for sh, c in shapes.items())}
+    notes = []
+    if len(done) >= 2:
+        first, a, b = done[0], done[-2], done[-1]
+        for shape in sorted(shapes, key=lambda sh: -measured[b][sh]):
+            t0, ta, tb = measured[first][shape], measured[a][shape], measured[b][shape]
+            k = math.log(max(tb, 1e-9) / max(ta, 1e-9)) / math.log(b / a)
+            notes.append(f"shape {shape} x{shapes[shape]} tensors: {1000 * t0:.1f} ms at {first} ranks, "
+                         f"{1000 * ta:.1f} ms at {a}, {1000 * tb:.1f} ms at {b} per tensor "
+                         f"(~ranks^{k:.2f} between the last two)")
+    return out, notes
+
+
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama-70b")
+    ap.add_argument("--bytes-per-param", type=float, default=12.0)
+    ap.add_argument("--ranks", default="8,32,128,512,1024,2048,4096,8192,16384")
+    ap.add_argument("--rank-gbps", type=float, default=0.25,
+                    help="assumed S3 throughput per rank, GB/s (0.25 = 2 GB/s per 8-GPU node)")
+    ap.add_argument("--part-mib", type=int, default=16)
+    ap.add_argument("--range-mib", type=int, default=16)
+    ap.add_argument("--files-per-rank", type=int, default=1)
+    ap.add_argument("--metadata-max-entries", type=int, default=300_000)
+    ap.add_argument("--plan-max-ranks", type=int, default=4096)
+    ap.add_argument("--plan-per-shape", type=int, default=2,
+                    help="tensors per distinct shape in each timed planning run")
+    ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "scale.json")
+    args = ap.parse_args(argv)
+
+    model = MODELS[args.model]
+    ranks_list = sorted({int(x) for x in args.ranks.split(",")})
+    n_params = sum(math.prod(s) for _, s in model.params())
+    total = n_params * args.bytes_per_param
+    print(f"{model.name}: {n_params / 1e9:.1f}B params, {len(sharded_tensors(model))} sharded tensors; "
+          f"checkpoint {total / 1e9:.0f} GB at {args.bytes_per_param:g} B/param; "
+          f"{args.rank_gbps:g} GB/s per rank; parts {args.part_mib} MiB, ranged GETs {args.range_mib} MiB", flush=True)
+
+    t0 = time.time()
+    print("building and pickling .metadata ...", flush=True)
+    meta = measure_metadata(model, ranks_list, args.metadata_max_entries)
+    print(f"  ({time.time() - t0:.0f} s) timing the coordinator's global plan ...", flush=True)
+    plan, plan_notes = measure_planning(model, ranks_list, args.plan_max_ranks, args.plan_per_shape)
+    print(f"  ({time.time() - t0:.0f} s)", flush=True)
+
+    rows_req, rows_meta, records = [], [], []
+    for n in ranks_list:
+        per_obj = total / (n * args.files_per_rank)
+        part = fit_part(args.part_mib * MiB, int(per_obj))
+        objects = n * args.files_per_rank + 1
+        if per_obj <= part:
+            put_per_obj = 1
+        else:
+            put_per_obj = 2 + math.ceil(per_obj / part)
+        save_put = n * args.files_per_rank * put_per_obj + 1  # + .metadata
+        save_get = 2  # HEAD bucket + HEAD .metadata (GET-class)
+        per_rank = total / n
+        gets_per_rank = math.ceil(per_rank / (args.range_mib * MiB)) + 1  # + .metadata
+        load_get = n * gets_per_rank
+        t_save = per_rank / (args.rank_gbps * 1e9)
+        t_load = t_save
+        put_rate, get_rate = save_put / t_save, load_get / t_load
+        md = meta[n]
+        cost_save = save_put * PUT_PRICE + save_get * GET_PRICE
+        cost_load = load_get * GET_PRICE
+        pl = plan.get(n)
+        rec = {
+            "ranks": n, "objects": objects, "object_mib": per_obj / MiB, "part_mib": part / MiB,
+            "save_put_requests": save_put, "load_get_requests": load_get,
+            "save_s_bandwidth": t_save, "put_per_s": put_rate, "get_per_s": get_rate,
+            "min_save_s_at_limit": save_put / PUT_LIMIT, "min_load_s_at_limit": load_get / GET_LIMIT,
+            "metadata_bytes": md["bytes"], "metadata_measured": md["measured"], "metadata_chunks": md["entries"],
+            "metadata_unpickle_s": md["load_s"], "metadata_bytes_fetched_on_load": md["bytes"] * n,
+            "plan_s": pl["s"] if pl else None, "plan_extrapolated": pl["extrapolated"] if pl else None,
+            "plan_worst_shape": pl["worst_shape"] if pl else None, "plan_worst_share": pl["worst_share"] if pl else None,
+            "plan_gather_bytes": pl["plan_bytes"] * n if pl else None,
+            "cost_save_usd": cost_save, "cost_load_usd": cost_load,
+        }
+        records.append(rec)
+        tilde = "" if md["measured"] else "~"
+        rows_req.append([
+            f"{n:,}", f"{objects:,}", f"{per_obj / MiB:,.0f}", f"{save_put:,}", f"{t_save:,.1f}",
+            f"{put_rate:,.0f}", f"{put_rate / PUT_LIMIT:.2f}x", f"{save_put / PUT_LIMIT:,.1f}",
+            f"{load_get:,}", f"{get_rate:,.0f}", f"{get_rate / GET_LIMIT:.2f}x",
+            f"${cost_save:.3f}", f"${cost_load:.4f}",
+        ])
+        rows_meta.append([
+            f"{n:,}", f"{md['entries']:,}", f"{tilde}{md['bytes'] / 1e6:,.1f}", f"{tilde}{md['load_s']:.2f}",
+            f"{tilde}{md['bytes'] * n / 1e9:,.1f}",
+            ("~" if pl and pl["extrapolated"] else "") + common.fmt(pl["s"] if pl else None, 1),
+            f"{pl['worst_shape']} {100 * pl['worst_share']:.0f}%" if pl else "—",
+            common.fmt(pl["plan_bytes"] * n / 1e6 if pl else None, 1),
+        ])
+    t1 = common.markdown_table(
+        ["ranks", "objects", "MiB / object", "save PUT-class req", f"save s at {args.rank_gbps:g} GB/s/rank",
+         "PUT/s per prefix", "x 3,500 limit", "min save s at limit", "load GET req", "GET/s per prefix",
+         "x 5,500 limit", "$ / save", "$ / load"], rows_req)
+    t2 = common.markdown_table(
+        ["ranks", ".metadata chunks", ".metadata MB", "unpickle s (each rank)", "GB of .metadata GETs on load",
+         "coordinator plan s", "largest share of plan time", "plans gathered, MB"], rows_meta)
+    text = (f"{model.name}, {total / 1e9:,.0f} GB checkpoint, FSDP over all ranks, one prefix, dcp_s3 defaults.\n\n"
+            f"{t1}\n\n{t2}\n\n~ = extrapolated (.metadata: linearly in chunks from the largest one built; planning: "
+            f"per tensor shape, with the growth exponent of the last two measured rank counts).\n"
+            "Coordinator planning (torch DefaultSavePlanner.create_global_plan), per tensor:\n"
+            + "\n".join(f"- {note}" for note in plan_notes))
+    print()
+    print(text)
+    common.write_json(args.out, {"benchmark": "scale", "model": model.name, "params": n_params,
+                                 "checkpoint_bytes": total, "args": vars(args) | {"out": str(args.out)},
+                                 "machine": common.machine_info(), "records": records, "planning_notes": plan_notes,
+                                 "tables_markdown": text})
+    args.out.with_suffix(".md").write_text(text + "\n")
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.md')} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
