@@ -20,7 +20,7 @@ import time
 import zipfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -223,10 +223,7 @@ class VerifyReport:
 
 def _plain(info: _StorageInfo) -> bool:
     """True if the item's stored bytes are a ``torch.save`` blob (no codec, no transform)."""
-    if getattr(info, "transform_descriptors", None):
-        return False
-    base = {f.name for f in fields(_StorageInfo)} | {"payload_offset"}
-    return all(getattr(info, f.name) is None for f in fields(info) if f.name not in base)
+    return not getattr(info, "transform_descriptors", None) and getattr(info, "frames", None) is None
 
 
 def verify_checkpoint(uri: str, *, progress: Progress | None = None, **storage_options: Any) -> VerifyReport:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view", "streamable"]
+__all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view", "streamable", "compact", "payload_chunks"]
 
 #: Largest device-to-host copy made at once for non-CPU tensors.
 DEVICE_COPY_CHUNK = 64 << 20
@@ -69,15 +69,34 @@ class TensorBlob:
 
     def payload_chunks(self) -> Iterator[memoryview]:
         """The raw bytes, as views of CPU memory (device tensors: bounded host copies)."""
-        if self.tensor.nbytes == 0:
-            return
-        if self.tensor.device.type == "cpu":
-            yield raw_bytes_view(self.tensor)
-            return
-        flat = self.tensor.reshape(-1).view(torch.uint8)
-        for start in range(0, flat.numel(), DEVICE_COPY_CHUNK):
-            host = flat[start : start + DEVICE_COPY_CHUNK].to("cpu")
-            yield memoryview(host.numpy())
+        return payload_chunks(self.tensor)
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself if its storage holds exactly its bytes in order, else a compact copy."""
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:  # a view into a larger storage
+        return tensor.clone()
+    return tensor
+
+
+def payload_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """The raw bytes of a compact tensor as views of CPU memory.
+
+    A CPU tensor yields one view of its own memory (no copy); a device tensor is
+    copied to the host in chunks of at most ``DEVICE_COPY_CHUNK`` bytes.
+    """
+    if tensor.nbytes == 0:
+        return
+    if tensor.device.type == "cpu":
+        yield raw_bytes_view(tensor)
+        return
+    flat = tensor.reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), DEVICE_COPY_CHUNK):
+        host = flat[start : start + DEVICE_COPY_CHUNK].to("cpu")
+        yield memoryview(host.numpy())
 
 
 def streamable(tensor: torch.Tensor) -> bool:
@@ -99,10 +118,8 @@ def raw_bytes_view(tensor: torch.Tensor) -> memoryview:
 
 def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
     """Split ``torch.save(tensor)`` into header, payload (the tensor) and trailer."""
-    tensor = tensor.detach()
-    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
-        # torch.save writes the whole storage; a view or strided tensor becomes a compact copy.
-        tensor = tensor.contiguous() if not tensor.is_contiguous() else tensor.clone()
+    # torch.save writes the whole storage; a view or strided tensor becomes a compact copy.
+    tensor = compact(tensor)
     recorder = _Recorder()
     with torch.serialization.skip_data():
         torch.save(tensor, recorder)

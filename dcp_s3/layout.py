@@ -25,6 +25,7 @@ from crc32c import crc32c
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .codec import CODEC_NAME, CODEC_VERSION, FrameIndex
 from .errors import CheckpointFormatError
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
 
 METADATA_KEY = ".metadata"
 DATA_SUFFIX = ".distcp"
+#: ``transform_descriptors`` of a compressed item.
+CODEC_DESCRIPTOR = f"{CODEC_NAME}/{CODEC_VERSION}"
 #: Version of dcp_s3's storage data, recorded in ``Metadata.storage_meta.modules``.
 FORMAT_TAG = "dcp_s3/1"
 
@@ -50,10 +53,14 @@ class ItemLocation(_StorageInfo):
     ``payload_offset`` is relative to ``offset``; ``None`` for byte items and for
     items written by other writers (those are read with ``torch.load``).
     ``crc32c`` covers the payload: a tensor's raw bytes, or a byte item's bytes.
+    ``frames`` is set for compressed tensors: the item is then the codec's frames of
+    the raw bytes (no ``torch.save`` envelope), and ``transform_descriptors`` names
+    the codec so stock readers refuse it instead of misreading it.
     """
 
     payload_offset: int | None = None
     crc32c: int | None = None
+    frames: FrameIndex | None = None
 
 
 def checksum_error(info: _StorageInfo, payload: bytes | memoryview) -> str | None:

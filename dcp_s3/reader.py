@@ -29,7 +29,8 @@ from torch.futures import Future
 from .config import ClientConfig, TransferConfig, parse_s3_uri
 from .errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from .items import raw_bytes_view
-from .layout import METADATA_KEY, checksum_error, load_metadata
+from .codec import Codec, FrameIndex, stored_span
+from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .session import S3Session
 from .transfer import RangeRead
 
@@ -67,6 +68,7 @@ class S3StorageReader(StorageReader):
             max_pool_connections=transfer.max_concurrency + 2,
         )
         self._session = S3Session(path, client, transfer)
+        self._codec = Codec(threads=max(1, os.cpu_count() or 1))  # decodes compressed checkpoints
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
@@ -75,7 +77,7 @@ class S3StorageReader(StorageReader):
         return f"S3StorageReader({str(self._session.uri)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_session": self._session, "load_id": self.load_id}
+        return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, storage_data={}, _chunks={})
@@ -164,10 +166,11 @@ class S3StorageReader(StorageReader):
         if info is None:
             raise CheckpointFormatError(f"{self.checkpoint_id}: no storage entry for {req.storage_index.fqn}")
         key = self._session.key(info.relative_path)
-        if info.transform_descriptors:
+        frames = getattr(info, "frames", None)
+        if info.transform_descriptors and (frames is None or list(info.transform_descriptors) != [CODEC_DESCRIPTOR]):
             raise CheckpointFormatError(
                 f"{req.storage_index.fqn} in {self.checkpoint_id} uses transforms {list(info.transform_descriptors)} "
-                "that this reader does not support"
+                f"that this reader does not support (it reads {CODEC_DESCRIPTOR})"
             )
         if req.type == LoadItemType.BYTE_IO:
             buf = bytearray(info.length)
@@ -185,12 +188,11 @@ class S3StorageReader(StorageReader):
                 f"{req.storage_index.fqn}: destination shape {tuple(dest.shape)} does not match the "
                 f"checkpoint's {tuple(req.lengths)}"
             )
-        payload_offset = getattr(info, "payload_offset", None)
         whole = False
-        if payload_offset is None:
+        if frames is None and getattr(info, "payload_offset", None) is None:
             self._plan_torch_load(req, key, info, dest, reads)
         else:
-            whole = self._plan_raw(req, key, info.offset + payload_offset, info, dest, reads)
+            whole = self._plan_tensor(req, key, info, dest, reads)
 
         def commit() -> None:
             if whole:  # the destination holds the item's entire payload: check it
@@ -221,9 +223,7 @@ class S3StorageReader(StorageReader):
 
         reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer, done))
 
-    def _plan_raw(
-        self, req: ReadItem, key: str, payload_start: int, info: Any, dest: torch.Tensor, reads: list[RangeRead]
-    ) -> bool:
+    def _plan_tensor(self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]) -> bool:
         """Fetch the rows of the stored chunk that ``req`` covers, straight into ``dest`` if possible.
 
         Returns whether ``dest`` then holds the whole stored payload (so its checksum can be checked).
@@ -235,10 +235,11 @@ class S3StorageReader(StorageReader):
         elem = torch._utils._element_size(dtype)
         rows_total = sizes[0] if len(sizes) else 1
         row_bytes = math.prod(sizes[1:]) * elem if len(sizes) else elem
-        if info.length < (payload_start - info.offset) + rows_total * row_bytes:
+        frames: FrameIndex | None = getattr(info, "frames", None)
+        stored = frames.raw_length if frames is not None else info.length - info.payload_offset
+        if stored < rows_total * row_bytes:
             raise CheckpointFormatError(
-                f"{fqn} in {info.relative_path}: item of {info.length} bytes is too short for a "
-                f"{list(sizes)} {dtype} tensor"
+                f"{fqn} in {info.relative_path}: item holds {stored} bytes, too few for a {list(sizes)} {dtype} tensor"
             )
         row0 = req.storage_offsets[0] if len(sizes) else 0
         rows = req.lengths[0] if len(sizes) else 1
@@ -249,19 +250,45 @@ class S3StorageReader(StorageReader):
         direct = whole_rows and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
         if direct:
             view = raw_bytes_view(dest)
-            start = payload_start + row0 * row_bytes
-            for lo in range(0, len(view), max_bytes):
-                hi = min(lo + max_bytes, len(view))
-                reads.append(RangeRead(key, start + lo, start + hi, _slice_opener(view, lo, hi)))
+            start = row0 * row_bytes
+            step = max_bytes if frames is None else max(1, max_bytes // frames.frame_size) * frames.frame_size
+            # Frame-aligned pieces (in raw offsets) so that no frame is decoded twice.
+            cuts = [start, *range(start - start % step + step, start + len(view), step), start + len(view)]
+            for lo, hi in zip(cuts, cuts[1:]):
+                self._add_read(reads, key, info, lo, hi, _slice_opener(view, lo - start, hi - start))
             return row0 == 0 and rows == rows_total
         # Staged: whole rows into a bounded CPU buffer, then narrowed, cast and copied into dest.
         rows_per_piece = max(1, max_bytes // max(1, row_bytes))
         for r in range(0, rows, rows_per_piece):
             n = min(rows_per_piece, rows - r)
             piece = _StagedRows(dest, sizes, dtype, req, r, n)
-            start = payload_start + (row0 + r) * row_bytes
-            reads.append(RangeRead(key, start, start + n * row_bytes, piece.open, piece.done))
+            start = (row0 + r) * row_bytes
+            self._add_read(reads, key, info, start, start + n * row_bytes, piece.open, piece.done)
         return False
+
+    def _add_read(
+        self, reads: list[RangeRead], key: str, info: Any, lo: int, hi: int,
+        open_dest: Callable[[], memoryview], done: Callable[[], None] | None = None,
+    ) -> None:
+        """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``."""
+        frames: FrameIndex | None = getattr(info, "frames", None)
+        if frames is None:
+            start = info.offset + info.payload_offset
+            reads.append(RangeRead(key, start + lo, start + hi, open_dest, done))
+            return
+        s0, s1 = stored_span(frames, lo, hi)
+        held: dict[str, bytearray] = {}
+
+        def open_stored() -> memoryview:  # compressed bytes live only while in flight
+            held["buf"] = bytearray(s1 - s0)
+            return memoryview(held["buf"])
+
+        def decode() -> None:
+            self._codec.decode_into(frames, held.pop("buf"), s0, lo, hi, open_dest())
+            if done is not None:
+                done()
+
+        reads.append(RangeRead(key, info.offset + s0, info.offset + s1, open_stored, decode))
 
 
 def _slice_opener(view: memoryview, lo: int, hi: int) -> Callable[[], memoryview]:

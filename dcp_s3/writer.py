@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,9 +29,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .config import ClientConfig, TransferConfig, parse_s3_uri
-from .errors import CheckpointExistsError, DcpS3Error
-from .items import streamable, tensor_blob
-from .layout import FORMAT_TAG, METADATA_KEY, ItemLocation, data_object_name, dump_metadata
+from .errors import CheckpointExistsError, ConfigError, DcpS3Error
+from .codec import Codec, grouping_for_dtype
+from .items import compact, payload_chunks, streamable, tensor_blob
+from .layout import CODEC_DESCRIPTOR, FORMAT_TAG, METADATA_KEY, ItemLocation, data_object_name, dump_metadata
 from .session import S3Session
 from .transfer import BufferPool, ObjectWriter, _wait_all
 
@@ -57,6 +58,11 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
         max_concurrency: parallel part uploads per process.
         files_per_rank: data objects per rank, each serialized by its own thread.
         transfer: full engine settings; the three arguments above override its fields.
+        compression: ``"zstd"`` stores tensors as byte-grouped, frame-indexed zstd
+            (smaller, decoded in parallel, readable by range); ``None`` (default) keeps
+            torch's uncompressed format. Readers need no option.
+        compression_level: zstd level (1 is best for checkpoints: fast, and as small).
+        compression_threads: threads compressing frames in parallel with the upload.
     """
 
     def __init__(
@@ -73,6 +79,9 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
         max_concurrency: int | None = None,
         files_per_rank: int | None = None,
         transfer: TransferConfig | None = None,
+        compression: str | None = None,
+        compression_level: int = 1,
+        compression_threads: int = 2,
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self)
@@ -85,6 +94,9 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
             max_pool_connections=transfer.max_concurrency + transfer.files_per_rank + 2,
         )
         self._session = S3Session(path, client, transfer)
+        if compression not in (None, "zstd"):
+            raise ConfigError(f"compression={compression!r}; expected None or 'zstd'")
+        self._codec = Codec(level=compression_level, threads=compression_threads) if compression else None
         self.overwrite = overwrite
         self.save_id = str(uuid.uuid4())
         self.rank: int | None = None
@@ -166,7 +178,7 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
                 self._session.key(name), pool=pool, executor=executor, expected_size=_planned_size(items)
             )
             try:
-                results = [_write_item(writer, name, item, planner, failed) for item in items]
+                results = [_write_item(writer, name, item, planner, failed, self._codec) for item in items]
                 writer.close()
             except BaseException:
                 failed.set()
@@ -179,6 +191,8 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
             futures = [serializers.submit(write_object, n, items) for n, items in enumerate(buckets)]
             _wait_all(futures)
         pool.clear()
+        if self._codec is not None:
+            self._codec.close()
         results = [r for f in futures for r in f.result()]
         log.debug("rank %s wrote %d items in %d objects", self.rank, len(results), len(buckets))
         return results
@@ -222,35 +236,51 @@ def _split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 
 
 def _write_item(
-    writer: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner, failed: threading.Event
+    writer: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner, failed: threading.Event,
+    codec: Codec | None,
 ) -> WriteResult:
     if failed.is_set():
         raise DcpS3Error(f"not writing {item.index.fqn}: another object of this save failed")
     offset = writer.tell()
     data = planner.resolve_data(item)
-    payload_offset: int | None = None
     if item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
             raise TypeError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO")
         writer.write(data.getbuffer())
-        checksum = crc32c(data.getbuffer())
+        location = ItemLocation(name, offset, writer.tell() - offset, crc32c=crc32c(data.getbuffer()))
     else:
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
         if not streamable(data):
             raise TypeError(f"{item.index.fqn}: cannot save a {data.layout} tensor on {data.device}")
-        blob = tensor_blob(data)
-        writer.write(blob.header)
-        checksum = 0
-        for chunk in blob.payload_chunks():
-            writer.write(chunk)
-            checksum = crc32c(chunk, checksum)
-        writer.write(blob.trailer)
-        payload_offset = blob.payload_offset
-    length = writer.tell() - offset
-    return WriteResult(
-        index=item.index,
-        size_in_bytes=length,
-        storage_data=ItemLocation(name, offset, length, payload_offset=payload_offset, crc32c=checksum),
-    )
+        location = _write_tensor(writer, name, data, codec)
+    return WriteResult(index=item.index, size_in_bytes=location.length, storage_data=location)
 
+
+def _write_tensor(writer: ObjectWriter, name: str, tensor: torch.Tensor, codec: Codec | None) -> ItemLocation:
+    """Stream one tensor: a ``torch.save`` file, or the codec's frames of its raw bytes."""
+    offset = writer.tell()
+    checksum = 0
+
+    def checksummed(chunks: Iterable[memoryview]) -> Iterator[memoryview]:
+        nonlocal checksum
+        for chunk in chunks:
+            checksum = crc32c(chunk, checksum)
+            yield chunk
+
+    if codec is None:
+        blob = tensor_blob(tensor)
+        writer.write(blob.header)
+        for chunk in checksummed(blob.payload_chunks()):
+            writer.write(chunk)
+        writer.write(blob.trailer)
+        return ItemLocation(
+            name, offset, writer.tell() - offset, payload_offset=blob.payload_offset, crc32c=checksum
+        )
+    tensor = compact(tensor)
+    element_size, floating = grouping_for_dtype(tensor.dtype)
+    frames = codec.encode(checksummed(payload_chunks(tensor)), element_size, floating, writer.write)
+    return ItemLocation(
+        name, offset, writer.tell() - offset, transform_descriptors=[CODEC_DESCRIPTOR], crc32c=checksum,
+        frames=frames,
+    )

@@ -64,7 +64,7 @@ def use_server(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def save_job(rank: int, world: int, env: dict[str, str], uri: str, ref_path: str) -> None:
+def save_job(rank: int, world: int, env: dict[str, str], uri: str, ref_path: str, compression: str | None = None) -> None:
     use_server(env)
     model, optim = build(seed=1)
     for _ in range(3):
@@ -74,7 +74,7 @@ def save_job(rank: int, world: int, env: dict[str, str], uri: str, ref_path: str
         optim.zero_grad()
     sd = state(model, optim)
     sd["extra"] = {"bf16": torch.arange(10, dtype=torch.bfloat16), "step": 3, "tag": "fsdp2"}
-    dcp.save(sd, storage_writer=S3StorageWriter(uri))
+    dcp.save(sd, storage_writer=S3StorageWriter(uri, compression=compression))
     reference = full(sd)
     if rank == 0:
         torch.save(reference, ref_path)
