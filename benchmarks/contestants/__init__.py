@@ -48,7 +48,9 @@ def _dcp_s3_save(sd: dict[str, Any], t: Target, **opts: Any) -> None:
     from dcp_s3 import S3StorageWriter
 
     w = S3StorageWriter(t.uri, endpoint_url=t.endpoint_url, region=t.region,
-                        **{k: v for k, v in opts.items() if k in ("part_size", "max_concurrency", "files_per_rank")})
+                        **{k: v for k, v in opts.items() if k in ("part_size", "max_concurrency", "files_per_rank",
+                                                                  "compression", "compression_level",
+                                                                  "compression_threads")})
     dcp.save(sd, storage_writer=w, no_dist=True)
 
 
@@ -71,7 +73,7 @@ def dcp_s3_variant(spec: str) -> Contestant:
         if k.endswith("_mib"):
             opts[k[: -len("_mib")]] = int(float(v) * (1 << 20))
         else:
-            opts[k] = int(v)
+            opts[k] = int(v) if v.lstrip("-").isdigit() else v
 
     def save(sd: dict[str, Any], t: Target) -> None:
         _dcp_s3_save(sd, t, **opts)
@@ -197,6 +199,8 @@ CONTESTANTS: dict[str, Contestant] = {
     for c in [
         Contestant("dcp_s3", "this project: streaming multipart upload from tensor memory (bounded part pool), "
                    "concurrent coalesced ranged GETs into the destination tensors", _dcp_s3_save, _dcp_s3_load),
+        Contestant("dcp_s3_zstd", "this project with compression='zstd' (byte-grouped, frame-indexed zstd-1, "
+                   "2 codec threads)", lambda sd, t: _dcp_s3_save(sd, t, compression="zstd"), _dcp_s3_load),
         Contestant("fsspec_s3fs", "torch FsspecWriter/FsspecReader over s3fs (FileSystemWriter through fsspec "
                    "file objects; sync_files=False)", _fsspec_save, _fsspec_load, _fsspec_unavailable),
         Contestant("s3torchconnector", "AWS s3torchconnector DCP S3StorageWriter/S3StorageReader "
