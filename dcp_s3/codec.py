@@ -13,6 +13,16 @@ most significant plane first. The exponent plane is low-entropy; the mantissa
 planes are near-random and zstd stores them as raw blocks at memcpy speed. A
 frame whose zstd output does not shrink is stored raw (not grouped).
 
+Stored format of frame ``i`` (codec version 1), ``n`` its raw length, ``es`` the
+element size and ``ne = n // es``:
+
+- raw frame (bit ``i`` of ``FrameIndex.raw_frames``): the ``n`` raw bytes;
+- ``GROUP_NONE``: one or more concatenated zstd frames decompressing to the raw bytes;
+- ``GROUP_FLOAT``: one or more concatenated zstd frames decompressing to ``es``
+  planes of ``ne`` bytes, plane ``p`` holding byte ``es - 1 - p`` (little-endian) of
+  each element rotated left by one bit, then the ``n - ne * es`` trailing raw bytes.
+  (This encoder writes one zstd frame; readers accept several.)
+
 Everything a reader needs is in a :class:`FrameIndex` that the writer stores in
 the checkpoint metadata; :func:`stored_span` maps a raw byte range to the frame
 aligned stored span to fetch and :meth:`Codec.decode_into` decodes it. Decoders
@@ -233,14 +243,18 @@ class Codec:
     # ------------------------------------------------------------------ encode
 
     def encode(self, data: Chunk | Iterable[Chunk], element_size: int, floating: bool,
-               sink: Callable[[bytes | memoryview], object]) -> FrameIndex:
+               sink: Callable[[bytes | memoryview], object], *, stable_chunks: bool = False) -> FrameIndex:
         """Compress ``data`` frame by frame and pass the stored frames to ``sink`` in order.
 
         ``data`` is one buffer (bytes, memoryview, numpy array...) or an iterable of
         C-contiguous buffers of any sizes whose concatenation is the item; a chunk may
-        be reused by its producer once the next one is requested. ``sink`` runs in the
-        calling thread; the buffer it gets is valid only during the call (a
-        ``memoryview`` is a raw-stored frame pointing into ``data``). ``element_size``
+        be reused by its producer once the next one is requested, so ``encode`` lets the
+        frames in flight finish at each chunk boundary; ``stable_chunks=True`` says each
+        chunk stays valid and unchanged until ``encode`` returns (e.g. fresh host copies)
+        and skips that wait. ``sink`` runs in the
+        calling thread and receives the stored frames in order, one call per frame; the
+        buffer is valid only during the call (a ``memoryview`` is a raw-stored frame
+        pointing into ``data``), so copy it to keep it. ``element_size``
         and ``floating`` come from :func:`grouping_for_dtype`; ``floating`` with an
         element size of 2, 4 or 8 selects byte grouping. Returns the item's index.
         """
@@ -302,7 +316,7 @@ class Codec:
                         partial = spare.pop() if spare else bytearray(fs)
                         fill = len(view) - pos
                         partial[:fill] = view[pos:]
-                    if referenced:  # the producer may reuse this chunk once we ask for the next
+                    if referenced and not stable_chunks:  # the producer may reuse the chunk once we ask for the next
                         while inflight:
                             emit_one()
                 if partial is not None:
@@ -319,19 +333,22 @@ class Codec:
         return FrameIndex(CODEC_NAME, CODEC_VERSION, es, grouping, raw_length, fs, tuple(ends), raw_mask)
 
     def _encode_frame(self, frame: memoryview, es: int, grouping: int) -> tuple[bytes | memoryview, bool]:
+        """The stored bytes of one frame and whether they are the raw bytes."""
         local = self._local
         cctx = getattr(local, "cctx", None)
         if cctx is None:
             cctx = local.cctx = zstandard.ZstdCompressor(level=self.level)
             local.literal_cctx = zstandard.ZstdCompressor(
                 compression_params=zstandard.ZstdCompressionParameters(**_LITERAL_PARAMS))
-        src: Any = frame
+        src = frame
         if grouping == GROUP_FLOAT:
-            src = _scratch(local, len(frame))
-            _group(np.frombuffer(frame, np.uint8), es, src)
-            ne = len(frame) // es
-            if ne >= 2 * _SAMPLE_BYTES:
-                sample = src[:_SAMPLE_BYTES]  # start of the exponent plane
+            planes = _scratch(local, len(frame))
+            _group(np.frombuffer(frame, np.uint8), es, planes)
+            src = planes.data
+            # Pick the zstd setting that wins on a sample of the exponent plane (the
+            # mantissa planes cost the same under both).
+            if len(frame) // es >= 2 * _SAMPLE_BYTES:
+                sample = src[:_SAMPLE_BYTES]
                 if len(local.literal_cctx.compress(sample)) <= len(cctx.compress(sample)):
                     cctx = local.literal_cctx
             else:
@@ -350,7 +367,8 @@ class Codec:
         ``stored`` holds the item's stored bytes from offset ``stored_start`` on and
         must cover :func:`stored_span` of the range; ``out`` is a writable buffer of
         exactly ``raw_end - raw_start`` bytes. Frames decode in parallel on the pool;
-        plain frames fully inside the range decompress straight into ``out``.
+        plain frames fully inside the range decompress straight into ``out``. Safe to
+        call from many threads at once, but not from a task running on this codec's pool.
         Raises ``CheckpointFormatError`` for an unknown codec/version or corrupt data.
         """
         decode_frame = _DECODERS.get((index.codec, index.version))
@@ -459,22 +477,23 @@ def _supported() -> str:
 
 
 def _decompress_into(dctx: zstandard.ZstdDecompressor, piece: memoryview, dst: memoryview, i: int) -> None:
+    """Decompress the zstd frame(s) in ``piece`` into exactly fill ``dst``."""
     n = len(dst)
+    got = 0
     try:
-        size = zstandard.frame_content_size(piece)
-        if size != n:
-            raise CheckpointFormatError(f"frame {i} decompresses to {size} bytes, expected {n}")
-        got = 0
-        with dctx.stream_reader(piece) as reader:
+        with dctx.stream_reader(piece, read_across_frames=True) as reader:
             while got < n:
                 k = reader.readinto(dst[got:])
                 if not k:
                     break
                 got += k
+            extra = reader.read(1) if got == n else b""
     except zstandard.ZstdError as e:
         raise CheckpointFormatError(f"frame {i} is not valid zstd data: {e}") from e
     if got != n:
         raise CheckpointFormatError(f"frame {i} decompressed to {got} bytes, expected {n}")
+    if extra:
+        raise CheckpointFormatError(f"frame {i} decompresses to more than the expected {n} bytes")
 
 
 def _frame_range(index: FrameIndex, raw_start: int, raw_end: int) -> tuple[int, int]:

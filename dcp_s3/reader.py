@@ -26,12 +26,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .config import ClientConfig, TransferConfig, parse_s3_uri
-from .errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
+from .config import ClientConfig, TransferConfig
+from .errors import CheckpointFormatError, CheckpointNotFoundError
 from .items import raw_bytes_view
 from .codec import Codec, FrameIndex, stored_span
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
-from .session import S3Session
+from .session import S3Location, S3Session
 from .transfer import RangeRead
 
 __all__ = ["S3StorageReader"]
@@ -39,7 +39,7 @@ __all__ = ["S3StorageReader"]
 log = logging.getLogger("dcp_s3")
 
 
-class S3StorageReader(StorageReader):
+class S3StorageReader(S3Location, StorageReader):
     """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs.
 
     Takes the same location and credential arguments as ``S3StorageWriter``.
@@ -84,23 +84,10 @@ class S3StorageReader(StorageReader):
 
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self._session.set_path(checkpoint_id)
+        self._reset_location(checkpoint_id)
         self.storage_data = {}
         self._chunks = {}
         self.load_id = str(uuid.uuid4())
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            parse_s3_uri(checkpoint_id)
-        except DcpS3Error:
-            return False
-        return True
-
-    @property
-    def checkpoint_id(self) -> str:
-        return str(self._session.require_uri())
 
     # The parameter must be literally named ``kwargs`` for DCP to pass rank/use_collectives.
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

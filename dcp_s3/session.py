@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
-from .errors import InvalidCheckpointIdError
+from .errors import DcpS3Error, InvalidCheckpointIdError
 from .transfer import S3Transport, check_request_args
 
-__all__ = ["S3Session"]
+__all__ = ["S3Session", "S3Location"]
 
 
 class S3Session:
@@ -89,3 +89,26 @@ class S3Session:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+
+
+class S3Location:
+    """What S3StorageWriter and S3StorageReader share as DCP storage: the checkpoint id."""
+
+    _session: S3Session
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """True for ``s3://bucket/key...``; anything else is not ours."""
+        try:
+            parse_s3_uri(checkpoint_id)
+        except DcpS3Error:
+            return False
+        return True
+
+    @property
+    def checkpoint_id(self) -> str:
+        return str(self._session.require_uri())
+
+    def _reset_location(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        if checkpoint_id:
+            self._session.set_path(checkpoint_id)

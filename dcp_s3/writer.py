@@ -28,12 +28,12 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .config import ClientConfig, TransferConfig, parse_s3_uri
+from .config import ClientConfig, TransferConfig
 from .errors import CheckpointExistsError, ConfigError, DcpS3Error
 from .codec import Codec, grouping_for_dtype
 from .items import compact, payload_chunks, streamable, tensor_blob
 from .layout import CODEC_DESCRIPTOR, FORMAT_TAG, METADATA_KEY, ItemLocation, data_object_name, dump_metadata
-from .session import S3Session
+from .session import S3Location, S3Session
 from .transfer import BufferPool, ObjectWriter, _wait_all
 
 __all__ = ["S3StorageWriter"]
@@ -41,7 +41,7 @@ __all__ = ["S3StorageWriter"]
 log = logging.getLogger("dcp_s3")
 
 
-class S3StorageWriter(StorageWriter, BlockingAsyncStager):
+class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
     """Save DCP checkpoints to ``s3://bucket/prefix`` with streaming multipart uploads.
 
     Args:
@@ -107,22 +107,8 @@ class S3StorageWriter(StorageWriter, BlockingAsyncStager):
 
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self._session.set_path(checkpoint_id)
+        self._reset_location(checkpoint_id)
         self.save_id = str(uuid.uuid4())
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """True for ``s3://bucket/key...``; anything else is not ours."""
-        try:
-            parse_s3_uri(checkpoint_id)
-        except DcpS3Error:
-            return False
-        return True
-
-    @property
-    def checkpoint_id(self) -> str:
-        return str(self._session.require_uri())
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id, modules=[FORMAT_TAG])
@@ -279,7 +265,10 @@ def _write_tensor(writer: ObjectWriter, name: str, tensor: torch.Tensor, codec: 
         )
     tensor = compact(tensor)
     element_size, floating = grouping_for_dtype(tensor.dtype)
-    frames = codec.encode(checksummed(payload_chunks(tensor)), element_size, floating, writer.write)
+    # Chunks are fresh views or host copies, never reused: no need to drain frames between them.
+    frames = codec.encode(
+        checksummed(payload_chunks(tensor)), element_size, floating, writer.write, stable_chunks=True
+    )
     return ItemLocation(
         name, offset, writer.tell() - offset, transform_descriptors=[CODEC_DESCRIPTOR], crc32c=checksum,
         frames=frames,
