@@ -354,3 +354,18 @@ def test_corrupted_bytes_are_detected(bucket: str, s3_env: LocalS3Server) -> Non
             dcp.load(blank_like(sd) | {"meta": {"note": ""}}, storage_reader=S3StorageReader(uri))
         message = str(exc.value)
         assert "checksum mismatch" in message and "corrupt/__0_0.distcp" in message and index.fqn in message
+
+
+def test_round_trip_on_moto(moto_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second S3 implementation: moto's server mode (no checksum or signature validation)."""
+    for name, value in moto_server.env().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_server.create_bucket("moto-bucket")
+    sd = sample_state() | {"big": torch.randn(3 * MiB // 2)}  # 6 MiB: multipart with 5 MiB parts
+    uri = f"s3://{bucket}/ck"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri, part_size=5 * MiB))
+    out = blank_like(sd)
+    dcp.load(out, storage_reader=S3StorageReader(uri))
+    assert_same(sd, out)
+    with pytest.raises(BaseException, match="already exists"):
+        dcp.save(sd, storage_writer=S3StorageWriter(uri))
