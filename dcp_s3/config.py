@@ -14,8 +14,8 @@ import logging
 import os
 import stat
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, InvalidCheckpointIdError

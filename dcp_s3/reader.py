@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .codec import Codec, FrameIndex, stored_span
 from .config import ClientConfig, TransferConfig
 from .errors import CheckpointFormatError, CheckpointNotFoundError
 from .items import raw_bytes_view
-from .codec import Codec, FrameIndex, stored_span
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .session import S3Location, S3Session
 from .transfer import RangeRead

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from http.client import HTTPException
 from typing import Any
 
 from botocore.exceptions import (
@@ -43,7 +44,7 @@ from .errors import (
     S3TransferError,
 )
 
-__all__ = ["S3Transport", "ObjectWriter", "BufferPool", "RangeRead", "coalesce", "fit_part_size"]
+__all__ = ["S3Transport", "ObjectWriter", "BufferPool", "RangeRead", "coalesce", "fit_part_size", "wait_all"]
 
 log = logging.getLogger("dcp_s3")
 
@@ -59,7 +60,7 @@ _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 # Errors raised while a response body is being read: botocore does not retry these.
 _BODY_ERRORS = (
     IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ConnectionClosedError,
-    EndpointConnectionError, Urllib3HTTPError, ConnectionError, TimeoutError,
+    EndpointConnectionError, Urllib3HTTPError, HTTPException, ConnectionError, TimeoutError,
 )
 
 
@@ -344,7 +345,7 @@ class S3Transport:
         """
         groups = coalesce(reads, max_gap, max_size)
         futures = [executor.submit(self._read_group, group) for group in groups]
-        _wait_all(futures)
+        wait_all(futures)
 
     def _read_group(self, group: list[RangeRead]) -> None:
         key = group[0].key
@@ -414,7 +415,7 @@ def _readinto_exact(readinto: Callable[[memoryview], int], buf: memoryview) -> i
     return got
 
 
-def _wait_all(futures: Iterable[Future[Any]]) -> None:
+def wait_all(futures: Iterable[Future[Any]]) -> None:
     """Wait for every future; raise the first exception (others are logged at debug)."""
     first: BaseException | None = None
     for fut in futures:
@@ -521,7 +522,7 @@ class ObjectWriter:
             else:
                 if self._fill or not self._parts:
                     self._submit_part()
-                _wait_all(self._parts)
+                wait_all(self._parts)
                 parts = [fut.result() for fut in self._parts]
                 self.transport._call(
                     "complete_multipart_upload", self.key,

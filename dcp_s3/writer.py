@@ -28,13 +28,13 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from .codec import Codec, grouping_for_dtype
 from .config import ClientConfig, TransferConfig
 from .errors import CheckpointExistsError, ConfigError, DcpS3Error
-from .codec import Codec, grouping_for_dtype
 from .items import compact, payload_chunks, streamable, tensor_blob
 from .layout import CODEC_DESCRIPTOR, FORMAT_TAG, METADATA_KEY, ItemLocation, data_object_name, dump_metadata
 from .session import S3Location, S3Session
-from .transfer import BufferPool, ObjectWriter, _wait_all
+from .transfer import BufferPool, ObjectWriter, wait_all
 
 __all__ = ["S3StorageWriter"]
 
@@ -175,7 +175,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         # Serializer threads are separate from the I/O pool so they never wait on their own parts.
         with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcp_s3-serialize") as serializers:
             futures = [serializers.submit(write_object, n, items) for n, items in enumerate(buckets)]
-            _wait_all(futures)
+            wait_all(futures)
         pool.clear()
         if self._codec is not None:
             self._codec.close()

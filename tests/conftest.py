@@ -11,7 +11,6 @@ import pytest
 from dcp_s3.local_server import LocalS3Server
 
 
-
 @pytest.fixture(scope="session")
 def seaweed() -> Iterator[LocalS3Server]:
     """SeaweedFS on 127.0.0.1: behaves like AWS (multipart, ranges, conditional writes, checksums)."""
