@@ -15,8 +15,8 @@ counted. Prints a markdown table of medians and writes ``results/memory.json``.
 from __future__ import annotations
 
 import argparse
-import signal
 import shutil
+import signal
 import sys
 import tempfile
 import time

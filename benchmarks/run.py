@@ -18,9 +18,9 @@ and ``results/run.json``.
 from __future__ import annotations
 
 import argparse
-import signal
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time

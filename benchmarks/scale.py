@@ -117,7 +117,12 @@ def fit_part(part: int, size: int) -> int:
 def build_metadata(model: ModelShape, ranks: int) -> Any:
     import torch
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
     )
 
     from dcp_s3.layout import ItemLocation

@@ -94,8 +94,8 @@ class TransferConfig:
 
     def override(self, **changes: int | None) -> TransferConfig:
         """A copy with the given fields replaced; ``None`` values are ignored."""
-        changes = {k: v for k, v in changes.items() if v is not None}
-        return dataclasses.replace(self, **changes) if changes else self
+        given: dict[str, int] = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
 
     def __post_init__(self) -> None:
         if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:

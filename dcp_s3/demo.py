@@ -79,7 +79,7 @@ def _rank_main(rank: int, world: int, port: int, env: dict[str, str], uri: str, 
             dcp.load(state, storage_reader=S3StorageReader(uri))
             from torch.distributed.checkpoint.state_dict import set_state_dict
 
-            set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
             msd, osd = get_state_dict(model, optim)
             got = _full({"model": msd, "optim": osd, "step": state["step"]})
             want = torch.load(ref, weights_only=True)

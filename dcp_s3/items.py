@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import IO, cast
 
 import torch
 
@@ -96,7 +97,7 @@ def payload_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
     flat = tensor.reshape(-1).view(torch.uint8)
     for start in range(0, flat.numel(), DEVICE_COPY_CHUNK):
         host = flat[start : start + DEVICE_COPY_CHUNK].to("cpu")
-        yield memoryview(host.numpy())
+        yield host.numpy().data
 
 
 def streamable(tensor: torch.Tensor) -> bool:
@@ -113,7 +114,7 @@ def raw_bytes_view(tensor: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
     if tensor.nbytes == 0:
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
@@ -122,7 +123,7 @@ def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
     tensor = compact(tensor)
     recorder = _Recorder()
     with torch.serialization.skip_data():
-        torch.save(tensor, recorder)
+        torch.save(tensor, cast(IO[bytes], recorder))
     writes = sorted(recorder.writes)
     # torch.save writes its records in order and seeks once, over the storage bytes.
     gaps = [

@@ -145,7 +145,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         try:
             fut.set_result(self._write_all(plan, planner))
         except Exception as exc:  # delivered through the future, as DCP expects
-            fut.set_exception(exc)
+            fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result
         return fut
 
     def _write_all(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:

@@ -28,8 +28,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
-from dcp_s3.codec import Codec  # noqa: E402
 from model_data import make_data  # noqa: E402
+
+from dcp_s3.codec import Codec  # noqa: E402
 
 ELEMENT = {"bf16 weights": (2, True), "fp32 weights": (4, True), "adam exp_avg": (4, True),
            "adam exp_avg_sq": (4, True), "int64 token ids": (8, False), "random bytes (as fp32)": (4, True)}
