@@ -142,6 +142,7 @@ class S3StorageReader(S3Location, StorageReader):
         self._session.transport.read_ranges(
             reads, executor=self._session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
         )
+        self._codec.close()  # decoding is done: stop its threads (recreated on next use)
         # Planner callbacks run on this thread, in plan order, once all bytes are in.
         for finish in finishers:
             finish()
