@@ -89,7 +89,8 @@ class TransferConfig:
     max_range_size: int = 16 * MiB
     #: Neighbouring reads closer than this are merged into one ranged GET.
     coalesce_gap: int = 1 * MiB
-    #: Attempts per request (first try included) for errors botocore does not retry (e.g. a body cut short).
+    #: Attempts per request, first try included: botocore's retries (standard mode, jittered
+    #: backoff) and the resumption of response bodies cut short.
     max_attempts: int = 5
 
     def override(self, **changes: int | None) -> TransferConfig:

@@ -66,6 +66,7 @@ class S3StorageReader(S3Location, StorageReader):
             credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
             request_args=dict(request_args or {}),
             max_pool_connections=transfer.max_concurrency + 2,
+            retry_attempts=transfer.max_attempts,
         )
         self._session = S3Session(path, client, transfer)
         self._codec = Codec(threads=max(1, os.cpu_count() or 1))  # decodes compressed checkpoints

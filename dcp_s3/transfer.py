@@ -368,14 +368,14 @@ class S3Transport:
                 while pos < end:
                     read = group[index]
                     if pos < read.start:  # a gap between coalesced reads: discard
-                        n = _readinto_exact(readinto, memoryview(scratch)[: min(len(scratch), read.start - pos)])
+                        n = _readinto_some(readinto, memoryview(scratch)[: min(len(scratch), read.start - pos)])
                         pos += n
                         continue
                     if dest is None:
                         dest = read.open()
                         if len(dest) != read.size:
                             raise ValueError(f"destination of {key}[{read.start}:{read.end}] has {len(dest)} bytes")
-                    pos += _readinto_exact(readinto, dest[pos - read.start :])
+                    pos += _readinto_some(readinto, dest[pos - read.start :])
                     if pos == read.end:
                         if read.done is not None:
                             read.done()
@@ -405,14 +405,13 @@ def _body_readinto(body: Any) -> Callable[[memoryview], int]:
     return readinto
 
 
-def _readinto_exact(readinto: Callable[[memoryview], int], buf: memoryview) -> int:
-    got = 0
-    while got < len(buf):
-        n = readinto(buf[got:])
-        if not n:
-            raise IncompleteReadError(actual_bytes=got, expected_bytes=len(buf))
-        got += n
-    return got
+def _readinto_some(readinto: Callable[[memoryview], int], buf: memoryview) -> int:
+    """Receive up to ``len(buf)`` bytes; the caller advances by what arrived, so a body
+    cut short is resumed from the last byte received."""
+    n = readinto(buf)
+    if not n:
+        raise IncompleteReadError(actual_bytes=0, expected_bytes=len(buf))
+    return n
 
 
 def wait_all(futures: Iterable[Future[Any]]) -> None:

@@ -92,6 +92,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
             credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
             request_args=dict(request_args or {}),
             max_pool_connections=transfer.max_concurrency + transfer.files_per_rank + 2,
+            retry_attempts=transfer.max_attempts,
         )
         self._session = S3Session(path, client, transfer)
         if compression not in (None, "zstd"):
@@ -189,13 +190,16 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         metadata.storage_meta = self.storage_meta()
         metadata.version = "1.0.0"
         key = self._session.key(METADATA_KEY)
+        body = dump_metadata(metadata)
         try:
-            self._session.transport.put_object(key, dump_metadata(metadata), if_none_match=not self.overwrite)
+            self._session.transport.put_object(key, body, if_none_match=not self.overwrite)
         except CheckpointExistsError as exc:
-            raise CheckpointExistsError(
-                f"another save completed a checkpoint at {self.checkpoint_id} while this one was being written; "
-                "this save was not committed"
-            ) from exc
+            # A retried PUT whose first attempt did land finds its own bytes (they hold this save's id).
+            if self._session.transport.get_object(key) != body:
+                raise CheckpointExistsError(
+                    f"another save completed a checkpoint at {self.checkpoint_id} while this one was being "
+                    "written; this save was not committed"
+                ) from exc
         log.info("committed checkpoint %s (%d items)", self.checkpoint_id, len(metadata.storage_data))
 
 

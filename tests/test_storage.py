@@ -199,6 +199,24 @@ def test_conditional_commit_refuses_a_racing_save(bucket: str) -> None:
         writer.finish(Metadata(state_dict_metadata={}), [])
 
 
+def test_commit_retry_that_finds_its_own_metadata_succeeds(bucket: str) -> None:
+    """A PUT whose reply was lost is retried by botocore and meets its own .metadata (412)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    writer = S3StorageWriter(f"s3://{bucket}/lost-reply")
+    metadata = Metadata(state_dict_metadata={})
+    writer.finish(metadata, [])
+    writer.finish(metadata, [])  # same bytes already there: committed, not an error
+
+
+def test_max_attempts_bounds_botocore_retries_too() -> None:
+    from dcp_s3 import TransferConfig
+
+    writer = S3StorageWriter("s3://bucket/x", transfer=TransferConfig(max_attempts=2))
+    assert writer._session.client_config.retry_attempts == 2
+    assert S3StorageReader("s3://bucket/x").__getstate__()["_session"].client_config.retry_attempts == 5
+
+
 @pytest.mark.parametrize(
     "uri",
     ["/tmp/ckpt", "file:///tmp/ckpt", "gs://bucket/key", "s3://bucket", "s3://bucket/", "s3:///key", "s3://B!/k",
