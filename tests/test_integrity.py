@@ -1,0 +1,133 @@
+"""Integrity against real SeaweedFS: missing objects, crafted metadata, swapped objects, transport checksums."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from botocore.exceptions import ClientError
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3.errors import CheckpointFormatError
+from dcp_s3.local_server import LocalS3Server
+
+MiB = 1 << 20
+#: DCP raises CheckpointException, a BaseException, for failures inside the save/load steps.
+ERRORS = (CheckpointException, Exception)
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(256, 512, generator=g),
+        "b": torch.randn(512, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(seed, dtype=torch.int64),
+    }
+
+
+def _zeros_like(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in sd.items()}
+
+
+def _save(uri: str, sd: dict[str, Any], **kw: Any) -> None:
+    dcp.save(sd, storage_writer=S3StorageWriter(uri, **kw))
+
+
+# -- (a) a data object deleted after the save ---------------------------------------------------------------
+def test_deleted_data_object_fails_load_naming_the_key(bucket: str, s3_env: LocalS3Server) -> None:
+    sd = _state(1)
+    uri = f"s3://{bucket}/deleted/step-1"
+    _save(uri, sd)
+    key = "deleted/step-1/__0_0.distcp"
+    s3_env.client().delete_object(Bucket=bucket, Key=key)
+    with pytest.raises(ERRORS) as info:
+        dcp.load(_zeros_like(sd), storage_reader=S3StorageReader(uri))
+    assert key in str(info.value), str(info.value)
+
+
+# -- (b) crafted .metadata: object paths escaping the checkpoint ---------------------------------------------
+@pytest.mark.parametrize("bad_path", ["../other/__0_0.distcp", "s3://evil/x", "/abs"])
+def test_crafted_metadata_path_is_refused(bucket: str, s3_env: LocalS3Server, bad_path: str) -> None:
+    sd = _state(2)
+    uri = f"s3://{bucket}/crafted/step-1"
+    _save(uri, sd)
+    # A decoy at the place "../other/__0_0.distcp" would resolve to.
+    _save(f"s3://{bucket}/crafted/other", _state(3))
+    metadata = S3StorageReader(uri).read_metadata()
+    index = next(iter(metadata.storage_data))
+    metadata.storage_data[index].relative_path = bad_path
+    s3_env.client().put_object(Bucket=bucket, Key="crafted/step-1/.metadata", Body=pickle.dumps(metadata))
+
+    with pytest.raises(CheckpointFormatError) as info:
+        S3StorageReader(uri).read_metadata()
+    assert "invalid object path" in str(info.value) and repr(bad_path) in str(info.value), str(info.value)
+    out = _zeros_like(sd)
+    with pytest.raises(ERRORS) as info2:
+        dcp.load(out, storage_reader=S3StorageReader(uri))
+    assert bad_path in str(info2.value), str(info2.value)
+    for k in out:  # nothing was loaded from anywhere
+        assert not out[k].any(), k
+
+
+# -- (c) an object swapped for another checkpoint's object of the same size ----------------------------------
+def test_object_replaced_by_same_size_object_fails_checksum(bucket: str, s3_env: LocalS3Server) -> None:
+    a, b = _state(4), _state(5)
+    _save(f"s3://{bucket}/swap/a", a)
+    _save(f"s3://{bucket}/swap/b", b)
+    client = s3_env.client()
+    head_a = client.head_object(Bucket=bucket, Key="swap/a/__0_0.distcp")
+    head_b = client.head_object(Bucket=bucket, Key="swap/b/__0_0.distcp")
+    assert head_a["ContentLength"] == head_b["ContentLength"]
+    client.copy_object(
+        Bucket=bucket, Key="swap/a/__0_0.distcp", CopySource={"Bucket": bucket, "Key": "swap/b/__0_0.distcp"}
+    )
+    with pytest.raises(ERRORS) as info:
+        dcp.load(_zeros_like(a), storage_reader=S3StorageReader(f"s3://{bucket}/swap/a"))
+    message = str(info.value)
+    assert "checksum mismatch" in message, message
+    assert "swap/a/__0_0.distcp" in message, message
+
+
+# -- (d) transport checksums ---------------------------------------------------------------------------------
+def test_server_rejects_put_with_wrong_checksum(bucket: str, s3_env: LocalS3Server) -> None:
+    """The premise of relying on x-amz-checksum-*: SeaweedFS refuses bytes that do not match."""
+    client = s3_env.client()
+    with pytest.raises(ClientError):
+        client.put_object(Bucket=bucket, Key="bad-crc", Body=b"hello world", ChecksumCRC32="AAAAAA==")
+    client.put_object(Bucket=bucket, Key="good-crc", Body=b"hello world", ChecksumCRC32="DUoRhQ==")
+
+
+_CHECKSUM_HEADERS = ("content-md5", "x-amz-trailer")
+
+
+def _has_checksum(headers: dict[str, str]) -> bool:
+    return any(h.startswith("x-amz-checksum-") or h in _CHECKSUM_HEADERS for h in headers)
+
+
+def test_uploads_carry_a_checksum_header(bucket: str) -> None:
+    uri = f"s3://{bucket}/crc/step-1"
+    writer = S3StorageWriter(uri, part_size=5 * MiB, max_concurrency=2)
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    def record(request: Any, event_name: str, **kwargs: Any) -> None:
+        headers = {k.lower(): str(v) for k, v in request.headers.items()}
+        seen.append((event_name.rsplit(".", 1)[-1], headers))
+
+    events = writer._session.transport.client.meta.events
+    events.register("before-send.s3.UploadPart", record)
+    events.register("before-send.s3.PutObject", record)
+    sd = {"big": torch.randn(12 * MiB // 4), "small": torch.randn(16)}
+    dcp.save(sd, storage_writer=writer)
+
+    ops = [op for op, _ in seen]
+    assert ops.count("UploadPart") >= 3, ops  # 12 MiB in 5 MiB parts
+    assert "PutObject" in ops, ops  # .metadata
+    missing = [(op, sorted(h)) for op, h in seen if not _has_checksum(h)]
+    assert not missing, missing
+    out = _zeros_like(sd)
+    dcp.load(out, storage_reader=S3StorageReader(uri))
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
