@@ -240,6 +240,10 @@ class Codec:
                 self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dcp_s3-codec")
             return self._pool
 
+    def frame_size_for(self, element_size: int) -> int:
+        """Raw bytes per frame for elements of ``element_size`` bytes (whole elements per frame)."""
+        return max(element_size, self.frame_size - self.frame_size % element_size)
+
     # ------------------------------------------------------------------ encode
 
     def encode(self, data: Chunk | Iterable[Chunk], element_size: int, floating: bool,
@@ -262,7 +266,7 @@ class Codec:
             raise ValueError(f"element_size must be positive, got {element_size}")
         es = element_size
         grouping = GROUP_FLOAT if floating and es in _UINT else GROUP_NONE
-        fs = max(es, self.frame_size - self.frame_size % es)
+        fs = self.frame_size_for(es)
         ends: list[int] = []
         raw_mask = 0
         raw_length = 0

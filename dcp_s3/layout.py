@@ -55,12 +55,14 @@ class ItemLocation(_StorageInfo):
     ``crc32c`` covers the payload: a tensor's raw bytes, or a byte item's bytes.
     ``frames`` is set for compressed tensors: the item is then the codec's frames of
     the raw bytes (no ``torch.save`` envelope), and ``transform_descriptors`` names
-    the codec so stock readers refuse it instead of misreading it.
+    the codec so stock readers refuse it instead of misreading it. ``frame_crc32c``
+    holds the CRC32C of each frame's raw bytes, so partial reads are checked too.
     """
 
     payload_offset: int | None = None
     crc32c: int | None = None
     frames: FrameIndex | None = None
+    frame_crc32c: tuple[int, ...] | None = None
 
 
 def checksum_error(info: _StorageInfo, payload: bytes | memoryview) -> str | None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from crc32c import crc32c
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -198,6 +199,21 @@ class S3StorageReader(S3Location, StorageReader):
                 f"{req.storage_index.fqn}: {where} bytes {info.offset}-{info.offset + info.length}: {error}"
             )
 
+    def _verify_frames(self, key: str, info: Any, frames: FrameIndex, lo: int, hi: int, out: memoryview) -> None:
+        """Check the CRC32C of every frame that raw bytes ``[lo, hi)`` (now in ``out``) cover whole."""
+        crcs = getattr(info, "frame_crc32c", None)
+        if crcs is None:
+            return
+        for i in range(lo // frames.frame_size, frames.num_frames):
+            f_lo, f_hi = frames.raw_range(i)
+            if f_lo >= hi:
+                break
+            if f_lo >= lo and f_hi <= hi and crc32c(out[f_lo - lo : f_hi - lo]) != crcs[i]:
+                raise CheckpointFormatError(
+                    f"s3://{self._session.require_uri().bucket}/{key}: frame {i} of the item at bytes "
+                    f"{info.offset}-{info.offset + info.length} fails its checksum: the stored object is corrupt"
+                )
+
     def _plan_torch_load(self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]) -> None:
         """Items written by other writers: fetch the whole ``torch.save`` blob and load it."""
         state: dict[str, bytearray] = {}
@@ -273,7 +289,9 @@ class S3StorageReader(S3Location, StorageReader):
             return memoryview(held["buf"])
 
         def decode() -> None:
-            self._codec.decode_into(frames, held.pop("buf"), s0, lo, hi, open_dest())
+            out = open_dest()
+            self._codec.decode_into(frames, held.pop("buf"), s0, lo, hi, out)
+            self._verify_frames(key, info, frames, lo, hi, out)
             if done is not None:
                 done()
 

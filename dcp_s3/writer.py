@@ -269,11 +269,41 @@ def _write_tensor(writer: ObjectWriter, name: str, tensor: torch.Tensor, codec: 
         )
     tensor = compact(tensor)
     element_size, floating = grouping_for_dtype(tensor.dtype)
+    block_crcs = _BlockChecksums(codec.frame_size_for(element_size))
     # Chunks are fresh views or host copies, never reused: no need to drain frames between them.
     frames = codec.encode(
-        checksummed(payload_chunks(tensor)), element_size, floating, writer.write, stable_chunks=True
+        block_crcs.feed(checksummed(payload_chunks(tensor))), element_size, floating, writer.write,
+        stable_chunks=True,
     )
     return ItemLocation(
         name, offset, writer.tell() - offset, transform_descriptors=[CODEC_DESCRIPTOR], crc32c=checksum,
-        frames=frames,
+        frames=frames, frame_crc32c=block_crcs.finish(),
     )
+
+
+class _BlockChecksums:
+    """CRC32C of each ``block``-byte slice of a stream that arrives in chunks of any size."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.crcs: list[int] = []
+        self._crc = 0
+        self._filled = 0
+
+    def feed(self, chunks: Iterable[memoryview]) -> Iterator[memoryview]:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            while view:
+                n = min(len(view), self.block - self._filled)
+                self._crc = crc32c(view[:n], self._crc)
+                self._filled += n
+                view = view[n:]
+                if self._filled == self.block:
+                    self.crcs.append(self._crc)
+                    self._crc, self._filled = 0, 0
+            yield chunk
+
+    def finish(self) -> tuple[int, ...]:
+        if self._filled:
+            self.crcs.append(self._crc)
+        return tuple(self.crcs)

@@ -122,3 +122,21 @@ def test_compressed_fsdp2_save_on_2_ranks_resharded_load_on_3(
     ref = str(tmp_path / "ref.pt")
     run_ranks(save_job, 2, s3_env.env(), uri, ref, "zstd")
     run_ranks(load_job, 3, s3_env.env(), uri, ref)
+
+
+def test_each_frame_is_checksummed(bucket: str, s3_env: LocalS3Server) -> None:
+    """Mantissa planes of random floats are stored as raw zstd blocks: a flipped bit there still
+    decodes, so only the frame's CRC can catch it."""
+    uri = f"s3://{bucket}/zcrc"
+    sd = {"w": torch.randn(3 * MiB)}  # 12 MiB of fp32: 3 frames of 4 MiB
+    dcp.save(sd, storage_writer=S3StorageWriter(uri, compression="zstd"))
+    md = S3StorageReader(uri).read_metadata()
+    (info,) = md.storage_data.values()
+    assert len(info.frame_crc32c) == info.frames.num_frames == 3
+    client = s3_env.client()
+    body = bytearray(client.get_object(Bucket=bucket, Key="zcrc/__0_0.distcp")["Body"].read())
+    start, end = info.frames.stored_range(1)
+    body[info.offset + (start + end) // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key="zcrc/__0_0.distcp", Body=bytes(body))
+    with pytest.raises(BaseException, match="frame 1 of the item .* fails its checksum"):
+        dcp.load({"w": torch.zeros(3 * MiB)}, storage_reader=S3StorageReader(uri, max_range_size=4 * MiB))
