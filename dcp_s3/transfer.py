@@ -57,6 +57,7 @@ _DENIED = {
     "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem",
 }
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+_WRONG_REGION = {"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException", "301"}
 # Errors raised while a response body is being read: botocore does not retry these.
 _BODY_ERRORS = (
     IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ConnectionClosedError,
@@ -80,6 +81,10 @@ def translate_error(exc: BaseException, action: str, bucket: str, key: str | Non
             return S3AccessDeniedError(f"{action} {where}: access denied ({cause})")
         if code in _EXISTS or status == 412:
             return CheckpointExistsError(f"{action} {where}: already exists ({cause})")
+        if code in _WRONG_REGION or status == 301:
+            headers = exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            hint = f"; the bucket is in {headers['x-amz-bucket-region']!r}" if "x-amz-bucket-region" in headers else ""
+            return ConfigError(f"{action} {where}: wrong region or endpoint for this bucket ({cause}){hint}; pass region=")
         return S3TransferError(f"{action} {where} failed: {cause}")
     if isinstance(exc, DcpS3Error):
         return exc

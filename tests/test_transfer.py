@@ -165,3 +165,17 @@ def test_transport_layer_does_not_import_torch() -> None:
             for alias in node.names
         }
         assert not {m for m in imported if m.split(".")[0] == "torch"}, (name, imported)
+
+
+def test_wrong_region_is_a_config_error_naming_the_right_one() -> None:
+    from dcp_s3.errors import ConfigError
+    from dcp_s3.transfer import translate_error
+
+    response = {
+        "Error": {"Code": "AuthorizationHeaderMalformed", "Message": "the region 'us-east-1' is wrong"},
+        "ResponseMetadata": {"HTTPStatusCode": 400, "HTTPHeaders": {"x-amz-bucket-region": "eu-west-1"}},
+    }
+    err = translate_error(ClientError(response, "HeadBucket"), "HEAD", "bkt")  # type: ignore[arg-type]
+    assert isinstance(err, ConfigError)
+    assert "wrong region" in str(err) and "'eu-west-1'" in str(err) and "s3://bkt" in str(err)
+    assert pickle.loads(pickle.dumps(err)).args == err.args
