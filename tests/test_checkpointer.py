@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
+from test_multirank import full
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from dcp_s3 import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from dcp_s3.checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
@@ -67,17 +67,6 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, sched: Any, seed: int)
     sched.step()
     optim.zero_grad()
 
-
-def full(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: full(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [full(v) for v in value]
-    return value
 
 
 def snapshot(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
