@@ -189,7 +189,9 @@ class ClientConfig:
             },
         )
         session = boto3.session.Session(profile_name=self.profile)
-        return session.client("s3", config=config, **kwargs)
+        client = session.client("s3", config=config, **kwargs)
+        client.meta.events.register("needs-retry.s3", _log_failed_attempt)
+        return client
 
     def client(self) -> Any:
         """This process's client, created on first use and shared by its threads."""
@@ -197,6 +199,20 @@ class ClientConfig:
             if self._cache.get("pid") != os.getpid():  # a forked child makes its own
                 self._cache.update(pid=os.getpid(), client=self.make_client())
             return self._cache["client"]
+
+
+def _log_failed_attempt(
+    response: Any, operation: Any, attempts: int, caught_exception: BaseException | None, request_dict: Any,
+    **_: Any,
+) -> None:
+    """Log, at debug, each failed attempt botocore may retry; the URL names bucket and key, never secrets."""
+    status = response[0].status_code if response else None
+    if caught_exception is None and (status is None or status < 500) and status != 429:
+        return None  # returning None leaves the retry decision to botocore
+    cause = caught_exception if caught_exception is not None else f"HTTP {status}"
+    url = str(request_dict.get("url", "")).split("?", 1)[0]
+    log.debug("%s %s: attempt %d failed (%s)", operation.name, url, attempts, cause)
+    return None
 
 
 def _read_credential_file(path: str) -> dict[str, Any]:

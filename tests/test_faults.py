@@ -5,6 +5,7 @@ Every test binds loopback only; request counts and wall time are bounded.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -82,7 +83,9 @@ def _keys(server: LocalS3Server, bucket: str, prefix: str) -> dict[str, str]:
 
 
 # -- transient faults ------------------------------------------------------------------------------------
-def test_transient_faults_save_and_load_bit_exact(proxy: FaultProxy, bucket: str) -> None:
+def test_transient_faults_save_and_load_bit_exact(
+    proxy: FaultProxy, bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
     mixed = ("500", "503", "reset", "truncate")
     proxy.set_rules([
         # One certain fault of each kind, then seeded random ones (at most 2 per request).
@@ -97,11 +100,15 @@ def test_transient_faults_save_and_load_bit_exact(proxy: FaultProxy, bucket: str
     sd = _state(1)
     uri = f"s3://{bucket}/transient/step-1"
     t0 = time.monotonic()
-    dcp.save(sd, storage_writer=_writer(uri, proxy))
-    saved_faults = proxy.injected()
-    out = _zeros_like(sd)
-    dcp.load(out, storage_reader=_reader(uri, proxy, max_range_size=1 * MiB))
+    with caplog.at_level(logging.DEBUG, logger="dcp_s3"):
+        dcp.save(sd, storage_writer=_writer(uri, proxy))
+        saved_faults = proxy.injected()
+        out = _zeros_like(sd)
+        dcp.load(out, storage_reader=_reader(uri, proxy, max_range_size=1 * MiB))
     elapsed = time.monotonic() - t0
+    # Each failed attempt is logged at debug with the object it was for.
+    retried = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage()]
+    assert any(m.startswith("UploadPart ") and f"/{bucket}/transient/step-1/" in m for m in retried), retried[:5]
     _assert_bit_exact(out, sd)
     assert saved_faults > 0, (proxy.faults, proxy.counts)
     assert proxy.injected() > saved_faults, proxy.faults
