@@ -118,6 +118,8 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
+        if kwargs.get("use_collectives") is False:
+            raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator commits one .metadata")
         self._session.require_uri()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -174,12 +176,14 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
             return results
 
         # Serializer threads are separate from the I/O pool so they never wait on their own parts.
-        with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcp_s3-serialize") as serializers:
-            futures = [serializers.submit(write_object, n, items) for n, items in enumerate(buckets)]
-            wait_all(futures)
-        pool.clear()
-        if self._codec is not None:
-            self._codec.close()
+        try:
+            with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcp_s3-serialize") as serializers:
+                futures = [serializers.submit(write_object, n, items) for n, items in enumerate(buckets)]
+                wait_all(futures)
+        finally:
+            pool.clear()
+            if self._codec is not None:
+                self._codec.close()
         results = [r for f in futures for r in f.result()]
         log.debug("rank %s wrote %d items in %d objects", self.rank, len(results), len(buckets))
         return results

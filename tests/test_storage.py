@@ -387,3 +387,8 @@ def test_round_trip_on_moto(moto_server: LocalS3Server, monkeypatch: pytest.Monk
     assert_same(sd, out)
     with pytest.raises(BaseException, match="already exists"):
         dcp.save(sd, storage_writer=S3StorageWriter(uri))
+
+
+def test_no_collectives_mode_is_refused_clearly(bucket: str) -> None:
+    with pytest.raises(BaseException, match="use_collectives=True"):
+        dcp.save({"w": torch.ones(1)}, storage_writer=S3StorageWriter(f"s3://{bucket}/nc"), use_collectives=False)
