@@ -52,7 +52,8 @@ class ItemLocation(_StorageInfo):
 
     ``payload_offset`` is relative to ``offset``; ``None`` for byte items and for
     items written by other writers (those are read with ``torch.load``).
-    ``crc32c`` covers the payload: a tensor's raw bytes, or a byte item's bytes.
+    ``crc32c`` covers the payload: a tensor's raw bytes, or a byte item's bytes (for
+    compressed tensors ``frame_crc32c`` covers them instead, frame by frame).
     ``frames`` is set for compressed tensors: the item is then the codec's frames of
     the raw bytes (no ``torch.save`` envelope), and ``transform_descriptors`` names
     the codec so stock readers refuse it instead of misreading it. ``frame_crc32c``

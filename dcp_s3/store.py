@@ -31,7 +31,7 @@ from .writer import S3StorageWriter
 __all__ = ["Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "open_object", "split_storage_options"]
 
 #: Options that choose the S3 client (the rest tune the writer/reader).
-_CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile")
+_CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "request_args")
 _IO_THREADS = 8
 
 
@@ -145,7 +145,9 @@ class S3Store:
         self._writer_options, self._reader_options = split_storage_options(options)
         client_options = {k: options[k] for k in _CLIENT_OPTIONS if options.get(k) is not None}
         self._client_config = ClientConfig(**client_options, max_pool_connections=_IO_THREADS + 2)
-        self.transport = S3Transport(self._client_config.client, uri.bucket)
+        self.transport = S3Transport(
+            self._client_config.client, uri.bucket, request_args=self._client_config.request_args
+        )
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
 
@@ -203,24 +205,7 @@ class S3Store:
         self.transport.put_object(self.key(name), data)  # one PUT: atomic on S3
 
     def delete(self, names: Iterable[str]) -> None:
-        keys = [self.key(n) for n in names]
-        if len(keys) == 1:
-            self.transport.delete_object(keys[0])
-        for start in range(0, len(keys) if len(keys) > 1 else 0, 1000):  # DeleteObjects takes up to 1000 keys
-            batch = keys[start : start + 1000]
-            try:
-                resp = self.transport.client.delete_objects(
-                    Bucket=self.uri.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-                )
-            except Exception as exc:
-                raise translate_error(exc, "DELETE", self.uri.bucket, batch[0]) from exc
-            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
-            if errors:
-                first = errors[0]
-                raise DcpS3Error(
-                    f"DELETE s3://{self.uri.bucket}/{first.get('Key')} failed: {first.get('Code')}: "
-                    f"{first.get('Message')} ({len(errors)} of {len(batch)} keys failed)"
-                )
+        self.transport.delete_objects([self.key(n) for n in names])
 
     def writer(self, name: str) -> StorageWriter:
         return S3StorageWriter(self.url(name), **self._writer_options)

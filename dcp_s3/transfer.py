@@ -115,7 +115,7 @@ def _is_not_implemented(exc: ClientError) -> bool:
 
 _OBJECT_OPS = frozenset(
     {"put_object", "create_multipart_upload", "upload_part", "complete_multipart_upload", "abort_multipart_upload",
-     "get_object", "head_object", "delete_object", "list_objects_v2", "list_multipart_uploads"}
+     "get_object", "head_object", "delete_object", "delete_objects", "list_objects_v2", "list_multipart_uploads"}
 )
 _NEW_OBJECT_OPS = frozenset({"put_object", "create_multipart_upload"})
 #: Request options passed through to S3, and the operations that take each.
@@ -308,6 +308,21 @@ class S3Transport:
 
     def delete_object(self, key: str) -> None:
         self._call("delete_object", key, Key=key)
+
+    def delete_objects(self, keys: Sequence[str]) -> None:
+        """Delete many keys, 1,000 per request (the S3 limit); keys already gone are fine."""
+        for start in range(0, len(keys), 1000):
+            batch = keys[start : start + 1000]
+            resp = self._call(
+                "delete_objects", batch[0], Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            )
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise S3TransferError(
+                    f"DeleteObjects s3://{self.bucket}/{first.get('Key')} failed: {first.get('Code')}: "
+                    f"{first.get('Message')} ({len(errors)} of {len(batch)} keys failed)"
+                )
 
     def list_objects(self, prefix: str) -> Iterator[dict[str, Any]]:
         """Every object under ``prefix`` (``Key``, ``Size``, ``LastModified``...)."""

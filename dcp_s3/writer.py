@@ -254,33 +254,27 @@ def _write_item(
 def _write_tensor(writer: ObjectWriter, name: str, tensor: torch.Tensor, codec: Codec | None) -> ItemLocation:
     """Stream one tensor: a ``torch.save`` file, or the codec's frames of its raw bytes."""
     offset = writer.tell()
-    checksum = 0
-
-    def checksummed(chunks: Iterable[memoryview]) -> Iterator[memoryview]:
-        nonlocal checksum
-        for chunk in chunks:
-            checksum = crc32c(chunk, checksum)
-            yield chunk
-
     if codec is None:
         blob = tensor_blob(tensor)
         writer.write(blob.header)
-        for chunk in checksummed(blob.payload_chunks()):
+        checksum = 0
+        for chunk in blob.payload_chunks():
             writer.write(chunk)
+            checksum = crc32c(chunk, checksum)
         writer.write(blob.trailer)
         return ItemLocation(
             name, offset, writer.tell() - offset, payload_offset=blob.payload_offset, crc32c=checksum
         )
+    # Compressed: one CRC per frame covers every byte, and lets partial reads be checked too.
     tensor = compact(tensor)
     element_size, floating = grouping_for_dtype(tensor.dtype)
     block_crcs = _BlockChecksums(codec.frame_size_for(element_size))
     # Chunks are fresh views or host copies, never reused: no need to drain frames between them.
     frames = codec.encode(
-        block_crcs.feed(checksummed(payload_chunks(tensor))), element_size, floating, writer.write,
-        stable_chunks=True,
+        block_crcs.feed(payload_chunks(tensor)), element_size, floating, writer.write, stable_chunks=True
     )
     return ItemLocation(
-        name, offset, writer.tell() - offset, transform_descriptors=[CODEC_DESCRIPTOR], crc32c=checksum,
+        name, offset, writer.tell() - offset, transform_descriptors=[CODEC_DESCRIPTOR],
         frames=frames, frame_crc32c=block_crcs.finish(),
     )
 

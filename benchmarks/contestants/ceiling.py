@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -67,34 +68,34 @@ class _Concat(io.RawIOBase):
 
         return max(0, bisect.bisect_right(self._starts, pos) - 1)
 
-    def readinto(self, b: Any) -> int:
-        out = memoryview(b).cast("B")
+    def _spans(self, length: int) -> Iterator[tuple[memoryview, int, int, int]]:
+        """(tensor view, offset in it, bytes, offset in the caller's buffer) from the position on."""
         n = 0
         i = self._locate(self._pos)
-        while n < len(out) and self._pos < self._size and i < len(self._views):
+        while n < length and self._pos < self._size and i < len(self._views):
             v, start = self._views[i], self._starts[i]
             off = self._pos - start
-            k = min(len(v) - off, len(out) - n)
+            k = min(len(v) - off, length - n)
             if k > 0:
-                out[n:n + k] = v[off:off + k]
+                yield v, off, k, n
                 n += k
                 self._pos += k
             i += 1
+
+    def readinto(self, b: Any) -> int:
+        out = memoryview(b).cast("B")
+        n = 0
+        for v, off, k, at in self._spans(len(out)):
+            out[at:at + k] = v[off:off + k]
+            n += k
         return n
 
     def write(self, b: Any) -> int:
         data = memoryview(b).cast("B")
         n = 0
-        i = self._locate(self._pos)
-        while n < len(data) and i < len(self._views):
-            v, start = self._views[i], self._starts[i]
-            off = self._pos - start
-            k = min(len(v) - off, len(data) - n)
-            if k > 0:
-                v[off:off + k] = data[n:n + k]
-                n += k
-                self._pos += k
-            i += 1
+        for v, off, k, at in self._spans(len(data)):
+            v[off:off + k] = data[at:at + k]
+            n += k
         if n != len(data):
             raise ValueError("write past the end of the destination tensors")
         return n
