@@ -4,7 +4,7 @@ An item's raw bytes are cut into independent *frames* of ``frame_size`` raw byte
 (a multiple of the element size; the last frame may be shorter). Each frame is
 compressed on its own, so a reader fetches and decompresses only the frames a
 ranged read touches, and frames (de)compress in parallel on a thread pool
-(python-zstandard and numpy release the GIL).
+(python-zstandard, cramjam and numpy release the GIL).
 
 Floating-point frames are *byte grouped* first: every element is rotated left by
 one bit (the sign moves next to the mantissa, so the top byte is the whole
@@ -43,6 +43,7 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Final, Union
 
+import cramjam
 import numpy as np
 import zstandard
 
@@ -436,15 +437,11 @@ def _decode_frame_v1(local: threading.local, index: FrameIndex, i: int, piece: m
             raise CheckpointFormatError(f"raw frame {i} has {len(piece)} stored bytes, expected {n}")
         dst[:] = piece[lo:hi]
         return
-    dctx = getattr(local, "dctx", None)
-    if dctx is None:
-        dctx = local.dctx = zstandard.ZstdDecompressor()
-    whole = lo == 0 and hi == n
-    if index.grouping == GROUP_NONE and whole:
-        _decompress_into(dctx, piece, dst, i)
+    if index.grouping == GROUP_NONE and lo == 0 and hi == n:
+        _decompress_into(piece, dst, i)
         return
     buf = _scratch(local, n)
-    _decompress_into(dctx, piece, buf.data, i)
+    _decompress_into(piece, buf.data, i)
     if index.grouping == GROUP_NONE:
         dst[:] = buf.data[lo:hi]
         return
@@ -480,24 +477,21 @@ def _supported() -> str:
     return ", ".join(f"{name!r} version {v}" for name, v in sorted(_DECODERS))
 
 
-def _decompress_into(dctx: zstandard.ZstdDecompressor, piece: memoryview, dst: memoryview, i: int) -> None:
-    """Decompress the zstd frame(s) in ``piece`` into exactly fill ``dst``."""
-    n = len(dst)
-    got = 0
+def _decompress_into(piece: memoryview, dst: memoryview, i: int) -> None:
+    """Decompress the zstd frame(s) in ``piece`` into exactly fill ``dst``.
+
+    cramjam decompresses straight into the caller's buffer with the GIL released:
+    twice as fast here as python-zstandard, whose one-shot API allocates the output
+    (page faults on every frame) and whose streaming API copies through a window.
+    """
     try:
-        with dctx.stream_reader(piece, read_across_frames=True) as reader:
-            while got < n:
-                k = reader.readinto(dst[got:])
-                if not k:
-                    break
-                got += k
-            extra = reader.read(1) if got == n else b""
-    except zstandard.ZstdError as e:
+        got = cramjam.zstd.decompress_into(piece, dst)
+    except cramjam.DecompressionError as e:
+        if "whole buffer" in str(e):
+            raise CheckpointFormatError(f"frame {i} decompresses to more than the expected {len(dst)} bytes") from e
         raise CheckpointFormatError(f"frame {i} is not valid zstd data: {e}") from e
-    if got != n:
-        raise CheckpointFormatError(f"frame {i} decompressed to {got} bytes, expected {n}")
-    if extra:
-        raise CheckpointFormatError(f"frame {i} decompresses to more than the expected {n} bytes")
+    if got != len(dst):
+        raise CheckpointFormatError(f"frame {i} decompressed to {got} bytes, expected {len(dst)}")
 
 
 def _frame_range(index: FrameIndex, raw_start: int, raw_end: int) -> tuple[int, int]:
