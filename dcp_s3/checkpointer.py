@@ -148,8 +148,9 @@ class Checkpointer:
             for it. Each part gets its own gloo process group so parts upload concurrently
             without interleaving collectives.
         storage_options: ``S3StorageWriter``/``S3StorageReader`` keywords (``credential_path``,
-            ``endpoint_url``, ``region``, ``profile``, ``part_size``, ``max_concurrency``...);
-            rejected for local directories.
+            ``endpoint_url``, ``region``, ``profile``, ``part_size``, ``max_concurrency``,
+            ``key_prefixes``...), given to every writer/reader of every part; rejected for local
+            directories.
 
     Rank roles: every rank calls ``save``/``load``; rank 0 alone lists, writes the marker and
     deletes, and tells the other ranks what it found (so all agree on the step to load and on

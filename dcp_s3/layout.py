@@ -5,6 +5,7 @@ directory loads with stock ``FileSystemReader``::
 
     <prefix>/.metadata            pickled ``Metadata``; written last: its presence marks a complete checkpoint
     <prefix>/__{rank}_{n}.distcp  data objects; each item is an independent ``torch.save`` blob or raw bytes
+    <prefix>/p-{h}/__{rank}_{n}.distcp  the same, with ``S3StorageWriter(key_prefixes=N)``, N > 1 (see ``rank_prefix``)
 
 ``Metadata.storage_data`` maps each ``MetadataIndex`` to an ``ItemLocation`` (a
 ``_StorageInfo`` subclass, so stock readers use its path/offset/length) that also
@@ -17,6 +18,7 @@ from __future__ import annotations
 import io
 import pickle
 import posixpath
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +28,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .codec import CODEC_NAME, CODEC_VERSION, FrameIndex
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, ConfigError
 
 __all__ = [
-    "METADATA_KEY", "ItemLocation", "data_object_name", "dump_metadata", "load_metadata", "check_object_name",
+    "METADATA_KEY", "ItemLocation", "data_object_name", "rank_prefix", "check_key_prefixes", "is_key_prefix_dir", "dump_metadata", "load_metadata", "check_object_name",
     "checksum_error",
 ]
 
@@ -39,11 +41,44 @@ DATA_SUFFIX = ".distcp"
 CODEC_DESCRIPTOR = f"{CODEC_NAME}/{CODEC_VERSION}"
 #: Version of dcp_s3's storage data, recorded in ``Metadata.storage_meta.modules``.
 FORMAT_TAG = "dcp_s3/1"
+_KEY_PREFIX_DIR = re.compile(r"p-[0-9a-f]+")
 
 
 def data_object_name(rank_prefix: str, n: int) -> str:
-    """``__{rank}_{n}.distcp`` — the name torch's FileSystemWriter would use."""
+    """``<rank_prefix>{n}.distcp``: ``__{rank}_{n}.distcp`` is the name torch's FileSystemWriter would use."""
     return f"{rank_prefix}{n}{DATA_SUFFIX}"
+
+
+def check_key_prefixes(key_prefixes: int) -> int:
+    """``key_prefixes`` if it is a positive int, else a ``ConfigError`` naming it."""
+    if isinstance(key_prefixes, bool) or not isinstance(key_prefixes, int) or key_prefixes < 1:
+        raise ConfigError(
+            f"key_prefixes={key_prefixes!r}: must be a positive integer (1 = every data object directly "
+            "under the checkpoint)"
+        )
+    return key_prefixes
+
+
+def rank_prefix(rank: int, key_prefixes: int = 1) -> str:
+    """Name prefix of ``rank``'s data objects: ``__{rank}_``, or ``p-{h}/__{rank}_`` when spread.
+
+    S3 partitions a bucket by lexicographic key ranges, each serving ~3,500 PUT/s and
+    ~5,500 GET/s. With ``key_prefixes`` N > 1, rank r writes under ``p-<h>``, ``<h>`` being
+    ``r % N`` in hex, zero padded to the digits N-1 needs and written backwards, so that
+    consecutive ranks differ in the first character after ``p-`` and S3 can split the
+    checkpoint's range in up to N. The directory stays inside the checkpoint.
+    """
+    n = check_key_prefixes(key_prefixes)
+    if n == 1:
+        return f"__{rank}_"
+    width = len(f"{n - 1:x}")
+    digits = f"{rank % n:0{width}x}"[::-1]
+    return f"p-{digits}/__{rank}_"
+
+
+def is_key_prefix_dir(name: str) -> bool:
+    """True for a directory name ``rank_prefix`` makes (``p-`` and lowercase hex digits)."""
+    return _KEY_PREFIX_DIR.fullmatch(name) is not None
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 A *step* saved by :class:`dcp_s3.checkpointer.Checkpointer` under a root is::
 
-    <root>/<step>.<key>_model/   DCP checkpoint of model_dict[key]   (.metadata + __*_*.distcp)
+    <root>/<step>.<key>_model/   DCP checkpoint of model_dict[key]   (.metadata + __*_*.distcp,
+                                 or p-<hex>/__*_*.distcp with ``key_prefixes``)
     <root>/<step>.<key>_optim/   DCP checkpoint of optimizer_dict[key]
     <root>/<step>.pth            torch.save of iteration, scheduler/scaler/callback state:
                                  written by rank 0 LAST, so it marks a complete step
@@ -12,7 +13,9 @@ Steps are recognized at any depth below the root (``run1/0000100`` when listing 
 ``<step>`` defaults to ``{iteration:07d}``. A lone ``<step>.pth`` without parts is a
 legacy single-file checkpoint (``{"model": ..., "optimizer": ..., "iteration": ...}``).
 Any other directory that directly holds ``.metadata`` or ``*.distcp`` objects is a plain
-DCP checkpoint. Nothing here knows about S3 or torch.distributed.
+DCP checkpoint. ``*.distcp`` objects in a ``p-<hex>`` directory (``S3StorageWriter(key_prefixes=N)``)
+belong to the directory above it, unless that ``p-<hex>`` directory holds a ``.metadata`` itself.
+Nothing here knows about S3 or torch.distributed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .layout import METADATA_KEY
+from .layout import METADATA_KEY, is_key_prefix_dir
 from .store import Entry
 
 __all__ = [
@@ -101,12 +104,27 @@ def _meta(part: str) -> str:
     return f"{part}/{METADATA_KEY}" if part else METADATA_KEY
 
 
+def _checkpoint_dir(directory: str, base: str, checkpoints: set[str]) -> str:
+    """The directory whose checkpoint object ``<directory>/<base>`` belongs to.
+
+    A data object in a key-prefix directory (``<ckpt>/p-<hex>/__*_*.distcp``) belongs to
+    ``<ckpt>``; a ``p-<hex>`` directory holding its own ``.metadata`` is a checkpoint itself.
+    """
+    parent, _, last = directory.rpartition("/")
+    if base.endswith(_DATA_SUFFIX) and is_key_prefix_dir(last) and directory not in checkpoints:
+        return parent
+    return directory
+
+
 def scan(entries: Iterable[Entry]) -> list[Step]:
     """Group a recursive listing (names relative to the root) into steps and DCP checkpoints."""
+    entries = list(entries)
+    checkpoints = {e.name.rpartition("/")[0] for e in entries if e.name.rpartition("/")[2] == METADATA_KEY}
     steps: dict[str, Step] = {}
     loose: dict[str, list[Entry]] = {}
     for entry in entries:
         directory, _, base = entry.name.rpartition("/")
+        directory = _checkpoint_dir(directory, base, checkpoints)
         parent, _, last = directory.rpartition("/")
         match = _PART_RE.match(last) if directory else None
         if match:
