@@ -3,6 +3,7 @@
     python -m benchmarks.scale                         # Llama-70B-like, FSDP over all ranks
     python -m benchmarks.scale --model llama-7b --rank-gbps 0.5
     python -m benchmarks.scale --ranks 8,64,512 --plan-max-ranks 512
+    python -m benchmarks.scale --key-prefixes 1,16,256    # the key layouts compared (the default)
 
 Model: FSDP2-style training state — every parameter, AdamW ``exp_avg`` and
 ``exp_avg_sq`` sharded on dim 0 over all ranks (``torch.chunk`` rule, so small
@@ -18,6 +19,13 @@ Columns, per checkpoint:
   ranged GETs plus one ``.metadata`` GET per rank — ~5,500/s per prefix); the rates
   assume every rank moves data at ``--rank-gbps`` and all keys share one prefix
   (DCP's layout); "min s" is the shortest save/load the per-prefix limit allows.
+* the same rates on the busiest prefix with ``S3StorageWriter(key_prefixes=N)`` for each N of
+  ``--key-prefixes``: rank r's objects under ``p-<hex of r % N>/``, so the busiest prefix carries
+  ceil(ranks / N) ranks' data requests, assuming S3 has split the checkpoint's key range into one
+  partition per ``p-<h>`` (it does so gradually under load, or on request). ``.metadata`` stays one
+  key: its PUT and the GET of every rank on load land on one partition whatever N. N = 1 is the
+  flat layout (every request on one prefix). Then the largest job (ranks) whose busiest prefix
+  stays under both 3,500 PUT/s and 5,500 GET/s, for each N, found by trying every rank count.
 * ``.metadata`` size: a real ``Metadata`` with dcp_s3's ``ItemLocation`` entries is
   built and pickled while it has at most ``--metadata-max-entries`` chunks, and
   extrapolated linearly in chunks beyond (marked ~). Every rank GETs it on load.
@@ -44,6 +52,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
+from dcp_s3.layout import rank_prefix  # noqa: E402
 
 PUT_LIMIT = 3500  # requests / s / prefix (S3 guidance)
 GET_LIMIT = 5500
@@ -109,6 +118,62 @@ def fit_part(part: int, size: int) -> int:
     while -(-size // part) > MAX_PARTS:
         part *= 2
     return part
+
+
+@dataclass(frozen=True)
+class Requests:
+    """One checkpoint's S3 requests at ``ranks`` ranks, every rank moving its share in ``seconds``."""
+
+    ranks: int
+    object_bytes: float
+    part_bytes: int
+    puts_per_rank: int  # PUT-class requests of one rank's data objects
+    gets_per_rank: int  # ranged GETs of one rank's share on load (without .metadata)
+    seconds: float  # save time = load time at --rank-gbps
+
+    @classmethod
+    def of(cls, total: float, ranks: int, args: argparse.Namespace) -> Requests:
+        per_rank = total / ranks
+        per_obj = per_rank / args.files_per_rank
+        part = fit_part(args.part_mib * MiB, int(per_obj))
+        put_per_obj = 1 if per_obj <= part else 2 + math.ceil(per_obj / part)  # PUT, or Create + parts + Complete
+        return cls(ranks, per_obj, part, args.files_per_rank * put_per_obj,
+                   math.ceil(per_rank / (args.range_mib * MiB)), per_rank / (args.rank_gbps * 1e9))
+
+    @property
+    def save_puts(self) -> int:
+        return self.ranks * self.puts_per_rank + 1  # + .metadata
+
+    @property
+    def load_gets(self) -> int:
+        return self.ranks * (self.gets_per_rank + 1)  # + every rank's .metadata GET
+
+    def busiest_prefix(self, prefixes: int) -> dict[str, float]:
+        """PUT/s and GET/s of the busiest prefix with ``key_prefixes=prefixes``, and what each is made of."""
+        if prefixes == 1:  # flat: data and .metadata share one prefix
+            return {"put_per_s": self.save_puts / self.seconds, "get_per_s": self.load_gets / self.seconds,
+                    "data_put_per_s": self.save_puts / self.seconds, "data_get_per_s": self.load_gets / self.seconds,
+                    "metadata_get_per_s": self.ranks / self.seconds}
+        ranks = -(-self.ranks // prefixes)  # ranks whose objects share the busiest p-<h>
+        data_put, data_get = ranks * self.puts_per_rank / self.seconds, ranks * self.gets_per_rank / self.seconds
+        meta_put, meta_get = 1 / self.seconds, self.ranks / self.seconds
+        return {"put_per_s": max(data_put, meta_put), "get_per_s": max(data_get, meta_get),
+                "data_put_per_s": data_put, "data_get_per_s": data_get, "metadata_get_per_s": meta_get}
+
+
+def largest_job(total: float, args: argparse.Namespace, prefixes: int, *, data_only: bool = False,
+                max_ranks: int = 1 << 20) -> tuple[int, str]:
+    """(largest rank count such that every job up to it stays under both limits, the limit that binds)."""
+    for n in range(1, max_ranks + 1):
+        rates = Requests.of(total, n, args).busiest_prefix(prefixes)
+        put = rates["data_put_per_s"] if data_only else rates["put_per_s"]
+        get = rates["data_get_per_s"] if data_only else rates["get_per_s"]
+        if put > PUT_LIMIT or get > GET_LIMIT:
+            if put / PUT_LIMIT >= get / GET_LIMIT:
+                return n - 1, "PUT/s"
+            meta = not data_only and prefixes > 1 and rates["metadata_get_per_s"] >= rates["data_get_per_s"]
+            return n - 1, ".metadata GET/s" if meta else "GET/s"
+    return max_ranks, "none"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-mib", type=int, default=16)
     ap.add_argument("--range-mib", type=int, default=16)
     ap.add_argument("--files-per-rank", type=int, default=1)
+    ap.add_argument("--key-prefixes", default="1,16,256",
+                    help="S3StorageWriter(key_prefixes=N) values to compare (1 = the flat layout)")
     ap.add_argument("--metadata-max-entries", type=int, default=300_000)
     ap.add_argument("--plan-max-ranks", type=int, default=4096)
     ap.add_argument("--plan-per-shape", type=int, default=2,
@@ -328,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = MODELS[args.model]
     ranks_list = sorted({int(x) for x in args.ranks.split(",")})
+    prefix_list = sorted({int(x) for x in args.key_prefixes.split(",")} | {1})
     n_params = sum(math.prod(s) for _, s in model.params())
     total = n_params * args.bytes_per_param
     print(f"{model.name}: {n_params / 1e9:.1f}B params, {len(sharded_tensors(model))} sharded tensors; "
@@ -341,23 +409,17 @@ def main(argv: list[str] | None = None) -> int:
     plan, plan_notes = measure_planning(model, ranks_list, args.plan_max_ranks, args.plan_per_shape)
     print(f"  ({time.time() - t0:.0f} s)", flush=True)
 
-    rows_req, rows_meta, records = [], [], []
+    rows_req, rows_meta, rows_prefix, records = [], [], [], []
     for n in ranks_list:
-        per_obj = total / (n * args.files_per_rank)
-        part = fit_part(args.part_mib * MiB, int(per_obj))
+        req = Requests.of(total, n, args)
+        per_obj, part = req.object_bytes, req.part_bytes
         objects = n * args.files_per_rank + 1
-        if per_obj <= part:
-            put_per_obj = 1
-        else:
-            put_per_obj = 2 + math.ceil(per_obj / part)
-        save_put = n * args.files_per_rank * put_per_obj + 1  # + .metadata
+        save_put = req.save_puts
         save_get = 2  # HEAD bucket + HEAD .metadata (GET-class)
-        per_rank = total / n
-        gets_per_rank = math.ceil(per_rank / (args.range_mib * MiB)) + 1  # + .metadata
-        load_get = n * gets_per_rank
-        t_save = per_rank / (args.rank_gbps * 1e9)
-        t_load = t_save
-        put_rate, get_rate = save_put / t_save, load_get / t_load
+        load_get = req.load_gets
+        t_save = req.seconds
+        put_rate, get_rate = save_put / t_save, load_get / t_save
+        per_prefix = {p: req.busiest_prefix(p) for p in prefix_list}
         md = meta[n]
         cost_save = save_put * PUT_PRICE + save_get * GET_PRICE
         cost_load = load_get * GET_PRICE
@@ -367,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             "save_put_requests": save_put, "load_get_requests": load_get,
             "save_s_bandwidth": t_save, "put_per_s": put_rate, "get_per_s": get_rate,
             "min_save_s_at_limit": save_put / PUT_LIMIT, "min_load_s_at_limit": load_get / GET_LIMIT,
+            "busiest_prefix_by_key_prefixes": per_prefix,
             "metadata_bytes": md["bytes"], "metadata_measured": md["measured"], "metadata_chunks": md["entries"],
             "metadata_unpickle_s": md["load_s"], "metadata_bytes_fetched_on_load": md["bytes"] * n,
             "plan_s": pl["s"] if pl else None, "plan_extrapolated": pl["extrapolated"] if pl else None,
@@ -389,6 +452,24 @@ def main(argv: list[str] | None = None) -> int:
             f"{pl['worst_shape']} {100 * pl['worst_share']:.0f}%" if pl else "—",
             common.fmt(pl["plan_bytes"] * n / 1e6 if pl else None, 1),
         ])
+        rows_prefix.append([f"{n:,}"] + [
+            f"{r[k]:,.0f} ({r[k] / limit:.2f}x)" for r in per_prefix.values()
+            for k, limit in (("put_per_s", PUT_LIMIT), ("get_per_s", GET_LIMIT))
+        ])
+    largest = {}
+    for p in prefix_list:
+        n_max, bound = largest_job(total, args, p)
+        n_data, bound_data = largest_job(total, args, p, data_only=True)
+        largest[p] = {"ranks": n_max, "bound_by": bound, "ranks_data_objects_only": n_data,
+                      "data_bound_by": bound_data}
+    rows_largest = [
+        [f"{p:,}" + (" (flat)" if p == 1 else ""), f"{v['ranks']:,}", v["bound_by"],
+         f"{v['ranks_data_objects_only']:,} ({v['data_bound_by']})" if p > 1 else "same"]
+        for p, v in largest.items()
+    ]
+    widest = max(prefix_list)
+    extra = len(rank_prefix(0, widest)) - len(rank_prefix(0))
+    per_entry = meta[ranks_list[0]]["bytes"] / meta[ranks_list[0]]["entries"]
     t1 = common.markdown_table(
         ["ranks", "objects", "MiB / object", "save PUT-class req", f"save s at {args.rank_gbps:g} GB/s/rank",
          "PUT/s per prefix", "x 3,500 limit", "min save s at limit", "load GET req", "GET/s per prefix",
@@ -396,8 +477,21 @@ def main(argv: list[str] | None = None) -> int:
     t2 = common.markdown_table(
         ["ranks", ".metadata chunks", ".metadata MB", "unpickle s (each rank)", "GB of .metadata GETs on load",
          "coordinator plan s", "largest share of plan time", "plans gathered, MB"], rows_meta)
+    t3 = common.markdown_table(
+        ["ranks"] + [f"{what} N={p:,}" for p in prefix_list for what in ("PUT/s", "GET/s")], rows_prefix)
+    t4 = common.markdown_table(
+        ["key_prefixes N", "largest job, ranks", "bound by", "data objects alone"], rows_largest)
     text = (f"{model.name}, {total / 1e9:,.0f} GB checkpoint, FSDP over all ranks, one prefix, dcp_s3 defaults.\n\n"
-            f"{t1}\n\n{t2}\n\n~ = extrapolated (.metadata: linearly in chunks from the largest one built; planning: "
+            f"{t1}\n\n{t2}\n\n"
+            f"Requests per second on the busiest prefix with S3StorageWriter(key_prefixes=N) (x = share of "
+            f"S3's {PUT_LIMIT:,} PUT/s or {GET_LIMIT:,} GET/s per prefix), assuming one S3 partition per "
+            f"p-<h> directory; .metadata is one key in every layout:\n\n{t3}\n\n"
+            f"Largest job that stays under {PUT_LIMIT:,} PUT/s and {GET_LIMIT:,} GET/s on every prefix, at "
+            f"{args.rank_gbps:g} GB/s per rank, loading on as many ranks as saved (every rank count tried; "
+            f"'data objects alone' leaves out the .metadata key):\n\n{t4}\n\n"
+            f"The p-<h> directories add {extra} bytes to each .metadata chunk entry at N={widest:,} "
+            f"(~{100 * extra / per_entry:.0f}% of the {per_entry:.0f} bytes per entry measured at "
+            f"{ranks_list[0]:,} ranks).\n\n~ = extrapolated (.metadata: linearly in chunks from the largest one built; planning: "
             f"per tensor shape, with the growth exponent of the last two measured rank counts).\n"
             "Coordinator planning (torch DefaultSavePlanner.create_global_plan), per tensor:\n"
             + "\n".join(f"- {note}" for note in plan_notes))
@@ -406,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     common.write_json(args.out, {"benchmark": "scale", "model": model.name, "params": n_params,
                                  "checkpoint_bytes": total, "args": vars(args) | {"out": str(args.out)},
                                  "machine": common.machine_info(), "records": records, "planning_notes": plan_notes,
+                                 "largest_job_under_limits_by_key_prefixes": largest,
                                  "tables_markdown": text})
     args.out.with_suffix(".md").write_text(text + "\n")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')} ({time.time() - t0:.0f} s)")
