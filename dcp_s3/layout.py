@@ -65,7 +65,7 @@ def rank_prefix(rank: int, key_prefixes: int = 1) -> str:
     S3 partitions a bucket by lexicographic key ranges, each serving ~3,500 PUT/s and
     ~5,500 GET/s. With ``key_prefixes`` N > 1, rank r writes under ``p-<h>``, ``<h>`` being
     ``r % N`` in hex, zero padded to the digits N-1 needs and written backwards, so that
-    consecutive ranks differ in the first character after ``p-`` and S3 can split the
+    consecutive slots differ in the first character after ``p-`` and S3 can split the
     checkpoint's range in up to N. The directory stays inside the checkpoint.
     """
     n = check_key_prefixes(key_prefixes)
