@@ -15,6 +15,8 @@ from typing import Any
 
 __all__ = ["Target", "Contestant", "CONTESTANTS", "get"]
 
+Factory = Callable[["Target"], Any]
+
 
 @dataclass(frozen=True)
 class Target:
@@ -39,29 +41,39 @@ class Contestant:
     load: Callable[[dict[str, Any], Target], None]
     unavailable: Callable[[], str | None] = lambda: None  # a reason, or None when it can run
     uses_s3: bool = True
+    # The StorageWriter/StorageReader behind save/load, for callers that run dcp.save/dcp.load
+    # themselves (e.g. on several ranks); None for contestants that are not a DCP storage backend.
+    writer: Factory | None = None
+    reader: Factory | None = None
 
 
 # -- dcp_s3 -------------------------------------------------------------------------------------
+def _dcp_s3_writer(t: Target, **opts: Any) -> Any:
+    from dcp_s3 import S3StorageWriter
+
+    return S3StorageWriter(t.uri, endpoint_url=t.endpoint_url, region=t.region,
+                           **{k: v for k, v in opts.items() if k in ("part_size", "max_concurrency", "files_per_rank",
+                                                                     "compression", "compression_level",
+                                                                     "compression_threads")})
+
+
+def _dcp_s3_reader(t: Target, **opts: Any) -> Any:
+    from dcp_s3 import S3StorageReader
+
+    return S3StorageReader(t.uri, endpoint_url=t.endpoint_url, region=t.region,
+                           **{k: v for k, v in opts.items() if k in ("max_concurrency", "max_range_size")})
+
+
 def _dcp_s3_save(sd: dict[str, Any], t: Target, **opts: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from dcp_s3 import S3StorageWriter
-
-    w = S3StorageWriter(t.uri, endpoint_url=t.endpoint_url, region=t.region,
-                        **{k: v for k, v in opts.items() if k in ("part_size", "max_concurrency", "files_per_rank",
-                                                                  "compression", "compression_level",
-                                                                  "compression_threads")})
-    dcp.save(sd, storage_writer=w, no_dist=True)
+    dcp.save(sd, storage_writer=_dcp_s3_writer(t, **opts), no_dist=True)
 
 
 def _dcp_s3_load(sd: dict[str, Any], t: Target, **opts: Any) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from dcp_s3 import S3StorageReader
-
-    r = S3StorageReader(t.uri, endpoint_url=t.endpoint_url, region=t.region,
-                        **{k: v for k, v in opts.items() if k in ("max_concurrency", "max_range_size")})
-    dcp.load(sd, storage_reader=r, no_dist=True)
+    dcp.load(sd, storage_reader=_dcp_s3_reader(t, **opts), no_dist=True)
 
 
 def dcp_s3_variant(spec: str) -> Contestant:
@@ -81,7 +93,8 @@ def dcp_s3_variant(spec: str) -> Contestant:
     def load(sd: dict[str, Any], t: Target) -> None:
         _dcp_s3_load(sd, t, **opts)
 
-    return Contestant(spec, f"dcp_s3 with options {opts}", save, load)
+    return Contestant(spec, f"dcp_s3 with options {opts}", save, load,
+                      writer=lambda t: _dcp_s3_writer(t, **opts), reader=lambda t: _dcp_s3_reader(t, **opts))
 
 
 # -- torch FsspecWriter/FsspecReader over s3fs ----------------------------------------------------
@@ -89,18 +102,28 @@ def _fsspec_kwargs(t: Target) -> dict[str, Any]:
     return {"endpoint_url": t.endpoint_url, "client_kwargs": {"region_name": t.region}}
 
 
-def _fsspec_save(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
+def _fsspec_writer(t: Target) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    dcp.save(sd, storage_writer=FsspecWriter(t.uri, sync_files=False, **_fsspec_kwargs(t)), no_dist=True)
+    return FsspecWriter(t.uri, sync_files=False, **_fsspec_kwargs(t))
+
+
+def _fsspec_reader(t: Target) -> Any:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(t.uri, **_fsspec_kwargs(t))
+
+
+def _fsspec_save(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sd, storage_writer=_fsspec_writer(t), no_dist=True)
 
 
 def _fsspec_load(sd: dict[str, Any], t: Target) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    dcp.load(sd, storage_reader=FsspecReader(t.uri, **_fsspec_kwargs(t)), no_dist=True)
+    dcp.load(sd, storage_reader=_fsspec_reader(t), no_dist=True)
 
 
 def _fsspec_unavailable() -> str | None:
@@ -118,23 +141,31 @@ def _s3tc_config() -> Any:
     return S3ClientConfig(force_path_style=True)
 
 
-def _s3tc_save(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
+def _s3tc_writer(t: Target) -> Any:
     from s3torchconnector.dcp import S3StorageWriter
 
     # It takes no endpoint argument: the CRT client reads AWS_ENDPOINT_URL (set by the parent).
     os.environ["AWS_ENDPOINT_URL"] = t.endpoint_url
-    w = S3StorageWriter(t.region, t.uri, s3client_config=_s3tc_config())
-    dcp.save(sd, storage_writer=w, no_dist=True)
+    return S3StorageWriter(t.region, t.uri, s3client_config=_s3tc_config())
+
+
+def _s3tc_reader(t: Target) -> Any:
+    from s3torchconnector.dcp import S3StorageReader
+
+    os.environ["AWS_ENDPOINT_URL"] = t.endpoint_url
+    return S3StorageReader(t.region, t.uri, s3client_config=_s3tc_config())
+
+
+def _s3tc_save(sd: dict[str, Any], t: Target) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sd, storage_writer=_s3tc_writer(t), no_dist=True)
 
 
 def _s3tc_load(sd: dict[str, Any], t: Target) -> None:
     import torch.distributed.checkpoint as dcp
-    from s3torchconnector.dcp import S3StorageReader
 
-    os.environ["AWS_ENDPOINT_URL"] = t.endpoint_url
-    r = S3StorageReader(t.region, t.uri, s3client_config=_s3tc_config())
-    dcp.load(sd, storage_reader=r, no_dist=True)
+    dcp.load(sd, storage_reader=_s3tc_reader(t), no_dist=True)
 
 
 def _s3tc_unavailable() -> str | None:
@@ -150,20 +181,28 @@ def _naive_kwargs(t: Target) -> dict[str, Any]:
     return {"client_kwargs": {"endpoint_url": t.endpoint_url, "region_name": t.region}}
 
 
+def _naive_writer(t: Target) -> Any:
+    from .naive import NaiveS3Writer
+
+    return NaiveS3Writer(t.uri, **_naive_kwargs(t))
+
+
+def _naive_reader(t: Target) -> Any:
+    from .naive import NaiveS3Reader
+
+    return NaiveS3Reader(t.uri, **_naive_kwargs(t))
+
+
 def _naive_save(sd: dict[str, Any], t: Target) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from .naive import NaiveS3Writer
-
-    dcp.save(sd, storage_writer=NaiveS3Writer(t.uri, **_naive_kwargs(t)), no_dist=True)
+    dcp.save(sd, storage_writer=_naive_writer(t), no_dist=True)
 
 
 def _naive_load(sd: dict[str, Any], t: Target) -> None:
     import torch.distributed.checkpoint as dcp
 
-    from .naive import NaiveS3Reader
-
-    dcp.load(sd, storage_reader=NaiveS3Reader(t.uri, **_naive_kwargs(t)), no_dist=True)
+    dcp.load(sd, storage_reader=_naive_reader(t), no_dist=True)
 
 
 # -- local disk reference ---------------------------------------------------------------------------
@@ -198,16 +237,19 @@ CONTESTANTS: dict[str, Contestant] = {
     c.name: c
     for c in [
         Contestant("dcp_s3", "this project: streaming multipart upload from tensor memory (bounded part pool), "
-                   "concurrent coalesced ranged GETs into the destination tensors", _dcp_s3_save, _dcp_s3_load),
+                   "concurrent coalesced ranged GETs into the destination tensors", _dcp_s3_save, _dcp_s3_load,
+                   writer=_dcp_s3_writer, reader=_dcp_s3_reader),
         Contestant("dcp_s3_zstd", "this project with compression='zstd' (byte-grouped, frame-indexed zstd-1, "
                    "2 codec threads)", lambda sd, t: _dcp_s3_save(sd, t, compression="zstd"), _dcp_s3_load),
         Contestant("fsspec_s3fs", "torch FsspecWriter/FsspecReader over s3fs (FileSystemWriter through fsspec "
-                   "file objects; sync_files=False)", _fsspec_save, _fsspec_load, _fsspec_unavailable),
+                   "file objects; sync_files=False)", _fsspec_save, _fsspec_load, _fsspec_unavailable,
+                   writer=_fsspec_writer, reader=_fsspec_reader),
         Contestant("s3torchconnector", "AWS s3torchconnector DCP S3StorageWriter/S3StorageReader "
                    "(Rust CRT client; endpoint from AWS_ENDPOINT_URL, path-style)", _s3tc_save, _s3tc_load,
-                   _s3tc_unavailable),
+                   _s3tc_unavailable, writer=_s3tc_writer, reader=_s3tc_reader),
         Contestant("naive", "FileSystemBase subclass buffering each whole file in a BytesIO, boto3 "
-                   "upload_fileobj on close, whole-object download_fileobj on read", _naive_save, _naive_load),
+                   "upload_fileobj on close, whole-object download_fileobj on read", _naive_save, _naive_load,
+                   writer=_naive_writer, reader=_naive_reader),
         Contestant("dcp_s3_reads_naive", "cross-format check (not in the default set): saved by the naive "
                    "FileSystemWriter backend (torch.save blobs without dcp_s3's payload offsets), loaded by "
                    "dcp_s3's S3StorageReader", _naive_save, _dcp_s3_load),
