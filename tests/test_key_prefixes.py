@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from test_storage import assert_same
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
@@ -172,21 +173,6 @@ def blank_like(value: Any) -> Any:
     return value
 
 
-def assert_equal(a: Any, b: Any, path: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), (path, a.keys(), b.keys())
-        for k in a:
-            assert_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, (path, a, b)
-
-
 def save_job(rank: int, world: int, env: dict[str, str], bucket: str, ref_path: str) -> None:
     os.environ.update(env)
     model, optim = build(seed=1)
@@ -204,7 +190,7 @@ def save_job(rank: int, world: int, env: dict[str, str], bucket: str, ref_path: 
 
     fresh, fresh_optim = build(seed=2)
     assert Checkpointer(root, key_prefixes=16).load({"model": fresh}, {"model": fresh_optim}) == 2
-    assert_equal(ref["step"], full(get_model_state_dict(fresh)), "resumed")
+    assert_same(ref["step"], full(get_model_state_dict(fresh)), "resumed")
     if rank == 0:
         torch.save(ref, ref_path)
 
@@ -217,7 +203,7 @@ def load_job(rank: int, world: int, env: dict[str, str], uri: str, ref_path: str
     dcp.load(state, storage_reader=S3StorageReader(uri))
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     msd, osd = get_state_dict(model, optim)
-    assert_equal(torch.load(ref_path, weights_only=True)["plain"], full({"model": msd, "optim": osd}))
+    assert_same(torch.load(ref_path, weights_only=True)["plain"], full({"model": msd, "optim": osd}))
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +248,7 @@ def test_stock_filesystem_reader_loads_a_downloaded_copy(
     ref = torch.load(ref_path, weights_only=True)["plain"]
     out = blank_like(ref)
     dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
-    assert_equal(ref, out)
+    assert_same(ref, out)
 
 
 @pytest.mark.multiproc
@@ -272,7 +258,7 @@ def test_checkpointer_resumes_the_latest_spread_step(spread: tuple[str, str], s3
     assert latest_checkpoint(root) == f"{root}/0000002"
     model = Net()  # one process, unsharded: reshards the 3-rank step
     assert Checkpointer(root, key_prefixes=16).load({"model": model}) == 2
-    assert_equal(torch.load(ref_path, weights_only=True)["step"], full(model.state_dict()))
+    assert_same(torch.load(ref_path, weights_only=True)["step"], full(model.state_dict()))
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
@@ -307,7 +293,7 @@ def test_commands_on_spread_checkpoints(
     assert code == 0 and out.startswith("OK: 1 checkpoints, 7 objects"), out
     code, out = run(capsys, "convert", ckpt, str(tmp_path / "full.pt"))
     assert code == 0, out
-    assert_equal(ref["plain"]["model"], torch.load(tmp_path / "full.pt", weights_only=True)["model"])
+    assert_same(ref["plain"]["model"], torch.load(tmp_path / "full.pt", weights_only=True)["model"])
 
     # cp to disk keeps the p-<h> directories.
     code, out = run(capsys, "cp", ckpt, str(tmp_path / "local"))

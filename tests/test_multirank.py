@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from test_storage import assert_same
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -90,22 +91,7 @@ def load_job(rank: int, world: int, env: dict[str, str], uri: str, ref_path: str
     got = full(state(model, optim))
     got["extra"] = full(sd["extra"])
     expected = torch.load(ref_path, weights_only=True)
-    _assert_equal(expected, got, "")
-
-
-def _assert_equal(a: Any, b: Any, path: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), (path, a.keys(), b.keys())
-        for k in a:
-            _assert_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, (path, a, b)
+    assert_same(expected, got)
 
 
 def test_fsdp2_save_on_2_ranks_load_on_1_and_3(bucket: str, s3_env: LocalS3Server, tmp_path: Path) -> None:

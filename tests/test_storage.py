@@ -67,6 +67,7 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         for k in a:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, list):
+        assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{path}[{i}]")
     else:
