@@ -417,6 +417,12 @@ def _mb(v: float | None) -> str:
     return common.fmt(v / 1e6 if v is not None else None, 1)
 
 
+def _ratio(s: dict[str, Any]) -> str:
+    """Server bytes sent / tensor bytes loaded."""
+    sent, logical = s.get("server_sent"), s.get("logical_bytes")
+    return common.fmt(sent / logical if sent is not None and logical else None, 2)
+
+
 def render_tables(summary: dict[str, dict[str, Any]], lora: dict[str, dict[str, Any]],
                   workload: common.Workload, args: argparse.Namespace, lora_desc: str) -> str:
     f = common.fmt
@@ -426,22 +432,20 @@ def render_tables(summary: dict[str, dict[str, Any]], lora: dict[str, dict[str, 
         s, ld = summary[n].get("save", {}), summary[n].get("load", {})
         rows.append([n, f(s.get("seconds")), f(s.get("gbps"), 3), f(ld.get("seconds")), f(ld.get("gbps"), 3),
                      f(s.get("requests"), 0), _mb(s.get("server_received")), f(s.get("objects"), 0),
-                     f(ld.get("requests"), 0), _mb(ld.get("server_sent")),
+                     f(ld.get("requests"), 0), _mb(ld.get("server_sent")), _ratio(ld),
                      f(s.get("peak_rss_growth_mib"), 0), f(ld.get("peak_rss_growth_mib"), 0),
                      "yes" if ld.get("verified") and ld.get("n") else "—"])
     t1 = common.markdown_table(
         ["contestant", "save s", "save GB/s", "load s", "load GB/s", "save requests", "save MB received",
-         "objects", "load requests", "load MB sent", "save RSS +MiB (worst rank)", "load RSS +MiB (worst rank)",
+         "objects", "load requests", "load MB sent", "load read / needed", "save RSS +MiB (worst rank)", "load RSS +MiB (worst rank)",
          "load verified"], rows)
     rows = []
     for n in names:
         r = summary[n].get("reshard_load", {})
-        logical = r.get("logical_bytes")
-        sent = r.get("server_sent")
-        rows.append([n, f(r.get("seconds")), f(r.get("gbps"), 3), _mb(sent),
-                     f(sent / logical if sent is not None and logical else None, 2), f(r.get("requests"), 0),
+        rows.append([n, f(r.get("seconds")), f(r.get("gbps"), 3), _mb(r.get("server_sent")), _ratio(r),
+                     f(r.get("requests"), 0),
                      f(r.get("peak_rss_growth_mib"), 0), "yes" if r.get("verified") and r.get("n") else "—"])
-    t2 = common.markdown_table(["contestant", "load s", "load GB/s", "MB read", "read / checkpoint", "requests",
+    t2 = common.markdown_table(["contestant", "load s", "load GB/s", "MB read", "read / needed", "requests",
                                 "RSS +MiB", "verified"], rows)
     base = lora.get(TRAINABLE_ONLY, {})
     rows = []
@@ -464,7 +468,7 @@ def render_tables(summary: dict[str, dict[str, Any]], lora: dict[str, dict[str, 
         t1,
         "",
         "**Resharding load 2 -> 1**: the 2-rank checkpoint loaded into full tensors by one process "
-        "(`dcp.load(..., no_dist=True)`); MB read = server's bytes sent:",
+        "(`dcp.load(..., no_dist=True)`); MB read = server's bytes sent, needed = tensor bytes:",
         "",
         t2,
         "",
