@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from test_multirank import full
 from test_storage import assert_same
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from dcp_s3 import S3StorageReader, S3StorageWriter, cli
 from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
@@ -149,18 +149,6 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
     model(torch.randn(4, 12)).square().mean().backward()
     optim.step()
     optim.zero_grad()
-
-
-def full(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: full(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [full(v) for v in value]
-    return value
 
 
 def blank_like(value: Any) -> Any:
