@@ -47,6 +47,35 @@ class Contestant:
     reader: Factory | None = None
 
 
+def _save_with(writer: Factory) -> Callable[[dict[str, Any], Target], None]:
+    """A single-process ``save`` through the StorageWriter ``writer`` builds."""
+
+    def save(sd: dict[str, Any], t: Target) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sd, storage_writer=writer(t), no_dist=True)
+
+    return save
+
+
+def _load_with(reader: Factory) -> Callable[[dict[str, Any], Target], None]:
+    """A single-process ``load`` through the StorageReader ``reader`` builds."""
+
+    def load(sd: dict[str, Any], t: Target) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(sd, storage_reader=reader(t), no_dist=True)
+
+    return load
+
+
+def _backend(name: str, description: str, writer: Factory, reader: Factory,
+             unavailable: Callable[[], str | None] = lambda: None) -> Contestant:
+    """A contestant that is a DCP storage backend: save/load run through its writer/reader."""
+    return Contestant(name, description, _save_with(writer), _load_with(reader), unavailable,
+                      writer=writer, reader=reader)
+
+
 # -- dcp_s3 -------------------------------------------------------------------------------------
 def _dcp_s3_writer(t: Target, **opts: Any) -> Any:
     from dcp_s3 import S3StorageWriter
@@ -64,18 +93,6 @@ def _dcp_s3_reader(t: Target, **opts: Any) -> Any:
                            **{k: v for k, v in opts.items() if k in ("max_concurrency", "max_range_size")})
 
 
-def _dcp_s3_save(sd: dict[str, Any], t: Target, **opts: Any) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(sd, storage_writer=_dcp_s3_writer(t, **opts), no_dist=True)
-
-
-def _dcp_s3_load(sd: dict[str, Any], t: Target, **opts: Any) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(sd, storage_reader=_dcp_s3_reader(t, **opts), no_dist=True)
-
-
 def dcp_s3_variant(spec: str) -> Contestant:
     """``dcp_s3`` with non-default options, e.g. ``dcp_s3:part_size_mib=8,max_concurrency=4``."""
     _, _, rest = spec.partition(":")
@@ -87,14 +104,8 @@ def dcp_s3_variant(spec: str) -> Contestant:
         else:
             opts[k] = int(v) if v.lstrip("-").isdigit() else v
 
-    def save(sd: dict[str, Any], t: Target) -> None:
-        _dcp_s3_save(sd, t, **opts)
-
-    def load(sd: dict[str, Any], t: Target) -> None:
-        _dcp_s3_load(sd, t, **opts)
-
-    return Contestant(spec, f"dcp_s3 with options {opts}", save, load,
-                      writer=lambda t: _dcp_s3_writer(t, **opts), reader=lambda t: _dcp_s3_reader(t, **opts))
+    return _backend(spec, f"dcp_s3 with options {opts}",
+                    lambda t: _dcp_s3_writer(t, **opts), lambda t: _dcp_s3_reader(t, **opts))
 
 
 # -- torch FsspecWriter/FsspecReader over s3fs ----------------------------------------------------
@@ -112,18 +123,6 @@ def _fsspec_reader(t: Target) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(t.uri, **_fsspec_kwargs(t))
-
-
-def _fsspec_save(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(sd, storage_writer=_fsspec_writer(t), no_dist=True)
-
-
-def _fsspec_load(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(sd, storage_reader=_fsspec_reader(t), no_dist=True)
 
 
 def _fsspec_unavailable() -> str | None:
@@ -156,18 +155,6 @@ def _s3tc_reader(t: Target) -> Any:
     return S3StorageReader(t.region, t.uri, s3client_config=_s3tc_config())
 
 
-def _s3tc_save(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(sd, storage_writer=_s3tc_writer(t), no_dist=True)
-
-
-def _s3tc_load(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(sd, storage_reader=_s3tc_reader(t), no_dist=True)
-
-
 def _s3tc_unavailable() -> str | None:
     try:
         from s3torchconnector.dcp import S3StorageReader, S3StorageWriter  # noqa: F401
@@ -193,31 +180,17 @@ def _naive_reader(t: Target) -> Any:
     return NaiveS3Reader(t.uri, **_naive_kwargs(t))
 
 
-def _naive_save(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(sd, storage_writer=_naive_writer(t), no_dist=True)
-
-
-def _naive_load(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.load(sd, storage_reader=_naive_reader(t), no_dist=True)
-
-
 # -- local disk reference ---------------------------------------------------------------------------
-def _local_save(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
+def _local_writer(t: Target) -> Any:
     from torch.distributed.checkpoint import FileSystemWriter
 
-    dcp.save(sd, storage_writer=FileSystemWriter(t.local_dir), no_dist=True)
+    return FileSystemWriter(t.local_dir)
 
 
-def _local_load(sd: dict[str, Any], t: Target) -> None:
-    import torch.distributed.checkpoint as dcp
+def _local_reader(t: Target) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
-    dcp.load(sd, storage_reader=FileSystemReader(t.local_dir), no_dist=True)
+    return FileSystemReader(t.local_dir)
 
 
 # -- raw boto3 transfer ceiling ---------------------------------------------------------------------
@@ -236,26 +209,24 @@ def _ceiling_load(sd: dict[str, Any], t: Target) -> None:
 CONTESTANTS: dict[str, Contestant] = {
     c.name: c
     for c in [
-        Contestant("dcp_s3", "this project: streaming multipart upload from tensor memory (bounded part pool), "
-                   "concurrent coalesced ranged GETs into the destination tensors", _dcp_s3_save, _dcp_s3_load,
-                   writer=_dcp_s3_writer, reader=_dcp_s3_reader),
+        _backend("dcp_s3", "this project: streaming multipart upload from tensor memory (bounded part pool), "
+                 "concurrent coalesced ranged GETs into the destination tensors", _dcp_s3_writer, _dcp_s3_reader),
         Contestant("dcp_s3_zstd", "this project with compression='zstd' (byte-grouped, frame-indexed zstd-1, "
-                   "2 codec threads)", lambda sd, t: _dcp_s3_save(sd, t, compression="zstd"), _dcp_s3_load),
-        Contestant("fsspec_s3fs", "torch FsspecWriter/FsspecReader over s3fs (FileSystemWriter through fsspec "
-                   "file objects; sync_files=False)", _fsspec_save, _fsspec_load, _fsspec_unavailable,
-                   writer=_fsspec_writer, reader=_fsspec_reader),
-        Contestant("s3torchconnector", "AWS s3torchconnector DCP S3StorageWriter/S3StorageReader "
-                   "(Rust CRT client; endpoint from AWS_ENDPOINT_URL, path-style)", _s3tc_save, _s3tc_load,
-                   _s3tc_unavailable, writer=_s3tc_writer, reader=_s3tc_reader),
-        Contestant("naive", "FileSystemBase subclass buffering each whole file in a BytesIO, boto3 "
-                   "upload_fileobj on close, whole-object download_fileobj on read", _naive_save, _naive_load,
-                   writer=_naive_writer, reader=_naive_reader),
+                   "2 codec threads)", _save_with(lambda t: _dcp_s3_writer(t, compression="zstd")),
+                   _load_with(_dcp_s3_reader)),
+        _backend("fsspec_s3fs", "torch FsspecWriter/FsspecReader over s3fs (FileSystemWriter through fsspec "
+                 "file objects; sync_files=False)", _fsspec_writer, _fsspec_reader, _fsspec_unavailable),
+        _backend("s3torchconnector", "AWS s3torchconnector DCP S3StorageWriter/S3StorageReader "
+                 "(Rust CRT client; endpoint from AWS_ENDPOINT_URL, path-style)", _s3tc_writer, _s3tc_reader,
+                 _s3tc_unavailable),
+        _backend("naive", "FileSystemBase subclass buffering each whole file in a BytesIO, boto3 "
+                 "upload_fileobj on close, whole-object download_fileobj on read", _naive_writer, _naive_reader),
         Contestant("dcp_s3_reads_naive", "cross-format check (not in the default set): saved by the naive "
                    "FileSystemWriter backend (torch.save blobs without dcp_s3's payload offsets), loaded by "
-                   "dcp_s3's S3StorageReader", _naive_save, _dcp_s3_load),
+                   "dcp_s3's S3StorageReader", _save_with(_naive_writer), _load_with(_dcp_s3_reader)),
         Contestant("local_fs", "reference: torch FileSystemWriter/FileSystemReader on local disk "
-                   "(defaults: fsync on, 1 thread; loads come from the page cache)", _local_save, _local_load,
-                   uses_s3=False),
+                   "(defaults: fsync on, 1 thread; loads come from the page cache)", _save_with(_local_writer),
+                   _load_with(_local_reader), uses_s3=False),
         Contestant("boto3_ceiling", "transport ceiling: the same tensor bytes as one object via boto3 "
                    "upload_fileobj/download_fileobj (16 MiB parts, 8 threads); partial = one ranged GET per "
                    "tensor; no DCP", _ceiling_save, _ceiling_load),
