@@ -205,12 +205,13 @@ class Checkpointer:
         ``<step>.<k>_model`` and, if ``optimizer_dict`` has ``k``, the optimizer state as
         ``<step>.<k>_optim``. Then rank 0 writes ``<step>.pth`` (iteration, scheduler, grad
         scaler and callback state) and applies ``keep_last``. A step already at that location
-        is deleted first. With ``async_save=True`` returns an :class:`AsyncSave` handle instead.
+        is replaced part by part, each part atomically (see ``S3StorageWriter(overwrite=True)``);
+        nothing of it is deleted before the part replacing it is committed. With
+        ``async_save=True`` returns an :class:`AsyncSave` handle instead.
         """
         self.wait()
         _check_dicts(model_dict, optimizer_dict)
         store, step = self._locate(path, iteration)
-        self._run_on_rank0(lambda: self._clear(store, step))
         parts: list[tuple[str, str, dict[str, Any], Any]] = []
         for key, model in model_dict.items():
             parts.append((key, "model", get_model_state_dict(model), TrainableOnlySavePlanner(model)))
@@ -281,19 +282,6 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _clear(self, store: Store, step: str) -> None:
-        """Rank 0, before a save: remove whatever a crashed or earlier save left at this step."""
-        found = [s for s in scan(store.list_objects(f"{step}.")) if s.name == step and s.kind == "step"]
-        for old in found:
-            log.warning(
-                "replacing the %s step at %s (%d objects)",
-                "complete" if old.complete else "incomplete", store.url(step), len(old.objects),
-            )
-            delete_step(store, old)
-        if not found:
-            for upload in store.uploads(f"{step}."):
-                store.abort(upload)
 
     def _commit(self, store: Store, step: str, marker: bytes) -> None:
         """Rank 0, after every part committed: write the marker, then apply ``keep_last``."""
@@ -392,13 +380,14 @@ class Checkpointer:
         marker = _torch_load(store.read(marker_name), store.url(marker_name))
         if not isinstance(marker, dict):
             raise CheckpointFormatError(f"{store.url(marker_name)} holds a {type(marker).__name__}, not a checkpoint")
-        legacy = marker.get("format") != MARKER_FORMAT
+        legacy = marker.get("format") != MARKER_FORMAT and not _is_foreign_step_marker(marker)
         plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {}}
         if legacy:
             if "model" not in marker:
                 raise CheckpointFormatError(
-                    f"{store.url(marker_name)} is neither a dcp_s3 step marker "
-                    "nor a legacy checkpoint with a 'model' entry"
+                    f"{store.url(marker_name)} is neither a step marker (dcp_s3's, or one with 'iteration' and "
+                    "no model state beside <step>.<key>_model/ checkpoints) nor a single-file checkpoint with "
+                    "a 'model' entry"
                 )
             return plan
         for key in model_keys:
@@ -622,6 +611,13 @@ def _sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _is_foreign_step_marker(marker: dict[str, Any]) -> bool:
+    """A step marker written by another checkpointer with this layout: ``torch.save`` of
+    ``{"iteration", "scheduler", "grad_scaler", "callbacks"}``, no ``format``, no model state.
+    Whether its ``<step>.<key>_model`` parts exist is checked like for dcp_s3's own markers."""
+    return "format" not in marker and "model" not in marker and isinstance(marker.get("iteration"), int)
 
 
 def _marker_bytes(obj: dict[str, Any]) -> bytes:

@@ -19,6 +19,7 @@ __all__ = [
     "S3AccessDeniedError",
     "S3TransferError",
     "CheckpointFormatError",
+    "ServerCapabilityError",
 ]
 
 
@@ -52,3 +53,7 @@ class S3TransferError(DcpS3Error, OSError):
 
 class CheckpointFormatError(DcpS3Error, ValueError):
     """Stored bytes or metadata are not what the checkpoint format requires."""
+
+
+class ServerCapabilityError(ConfigError):
+    """The S3 server lacks a feature the requested guarantee needs (e.g. conditional writes)."""

@@ -3,9 +3,14 @@
 The layout is torch's filesystem layout, so a checkpoint copied to a local
 directory loads with stock ``FileSystemReader``::
 
-    <prefix>/.metadata            pickled ``Metadata``; written last: its presence marks a complete checkpoint
-    <prefix>/__{rank}_{n}.distcp  data objects; each item is an independent ``torch.save`` blob or raw bytes
-    <prefix>/p-{h}/__{rank}_{n}.distcp  the same, with ``S3StorageWriter(key_prefixes=N)``, N > 1 (see ``rank_prefix``)
+    <prefix>/.metadata                    pickled ``Metadata``; written last: it is the commit
+    <prefix>/__{rank}_{n}.{token}.distcp  data objects; each item is an independent ``torch.save`` blob or raw bytes
+    <prefix>/p-{h}/__{rank}_{n}.{token}.distcp  the same, with ``S3StorageWriter(key_prefixes=N)``, N > 1
+
+``{token}`` is random and new for every save (16 hex digits), so two saves to one location
+never write the same object: the one whose ``.metadata`` lands last is the checkpoint, and its
+data objects are exactly those its ``.metadata`` names. Checkpoints written by torch's
+``FileSystemWriter`` (``__{rank}_{n}.distcp``) read the same way.
 
 ``Metadata.storage_data`` maps each ``MetadataIndex`` to an ``ItemLocation`` (a
 ``_StorageInfo`` subclass, so stock readers use its path/offset/length) that also
@@ -19,6 +24,7 @@ import io
 import pickle
 import posixpath
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +37,8 @@ from .codec import CODEC_NAME, CODEC_VERSION, FrameIndex
 from .errors import CheckpointFormatError, ConfigError
 
 __all__ = [
-    "METADATA_KEY", "ItemLocation", "data_object_name", "rank_prefix", "check_key_prefixes", "is_key_prefix_dir", "dump_metadata", "load_metadata", "check_object_name",
-    "checksum_error",
+    "METADATA_KEY", "PROBE_PREFIX", "ItemLocation", "new_token", "data_object_name", "referenced_objects", "rank_prefix",
+    "check_key_prefixes", "is_key_prefix_dir", "dump_metadata", "load_metadata", "check_object_name", "checksum_error",
 ]
 
 METADATA_KEY = ".metadata"
@@ -42,11 +48,30 @@ CODEC_DESCRIPTOR = f"{CODEC_NAME}/{CODEC_VERSION}"
 #: Version of dcp_s3's storage data, recorded in ``Metadata.storage_meta.modules``.
 FORMAT_TAG = "dcp_s3/1"
 _KEY_PREFIX_DIR = re.compile(r"p-[0-9a-f]+")
+_TOKEN = re.compile(r"[0-9a-f]{16}")
+#: Name prefix of the short-lived object the writer uses to test whether a server honours ``If-None-Match``.
+PROBE_PREFIX = ".dcp_s3-probe."
 
 
-def data_object_name(rank_prefix: str, n: int) -> str:
-    """``<rank_prefix>{n}.distcp``: ``__{rank}_{n}.distcp`` is the name torch's FileSystemWriter would use."""
-    return f"{rank_prefix}{n}{DATA_SUFFIX}"
+def new_token() -> str:
+    """A fresh random token for the names of one save's data objects (16 lowercase hex digits)."""
+    return secrets.token_hex(8)
+
+
+def data_object_name(rank_prefix: str, n: int, token: str) -> str:
+    """``<rank_prefix>{n}.{token}.distcp``, e.g. ``__3_0.5f1c0e9a2b7d4c11.distcp``.
+
+    torch's FileSystemWriter names the same object ``__3_0.distcp``; the token makes the name
+    unique to one save, so a save never touches the objects of a checkpoint it replaces.
+    """
+    if not _TOKEN.fullmatch(token):
+        raise ConfigError(f"object name token {token!r}: expected 16 lowercase hex digits")
+    return f"{rank_prefix}{n}.{token}{DATA_SUFFIX}"
+
+
+def referenced_objects(metadata: Metadata) -> set[str]:
+    """The object names (relative to the checkpoint) that ``metadata``'s items live in."""
+    return {info.relative_path for info in metadata.storage_data.values()}
 
 
 def check_key_prefixes(key_prefixes: int) -> int:

@@ -3,8 +3,8 @@
 The checkpoint manager and the ``dcp-s3`` tools work on *objects* named relative to a
 root: list (recursively, by name prefix), read, read byte ranges, write (atomically),
 delete, and make a DCP ``StorageWriter``/``StorageReader`` for a sub-location. On S3 the
-writer/reader are ``S3StorageWriter``/``S3StorageReader``; on disk torch's
-``FileSystemWriter``/``FileSystemReader``. Names always use ``/``.
+writer/reader are ``S3StorageWriter``/``S3StorageReader``; on disk ``SafeFileSystemWriter``
+(torch's ``FileSystemWriter`` with an atomic overwrite) and torch's ``FileSystemReader``. Names always use ``/``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from .config import ClientConfig, S3Uri, parse_s3_uri
 from .errors import CheckpointNotFoundError, ConfigError, DcpS3Error, InvalidCheckpointIdError
+from .local_writer import SafeFileSystemWriter
 from .reader import S3StorageReader
 from .transfer import RangeRead, S3Transport, translate_error
 from .writer import S3StorageWriter
@@ -341,7 +342,7 @@ class LocalStore:
                 d = os.path.dirname(d)
 
     def writer(self, name: str) -> StorageWriter:
-        return FileSystemWriter(self.path(name))
+        return SafeFileSystemWriter(self.path(name))
 
     def reader(self, name: str) -> StorageReader:
         return FileSystemReader(self.path(name))

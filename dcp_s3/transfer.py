@@ -42,6 +42,7 @@ from .errors import (
     DcpS3Error,
     S3AccessDeniedError,
     S3TransferError,
+    ServerCapabilityError,
 )
 
 __all__ = ["S3Transport", "ObjectWriter", "BufferPool", "RangeRead", "coalesce", "fit_part_size", "wait_all"]
@@ -49,6 +50,10 @@ __all__ = ["S3Transport", "ObjectWriter", "BufferPool", "RangeRead", "coalesce",
 log = logging.getLogger("dcp_s3")
 
 MAX_PARTS = 10_000
+
+# What each (endpoint, bucket) was found to support, tested once per process.
+_CONDITIONAL_WRITES: dict[tuple[str, str], bool] = {}
+_CAPABILITIES_LOCK = threading.Lock()
 MIN_PART_SIZE = 5 << 20
 
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "404", "NotFound"}
@@ -262,20 +267,50 @@ class S3Transport:
         self._sleep(random.uniform(0, min(10.0, 0.1 * 2**attempt)))
 
     # -- small objects -------------------------------------------------------------
-    def put_object(self, key: str, body: bytes | bytearray, *, if_none_match: bool = False) -> None:
-        """One PUT. ``if_none_match`` makes it fail with ``CheckpointExistsError`` if the key exists."""
+    def put_object(self, key: str, body: bytes | bytearray, *, if_none_match: bool = False) -> str:
+        """One PUT; returns the new object's ETag.
+
+        ``if_none_match`` sends ``If-None-Match: *``: a server that honours it refuses to replace
+        an existing key (``CheckpointExistsError``). Some servers ignore the header and overwrite
+        (see ``conditional_writes_supported``); one that answers 501 raises ``ServerCapabilityError``.
+        """
         if not if_none_match:
-            self._call("put_object", key, Key=key, Body=body)
-            return
+            return str(self._call("put_object", key, Key=key, Body=body).get("ETag", ""))
         try:
-            self._call("put_object", key, Key=key, Body=body, IfNoneMatch="*")
+            return str(self._call("put_object", key, Key=key, Body=body, IfNoneMatch="*").get("ETag", ""))
         except S3TransferError as exc:
-            # Servers without conditional writes answer 501 NotImplemented; the caller has
-            # already checked for the key, so fall back to a plain PUT.
-            if not isinstance(exc.__cause__, ClientError) or not _is_not_implemented(exc.__cause__):
-                raise
-            log.warning("s3://%s does not support conditional writes; writing %s unconditionally", self.bucket, key)
-            self._call("put_object", key, Key=key, Body=body)
+            if isinstance(exc.__cause__, ClientError) and _is_not_implemented(exc.__cause__):
+                raise ServerCapabilityError(
+                    f"PUT s3://{self.bucket}/{key}: the server does not implement conditional writes (If-None-Match)"
+                ) from exc
+            raise
+
+    def conditional_writes_supported(self, probe_key: str) -> bool:
+        """Whether this endpoint refuses ``If-None-Match: *`` PUTs over an existing key.
+
+        Tested once per endpoint and bucket in a process (two PUTs and a DELETE of the
+        empty object ``probe_key``), then remembered.
+        """
+        cache_key = (str(self.client.meta.endpoint_url), self.bucket)
+        with _CAPABILITIES_LOCK:
+            known = _CONDITIONAL_WRITES.get(cache_key)
+        if known is not None:
+            return known
+        self.put_object(probe_key, b"")
+        try:
+            self.put_object(probe_key, b"", if_none_match=True)
+            supported = False  # the server replaced the object: it ignored the header
+        except CheckpointExistsError:
+            supported = True
+        except ServerCapabilityError:
+            supported = False
+        finally:
+            self.delete_object(probe_key)
+        if not supported:
+            log.info("s3://%s at %s ignores If-None-Match on PUT", self.bucket, cache_key[0])
+        with _CAPABILITIES_LOCK:
+            _CONDITIONAL_WRITES[cache_key] = supported
+        return supported
 
     def get_object(self, key: str) -> bytes:
         """The whole object (for small objects such as ``.metadata``)."""

@@ -3,8 +3,17 @@
 Call order (torch DCP): every rank calls ``reset`` → ``set_up_storage_writer`` →
 ``prepare_local_plan``; the coordinator calls ``prepare_global_plan`` (checks the
 bucket and the overwrite rule, once); every rank calls ``write_data`` (streams its
-items into ``files_per_rank`` objects); the coordinator calls ``finish``, which
-PUTs ``.metadata`` last — a checkpoint exists if and only if its ``.metadata`` does.
+items into ``files_per_rank`` objects, named with a token new to this save); the
+coordinator calls ``finish``, which PUTs ``.metadata`` last — a checkpoint exists if
+and only if its ``.metadata`` does — and then deletes the objects of the checkpoint
+that ``.metadata`` replaced.
+
+Why this never loses a checkpoint: a save only ever creates objects no other save
+uses, so until its ``.metadata`` PUT lands the checkpoint already at the path is
+untouched and loads bit-exact; the PUT replaces the old ``.metadata`` atomically; only
+then are the old objects deleted. Two saves racing to one path each commit a complete
+``.metadata`` naming only their own objects, so the result is one save's data, never a
+mix. Objects of a save that failed or was killed are left for ``dcp-s3 gc``.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import logging
 import os
 import threading
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,17 +40,28 @@ from torch.futures import Future
 
 from .codec import Codec, grouping_for_dtype
 from .config import ClientConfig, TransferConfig
-from .errors import CheckpointExistsError, ConfigError, DcpS3Error
+from .errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpS3Error,
+    ServerCapabilityError,
+)
 from .items import compact, payload_chunks, streamable, tensor_blob
 from .layout import (
     CODEC_DESCRIPTOR,
     FORMAT_TAG,
     METADATA_KEY,
+    PROBE_PREFIX,
     ItemLocation,
     check_key_prefixes,
     data_object_name,
     dump_metadata,
+    load_metadata,
+    new_token,
     rank_prefix,
+    referenced_objects,
 )
 from .session import S3Location, S3Session
 from .transfer import BufferPool, ObjectWriter, wait_all
@@ -61,7 +82,14 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         endpoint_url, region, profile: S3 endpoint (MinIO, SeaweedFS, Ceph...), region, boto3 profile.
         request_args: options sent with every request that takes them (``ServerSideEncryption``,
             ``SSEKMSKeyId``, ``StorageClass``, ``ExpectedBucketOwner``, ``RequestPayer``...).
-        overwrite: replace a complete checkpoint already at ``path`` (default: refuse).
+        overwrite: replace a checkpoint already at ``path`` (default, as torch's ``FileSystemWriter``),
+            atomically: until the new ``.metadata`` lands the old checkpoint loads unchanged, and a
+            failed or killed save leaves it intact. ``False``: refuse with ``CheckpointExistsError``
+            ("Checkpoint already exists ..."), enforced by a conditional PUT of ``.metadata``.
+        require_conditional_writes: with ``overwrite=False`` on a server that ignores
+            ``If-None-Match`` (tested once per bucket and process), refuse to save with
+            ``ServerCapabilityError`` (default). ``False``: fall back to a HEAD just before the
+            commit, with a warning — a save racing to the same path can then be replaced.
         part_size: multipart part size; peak extra memory is about
             ``part_size * (max_concurrency + files_per_rank)``.
         max_concurrency: parallel part uploads per process.
@@ -89,7 +117,8 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         region: str | None = None,
         profile: str | None = None,
         request_args: Mapping[str, Any] | None = None,
-        overwrite: bool = False,
+        overwrite: bool = True,
+        require_conditional_writes: bool = True,
         part_size: int | None = None,
         max_concurrency: int | None = None,
         files_per_rank: int | None = None,
@@ -115,6 +144,9 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
             raise ConfigError(f"compression={compression!r}; expected None or 'zstd'")
         self._codec = Codec(level=compression_level, threads=compression_threads) if compression else None
         self.overwrite = overwrite
+        self.require_conditional_writes = require_conditional_writes
+        # Coordinator: whether the commit may rely on If-None-Match (see prepare_global_plan).
+        self._conditional_commit = True
         self.key_prefixes = check_key_prefixes(key_prefixes)
         self.save_id = str(uuid.uuid4())
         self.rank: int | None = None
@@ -143,24 +175,39 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator only: check bucket and overwrite rule once, name each rank's objects (``rank_prefix``)."""
+        """Coordinator only: check bucket and overwrite rule once, name each rank's objects (``rank_prefix``).
+
+        Nothing is deleted here: the checkpoint at the path stays loadable until ``finish``.
+        """
         transport = self._session.transport
         transport.check_bucket()
-        metadata_key = self._session.key(METADATA_KEY)
-        if transport.head_object(metadata_key) is not None:
-            if not self.overwrite:
-                raise CheckpointExistsError(
-                    f"a complete checkpoint already exists at {self.checkpoint_id}; "
-                    "pass overwrite=True to replace it or choose a new path"
+        if not self.overwrite:
+            if transport.head_object(self._session.key(METADATA_KEY)) is not None:
+                raise self._exists_error("pass overwrite=True to replace it or choose a new path")
+            self._conditional_commit = transport.conditional_writes_supported(
+                self._session.key(PROBE_PREFIX + new_token())
+            )
+            if not self._conditional_commit:
+                where = f"s3://{transport.bucket} at {transport.client.meta.endpoint_url}"
+                if self.require_conditional_writes:
+                    raise ServerCapabilityError(
+                        f"overwrite=False for {self.checkpoint_id}: {where} ignores If-None-Match on PUT, so a "
+                        "save racing to the same path could replace this one unnoticed; pass overwrite=True "
+                        "(atomic replace), or require_conditional_writes=False to accept a best-effort check"
+                    )
+                warnings.warn(
+                    f"{where} ignores If-None-Match: overwrite=False for {self.checkpoint_id} is checked "
+                    "with a HEAD before the commit only (best effort; a racing save can be replaced)",
+                    RuntimeWarning, stacklevel=2,
                 )
-            # Un-commit the old checkpoint first: while its objects are being replaced
-            # it must not look complete.
-            transport.delete_object(metadata_key)
-            log.info("overwriting checkpoint %s", self.checkpoint_id)
         return [
             dataclasses.replace(plan, storage_data=_StoragePrefix(rank_prefix(i, self.key_prefixes)))
             for i, plan in enumerate(plans)
         ]
+
+    def _exists_error(self, advice: str) -> CheckpointExistsError:
+        # torch's FileSystemWriter says "Checkpoint already exists"; code written against it matches that text.
+        return CheckpointExistsError(f"Checkpoint already exists at {self.checkpoint_id} and overwrite=False; {advice}")
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Stream this rank's items into ``files_per_rank`` objects; no object for an empty plan."""
@@ -175,6 +222,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         if not plan.items:
             return []
         prefix: _StoragePrefix = plan.storage_data
+        token = new_token()  # fresh for every write: even a reused writer never names an object twice
         transfer = self._session.transfer
         buckets = [b for b in _split_items(plan.items, transfer.files_per_rank) if b]
         transport, executor = self._session.transport, self._session.executor
@@ -182,7 +230,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         failed = threading.Event()
 
         def write_object(n: int, items: list[WriteItem]) -> list[WriteResult]:
-            name = data_object_name(prefix.prefix, n)
+            name = data_object_name(prefix.prefix, n, token)
             writer = transport.open_writer(
                 self._session.key(name), pool=pool, executor=executor, expected_size=_planned_size(items)
             )
@@ -199,7 +247,13 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         try:
             with ThreadPoolExecutor(len(buckets), thread_name_prefix="dcp_s3-serialize") as serializers:
                 futures = [serializers.submit(write_object, n, items) for n, items in enumerate(buckets)]
-                wait_all(futures)
+                try:
+                    wait_all(futures)
+                except BaseException:
+                    # This save will not be committed: remove what this rank already completed.
+                    done = {r.storage_data.relative_path for f in futures if not f.exception() for r in f.result()}
+                    self._delete_quietly(sorted(done), "objects of a failed save")
+                    raise
         finally:
             pool.clear()
             if self._codec is not None:
@@ -209,22 +263,68 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator only: PUT ``.metadata`` — the commit point of the checkpoint."""
+        """Coordinator only: PUT ``.metadata`` — the commit point — then delete what it replaced."""
         metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
         metadata.storage_meta = self.storage_meta()
         metadata.version = "1.0.0"
+        ours = referenced_objects(metadata)
+        transport = self._session.transport
         key = self._session.key(METADATA_KEY)
         body = dump_metadata(metadata)
+        if self.overwrite:
+            replaced = self._committed_objects(key) - ours
+            etag = transport.put_object(key, body)
+            # Delete the replaced save's objects only while .metadata is still ours: a save that
+            # committed after us may have read our objects as the ones to delete, never the reverse.
+            head = transport.head_object(key)
+            if replaced and head is not None and head.get("ETag") == etag:
+                self._delete_quietly(sorted(replaced), "objects of the replaced checkpoint")
+        else:
+            self._commit_once(key, body, ours)
+        log.info("committed checkpoint %s (%d items)", self.checkpoint_id, len(metadata.storage_data))
+
+    def _commit_once(self, key: str, body: bytes, ours: set[str]) -> None:
+        """``overwrite=False``: PUT ``.metadata`` only if no checkpoint is there; else clean up and raise."""
+        transport = self._session.transport
+        if not self._conditional_commit and transport.head_object(key) is not None:  # best effort (warned)
+            self._delete_quietly(sorted(ours), "objects of a save that was not committed")
+            raise self._exists_error("another save committed it while this one was being written")
         try:
-            self._session.transport.put_object(key, body, if_none_match=not self.overwrite)
+            transport.put_object(key, body, if_none_match=self._conditional_commit)
         except CheckpointExistsError as exc:
             # A retried PUT whose first attempt did land finds its own bytes (they hold this save's id).
-            if self._session.transport.get_object(key) != body:
-                raise CheckpointExistsError(
-                    f"another save completed a checkpoint at {self.checkpoint_id} while this one was being "
-                    "written; this save was not committed"
-                ) from exc
-        log.info("committed checkpoint %s (%d items)", self.checkpoint_id, len(metadata.storage_data))
+            if transport.get_object(key) == body:
+                return
+            self._delete_quietly(sorted(ours), "objects of a save that was not committed")
+            raise self._exists_error(
+                "another save committed it while this one was being written; this save was not committed"
+            ) from exc
+
+    def _committed_objects(self, key: str) -> set[str]:
+        """The objects the checkpoint now committed at this path uses (empty if there is none)."""
+        try:
+            data = self._session.transport.get_object(key)
+        except CheckpointNotFoundError:
+            return set()
+        try:
+            return referenced_objects(load_metadata(data, f"s3://{self._session.transport.bucket}/{key}"))
+        except CheckpointFormatError as exc:
+            # Unreadable: replace it, but leave its objects to ``dcp-s3 gc`` rather than guess.
+            log.warning("not deleting the objects of the checkpoint being replaced: %s", exc)
+            return set()
+
+    def _delete_quietly(self, names: list[str], what: str) -> None:
+        """Best-effort delete of ``names`` (relative to the checkpoint); a failure is a warning, not an error."""
+        if not names:
+            return
+        try:
+            self._session.transport.delete_objects([self._session.key(n) for n in names])
+        except DcpS3Error as exc:
+            warnings.warn(
+                f"could not delete {len(names)} {what} under {self.checkpoint_id} ({exc}); "
+                "`dcp-s3 gc` removes them later",
+                RuntimeWarning, stacklevel=2,
+            )
 
 
 def _item_size(item: WriteItem) -> int:

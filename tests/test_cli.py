@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from dcp_s3 import S3StorageReader, cli
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.local_server import LocalS3Server
+from tests.objects import data_key
 
 
 class Net(nn.Module):
@@ -130,19 +131,19 @@ def test_commands_on_a_sharded_checkpoint(
 
     # Corruption: one flipped byte inside a tensor's bytes (only the checksum can tell) ...
     client = s3_env.client()
-    key2 = "run/0000100.model_model/__1_0.distcp"
+    key2 = data_key(s3_env.client(), bucket, "run/0000100.model_model", 1, 0)
     body2 = bytearray(client.get_object(Bucket=bucket, Key=key2)["Body"].read())
     md = S3StorageReader(f"{step}.model_model").read_metadata()
-    info = next(i for i in md.storage_data.values() if i.relative_path == "__1_0.distcp" and i.payload_offset)
+    info = next(i for i in md.storage_data.values() if i.relative_path == key2.rpartition("/")[2] and i.payload_offset)
     body2[info.offset + info.payload_offset + 1] ^= 0x01
     client.put_object(Bucket=bucket, Key=key2, Body=bytes(body2))
     code, out, _ = run(capsys, "verify", f"{step}.model_model")
     assert code == 1 and "checksum mismatch" in out and key2 in out, out
     # ... garbage of the right length in one data object, another one cut short.
-    key0 = "run/0000100.model_model/__0_0.distcp"
+    key0 = data_key(s3_env.client(), bucket, "run/0000100.model_model")
     size0 = client.head_object(Bucket=bucket, Key=key0)["ContentLength"]
     client.put_object(Bucket=bucket, Key=key0, Body=os.urandom(size0))
-    key1 = "run/0000100.model_optim/__1_0.distcp"
+    key1 = data_key(s3_env.client(), bucket, "run/0000100.model_optim", 1, 0)
     body1 = client.get_object(Bucket=bucket, Key=key1)["Body"].read()
     client.put_object(Bucket=bucket, Key=key1, Body=body1[: len(body1) // 2])
     code, out, _ = run(capsys, "verify", root)

@@ -18,6 +18,7 @@ from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.admin import convert_checkpoint
 from dcp_s3.layout import CODEC_DESCRIPTOR
 from dcp_s3.local_server import LocalS3Server
+from tests.objects import data_key, hooked
 
 MiB = 1 << 20
 
@@ -61,11 +62,9 @@ def test_cast_and_partial_reads_fetch_only_needed_frames(bucket: str) -> None:
     dcp.save(sd, storage_writer=S3StorageWriter(uri, compression="zstd"))
     reader = S3StorageReader(uri)
     fetched: list[int] = []
-    reader._session.transport.client.meta.events.register(
-        "after-call.s3.GetObject", lambda parsed, **_: fetched.append(int(parsed["ContentLength"]))
-    )
     out = {"w7": torch.zeros(1024, 1024, dtype=torch.float64)}  # staged path: cast on copy
-    dcp.load(out, storage_reader=reader)
+    with hooked(reader, "after-call.s3.GetObject", lambda parsed, **_: fetched.append(int(parsed["ContentLength"]))):
+        dcp.load(out, storage_reader=reader)
     assert torch.equal(out["w7"], sd["w7"].double())
     md = reader.read_metadata()
     needed = md.storage_data[next(k for k in md.storage_data if k.fqn == "w7")].length
@@ -106,12 +105,12 @@ def test_corrupt_compressed_frame_is_detected(bucket: str, s3_env: LocalS3Server
     sd = {"w": torch.randn(2 * MiB // 4)}
     dcp.save(sd, storage_writer=S3StorageWriter(uri, compression="zstd"))
     client = s3_env.client()
-    body = bytearray(client.get_object(Bucket=bucket, Key="zx/__0_0.distcp")["Body"].read())
+    body = bytearray(client.get_object(Bucket=bucket, Key=data_key(s3_env.client(), bucket, "zx"))["Body"].read())
     body[len(body) // 2] ^= 0x10
-    client.put_object(Bucket=bucket, Key="zx/__0_0.distcp", Body=bytes(body))
+    client.put_object(Bucket=bucket, Key=data_key(s3_env.client(), bucket, "zx"), Body=bytes(body))
     with pytest.raises(BaseException) as info:
         dcp.load({"w": torch.zeros(2 * MiB // 4)}, storage_reader=S3StorageReader(uri))
-    assert "zx/__0_0.distcp" in str(info.value) or "corrupt" in str(info.value)
+    assert data_key(s3_env.client(), bucket, "zx") in str(info.value) or "corrupt" in str(info.value)
 
 
 @pytest.mark.multiproc
@@ -134,9 +133,9 @@ def test_each_frame_is_checksummed(bucket: str, s3_env: LocalS3Server) -> None:
     (info,) = md.storage_data.values()
     assert len(info.frame_crc32c) == info.frames.num_frames == 3
     client = s3_env.client()
-    body = bytearray(client.get_object(Bucket=bucket, Key="zcrc/__0_0.distcp")["Body"].read())
+    body = bytearray(client.get_object(Bucket=bucket, Key=data_key(s3_env.client(), bucket, "zcrc"))["Body"].read())
     start, end = info.frames.stored_range(1)
     body[info.offset + (start + end) // 2] ^= 0x01
-    client.put_object(Bucket=bucket, Key="zcrc/__0_0.distcp", Body=bytes(body))
+    client.put_object(Bucket=bucket, Key=data_key(s3_env.client(), bucket, "zcrc"), Body=bytes(body))
     with pytest.raises(BaseException, match="frame 1 of the item .* fails its checksum"):
         dcp.load({"w": torch.zeros(3 * MiB)}, storage_reader=S3StorageReader(uri, max_range_size=4 * MiB))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 import traceback
@@ -31,6 +32,7 @@ from dcp_s3 import S3StorageReader, S3StorageWriter  # noqa: E402
 from dcp_s3.admin import collect_garbage, find_garbage  # noqa: E402
 from dcp_s3.config import TransferConfig  # noqa: E402
 from dcp_s3.local_server import LocalS3Server  # noqa: E402
+from tests.objects import TOKEN
 
 MiB = 1 << 20
 #: DCP raises CheckpointException, a BaseException, for failures inside the save/load steps.
@@ -184,7 +186,7 @@ def test_persistent_upload_failure_fails_fast_and_cleans_up(
           f"{proxy.counts['UploadPart']} UploadPart requests")
     message = str(info.value)
     assert elapsed < 60, elapsed
-    assert bucket in message and "run/step-2/__0_0.distcp" in message, message
+    assert bucket in message and re.search(rf"run/step-2/__0_0\.{TOKEN}\.distcp", message), message
     assert "InternalError" in message, message
     assert proxy.counts["UploadPart"] <= 60, proxy.counts  # bounded retries
     assert _uploads(s3_env, bucket) == []  # the multipart upload was aborted

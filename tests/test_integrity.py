@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.local_server import LocalS3Server
+from tests.objects import data_key, hooked
 
 MiB = 1 << 20
 #: DCP raises CheckpointException, a BaseException, for failures inside the save/load steps.
@@ -42,7 +43,7 @@ def test_deleted_data_object_fails_load_naming_the_key(bucket: str, s3_env: Loca
     sd = _state(1)
     uri = f"s3://{bucket}/deleted/step-1"
     _save(uri, sd)
-    key = "deleted/step-1/__0_0.distcp"
+    key = data_key(s3_env.client(), bucket, "deleted/step-1")
     s3_env.client().delete_object(Bucket=bucket, Key=key)
     with pytest.raises(ERRORS) as info:
         dcp.load(_zeros_like(sd), storage_reader=S3StorageReader(uri))
@@ -79,17 +80,18 @@ def test_object_replaced_by_same_size_object_fails_checksum(bucket: str, s3_env:
     _save(f"s3://{bucket}/swap/a", a)
     _save(f"s3://{bucket}/swap/b", b)
     client = s3_env.client()
-    head_a = client.head_object(Bucket=bucket, Key="swap/a/__0_0.distcp")
-    head_b = client.head_object(Bucket=bucket, Key="swap/b/__0_0.distcp")
+    key_a, key_b = data_key(client, bucket, "swap/a"), data_key(client, bucket, "swap/b")
+    head_a = client.head_object(Bucket=bucket, Key=key_a)
+    head_b = client.head_object(Bucket=bucket, Key=key_b)
     assert head_a["ContentLength"] == head_b["ContentLength"]
     client.copy_object(
-        Bucket=bucket, Key="swap/a/__0_0.distcp", CopySource={"Bucket": bucket, "Key": "swap/b/__0_0.distcp"}
+        Bucket=bucket, Key=key_a, CopySource={"Bucket": bucket, "Key": key_b}
     )
     with pytest.raises(ERRORS) as info:
         dcp.load(_zeros_like(a), storage_reader=S3StorageReader(f"s3://{bucket}/swap/a"))
     message = str(info.value)
     assert "checksum mismatch" in message, message
-    assert "swap/a/__0_0.distcp" in message, message
+    assert key_a in message, message
 
 
 # -- (d) transport checksums ---------------------------------------------------------------------------------
@@ -117,11 +119,9 @@ def test_uploads_carry_a_checksum_header(bucket: str) -> None:
         headers = {k.lower(): str(v) for k, v in request.headers.items()}
         seen.append((event_name.rsplit(".", 1)[-1], headers))
 
-    events = writer._session.transport.client.meta.events
-    events.register("before-send.s3.UploadPart", record)
-    events.register("before-send.s3.PutObject", record)
     sd = {"big": torch.randn(12 * MiB // 4), "small": torch.randn(16)}
-    dcp.save(sd, storage_writer=writer)
+    with hooked(writer, "before-send.s3.UploadPart", record), hooked(writer, "before-send.s3.PutObject", record):
+        dcp.save(sd, storage_writer=writer)
 
     ops = [op for op, _ in seen]
     assert ops.count("UploadPart") >= 3, ops  # 12 MiB in 5 MiB parts

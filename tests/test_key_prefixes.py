@@ -31,6 +31,7 @@ from dcp_s3.layout import check_object_name, is_key_prefix_dir, rank_prefix
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.steps import scan
 from dcp_s3.store import Entry
+from tests.objects import data_key, object_keys, untokened
 
 PLAIN = "plain/ckpt"  # dcp.save with key_prefixes=2 on 3 ranks
 RUN = "run"  # Checkpointer(key_prefixes=16), steps 1 and 2, keep_last=1
@@ -111,7 +112,8 @@ def test_scan_of_a_checkpoint_itself() -> None:
 # -- one process --------------------------------------------------------------------------------------
 def keys(server: LocalS3Server, bucket: str, prefix: str = "") -> dict[str, int]:
     pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return {o["Key"][len(prefix):]: o["Size"] for page in pages for o in page.get("Contents", [])}
+    # Data object names carry a per-save token; these tests compare the names without it.
+    return {untokened(o["Key"][len(prefix):]): o["Size"] for page in pages for o in page.get("Contents", [])}
 
 
 def test_single_process_round_trip(bucket: str, s3_env: LocalS3Server) -> None:
@@ -211,7 +213,7 @@ def test_objects_land_in_key_prefix_directories(spread: tuple[str, str], s3_env:
     bucket, _ = spread
     assert set(keys(s3_env, bucket, f"{PLAIN}/")) == {".metadata"} | PLAIN_DATA
     md = S3StorageReader(f"s3://{bucket}/{PLAIN}").read_metadata()
-    assert {info.relative_path for info in md.storage_data.values()} == PLAIN_DATA
+    assert {untokened(info.relative_path) for info in md.storage_data.values()} == PLAIN_DATA
 
     # Retention removed step 1 entirely; step 2's parts hold one p-<h> directory per rank.
     assert set(keys(s3_env, bucket, f"{RUN}/")) == {"0000002.pth"} | {
@@ -230,9 +232,10 @@ def test_stock_filesystem_reader_loads_a_downloaded_copy(
 ) -> None:
     bucket, ref_path = spread
     client = s3_env.client()
-    for name in keys(s3_env, bucket, f"{PLAIN}/"):
+    for key in object_keys(client, bucket, f"{PLAIN}/"):
+        name = key[len(PLAIN) + 1 :]
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        client.download_file(bucket, f"{PLAIN}/{name}", str(tmp_path / name))
+        client.download_file(bucket, key, str(tmp_path / name))
     ref = torch.load(ref_path, weights_only=True)["plain"]
     out = blank_like(ref)
     dcp.load(out, storage_reader=FileSystemReader(tmp_path), no_dist=True)
@@ -285,15 +288,16 @@ def test_commands_on_spread_checkpoints(
 
     # cp to disk keeps the p-<h> directories.
     code, out = run(capsys, "cp", ckpt, str(tmp_path / "local"))
-    assert code == 0 and all((tmp_path / "local" / name).is_file() for name in PLAIN_DATA)
+    local = {untokened(p.relative_to(tmp_path / "local").as_posix()) for p in (tmp_path / "local").rglob("*.distcp")}
+    assert code == 0 and local == PLAIN_DATA, local
     code, out = run(capsys, "verify", str(tmp_path / "local"))
     assert code == 0, out
 
     # One flipped payload byte in an object of p-1 fails verify, naming that object.
     client = s3_env.client()
-    key = f"{top}/ckpt/p-1/__1_0.distcp"
+    key = data_key(client, bucket, f"{top}/ckpt", 1, 0)
     md = S3StorageReader(ckpt).read_metadata()
-    info = next(i for i in md.storage_data.values() if i.relative_path == "p-1/__1_0.distcp" and i.payload_offset)
+    info = next(i for i in md.storage_data.values() if key.endswith(i.relative_path) and i.payload_offset)
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     body[info.offset + info.payload_offset] ^= 0x01
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))

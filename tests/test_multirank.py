@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.local_server import LocalS3Server
+from tests.objects import data_key
 
 pytestmark = pytest.mark.multiproc
 
@@ -99,7 +100,10 @@ def test_fsdp2_save_on_2_ranks_load_on_1_and_3(bucket: str, s3_env: LocalS3Serve
     ref = str(tmp_path / "ref.pt")
     run_ranks(save_job, 2, s3_env.env(), uri, ref)
     objects = {o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket)["Contents"]}
-    assert objects == {"fsdp/step-3/.metadata", "fsdp/step-3/__0_0.distcp", "fsdp/step-3/__1_0.distcp"}
+    assert objects == {
+        "fsdp/step-3/.metadata", data_key(s3_env.client(), bucket, "fsdp/step-3", 0),
+        data_key(s3_env.client(), bucket, "fsdp/step-3", 1),
+    }
     run_ranks(load_job, 1, s3_env.env(), uri, ref)
     run_ranks(load_job, 3, s3_env.env(), uri, ref)
 

@@ -23,6 +23,7 @@ from dcp_s3 import (
     S3StorageWriter,
 )
 from dcp_s3.local_server import LocalS3Server
+from tests.objects import data_key, data_keys, data_name, hooked
 
 MiB = 1 << 20
 
@@ -83,7 +84,7 @@ def test_round_trip_every_kind_of_value(bucket: str, s3_env: LocalS3Server) -> N
     sd = sample_state()
     uri = f"s3://{bucket}/run/step-1"
     dcp.save(sd, storage_writer=S3StorageWriter(uri))
-    assert set(keys(s3_env, bucket)) == {"run/step-1/.metadata", "run/step-1/__0_0.distcp"}
+    assert set(keys(s3_env, bucket)) == {"run/step-1/.metadata", data_key(s3_env.client(), bucket, "run/step-1")}
     out = blank_like(sd)
     dcp.load(out, storage_reader=S3StorageReader(uri))
     assert_same(sd, out)
@@ -102,7 +103,7 @@ def test_large_object_goes_multipart_and_small_in_one_put(bucket: str, s3_env: L
     uri = f"s3://{bucket}/big"
     dcp.save(sd, storage_writer=S3StorageWriter(uri, part_size=5 * MiB, max_concurrency=3))
     client = s3_env.client()
-    data_etag = client.head_object(Bucket=bucket, Key="big/__0_0.distcp")["ETag"]
+    data_etag = client.head_object(Bucket=bucket, Key=data_key(client, bucket, "big"))["ETag"]
     meta_etag = client.head_object(Bucket=bucket, Key="big/.metadata")["ETag"]
     assert data_etag.strip('"').endswith("-3"), data_etag  # 12 MiB in 5 MiB parts
     assert "-" not in meta_etag  # single PUT
@@ -116,9 +117,7 @@ def test_files_per_rank_splits_items(bucket: str, s3_env: LocalS3Server) -> None
     sd = {f"w{i}": torch.randn(1000) for i in range(6)}
     uri = f"s3://{bucket}/split"
     dcp.save(sd, storage_writer=S3StorageWriter(uri, files_per_rank=3))
-    assert {k for k in keys(s3_env, bucket) if k.endswith(".distcp")} == {
-        f"split/__0_{n}.distcp" for n in range(3)
-    }
+    assert {data_name(k) for k in keys(s3_env, bucket) if k.endswith(".distcp")} == {f"__0_{n}" for n in range(3)}
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
     dcp.load(out, storage_reader=S3StorageReader(uri))
     assert_same(sd, out)
@@ -163,40 +162,44 @@ def test_partial_load_reads_only_needed_bytes(bucket: str) -> None:
     dcp.save(sd, storage_writer=S3StorageWriter(uri))
     reader = S3StorageReader(uri)
     fetched: list[int] = []
-    client = reader._session.transport.client
-    client.meta.events.register(
-        "after-call.s3.GetObject", lambda parsed, **_: fetched.append(int(parsed["ContentLength"]))
-    )
     out = {"layer3": torch.zeros(256, 1024), "layer11": torch.zeros(256, 1024)}  # 10% of keys
-    dcp.load(out, storage_reader=reader)
+    with hooked(reader, "after-call.s3.GetObject", lambda parsed, **_: fetched.append(int(parsed["ContentLength"]))):
+        dcp.load(out, storage_reader=reader)
     assert torch.equal(out["layer3"], sd["layer3"]) and torch.equal(out["layer11"], sd["layer11"])
     needed = 2 * 256 * 1024 * 4
     metadata_bytes = fetched[0]
     assert sum(fetched) - metadata_bytes <= 1.2 * needed, fetched
 
 
-def test_overwrite_refused_then_allowed(bucket: str) -> None:
+def test_resave_replaces_by_default_and_overwrite_false_refuses(bucket: str, s3_env: LocalS3Server) -> None:
     uri = f"s3://{bucket}/ow"
+    client = s3_env.client()
     dcp.save({"w": torch.ones(4)}, storage_writer=S3StorageWriter(uri))
-    with pytest.raises(BaseException) as info:
-        dcp.save({"w": torch.zeros(4)}, storage_writer=S3StorageWriter(uri))
-    assert "already exists" in str(info.value) and uri in str(info.value)
+    first = data_keys(client, bucket, "ow/")
+    # As torch's FileSystemWriter: saving to the same path again replaces the checkpoint...
+    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=S3StorageWriter(uri))
     out = {"w": torch.zeros(4)}
     dcp.load(out, storage_reader=S3StorageReader(uri))
-    assert torch.equal(out["w"], torch.ones(4)), "refused save must not touch the checkpoint"
-    dcp.save({"w": torch.full((4,), 2.0)}, storage_writer=S3StorageWriter(uri, overwrite=True))
-    dcp.load(out, storage_reader=S3StorageReader(uri))
     assert torch.equal(out["w"], torch.full((4,), 2.0))
+    second = data_keys(client, bucket, "ow/")
+    assert len(second) == 1 and not set(first) & set(second), (first, second)  # old objects gone, new names
+    # ...and overwrite=False refuses with torch's wording, touching nothing.
+    with pytest.raises(BaseException) as info:
+        dcp.save({"w": torch.zeros(4)}, storage_writer=S3StorageWriter(uri, overwrite=False))
+    assert "Checkpoint already exists" in str(info.value) and uri in str(info.value)
+    dcp.load(out, storage_reader=S3StorageReader(uri))
+    assert torch.equal(out["w"], torch.full((4,), 2.0)), "refused save must not touch the checkpoint"
+    assert data_keys(client, bucket, "ow/") == second
 
 
 def test_conditional_commit_refuses_a_racing_save(bucket: str) -> None:
     uri = f"s3://{bucket}/race"
-    writer = S3StorageWriter(uri)
+    writer = S3StorageWriter(uri, overwrite=False)
     writer.prepare_global_plan([])  # passes: nothing there yet
     dcp.save({"w": torch.ones(2)}, storage_writer=S3StorageWriter(uri))  # another job commits first
     from torch.distributed.checkpoint.metadata import Metadata
 
-    with pytest.raises(CheckpointExistsError, match="while this one was being written"):
+    with pytest.raises(CheckpointExistsError, match="^Checkpoint already exists.*while this one was being written"):
         writer.finish(Metadata(state_dict_metadata={}), [])
 
 
@@ -204,7 +207,7 @@ def test_commit_retry_that_finds_its_own_metadata_succeeds(bucket: str) -> None:
     """A PUT whose reply was lost is retried by botocore and meets its own .metadata (412)."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    writer = S3StorageWriter(f"s3://{bucket}/lost-reply")
+    writer = S3StorageWriter(f"s3://{bucket}/lost-reply", overwrite=False)
     metadata = Metadata(state_dict_metadata={})
     writer.finish(metadata, [])
     writer.finish(metadata, [])  # same bytes already there: committed, not an error
@@ -307,11 +310,11 @@ def test_truncated_object_is_detected(bucket: str, s3_env: LocalS3Server) -> Non
     uri = f"s3://{bucket}/trunc"
     dcp.save({"w": torch.randn(1000)}, storage_writer=S3StorageWriter(uri))
     client = s3_env.client()
-    body = client.get_object(Bucket=bucket, Key="trunc/__0_0.distcp")["Body"].read()
-    client.put_object(Bucket=bucket, Key="trunc/__0_0.distcp", Body=body[:-2000])
+    body = client.get_object(Bucket=bucket, Key=data_key(s3_env.client(), bucket, "trunc"))["Body"].read()
+    client.put_object(Bucket=bucket, Key=data_key(s3_env.client(), bucket, "trunc"), Body=body[:-2000])
     with pytest.raises(BaseException) as info:
         dcp.load({"w": torch.zeros(1000)}, storage_reader=S3StorageReader(uri))
-    assert "trunc/__0_0.distcp" in str(info.value)
+    assert data_key(s3_env.client(), bucket, "trunc") in str(info.value)
 
 
 def test_metadata_pickle_cannot_run_code(bucket: str, s3_env: LocalS3Server) -> None:
@@ -345,8 +348,8 @@ def test_request_args_reach_every_request(bucket: str) -> None:
     def record(params: dict[str, Any], model: Any, **_: Any) -> None:
         seen.setdefault(model.name, dict(params))  # returning a value would replace the params
 
-    writer._session.transport.client.meta.events.register("provide-client-params.s3", record)
-    dcp.save({"big": torch.randn(3 * MiB // 2)}, storage_writer=writer)  # 6 MiB: multipart
+    with hooked(writer, "provide-client-params.s3", record):
+        dcp.save({"big": torch.randn(3 * MiB // 2)}, storage_writer=writer)  # 6 MiB: multipart
     for op in ("PutObject", "CreateMultipartUpload"):
         assert seen[op]["ServerSideEncryption"] == "AES256" and seen[op]["StorageClass"] == "STANDARD", op
     for op in ("UploadPart", "CompleteMultipartUpload", "HeadObject"):
@@ -363,16 +366,16 @@ def test_corrupted_bytes_are_detected(bucket: str, s3_env: LocalS3Server) -> Non
     dcp.save(sd, storage_writer=S3StorageWriter(uri))
     md = S3StorageReader(uri).read_metadata()
     client = s3_env.client()
-    body = bytearray(client.get_object(Bucket=bucket, Key="corrupt/__0_0.distcp")["Body"].read())
+    body = bytearray(client.get_object(Bucket=bucket, Key=data_key(s3_env.client(), bucket, "corrupt"))["Body"].read())
     for index, info in md.storage_data.items():
         bad = bytearray(body)
         start = info.offset + (info.payload_offset or 0)
         bad[start + 10] ^= 0xFF  # one flipped byte inside this item's payload
-        client.put_object(Bucket=bucket, Key="corrupt/__0_0.distcp", Body=bytes(bad))
+        client.put_object(Bucket=bucket, Key=data_key(s3_env.client(), bucket, "corrupt"), Body=bytes(bad))
         with pytest.raises(BaseException) as exc:
             dcp.load(blank_like(sd) | {"meta": {"note": ""}}, storage_reader=S3StorageReader(uri))
         message = str(exc.value)
-        assert "checksum mismatch" in message and "corrupt/__0_0.distcp" in message and index.fqn in message
+        assert "checksum mismatch" in message and data_key(s3_env.client(), bucket, "corrupt") in message and index.fqn in message
 
 
 def test_round_trip_on_moto(moto_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -386,8 +389,8 @@ def test_round_trip_on_moto(moto_server: LocalS3Server, monkeypatch: pytest.Monk
     out = blank_like(sd)
     dcp.load(out, storage_reader=S3StorageReader(uri))
     assert_same(sd, out)
-    with pytest.raises(BaseException, match="already exists"):
-        dcp.save(sd, storage_writer=S3StorageWriter(uri))
+    with pytest.raises(BaseException, match="Checkpoint already exists"):
+        dcp.save(sd, storage_writer=S3StorageWriter(uri, overwrite=False))  # moto honours If-None-Match
 
 
 def test_no_collectives_mode_is_refused_clearly(bucket: str) -> None:

@@ -1,0 +1,80 @@
+"""``SafeFileSystemWriter``: torch's ``FileSystemWriter`` with the commit protocol of ``S3StorageWriter``.
+
+torch's writer names data files ``__{rank}_{n}.distcp`` and, on overwrite, rewrites them in
+place and removes ``.metadata`` before renaming the new one over it: a save that fails or is
+killed half-way leaves the old ``.metadata`` pointing at half-new files, or no ``.metadata``.
+This writer gives every save its own file names (``__{rank}_{token}_{n}.distcp``, ``token``
+new for every save), commits by an atomic ``os.replace`` of ``.metadata``, and deletes the
+files of the checkpoint it replaced only after that. The checkpoint stays in torch's format
+(stock ``FileSystemReader`` loads it). Used by :class:`dcp_s3.Checkpointer` for local
+directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .errors import CheckpointFormatError
+from .layout import METADATA_KEY, load_metadata, new_token, referenced_objects
+
+__all__ = ["SafeFileSystemWriter"]
+
+log = logging.getLogger("dcp_s3")
+
+
+class SafeFileSystemWriter(FileSystemWriter):
+    """A ``FileSystemWriter`` whose overwrite never leaves a checkpoint half replaced."""
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        token = new_token()
+        return [
+            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_{token}_")) for i, plan in enumerate(plans)
+        ]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator only: atomically replace ``.metadata``, then delete the files it no longer names."""
+        metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = "1.0.0"
+        directory = Path(self.path)
+        target = directory / METADATA_KEY
+        replaced = _committed_files(target) - referenced_objects(metadata)
+        tmp = directory / f"{METADATA_KEY}.{new_token()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                pickle.dump(metadata, f, protocol=pickle.HIGHEST_PROTOCOL)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)  # atomic: readers see the old checkpoint or the new one
+        finally:
+            tmp.unlink(missing_ok=True)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename is durable before anything it replaced is deleted
+        finally:
+            os.close(dir_fd)
+        for name in sorted(replaced):
+            (directory / name).unlink(missing_ok=True)
+
+
+def _committed_files(metadata_path: Path) -> set[str]:
+    """The files the checkpoint committed at ``metadata_path`` uses (empty if none or unreadable)."""
+    try:
+        data = metadata_path.read_bytes()
+    except FileNotFoundError:
+        return set()
+    try:
+        return referenced_objects(load_metadata(data, str(metadata_path)))
+    except CheckpointFormatError as exc:
+        log.warning("not deleting the files of the checkpoint being replaced: %s", exc)
+        return set()
