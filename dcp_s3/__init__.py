@@ -22,6 +22,7 @@ from .errors import (
     InvalidCheckpointIdError,
     S3AccessDeniedError,
     S3TransferError,
+    ServerCapabilityError,
 )
 from .planners import MetaRankLoadPlanner, TrainableOnlyLoadPlanner, TrainableOnlySavePlanner, frozen_parameter_fqns
 from .reader import S3StorageReader
@@ -51,6 +52,7 @@ __all__ = [
     "S3AccessDeniedError",
     "S3TransferError",
     "CheckpointFormatError",
+    "ServerCapabilityError",
 ]
 
 logging.getLogger("dcp_s3").addHandler(logging.NullHandler())

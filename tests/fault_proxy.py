@@ -17,6 +17,9 @@ on top of) forwarding it:
                 half the body, then close
 ``"stall"``     sleep ``stall_s`` seconds, then forward normally
 
+``drop_request_headers`` removes headers from every forwarded request (e.g. ``If-None-Match``,
+to play a server without conditional writes in front of moto, which checks no signatures).
+
 The decision for a request is a function of the seed, the request's identity (method, key,
 part number, range; not the bucket or upload id) and how many times that identity was seen,
 so a plan injects the same faults whatever the thread interleaving (a resumed ranged GET
@@ -224,6 +227,7 @@ class FaultProxy:
         max_connections: int = 64,
         socket_timeout: float = 30.0,
         lifetime_s: float = 600.0,
+        drop_request_headers: Iterable[str] = (),
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname or not parts.port:
@@ -233,6 +237,9 @@ class FaultProxy:
         self.seed = seed
         self.socket_timeout = socket_timeout
         self.lifetime_s = lifetime_s
+        # Headers removed before forwarding, e.g. ``if-none-match`` to play a server that ignores it
+        # (only against upstreams that do not check signatures, such as moto).
+        self.drop_request_headers = frozenset(h.lower() for h in drop_request_headers)
         self.counts: Counter[str] = Counter()
         self.faults: Counter[tuple[str, str]] = Counter()
         self.log: list[tuple[str, str, str | None]] = []  # (op, key, fault) of every request
@@ -362,9 +369,19 @@ class FaultProxy:
         client.sendall(_response_head(status_line, headers, len(body)) + body)
         return not any(k.lower() == "connection" and v.lower() == "close" for k, v in headers)
 
+    def _strip(self, head: bytes) -> bytes:
+        if not self.drop_request_headers:
+            return head
+        lines = head.split(b"\r\n")
+        kept = [
+            line for line in lines
+            if b":" not in line or line.split(b":", 1)[0].strip().lower().decode() not in self.drop_request_headers
+        ]
+        return b"\r\n".join(kept)
+
     def _forward(self, req: _Request) -> tuple[str, list[tuple[str, str]], bytes]:
         with socket.create_connection(self.upstream, timeout=self.socket_timeout) as up:
-            up.sendall(req.head + req.body)
+            up.sendall(self._strip(req.head) + req.body)
             resp = HTTPResponse(up, method=req.method)
             try:
                 resp.begin()

@@ -1,0 +1,124 @@
+"""A save in a child process that stops at a chosen phase, for the commit-protocol tests.
+
+    python tests/commit_child.py HELD RELEASE PHASE save URI SEED OVERWRITE
+    python tests/commit_child.py HELD RELEASE PHASE step ROOT MODE
+
+At ``PHASE`` the child creates the file ``HELD`` and waits until ``RELEASE`` exists (or until
+the test kills it). Phases are real botocore events on the real client, matched by request:
+
+- ``upload``: before part 2 of a multipart upload (data half uploaded);
+- ``commit``: before the PUT of ``.metadata`` (all data uploaded, nothing committed);
+- ``cleanup``: before the DeleteObjects that removes the replaced checkpoint's objects;
+- ``commit:<name>``: before the PUT of the object whose key ends with ``<name>``;
+- ``none``: run through.
+
+Exit status: 0 committed, 3 ``CheckpointExistsError``, 1 anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_s3 import Checkpointer, CheckpointExistsError, S3StorageWriter
+
+MiB = 1 << 20
+
+
+def state(seed: int) -> dict[str, Any]:
+    """6 MiB (two 5 MiB parts) of tensors determined by ``seed``, plus a byte item."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(3 * MiB // 2, generator=g),
+        "b": torch.randn(1000, generator=g),
+        "meta": {"seed": seed},
+    }
+
+
+def model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def sgd(m: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # momentum: the optimizer has state
+
+
+def train_a_bit(m: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    """What happens between the resume and the re-save in the test: new weights, new momentum."""
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    optim.zero_grad()
+    m(torch.ones(2, 16)).sum().backward()
+    optim.step()
+
+
+def hold(phase: str, held: str, release: str) -> Any:
+    """A ``before-parameter-build`` handler that waits at ``phase``."""
+
+    def matches(op: str, params: dict[str, Any]) -> bool:
+        if phase == "upload":
+            return op == "UploadPart" and params.get("PartNumber") == 2
+        if phase == "commit":
+            return op == "PutObject" and str(params.get("Key", "")).endswith("/.metadata")
+        if phase == "cleanup":
+            return op == "DeleteObjects"
+        if phase.startswith("commit:"):
+            return op == "PutObject" and str(params.get("Key", "")).endswith(phase.split(":", 1)[1])
+        return False
+
+    def handler(params: dict[str, Any], model: Any, **_: Any) -> None:
+        if not matches(model.name, params):
+            return
+        with open(held, "w"):
+            pass
+        deadline = time.monotonic() + 300  # a hang guard: the test releases or kills long before
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    return handler
+
+
+def main(argv: list[str]) -> int:
+    held, release, phase, kind, *args = argv
+    if kind == "save":
+        uri, seed, overwrite = args
+        writer = S3StorageWriter(uri, overwrite=overwrite == "1", part_size=5 * MiB)
+        writer._session.transport.client.meta.events.register("before-parameter-build.s3", hold(phase, held, release))
+        try:
+            dcp.save(state(int(seed)), storage_writer=writer, no_dist=True)
+        except BaseException as exc:  # DCP wraps errors; the cause's type decides the exit status
+            text = f"{type(exc).__name__}: {exc}"
+            print(text, flush=True)
+            return 3 if isinstance(exc, CheckpointExistsError) or "Checkpoint already exists" in text else 1
+        return 0
+    if kind == "step":
+        root, mode = args
+        m = model(0)
+        optim = sgd(m)
+        ckpt = Checkpointer(root, keep_last=1)
+        # The Checkpointer's writers share the first client (one per settings and process); its
+        # markers go through its store's.
+        for client in (S3StorageWriter(root + "/x")._session.transport.client, ckpt.store.transport.client):
+            client.meta.events.register("before-parameter-build.s3", hold(phase, held, release))
+        if mode == "first":
+            m(torch.ones(2, 16)).sum().backward()
+            optim.step()
+            ckpt.save({"m": m}, {"m": optim}, iteration=1000)
+            return 0
+        start = ckpt.load({"m": m}, {"m": optim})  # the README loop: resume, then save at that step again
+        assert start == 1000, start
+        train_a_bit(m, optim)
+        ckpt.save({"m": m}, {"m": optim}, iteration=start)
+        return 0
+    raise SystemExit(f"unknown kind {kind!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

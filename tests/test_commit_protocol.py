@@ -1,0 +1,281 @@
+"""The commit protocol: overwrite, crash and concurrent saves never lose or mix a checkpoint.
+
+Saves run in child processes (``tests/commit_child.py``) that stop at a phase of the save —
+a real botocore event on the real request — where the test SIGKILLs them, or lets another
+save run to the end and then releases them. Everything runs against the session's SeaweedFS.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_s3 import (
+    Checkpointer,
+    S3StorageReader,
+    S3StorageWriter,
+    ServerCapabilityError,
+    save_object,
+)
+from dcp_s3.layout import METADATA_KEY, load_metadata, referenced_objects
+from dcp_s3.local_server import LocalS3Server
+from tests.commit_child import model, sgd, state, train_a_bit
+from tests.fault_proxy import FaultProxy
+from tests.objects import data_keys
+
+CHILD = str(Path(__file__).with_name("commit_child.py"))
+ROOT = str(Path(__file__).parent.parent)
+
+
+class Child:
+    """A save in another process, held at ``phase`` until released or killed (see commit_child.py)."""
+
+    def __init__(self, env: dict[str, str], tmp: Path, phase: str, *args: str) -> None:
+        n = time.monotonic_ns()
+        self.held, self.release_file = tmp / f"held-{n}", tmp / f"go-{n}"
+        self.proc = subprocess.Popen(
+            [sys.executable, CHILD, str(self.held), str(self.release_file), phase, *args],
+            env=dict(os.environ, **env, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+
+    def wait_held(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.held.exists():
+            if self.proc.poll() is not None:
+                out = self.proc.stdout.read() if self.proc.stdout else ""
+                raise AssertionError(f"child exited ({self.proc.returncode}) before its phase:\n{out}")
+            assert time.monotonic() < deadline, "child never reached its phase"
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.communicate(timeout=60)
+
+    def release(self) -> tuple[int, str]:
+        self.release_file.touch()
+        out, _ = self.proc.communicate(timeout=240)
+        return self.proc.returncode, out
+
+
+def child_save(env: dict[str, str], tmp: Path, uri: str, seed: int, phase: str, overwrite: bool = True) -> Child:
+    return Child(env, tmp, phase, "save", uri, str(seed), "1" if overwrite else "0")
+
+
+def _blank() -> dict[str, Any]:
+    ref = state(0)
+    return {"a": torch.zeros_like(ref["a"]), "b": torch.zeros_like(ref["b"]), "meta": {"seed": -1}}
+
+
+def loaded_seed(uri: str) -> int:
+    """Load the checkpoint at ``uri`` and return the seed of the save it is — checking it is that save, whole."""
+    out = _blank()
+    dcp.load(out, storage_reader=S3StorageReader(uri), no_dist=True)
+    seed = out["meta"]["seed"]
+    ref = state(seed)
+    assert torch.equal(out["a"], ref["a"]) and torch.equal(out["b"], ref["b"]), f"checkpoint at {uri} mixes saves"
+    return int(seed)
+
+
+def referenced(s3: LocalS3Server, bucket: str, prefix: str) -> set[str]:
+    body = s3.client().get_object(Bucket=bucket, Key=f"{prefix}/{METADATA_KEY}")["Body"].read()
+    return {f"{prefix}/{name}" for name in referenced_objects(load_metadata(body, prefix))}
+
+
+@pytest.fixture
+def env(s3_env: LocalS3Server) -> dict[str, str]:
+    return s3_env.env()
+
+
+# -- a save killed at each phase of an overwrite ------------------------------------------------------------
+@pytest.mark.parametrize(("phase", "expected"), [("upload", 1), ("commit", 1), ("cleanup", 2)])
+def test_killed_overwrite_leaves_old_or_new_checkpoint(
+    bucket: str, s3_env: LocalS3Server, env: dict[str, str], tmp_path: Path, phase: str, expected: int
+) -> None:
+    uri, prefix = f"s3://{bucket}/ck", "ck"
+    dcp.save(state(1), storage_writer=S3StorageWriter(uri), no_dist=True)
+    old_objects = set(data_keys(s3_env.client(), bucket, "ck/"))
+    child = child_save(env, tmp_path, uri, 2, phase)
+    child.wait_held()
+    child.kill()
+    assert loaded_seed(uri) == expected  # bit-exact: the old save before the commit, the new one after
+    if expected == 1:
+        assert referenced(s3_env, bucket, prefix) == old_objects  # the old checkpoint is untouched
+    # The next save replaces the committed checkpoint and deletes exactly its objects.
+    replaced = referenced(s3_env, bucket, prefix)
+    dcp.save(state(3), storage_writer=S3StorageWriter(uri), no_dist=True)
+    assert loaded_seed(uri) == 3
+    remaining = set(data_keys(s3_env.client(), bucket, "ck/"))
+    assert not remaining & replaced
+    # What the killed save wrote and never committed, or did not get to delete, is left for `dcp-s3 gc`:
+    # nothing while its upload was unfinished, its complete data object, or the old checkpoint's objects.
+    leftover = remaining - referenced(s3_env, bucket, prefix)
+    assert len(leftover) == {"upload": 0, "commit": 1}[phase] if phase != "cleanup" else leftover == old_objects
+
+
+# -- two saves to one path, one held at each phase while the other runs through -----------------------------
+@pytest.mark.parametrize(("phase", "winner"), [("upload", "held"), ("commit", "held"), ("cleanup", "other")])
+def test_concurrent_overwrites_commit_exactly_one_save(
+    bucket: str, s3_env: LocalS3Server, env: dict[str, str], tmp_path: Path, phase: str, winner: str
+) -> None:
+    uri = f"s3://{bucket}/race"
+    dcp.save(state(1), storage_writer=S3StorageWriter(uri), no_dist=True)
+    held = child_save(env, tmp_path, uri, 2, phase)
+    held.wait_held()
+    dcp.save(state(3), storage_writer=S3StorageWriter(uri), no_dist=True)  # the other save runs through
+    assert loaded_seed(uri) == 3
+    code, out = held.release()
+    assert code == 0, out
+    assert loaded_seed(uri) == {"held": 2, "other": 3}[winner]
+    remaining = set(data_keys(s3_env.client(), bucket, "race/"))
+    used = referenced(s3_env, bucket, "race")
+    assert used <= remaining
+    if phase != "commit":
+        assert remaining == used, remaining - used  # every replaced save's objects were deleted
+    else:
+        # The held save read which checkpoint it replaces before the other one committed: the
+        # other save's objects are left over (never used, never loaded) for `dcp-s3 gc`.
+        assert len(remaining - used) == 1
+
+
+@pytest.mark.parametrize("phase", ["upload", "commit"])
+def test_concurrent_saves_without_overwrite_one_wins_one_fails(
+    bucket: str, s3_env: LocalS3Server, env: dict[str, str], tmp_path: Path, phase: str
+) -> None:
+    uri = f"s3://{bucket}/excl"
+    held = child_save(env, tmp_path, uri, 2, phase, overwrite=False)
+    held.wait_held()
+    dcp.save(state(3), storage_writer=S3StorageWriter(uri, overwrite=False), no_dist=True)
+    code, out = held.release()
+    assert code == 3 and "Checkpoint already exists" in out, out
+    assert loaded_seed(uri) == 3
+    # The loser removed what it had written.
+    assert set(data_keys(s3_env.client(), bucket, "excl/")) == referenced(s3_env, bucket, "excl")
+
+
+# -- the README loop re-saving its resume step, killed mid-save -----------------------------------------------
+def _resumed(root: str) -> tuple[int, dict[str, torch.Tensor]]:
+    """Resume like the next job would: the iteration, and the model and momentum state it restored."""
+    m = model(7)  # another init: everything must come from the checkpoint
+    optim = sgd(m)
+    it = Checkpointer(root, keep_last=1).load({"m": m}, {"m": optim})
+    momentum = {f"momentum.{n}": optim.state[p]["momentum_buffer"].clone() for n, p in m.named_parameters()}
+    return it, {k: v.clone() for k, v in m.state_dict().items()} | momentum
+
+
+@pytest.mark.parametrize(
+    ("phase", "model_new", "optim_new"),
+    [("commit:m_model/.metadata", False, False), ("commit:m_optim/.metadata", True, False), ("commit:0001000.pth", True, True)],
+)
+def test_resaving_the_resumed_step_killed_midway_still_resumes(
+    bucket: str, env: dict[str, str], tmp_path: Path, phase: str, model_new: bool, optim_new: bool
+) -> None:
+    root = f"s3://{bucket}/run"
+    code, out = Child(env, tmp_path, "none", "step", root, "first").release()
+    assert code == 0, out
+    it, old = _resumed(root)
+    assert it == 1000
+    # What the re-save writes: the same steps as the child's, in this process.
+    m, optim = model(7), None
+    optim = sgd(m)
+    Checkpointer(root, keep_last=1).load({"m": m}, {"m": optim})
+    train_a_bit(m, optim)
+    new = {k: v.clone() for k, v in m.state_dict().items()}
+    new |= {f"momentum.{n}": optim.state[p]["momentum_buffer"].clone() for n, p in m.named_parameters()}
+
+    resave = Child(env, tmp_path, phase, "step", root, "resave")
+    resave.wait_held()
+    resave.kill()
+    it, now = _resumed(root)
+    assert it == 1000  # the step is still there and complete: the next job resumes from it
+    for k, v in now.items():
+        is_new = model_new if not k.startswith("momentum.") else optim_new
+        assert torch.equal(v, (new if is_new else old)[k]), (k, is_new)
+
+
+# -- a server that ignores If-None-Match -------------------------------------------------------------------
+@pytest.fixture
+def no_conditional(moto_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FaultProxy, str]]:
+    """moto behind a proxy that drops If-None-Match: a server that overwrites instead of answering 412."""
+    with FaultProxy(moto_server.endpoint_url, drop_request_headers={"if-none-match"}) as proxy:
+        for name, value in moto_server.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        yield proxy, moto_server.create_bucket(f"nocond-{time.monotonic_ns()}")
+
+
+def test_server_without_conditional_writes(no_conditional: tuple[FaultProxy, str]) -> None:
+    proxy, bucket = no_conditional
+    uri = f"s3://{bucket}/ck"
+    # overwrite=False cannot be guaranteed there: refused before anything is written.
+    with pytest.raises(BaseException) as info:
+        dcp.save(state(1), storage_writer=S3StorageWriter(uri, overwrite=False), no_dist=True)
+    assert "ignores If-None-Match" in str(info.value) and "require_conditional_writes" in str(info.value)
+    assert isinstance(_cause(info.value), ServerCapabilityError), repr(info.value)
+    assert proxy.counts["CreateMultipartUpload"] == 0 and proxy.counts["UploadPart"] == 0
+    # Opting into the best-effort check: a loud warning, the save works...
+    with pytest.warns(RuntimeWarning, match="ignores If-None-Match"):
+        dcp.save(state(1), storage_writer=S3StorageWriter(uri, overwrite=False, require_conditional_writes=False),
+                 no_dist=True)
+    assert loaded_seed(uri) == 1
+    # ...the HEAD check still refuses a second save, and the probe ran once per bucket and process.
+    probes = proxy.counts["PutObject"]
+    with warnings.catch_warnings(), pytest.raises(BaseException, match="Checkpoint already exists"):
+        warnings.simplefilter("ignore")
+        dcp.save(state(2), storage_writer=S3StorageWriter(uri, overwrite=False, require_conditional_writes=False),
+                 no_dist=True)
+    assert proxy.counts["PutObject"] == probes
+    assert loaded_seed(uri) == 1
+    # overwrite=True needs no conditional write at all.
+    dcp.save(state(2), storage_writer=S3StorageWriter(uri), no_dist=True)
+    assert loaded_seed(uri) == 2
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The dcp_s3 error inside DCP's CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    return next(iter(failures.values()))[0] if failures else exc
+
+
+# -- steps written by another checkpointer with the same layout ------------------------------------------------
+def test_resumes_steps_whose_marker_has_no_format(bucket: str) -> None:
+    root = f"s3://{bucket}/theirs"
+    m = model(0)
+    optim = torch.optim.AdamW(m.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    m(torch.ones(2, 16)).sum().backward()
+    optim.step()
+    sched.step()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    # That checkpointer's save path: one DCP checkpoint per key and kind, then a plain torch.save marker.
+    dcp.save(m.state_dict(), storage_writer=S3StorageWriter(f"{root}/0000500.model_model"), no_dist=True)
+    dcp.save(get_optimizer_state_dict(m, optim), storage_writer=S3StorageWriter(f"{root}/0000500.model_optim"),
+             no_dist=True)
+    save_object({"iteration": 500, "scheduler": {"model": sched.state_dict()}, "grad_scaler": None,
+                 "callbacks": None}, f"{root}/0000500.pth")
+
+    m2 = model(9)
+    optim2 = torch.optim.AdamW(m2.parameters(), lr=0.01)
+    sched2 = torch.optim.lr_scheduler.StepLR(optim2, step_size=1, gamma=0.5)
+    assert Checkpointer(root).load({"model": m2}, {"model": optim2}, {"model": sched2}) == 500
+    for k, v in m.state_dict().items():
+        assert torch.equal(m2.state_dict()[k], v), k
+    assert sched2.state_dict()["last_epoch"] == sched.state_dict()["last_epoch"] == 1
+    for p, p2 in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(optim.state[p]["exp_avg"], optim2.state[p2]["exp_avg"])
+    # A marker that is neither kind is still refused.
+    save_object({"something": 1}, f"{root}/0000600.pth")
+    dcp.save(m.state_dict(), storage_writer=S3StorageWriter(f"{root}/0000600.model_model"), no_dist=True)
+    with pytest.raises(ValueError, match="neither a step marker"):
+        Checkpointer(root).load({"model": m2}, path=f"{root}/0000600")
