@@ -28,7 +28,7 @@ from .planners import MetaRankLoadPlanner, TrainableOnlyLoadPlanner, TrainableOn
 from .reader import S3StorageReader
 from .writer import S3StorageWriter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "S3StorageWriter",

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .errors import CheckpointFormatError
+from .errors import CheckpointExistsError, CheckpointFormatError, ConfigError
 from .layout import METADATA_KEY, load_metadata, new_token, referenced_objects
 
 __all__ = ["SafeFileSystemWriter"]
@@ -34,6 +34,15 @@ log = logging.getLogger("dcp_s3")
 
 class SafeFileSystemWriter(FileSystemWriter):
     """A ``FileSystemWriter`` whose overwrite never leaves a checkpoint half replaced."""
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # torch's version warns on every overwrite: here overwriting is the safe, intended default.
+        if self.rank is not None and not self.use_collectives:
+            raise ConfigError("SafeFileSystemWriter needs use_collectives=True: the coordinator commits one .metadata")
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        if not self.overwrite and (Path(self.path) / METADATA_KEY).exists():
+            raise CheckpointExistsError(f"Checkpoint already exists at {self.path} and overwrite=False")
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         token = new_token()

@@ -2,6 +2,7 @@
 
     python tests/commit_child.py HELD RELEASE PHASE save URI SEED OVERWRITE
     python tests/commit_child.py HELD RELEASE PHASE step ROOT MODE
+    python tests/commit_child.py HELD RELEASE PHASE local DIR SEED
 
 At ``PHASE`` the child creates the file ``HELD`` and waits until ``RELEASE`` exists (or until
 the test kills it). Phases are real botocore events on the real client, matched by request:
@@ -12,6 +13,10 @@ the test kills it). Phases are real botocore events on the real client, matched 
 - ``commit:<name>``: before the PUT of the object whose key ends with ``<name>``;
 - ``none``: run through.
 
+For ``local`` (``SafeFileSystemWriter`` on a directory), the phases are the same points on disk:
+``upload`` the planner's second item, ``commit`` the ``os.replace`` of ``.metadata``, ``cleanup``
+the first deletion of a replaced file.
+
 Exit status: 0 committed, 3 ``CheckpointExistsError``, 1 anything else.
 """
 
@@ -20,12 +25,15 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_s3 import Checkpointer, CheckpointExistsError, S3StorageWriter
+from dcp_s3.local_writer import SafeFileSystemWriter
 
 MiB = 1 << 20
 
@@ -117,7 +125,56 @@ def main(argv: list[str]) -> int:
         train_a_bit(m, optim)
         ckpt.save({"m": m}, {"m": optim}, iteration=start)
         return 0
+    if kind == "local":
+        directory, seed = args
+        wait = hold(phase, held, release)
+        _hold_locally(phase, lambda: wait({"PartNumber": 2, "Key": "/.metadata"}, _Op(phase)))
+        planner = _HoldingPlanner(lambda: wait({"PartNumber": 2}, _Op("upload")))
+        dcp.save(state(int(seed)), storage_writer=SafeFileSystemWriter(directory), planner=planner, no_dist=True)
+        return 0
     raise SystemExit(f"unknown kind {kind!r}")
+
+
+class _Op:
+    """Stands in for botocore's operation model: which request ``hold`` is looking at."""
+
+    def __init__(self, phase: str) -> None:
+        self.name = {"upload": "UploadPart", "commit": "PutObject", "cleanup": "DeleteObjects"}.get(phase, "")
+
+
+class _HoldingPlanner(DefaultSavePlanner):
+    """Calls ``at_second_item`` when the writer asks for its second item (data half written)."""
+
+    def __init__(self, at_second_item: Any) -> None:
+        super().__init__()
+        self._at, self._n = at_second_item, 0
+
+    def resolve_data(self, write_item: Any) -> Any:
+        self._n += 1
+        if self._n == 2:
+            self._at()
+        return super().resolve_data(write_item)
+
+
+def _hold_locally(phase: str, wait: Any) -> None:
+    """Make the commit (``os.replace`` of .metadata) or the first cleanup unlink wait first."""
+    if phase == "commit":
+        replace = os.replace
+
+        def held_replace(src: Any, dst: Any) -> None:
+            if str(dst).endswith(".metadata"):
+                wait()
+            replace(src, dst)
+
+        os.replace = held_replace  # type: ignore[assignment]
+    elif phase == "cleanup":
+        unlink = Path.unlink
+
+        def held_unlink(self: Path, missing_ok: bool = False) -> None:
+            wait()
+            unlink(self, missing_ok=missing_ok)
+
+        Path.unlink = held_unlink  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_s3 import (
     Checkpointer,
@@ -30,6 +31,7 @@ from dcp_s3 import (
 )
 from dcp_s3.layout import METADATA_KEY, load_metadata, referenced_objects
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.local_writer import SafeFileSystemWriter
 from tests.commit_child import model, sgd, state, train_a_bit
 from tests.fault_proxy import FaultProxy
 from tests.objects import data_keys
@@ -121,6 +123,26 @@ def test_killed_overwrite_leaves_old_or_new_checkpoint(
     # nothing while its upload was unfinished, its complete data object, or the old checkpoint's objects.
     leftover = remaining - referenced(s3_env, bucket, prefix)
     assert len(leftover) == {"upload": 0, "commit": 1}[phase] if phase != "cleanup" else leftover == old_objects
+
+
+@pytest.mark.parametrize(("phase", "expected"), [("upload", 1), ("commit", 1), ("cleanup", 2)])
+def test_killed_local_overwrite_leaves_old_or_new_checkpoint(tmp_path: Path, phase: str, expected: int) -> None:
+    """The same on a local directory (``SafeFileSystemWriter``, what the Checkpointer uses there)."""
+    directory = tmp_path / "ck"
+    dcp.save(state(1), storage_writer=SafeFileSystemWriter(directory), no_dist=True)
+    old = {p.name for p in directory.glob("*.distcp")}
+    child = Child({}, tmp_path, phase, "local", str(directory), "2")
+    child.wait_held()
+    child.kill()
+    out = _blank()
+    dcp.load(out, storage_reader=FileSystemReader(directory), no_dist=True)  # torch's own reader
+    ref = state(expected)
+    assert out["meta"]["seed"] == expected and torch.equal(out["a"], ref["a"]) and torch.equal(out["b"], ref["b"])
+    if expected == 1:
+        assert old <= {p.name for p in directory.glob("*.distcp")}
+    dcp.save(state(3), storage_writer=SafeFileSystemWriter(directory), no_dist=True)
+    used = referenced_objects(load_metadata((directory / METADATA_KEY).read_bytes(), "local"))
+    assert not used & old and used <= {p.name for p in directory.glob("*.distcp")}
 
 
 # -- two saves to one path, one held at each phase while the other runs through -----------------------------
