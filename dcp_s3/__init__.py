@@ -9,10 +9,10 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
-from .checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
-from .config import ClientConfig, TransferConfig
 from .errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -24,11 +24,52 @@ from .errors import (
     S3TransferError,
     ServerCapabilityError,
 )
-from .planners import MetaRankLoadPlanner, TrainableOnlyLoadPlanner, TrainableOnlySavePlanner, frozen_parameter_fqns
-from .reader import S3StorageReader
-from .writer import S3StorageWriter
+
+if TYPE_CHECKING:
+    from .checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
+    from .config import ClientConfig, TransferConfig
+    from .planners import (
+        MetaRankLoadPlanner,
+        TrainableOnlyLoadPlanner,
+        TrainableOnlySavePlanner,
+        frozen_parameter_fqns,
+    )
+    from .reader import S3StorageReader
+    from .writer import S3StorageWriter
 
 __version__ = "0.2.0"
+
+# Imported on first use, so that ``import dcp_s3.transfer`` (the torch-free engine) does not load
+# torch and DCP, and ``import dcp_s3`` stays cheap.
+_LAZY = {
+    "S3StorageWriter": "writer",
+    "S3StorageReader": "reader",
+    "Checkpointer": "checkpointer",
+    "AsyncSave": "checkpointer",
+    "latest_checkpoint": "checkpointer",
+    "save_object": "checkpointer",
+    "load_object": "checkpointer",
+    "TrainableOnlySavePlanner": "planners",
+    "TrainableOnlyLoadPlanner": "planners",
+    "MetaRankLoadPlanner": "planners",
+    "frozen_parameter_fqns": "planners",
+    "TransferConfig": "config",
+    "ClientConfig": "config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcp_s3' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "S3StorageWriter",

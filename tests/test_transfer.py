@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import ast
 import io
 import os
 import pickle
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -154,17 +154,18 @@ def test_buffer_pool_bounds_buffers_in_use() -> None:
 
 
 def test_transport_layer_does_not_import_torch() -> None:
-    """transfer/config/errors form the transport: no torch, no DCP (layering rule)."""
-    root = Path(__file__).resolve().parent.parent / "dcp_s3"
-    for name in ("transfer.py", "config.py", "errors.py"):
-        tree = ast.parse((root / name).read_text())
-        imported = {
-            (node.module or "") if isinstance(node, ast.ImportFrom) else alias.name
-            for node in ast.walk(tree)
-            if isinstance(node, (ast.Import, ast.ImportFrom))
-            for alias in node.names
-        }
-        assert not {m for m in imported if m.split(".")[0] == "torch"}, (name, imported)
+    """transfer/config/errors form the transport: importing them, in a fresh interpreter, loads no torch."""
+    code = (
+        "import sys, dcp_s3.transfer, dcp_s3.config, dcp_s3.errors\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+        "import dcp_s3\n"
+        "dcp_s3.S3StorageWriter  # the public API still resolves, importing torch now\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    before, after = out.stdout.split("\n")[:2]
+    assert before == "[]", before
+    assert after == "True"
 
 
 def test_wrong_region_is_a_config_error_naming_the_right_one() -> None:
