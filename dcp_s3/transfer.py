@@ -315,9 +315,9 @@ class S3Transport:
     def get_object(self, key: str) -> bytes:
         """The whole object (for small objects such as ``.metadata``)."""
         for attempt in range(self.max_attempts):
-            resp = self._call("get_object", key, Key=key)
             try:
-                return bytes(resp["Body"].read())
+                # A cut error response (e.g. a 404's body) surfaces from the call itself.
+                return bytes(self._call("get_object", key, Key=key)["Body"].read())
             except _BODY_ERRORS as exc:
                 if attempt + 1 == self.max_attempts:
                     raise translate_error(exc, "GET", self.bucket, key) from exc

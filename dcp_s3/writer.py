@@ -302,12 +302,15 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
 
     def _committed_objects(self, key: str) -> set[str]:
         """The objects the checkpoint now committed at this path uses (empty if there is none)."""
+        transport = self._session.transport
         try:
-            data = self._session.transport.get_object(key)
-        except CheckpointNotFoundError:
+            data = transport.get_object(key) if transport.head_object(key) is not None else None
+        except CheckpointNotFoundError:  # deleted between the HEAD and the GET
+            data = None
+        if data is None:
             return set()
         try:
-            return referenced_objects(load_metadata(data, f"s3://{self._session.transport.bucket}/{key}"))
+            return referenced_objects(load_metadata(data, f"s3://{transport.bucket}/{key}"))
         except CheckpointFormatError as exc:
             # Unreadable: replace it, but leave its objects to ``dcp-s3 gc`` rather than guess.
             log.warning("not deleting the objects of the checkpoint being replaced: %s", exc)
