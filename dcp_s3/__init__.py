@@ -24,6 +24,7 @@ from .errors import (
     S3TransferError,
 )
 from .planners import MetaRankLoadPlanner, TrainableOnlyLoadPlanner, TrainableOnlySavePlanner, frozen_parameter_fqns
+from .planners_scale import ScalableSavePlanner
 from .reader import S3StorageReader
 from .writer import S3StorageWriter
 
@@ -40,6 +41,7 @@ __all__ = [
     "TrainableOnlySavePlanner",
     "TrainableOnlyLoadPlanner",
     "MetaRankLoadPlanner",
+    "ScalableSavePlanner",
     "frozen_parameter_fqns",
     "TransferConfig",
     "ClientConfig",
