@@ -103,7 +103,8 @@ class S3StorageReader(S3Location, StorageReader):
         return f"S3StorageReader({str(self._session.uri)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        # Process groups do not pickle; a copy in another process shares nothing.
+        # Process groups do not pickle: a copy finds dcp.load's group again (share_metadata=True),
+        # an explicit group becomes False (every rank reads) and replica_group None.
         return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id,
                 "share_metadata": self.share_metadata is True}
 

@@ -32,7 +32,7 @@ from dcp_s3.local_server import LocalS3Server
 
 pytestmark = pytest.mark.multiproc
 
-SHAPES = {"emb": (256, 96), "w1": (128, 128), "w2": (64, 200), "norm": (8,)}
+SHAPES = {"emb": (256, 96), "w1": (128, 128), "w2": (64, 200), "norm": (32,)}
 EXTRA = {"step": 7, "tag": "scale"}  # a non-tensor value: a byte item
 
 
