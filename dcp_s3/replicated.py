@@ -7,7 +7,7 @@ byte of it, so R replicas read R times the checkpoint. Given the group of such r
 
 1. checks that every member has the same plan (a digest of every read item, the
    destination dtypes and sizes, all-gathered; members that differ get a ``ConfigError``
-   naming them, on every rank, so none is left waiting);
+   naming them, on every rank, so none is left waiting; so does an error on any member);
 2. cuts the plan, in storage order (so neighbouring items stay in one member's ranged
    GETs), into one share per member of about equal bytes; each member reads its share
    into its destination tensors with the ordinary reader;
@@ -90,16 +90,27 @@ def read_replicated(reader: S3StorageReader, plan: LoadPlan, planner: LoadPlanne
     me = dist.get_rank(group)
     ranks = group_ranks(group)
     device = collective_device(group)
-    entries = [_entry(req, planner, reader) for req in plan.items]
-    _check_same_plan(entries, group, ranks, device)
+    entries: list[_Entry] = []
+    digest, error = b"", None
+    try:
+        entries = [_entry(req, planner, reader) for req in plan.items]
+        digest = _digest(entries)
+    except Exception as exc:  # reported to every member, then raised
+        error = exc
+    digests = _exchange(digest, error, group, ranks)
+    differ = [ranks[i] for i, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ConfigError(
+            f"replica_group: ranks {differ} have a different load plan than rank {ranks[0]} (group ranks {ranks}); "
+            "the members of a replica group must load the same tensors with the same shapes, dtypes and shards"
+        )
     owners = _owners(entries, size)
     mine = [e for e, o in zip(entries, owners) if o == me]
-    error: Exception | None = None
     try:
         reader._read_all(LoadPlan([e.req for e in mine]), cast(LoadPlanner, _Capture({id(e.req): e for e in mine})))
-    except Exception as exc:  # reported to every member below, then raised
+    except Exception as exc:
         error = exc
-    _raise_if_any_failed(error, group, ranks)
+    _exchange(b"", error, group, ranks)
     for owner in range(size):
         share = [i for i, o in enumerate(owners) if o == owner]
         for batch in _batches(entries, share):
@@ -129,19 +140,6 @@ def _digest(entries: list[_Entry]) -> bytes:
         h.update(repr((r.type.name, r.dest_index, tuple(r.dest_offsets), r.storage_index,
                        tuple(r.storage_offsets), tuple(r.lengths), dtype, e.nbytes)).encode())
     return h.digest()
-
-
-def _check_same_plan(entries: list[_Entry], group: dist.ProcessGroup, ranks: list[int], device: torch.device) -> None:
-    mine = torch.frombuffer(bytearray(_digest(entries)), dtype=torch.uint8).to(device)
-    gathered = [torch.empty_like(mine) for _ in ranks]
-    dist.all_gather(gathered, mine, group=group)
-    digests = [bytes(t.cpu().tolist()) for t in gathered]
-    differ = [ranks[i] for i, d in enumerate(digests) if d != digests[0]]
-    if differ:
-        raise ConfigError(
-            f"replica_group: ranks {differ} have a different load plan than rank {ranks[0]} (group ranks {ranks}); "
-            "the members of a replica group must load the same tensors with the same shapes, dtypes and shards"
-        )
 
 
 def _owners(entries: list[_Entry], size: int) -> list[int]:
@@ -226,15 +224,18 @@ def _broadcast_batch(
             t.copy_(raw.view(t.dtype).view(t.shape))
 
 
-def _raise_if_any_failed(error: Exception | None, group: dist.ProcessGroup, ranks: list[int]) -> None:
+def _exchange(value: bytes, error: Exception | None, group: dist.ProcessGroup, ranks: list[int]) -> list[bytes]:
+    """Every member's ``value``; if any member had an ``error``, it is raised on every member instead
+    (a member's own error on itself), so that no member is left waiting in a later collective."""
     reports: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(reports, None if error is None else _error_payload(error), group=group)
+    dist.all_gather_object(reports, (value, None if error is None else _error_payload(error)), group=group)
     if error is not None:
         raise error
-    for rank, report in zip(ranks, reports):
+    for rank, (_, report) in zip(ranks, reports):
         if report is not None:
             try:
                 exc = pickle.loads(report)  # pickled by a rank of this job
             except Exception:
                 exc = DcpS3Error(f"rank {rank} of the replica group failed to read its share")
             raise exc
+    return [v for v, _ in reports]
