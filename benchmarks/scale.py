@@ -4,6 +4,8 @@
     python -m benchmarks.scale --model llama-7b --rank-gbps 0.5
     python -m benchmarks.scale --ranks 8,64,512 --plan-max-ranks 512
     python -m benchmarks.scale --key-prefixes 1,16,256    # the key layouts compared (the default)
+    python -m benchmarks.scale --before-after             # + issue 14's table before/after, FSDP and HSDP
+    python -m benchmarks.scale --metadata-gets per-rank   # loads as before share_metadata (every rank GETs .metadata)
 
 Model: FSDP2-style training state — every parameter, AdamW ``exp_avg`` and
 ``exp_avg_sq`` sharded on dim 0 over all ranks (``torch.chunk`` rule, so small
@@ -16,14 +18,15 @@ GETs, ``.metadata`` written once.
 Columns, per checkpoint:
 * objects; save requests (PUT-class: PUT, CreateMultipartUpload, UploadPart,
   Complete — S3 allows ~3,500/s per prefix) and load requests (GET-class:
-  ranged GETs plus one ``.metadata`` GET per rank — ~5,500/s per prefix); the rates
+  ranged GETs plus the ``.metadata`` GET: one per load with ``S3StorageReader``'s default
+  ``share_metadata=True``, one per rank with ``--metadata-gets per-rank`` — ~5,500/s per prefix); the rates
   assume every rank moves data at ``--rank-gbps`` and all keys share one prefix
   (DCP's layout); "min s" is the shortest save/load the per-prefix limit allows.
 * the same rates on the busiest prefix with ``S3StorageWriter(key_prefixes=N)`` for each N of
   ``--key-prefixes``: rank r's objects under ``p-<hex of r % N>/``, so the busiest prefix carries
   ceil(ranks / N) ranks' data requests, assuming S3 has split the checkpoint's key range into one
   partition per ``p-<h>`` (it does so gradually under load, or on request). ``.metadata`` stays one
-  key: its PUT and the GET of every rank on load land on one partition whatever N. N = 1 is the
+  key: its PUT and its GETs on load land on one partition whatever N. N = 1 is the
   flat layout (every request on one prefix). Then the largest job (ranks) whose busiest prefix
   stays under both 3,500 PUT/s and 5,500 GET/s, for each N, found by trying every rank count.
 * ``.metadata`` size: a real ``Metadata`` with dcp_s3's ``ItemLocation`` entries is
@@ -130,6 +133,7 @@ class Requests:
     puts_per_rank: int  # PUT-class requests of one rank's data objects
     gets_per_rank: int  # ranged GETs of one rank's share on load (without .metadata)
     seconds: float  # save time = load time at --rank-gbps
+    metadata_gets: int  # .metadata GETs on one load: 1 (S3StorageReader's default) or one per rank (before)
 
     @classmethod
     def of(cls, total: float, ranks: int, args: argparse.Namespace) -> Requests:
@@ -138,7 +142,8 @@ class Requests:
         part = fit_part(args.part_mib * MiB, int(per_obj))
         put_per_obj = 1 if per_obj <= part else 2 + math.ceil(per_obj / part)  # PUT, or Create + parts + Complete
         return cls(ranks, per_obj, part, args.files_per_rank * put_per_obj,
-                   math.ceil(per_rank / (args.range_mib * MiB)), per_rank / (args.rank_gbps * 1e9))
+                   math.ceil(per_rank / (args.range_mib * MiB)), per_rank / (args.rank_gbps * 1e9),
+                   ranks if args.metadata_gets == "per-rank" else 1)
 
     @property
     def save_puts(self) -> int:
@@ -146,17 +151,17 @@ class Requests:
 
     @property
     def load_gets(self) -> int:
-        return self.ranks * (self.gets_per_rank + 1)  # + every rank's .metadata GET
+        return self.ranks * self.gets_per_rank + self.metadata_gets
 
     def busiest_prefix(self, prefixes: int) -> dict[str, float]:
         """PUT/s and GET/s of the busiest prefix with ``key_prefixes=prefixes``, and what each is made of."""
         if prefixes == 1:  # flat: data and .metadata share one prefix
             return {"put_per_s": self.save_puts / self.seconds, "get_per_s": self.load_gets / self.seconds,
                     "data_put_per_s": self.save_puts / self.seconds, "data_get_per_s": self.load_gets / self.seconds,
-                    "metadata_get_per_s": self.ranks / self.seconds}
+                    "metadata_get_per_s": self.metadata_gets / self.seconds}
         ranks = -(-self.ranks // prefixes)  # ranks whose objects share the busiest p-<h>
         data_put, data_get = ranks * self.puts_per_rank / self.seconds, ranks * self.gets_per_rank / self.seconds
-        meta_put, meta_get = 1 / self.seconds, self.ranks / self.seconds
+        meta_put, meta_get = 1 / self.seconds, self.metadata_gets / self.seconds
         return {"put_per_s": max(data_put, meta_put), "get_per_s": max(data_get, meta_get),
                 "data_put_per_s": data_put, "data_get_per_s": data_get, "metadata_get_per_s": meta_get}
 
@@ -386,11 +391,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--files-per-rank", type=int, default=1)
     ap.add_argument("--key-prefixes", default="1,16,256",
                     help="S3StorageWriter(key_prefixes=N) values to compare (1 = the flat layout)")
+    ap.add_argument("--metadata-gets", choices=("once", "per-rank"), default="once",
+                    help=".metadata GETs per load: once (S3StorageReader(share_metadata=True), the default) or "
+                         "per-rank (share_metadata=False, and dcp_s3 before it)")
     ap.add_argument("--metadata-max-entries", type=int, default=300_000)
     ap.add_argument("--plan-max-ranks", type=int, default=4096)
     ap.add_argument("--plan-per-shape", type=int, default=2,
                     help="tensors per distinct shape in each timed planning run")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "scale.json")
+    ap.add_argument("--before-after", action="store_true",
+                    help="also issue 14's before/after table, FSDP and HSDP (benchmarks.scale_ranks; minutes)")
     args = ap.parse_args(argv)
 
     model = MODELS[args.model]
@@ -431,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             "min_save_s_at_limit": save_put / PUT_LIMIT, "min_load_s_at_limit": load_get / GET_LIMIT,
             "busiest_prefix_by_key_prefixes": per_prefix,
             "metadata_bytes": md["bytes"], "metadata_measured": md["measured"], "metadata_chunks": md["entries"],
-            "metadata_unpickle_s": md["load_s"], "metadata_bytes_fetched_on_load": md["bytes"] * n,
+            "metadata_unpickle_s": md["load_s"], "metadata_bytes_fetched_on_load": md["bytes"] * req.metadata_gets,
             "plan_s": pl["s"] if pl else None, "plan_extrapolated": pl["extrapolated"] if pl else None,
             "plan_worst_shape": pl["worst_shape"] if pl else None, "plan_worst_share": pl["worst_share"] if pl else None,
             "plan_gather_bytes": pl["plan_bytes"] * n if pl else None,
@@ -447,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         ])
         rows_meta.append([
             f"{n:,}", f"{md['entries']:,}", f"{tilde}{md['bytes'] / 1e6:,.1f}", f"{tilde}{md['load_s']:.2f}",
-            f"{tilde}{md['bytes'] * n / 1e9:,.1f}",
+            f"{tilde}{md['bytes'] * req.metadata_gets / 1e9:,.1f}",
             ("~" if pl and pl["extrapolated"] else "") + common.fmt(pl["s"] if pl else None, 1),
             f"{pl['worst_shape']} {100 * pl['worst_share']:.0f}%" if pl else "—",
             common.fmt(pl["plan_bytes"] * n / 1e6 if pl else None, 1),
@@ -497,6 +507,15 @@ def main(argv: list[str] | None = None) -> int:
             + "\n".join(f"- {note}" for note in plan_notes))
     print()
     print(text)
+    if args.before_after:
+        from benchmarks import scale_ranks
+
+        print("\nissue 14's table, before and after ...", flush=True)
+        ba_args = argparse.Namespace(bytes_per_param=args.bytes_per_param, metadata_max_entries=args.metadata_max_entries,
+                                     plan_max_ranks=args.plan_max_ranks, plan_per_shape=1)
+        ba_text, _ = scale_ranks.report(model, [n for n in ranks_list if n >= 1024] or ranks_list, ba_args)
+        print(ba_text)
+        text += "\n\nBefore and after (benchmarks.scale_ranks):\n\n" + ba_text
     common.write_json(args.out, {"benchmark": "scale", "model": model.name, "params": n_params,
                                  "checkpoint_bytes": total, "args": vars(args) | {"out": str(args.out)},
                                  "machine": common.machine_info(), "records": records, "planning_notes": plan_notes,

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         TrainableOnlySavePlanner,
         frozen_parameter_fqns,
     )
+    from .planners_scale import ScalableSavePlanner
     from .reader import S3StorageReader
     from .writer import S3StorageWriter
 
@@ -53,6 +54,7 @@ _LAZY = {
     "TrainableOnlyLoadPlanner": "planners",
     "MetaRankLoadPlanner": "planners",
     "frozen_parameter_fqns": "planners",
+    "ScalableSavePlanner": "planners_scale",
     "TransferConfig": "config",
     "ClientConfig": "config",
 }
@@ -82,6 +84,7 @@ __all__ = [
     "TrainableOnlySavePlanner",
     "TrainableOnlyLoadPlanner",
     "MetaRankLoadPlanner",
+    "ScalableSavePlanner",
     "frozen_parameter_fqns",
     "TransferConfig",
     "ClientConfig",

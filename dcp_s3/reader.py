@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from crc32c import crc32c
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
@@ -29,10 +30,12 @@ from torch.futures import Future
 
 from .codec import Codec, FrameIndex, stored_span
 from .config import ClientConfig, TransferConfig
-from .errors import CheckpointFormatError, CheckpointNotFoundError
+from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
+from .replicated import read_replicated
 from .session import S3Location, S3Session
+from .sharing import broadcast_bytes, metadata_source
 from .transfer import RangeRead
 
 __all__ = ["S3StorageReader"]
@@ -46,6 +49,19 @@ class S3StorageReader(S3Location, StorageReader):
     Takes the same location and credential arguments as ``S3StorageWriter``.
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
     (larger reads are split), which also bounds staging memory per request.
+
+    ``share_metadata`` (default True): inside ``dcp.load`` on several ranks, ``.metadata``
+    is read by the load's coordinator and broadcast over the load's own process group
+    (found in the running ``dcp.load``, so a load on a sub-group shares over that
+    sub-group); where that group cannot be found every rank reads it. ``False``: every
+    rank reads it. A ``ProcessGroup``: share over that group (it must be the group
+    ``dcp.load`` runs on; a different one is refused with ``ConfigError``).
+
+    ``replica_group``: the ranks that load exactly what this rank loads (the replicas
+    of its shard in HSDP, e.g. ``mesh.get_group("replicate")``, or ``dist.group.WORLD``
+    when every rank loads the whole model). Each member reads a share of the common
+    plan from S3 and broadcasts it to the others, so the group reads the bytes once.
+    Every member must pass its own group; members whose plans differ get ``ConfigError``.
     """
 
     def __init__(
@@ -60,8 +76,16 @@ class S3StorageReader(S3Location, StorageReader):
         max_concurrency: int | None = None,
         max_range_size: int | None = None,
         transfer: TransferConfig | None = None,
+        share_metadata: bool | dist.ProcessGroup = True,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(share_metadata, (bool, dist.ProcessGroup)):
+            raise ConfigError(f"share_metadata={share_metadata!r}: expected True, False or a ProcessGroup")
+        if replica_group is not None and not isinstance(replica_group, dist.ProcessGroup):
+            raise ConfigError(f"replica_group={replica_group!r}: expected a ProcessGroup or None")
+        self.share_metadata = share_metadata
+        self.replica_group = replica_group
         transfer = (transfer or TransferConfig()).override(max_concurrency=max_concurrency, max_range_size=max_range_size)
         client = ClientConfig(
             credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
@@ -79,10 +103,13 @@ class S3StorageReader(S3Location, StorageReader):
         return f"S3StorageReader({str(self._session.uri)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id}
+        # Process groups do not pickle: a copy finds dcp.load's group again (share_metadata=True),
+        # an explicit group becomes False (every rank reads) and replica_group None.
+        return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id,
+                "share_metadata": self.share_metadata is True}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, storage_data={}, _chunks={})
+        self.__dict__.update(state, storage_data={}, _chunks={}, replica_group=None)
 
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -93,7 +120,25 @@ class S3StorageReader(S3Location, StorageReader):
 
     # The parameter must be literally named ``kwargs`` for DCP to pass rank/use_collectives.
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """One GET of ``.metadata``, unpickled by a restricted unpickler."""
+        """``.metadata``, unpickled by a restricted unpickler: one GET per load (see ``share_metadata``).
+
+        DCP passes ``rank=`` only when asking for a rank-local metadata file after the
+        shared one failed; that read is not shared (the ranks read on their own).
+        """
+        source = metadata_source(self.share_metadata)  # ConfigError for a wrong explicit group, on both calls
+        if source is None or "rank" in kwargs:
+            data = self._get_metadata()
+        else:
+            group, src = source
+            data = broadcast_bytes(self._get_metadata, src, group, f"{self.checkpoint_id}/{METADATA_KEY}")
+        key = self._session.key(METADATA_KEY)
+        metadata = load_metadata(data, f"s3://{self._session.require_uri().bucket}/{key}")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _get_metadata(self) -> bytes:
         key = self._session.key(METADATA_KEY)
         try:
             data = self._session.transport.get_object(key)
@@ -104,11 +149,7 @@ class S3StorageReader(S3Location, StorageReader):
                 f"no checkpoint at {self.checkpoint_id}: {METADATA_KEY} is missing "
                 "(never written, or the save did not complete)"
             ) from exc
-        metadata = load_metadata(data, f"s3://{self._session.require_uri().bucket}/{key}")
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return data
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -127,7 +168,10 @@ class S3StorageReader(S3Location, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fut: Future[None] = Future()
         try:
-            self._read_all(plan, planner)
+            if self.replica_group is not None:
+                read_replicated(self, plan, planner, self.replica_group)
+            else:
+                self._read_all(plan, planner)
             fut.set_result(None)
         except Exception as exc:  # delivered through the future, as DCP expects
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result

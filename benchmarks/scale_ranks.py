@@ -1,0 +1,263 @@
+"""Issue 14's table, before and after, for FSDP and HSDP layouts (used by ``benchmarks.scale``).
+
+    python -m benchmarks.scale_ranks                       # Llama-70B-like, 1,024 / 4,096 / 16,384 ranks
+    python -m benchmarks.scale_ranks --plan-max-ranks 1024 # quicker: extrapolate from 512 and 1,024
+
+Layouts: **FSDP** (every tensor sharded on dim 0 over all ranks) and **HSDP** (8-way shard
+x ranks/8 replicas: rank r holds shard r % 8). Every figure is computed with the real code:
+
+* ``.metadata`` bytes and unpickle time: ``benchmarks.scale.measure_metadata`` (a real
+  ``Metadata`` with dcp_s3 entries, pickled and loaded; linear extrapolation in chunks
+  above ``--metadata-max-entries``, marked ~). Unchanged by this work (same format).
+* ``.metadata`` bytes GET from S3 on one load: before, every rank GETs it; after
+  (``S3StorageReader(share_metadata=True)``, the default), one GET, broadcast in the job.
+* coordinator planning, first save: ``create_global_plan`` of torch's ``DefaultSavePlanner``
+  (before) and dcp_s3's ``ScalableSavePlanner`` (after) on synthetic per-rank plans, timed
+  per distinct tensor shape (``--plan-per-shape`` tensors of it, every rank's items) and
+  summed over the model; above ``--plan-max-ranks`` extrapolated per shape with the growth
+  exponent of the last two measured counts (at least 1; marked ~).
+* coordinator planning, repeated save (same structure): before, the default planner
+  redoes the first-save work; after, plan caching: every rank sends an empty plan and the
+  coordinator reuses the cached global plan and metadata. Timed at every rank count
+  (real ``create_global_plan`` call, no extrapolation).
+* plans gathered to rank 0: pickled size of one rank's plan x ranks (first save), of the
+  empty plan x ranks (repeated save with caching).
+* HSDP load bytes from S3: before, every replica reads its shard: replicas x stored; after
+  (``S3StorageReader(replica_group=...)``), the stored bytes once (the real-process test
+  measures <= 1.1x including coalescing gaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import pickle
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+from benchmarks.scale import MODELS, ModelShape, measure_metadata, shard_rows, sharded_tensors  # noqa: E402
+
+HSDP_SHARD = 8
+
+
+def plans(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int) -> list[Any]:
+    """Per-rank ``SavePlan``s: rank r writes chunk ``r % shard`` of every tensor (dim 0, torch.chunk rule)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    props = TensorProperties(dtype=torch.float32)
+    mappings = {fqn: tuple(fqn.split(".")) for fqn, _ in tensors}
+    items_of_shard = []
+    for s in range(shard):
+        items = []
+        for fqn, shape in tensors:
+            off, rows = shard_rows(shape[0], shard, s)
+            offsets = torch.Size([off] + [0] * (len(shape) - 1))
+            chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *shape[1:]]))
+            items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(shape))))
+        items_of_shard.append(items)
+    return [SavePlan(list(items_of_shard[r % shard]), planner_data=mappings) for r in range(ranks)]
+
+
+def _fresh(planner_cls: type) -> Any:
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for cache in (SavePlanner._cached_all_plans, SavePlanner._cached_global_plan, SavePlanner._cached_metadata):
+        cache.clear()
+    return planner_cls()
+
+
+def time_first(planner_cls: type, tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int,
+               repeat: int = 2) -> tuple[float, int]:
+    """Best-of seconds of a first save's ``create_global_plan``; pickled bytes of one rank's plan."""
+    best, size = math.inf, 0
+    for _ in range(repeat):
+        all_plans = plans(tensors, ranks, shard)
+        size = len(pickle.dumps(all_plans[0], protocol=pickle.HIGHEST_PROTOCOL))
+        planner = _fresh(planner_cls)
+        gc.collect()
+        gc.disable()
+        try:
+            t0 = time.perf_counter()
+            planner.create_global_plan(all_plans)
+            best = min(best, time.perf_counter() - t0)
+        finally:
+            gc.enable()
+        del all_plans, planner
+        gc.collect()
+    return best, size
+
+
+def time_repeat(ranks: int) -> tuple[float, int]:
+    """Seconds of the coordinator's step on a repeated save with plan caching, and one empty plan's bytes."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from dcp_s3.planners_scale import ScalableSavePlanner
+
+    planner = _fresh(ScalableSavePlanner)
+    planner.create_global_plan(plans([("t", (8, 8))], ranks, min(ranks, 8)))  # fills the cache
+    empty = [SavePlan([], usable=False) for _ in range(ranks)]
+    t0 = time.perf_counter()
+    planner.create_global_plan(empty)
+    return time.perf_counter() - t0, len(pickle.dumps(empty[0], protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def planning(model: ModelShape, ranks_list: list[int], max_ranks: int, per_shape: int, hsdp: bool
+             ) -> dict[int, dict[str, Any]]:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from dcp_s3.planners_scale import ScalableSavePlanner
+
+    tensors = sharded_tensors(model)
+    shapes = Counter(shape for _, shape in tensors)
+    measured: dict[str, dict[int, dict[tuple[int, ...], float]]] = {"before": {}, "after": {}}
+    plan_bytes: dict[int, float] = {}
+    for n in (r for r in ranks_list if r <= max_ranks):
+        shard = HSDP_SHARD if hsdp else n
+        for key, cls in (("before", DefaultSavePlanner), ("after", ScalableSavePlanner)):
+            measured[key][n] = {}
+            total_bytes = 0.0
+            for shape, count in shapes.items():
+                secs, size = time_first(cls, [(f"t{i}", shape) for i in range(per_shape)], n, shard)
+                measured[key][n][shape] = secs / per_shape
+                total_bytes += size / per_shape * count
+            plan_bytes[n] = total_bytes
+        print(f"  {'HSDP' if hsdp else 'FSDP'} {n:,} ranks: before {_sum(measured['before'][n], shapes):.1f} s, "
+              f"after {_sum(measured['after'][n], shapes):.1f} s", flush=True)
+    out = {}
+    for n in ranks_list:
+        row: dict[str, Any] = {}
+        for key in ("before", "after"):
+            per, approx = _per_shape(measured[key], shapes, n)
+            row[key] = _sum(per, shapes)
+            row[f"{key}_extrapolated"] = approx
+        done = sorted(plan_bytes)
+        # one rank's plan has as many items whatever the rank count
+        row["plan_bytes"] = plan_bytes[n] if n in plan_bytes else plan_bytes[done[-1]]
+        row["repeat_s"], row["empty_plan_bytes"] = time_repeat(n)
+        out[n] = row
+    return out
+
+
+def _sum(per: dict[tuple[int, ...], float], shapes: Counter[tuple[int, ...]]) -> float:
+    return sum(per[s] * c for s, c in shapes.items())
+
+
+def _per_shape(measured: dict[int, dict[tuple[int, ...], float]], shapes: Counter[tuple[int, ...]], n: int
+               ) -> tuple[dict[tuple[int, ...], float], bool]:
+    if n in measured:
+        return measured[n], False
+    a, b = sorted(measured)[-2:]
+    per = {}
+    for shape in shapes:
+        ta, tb = measured[a][shape], measured[b][shape]
+        k = math.log(max(tb, 1e-9) / max(ta, 1e-9)) / math.log(b / a)
+        per[shape] = tb * (n / b) ** max(k, 1.0)
+    return per, True
+
+
+def exponent(xs: list[int], ys: list[float]) -> str:
+    if len(xs) < 2 or ys[-2] <= 0 or ys[-1] <= 0:
+        return "—"
+    return f"{math.log(ys[-1] / ys[-2]) / math.log(xs[-1] / xs[-2]):.2f}"
+
+
+def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    total = sum(math.prod(s) for _, s in model.params()) * args.bytes_per_param
+    meta = measure_metadata(model, sorted({128, *ranks_list}), args.metadata_max_entries)  # 128: built for real
+    per_entry = {n: meta[n]["bytes"] / meta[n]["entries"] for n in meta}
+    unpickle_per_entry = {n: meta[n]["load_s"] / meta[n]["entries"] for n in meta}
+    sections, records = [], {}
+    for layout, hsdp in (("FSDP", False), (f"HSDP {HSDP_SHARD}-way shard", True)):
+        plan = planning(model, ranks_list, args.plan_max_ranks, args.plan_per_shape, hsdp)
+        rows, recs = [], []
+        for n in ranks_list:
+            if hsdp:  # chunks: every tensor in HSDP_SHARD pieces, whatever the rank count
+                entries = len(sharded_tensors(model)) * HSDP_SHARD + len(model.params()) + 1
+                md_bytes, md_s, md_tilde = per_entry[n] * entries, unpickle_per_entry[n] * entries, "~"
+            else:
+                md_bytes, md_s = meta[n]["bytes"], meta[n]["load_s"]
+                md_tilde = "" if meta[n]["measured"] else "~"
+            p = plan[n]
+            replicas = n // HSDP_SHARD if hsdp else 1
+            rec = {"ranks": n, "metadata_bytes": md_bytes, "unpickle_s": md_s,
+                   "metadata_get_bytes_before": md_bytes * n, "metadata_get_bytes_after": md_bytes,
+                   "plan_first_s_before": p["before"], "plan_first_s_after": p["after"],
+                   "plan_first_extrapolated": p["after_extrapolated"] or p["before_extrapolated"],
+                   "plan_repeat_s_before": p["before"], "plan_repeat_s_after": p["repeat_s"],
+                   "gathered_bytes_first": p["plan_bytes"] * n, "gathered_bytes_repeat_after": p["empty_plan_bytes"] * n,
+                   "load_s3_bytes_before": total * replicas, "load_s3_bytes_after": total}
+            recs.append(rec)
+            tb = "~" if p["before_extrapolated"] else ""
+            ta = "~" if p["after_extrapolated"] else ""
+            rows.append([
+                f"{n:,}", f"{md_tilde}{md_bytes / 1e6:,.1f}", f"{md_tilde}{md_s:,.2f}",
+                f"{md_tilde}{md_bytes * n / 1e9:,.1f} → {md_bytes / 1e9:,.3f}",
+                f"{tb}{p['before']:,.1f} → {ta}{p['after']:,.1f}",
+                f"{tb}{p['before']:,.1f} → {p['repeat_s']:.4f}",
+                f"{p['plan_bytes'] * n / 1e6:,.0f} → {p['empty_plan_bytes'] * n / 1e6:,.2f}",
+                f"{total * replicas / 1e9:,.0f} → {total / 1e9:,.0f}",
+            ])
+        growth = ["growth exponent (last two)"] + [
+            exponent(ranks_list, [r[k] for r in recs]) for k in ("metadata_bytes", "unpickle_s")
+        ] + [
+            f"{exponent(ranks_list, [r['metadata_get_bytes_before'] for r in recs])} → "
+            f"{exponent(ranks_list, [r['metadata_get_bytes_after'] for r in recs])}",
+            f"{exponent(ranks_list, [r['plan_first_s_before'] for r in recs])} → "
+            f"{exponent(ranks_list, [r['plan_first_s_after'] for r in recs])}",
+            f"{exponent(ranks_list, [r['plan_repeat_s_before'] for r in recs])} → "
+            f"{exponent(ranks_list, [r['plan_repeat_s_after'] for r in recs])}",
+            f"{exponent(ranks_list, [r['gathered_bytes_first'] for r in recs])} → "
+            f"{exponent(ranks_list, [r['gathered_bytes_repeat_after'] for r in recs])}",
+            f"{exponent(ranks_list, [r['load_s3_bytes_before'] for r in recs])} → "
+            f"{exponent(ranks_list, [r['load_s3_bytes_after'] for r in recs])}",
+        ]
+        rows.append(growth)
+        table = common.markdown_table(
+            ["ranks", ".metadata MB", "unpickle s (each rank)", "GB of .metadata GET on one load",
+             "coordinator plan s, first save", "coordinator plan s, repeated save", "plans gathered, MB (repeated)",
+             "GB read from S3 by one load"], rows)
+        sections.append(f"**{layout}** ({model.name}, {total / 1e9:,.0f} GB; before → after):\n\n{table}")
+        records[layout] = recs
+    text = "\n\n".join(sections) + (
+        "\n\n~ = extrapolated (see the module doc). 'plans gathered' = first save → repeated save with plan "
+        "caching. Repeated-save planning before = the first-save work, which the default planner redoes; "
+        "after = ScalableSavePlanner with plan caching, timed at every rank count."
+    )
+    return text, records
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama-70b")
+    ap.add_argument("--bytes-per-param", type=float, default=12.0)
+    ap.add_argument("--ranks", default="1024,4096,16384")
+    ap.add_argument("--metadata-max-entries", type=int, default=300_000)
+    ap.add_argument("--plan-max-ranks", type=int, default=4096)
+    ap.add_argument("--plan-per-shape", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "scale_ranks.json")
+    args = ap.parse_args(argv)
+    ranks_list = sorted({int(x) for x in args.ranks.split(",")})
+    t0 = time.time()
+    text, records = report(MODELS[args.model], ranks_list, args)
+    print()
+    print(text)
+    common.write_json(args.out, {"benchmark": "scale_ranks", "model": args.model, "args": vars(args) | {"out": str(args.out)},
+                                 "machine": common.machine_info(), "records": records, "tables_markdown": text})
+    args.out.with_suffix(".md").write_text(text + "\n")
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.md')} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
