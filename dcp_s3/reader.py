@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .codec import Codec, FrameIndex, stored_span
-from .config import ClientConfig, TransferConfig
-from .errors import CheckpointFormatError, CheckpointNotFoundError
+from .config import ClientConfig, TransferConfig, client_config
+from .errors import CheckpointFormatError, CheckpointNotFoundError, S3TransferError
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .session import S3Location, S3Session
@@ -43,7 +43,7 @@ log = logging.getLogger("dcp_s3")
 class S3StorageReader(S3Location, StorageReader):
     """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs.
 
-    Takes the same location and credential arguments as ``S3StorageWriter``.
+    Takes the same location, credential and ``client`` arguments as ``S3StorageWriter``.
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
     (larger reads are split), which also bounds staging memory per request.
     """
@@ -60,14 +60,13 @@ class S3StorageReader(S3Location, StorageReader):
         max_concurrency: int | None = None,
         max_range_size: int | None = None,
         transfer: TransferConfig | None = None,
+        client: ClientConfig | None = None,
     ) -> None:
         super().__init__()
         transfer = (transfer or TransferConfig()).override(max_concurrency=max_concurrency, max_range_size=max_range_size)
-        client = ClientConfig(
-            credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
-            request_args=dict(request_args or {}),
-            max_pool_connections=transfer.max_concurrency + 2,
-            retry_attempts=transfer.max_attempts,
+        client = client_config(
+            client, transfer.max_concurrency + 2, credential_path=credential_path, endpoint_url=endpoint_url,
+            region=region, profile=profile, request_args=request_args,
         )
         self._session = S3Session(path, client, transfer)
         self._codec = Codec(threads=max(1, os.cpu_count() or 1))  # decodes compressed checkpoints
@@ -84,9 +83,13 @@ class S3StorageReader(S3Location, StorageReader):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, storage_data={}, _chunks={})
 
+    #: Why the last ``.metadata`` GET failed for lack of an answer (see ``read_metadata``).
+    _metadata_error: S3TransferError | None = None
+
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._reset_location(checkpoint_id)
+        self._metadata_error = None
         self.storage_data = {}
         self._chunks = {}
         self.load_id = str(uuid.uuid4())
@@ -94,9 +97,16 @@ class S3StorageReader(S3Location, StorageReader):
     # The parameter must be literally named ``kwargs`` for DCP to pass rank/use_collectives.
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """One GET of ``.metadata``, unpickled by a restricted unpickler."""
+        if kwargs.get("rank") is not None and self._metadata_error is not None:
+            # torch asks again, for rank-local metadata (which dcp_s3 never writes), when the first
+            # call failed: do not wait for an endpoint that did not answer a second time.
+            raise self._metadata_error
         key = self._session.key(METADATA_KEY)
         try:
             data = self._session.transport.get_object(key)
+        except S3TransferError as exc:
+            self._metadata_error = exc
+            raise
         except CheckpointNotFoundError as exc:
             if "bucket" in str(exc) and "does not exist" in str(exc):
                 raise

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .codec import Codec, grouping_for_dtype
-from .config import ClientConfig, TransferConfig
+from .config import ClientConfig, TransferConfig, client_config, int_option
 from .errors import CheckpointExistsError, ConfigError, DcpS3Error
 from .items import compact, payload_chunks, streamable, tensor_blob
 from .layout import (
@@ -61,6 +61,8 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         endpoint_url, region, profile: S3 endpoint (MinIO, SeaweedFS, Ceph...), region, boto3 profile.
         request_args: options sent with every request that takes them (``ServerSideEncryption``,
             ``SSEKMSKeyId``, ``StorageClass``, ``ExpectedBucketOwner``, ``RequestPayer``...).
+        client: every client setting in one ``ClientConfig`` (timeouts, retry attempts...); the
+            five arguments above override its fields.
         overwrite: replace a complete checkpoint already at ``path`` (default: refuse).
         part_size: multipart part size; peak extra memory is about
             ``part_size * (max_concurrency + files_per_rank)``.
@@ -94,6 +96,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         max_concurrency: int | None = None,
         files_per_rank: int | None = None,
         transfer: TransferConfig | None = None,
+        client: ClientConfig | None = None,
         compression: str | None = None,
         compression_level: int = 1,
         compression_threads: int = 2,
@@ -104,16 +107,17 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         transfer = (transfer or TransferConfig()).override(
             part_size=part_size, max_concurrency=max_concurrency, files_per_rank=files_per_rank
         )
-        client = ClientConfig(
-            credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
-            request_args=dict(request_args or {}),
-            max_pool_connections=transfer.max_concurrency + transfer.files_per_rank + 2,
-            retry_attempts=transfer.max_attempts,
+        client = client_config(
+            client, transfer.max_concurrency + transfer.files_per_rank + 2, credential_path=credential_path,
+            endpoint_url=endpoint_url, region=region, profile=profile, request_args=request_args,
         )
         self._session = S3Session(path, client, transfer)
         if compression not in (None, "zstd"):
             raise ConfigError(f"compression={compression!r}; expected None or 'zstd'")
-        self._codec = Codec(level=compression_level, threads=compression_threads) if compression else None
+        self._codec = Codec(
+            level=int_option("compression_level", compression_level, -(1 << 17)),
+            threads=int_option("compression_threads", compression_threads, 1),
+        ) if compression else None
         self.overwrite = overwrite
         self.key_prefixes = check_key_prefixes(key_prefixes)
         self.save_id = str(uuid.uuid4())
