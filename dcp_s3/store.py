@@ -161,18 +161,19 @@ def _join(a: str, b: str) -> str:
 
 
 def check_relative_name(name: str, origin: str) -> str:
-    """``name`` if it is a clean relative object name (no empty, ``.`` or ``..`` segment, no NUL, no
-    backslash, no leading ``/``), so the file path or key made from it stays under its root.
+    """``name`` if it is a clean relative object name (no empty, ``.`` or ``..`` segment, no NUL,
+    no leading ``/``; on Windows no ``\\``), so the file path or key made from it stays under its root.
 
     A bucket can hold keys such as ``ck/../../x`` (S3 stores them verbatim); turned into a
     local path, or re-sent to a server that normalizes paths, such a key would land outside
     the target. ``origin`` says where the name came from, for the error.
     """
     segments = name.split("/")
-    if not name or any(seg in ("", ".", "..") for seg in segments) or "\0" in name or "\\" in name:
+    separators = {os.sep, os.altsep or "/"} - {"/"}  # a backslash separates paths on Windows
+    if not name or any(seg in ("", ".", "..") for seg in segments) or "\0" in name or separators & set(name):
         raise CheckpointFormatError(
-            f"refusing object name {name!r} from {origin}: its '', '.' or '..' segments (or NUL/backslash) "
-            "would resolve outside the target; rename or delete that object"
+            f"refusing object name {name!r} from {origin}: its '', '.' or '..' segments (or NUL, or a path "
+            "separator) would resolve outside the target; rename or delete that object"
         )
     return name
 
