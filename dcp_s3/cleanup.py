@@ -133,10 +133,15 @@ def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = No
         if last is not None:
             (stale if last <= cutoff else busy).append(upload)
     garbage = Garbage(store, [], [], [u for u in stale if _is_checkpoint_key(u.name)])
-    for step in scan(entries):
+    steps = scan(entries)
+    committed = {p.name for s in steps for p in s.parts.values() if p.committed}
+    for step in steps:
         in_progress = [u for u in busy if _under(step, u.name)]
+        inside = [c for c in committed if step.kind == "dcp" and step.name.startswith(c + "/" if c else "")]
         if in_progress:
             garbage.skipped.append((store.url(step.name), f"an upload is in progress ({store.url(in_progress[0].name)})"))
+        elif inside and not step.complete:  # data a committed checkpoint may reference from a subdirectory
+            garbage.skipped.append((store.url(step.name), f"inside the complete checkpoint {store.url(inside[0])}"))
         elif not step.complete:
             if step.mtime <= cutoff:
                 mine, other = _split_step(step)
