@@ -51,7 +51,7 @@ def is_checkpoint_object(part_dir: str, name: str) -> bool:
     sub, _, base = rel.rpartition("/")
     if sub and not ("/" not in sub and is_key_prefix_dir(sub) and base.endswith(DATA_SUFFIX)):
         return False
-    return base == METADATA_KEY or base.endswith(DATA_SUFFIX) or PROBE_PATTERN.fullmatch(base) is not None
+    return _is_checkpoint_key(base)
 
 
 def _is_data_object(part: Part, name: str) -> bool:
@@ -77,6 +77,7 @@ def _under(step: Step, name: str) -> bool:
 
 
 def _is_checkpoint_key(name: str) -> bool:
+    """True if ``name``'s last component is named like a checkpoint object (wherever it lies)."""
     base = _base(name)
     return base == METADATA_KEY or base.endswith(DATA_SUFFIX) or PROBE_PATTERN.fullmatch(base) is not None
 
