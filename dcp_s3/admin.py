@@ -33,51 +33,25 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from .checkpointer import delete_step
-from .config import parse_s3_uri
+from .cleanup import Garbage, Removal, collect_garbage, find_garbage, remove_checkpoint
 from .errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
-from .layout import METADATA_KEY, checksum_error, load_metadata
-from .steps import MARKER_FORMAT, MARKER_SUFFIX, Part, Step, scan
-from .store import Entry, LocalStore, S3Store, Upload, open_object, open_store
+from .layout import METADATA_KEY, checksum_error
+from .locations import Store, resolve
+from .locations import is_root as _is_root
+from .locations import read_metadata as _read_metadata
+from .locations import single as _single
+from .steps import MARKER_FORMAT, MARKER_SUFFIX, Part, Step
+from .store import Entry, LocalStore, check_relative_name, open_object, open_store
 
 __all__ = [
-    "StepSummary", "TensorInfo", "Problem", "VerifyReport", "Garbage", "CopyReport", "ConvertReport",
+    "StepSummary", "TensorInfo", "Problem", "VerifyReport", "Garbage", "Removal", "CopyReport", "ConvertReport",
     "list_steps", "inspect_checkpoint", "verify_checkpoint", "find_garbage", "collect_garbage",
     "copy_checkpoint", "remove_checkpoint", "convert_checkpoint", "resolve",
 ]
 
-Store = S3Store | LocalStore
 #: ``progress(done, total)`` in bytes.
 Progress = Callable[[int, int], None]
 _BATCH_BYTES = 64 << 20  # largest batch of item bytes held in memory while verifying
-
-
-# -- resolving a location -----------------------------------------------------------------------
-def resolve(uri: str, **storage_options: Any) -> tuple[Store, list[Step]]:
-    """(store, steps and DCP checkpoints) that ``uri`` denotes; ``CheckpointNotFoundError`` if none."""
-    store = open_store(uri, **storage_options)
-    steps = scan(store.list_objects())
-    if steps:
-        return store, steps
-    parent, name = open_object(uri, **storage_options)
-    if name.endswith(MARKER_SUFFIX):
-        name = name[: -len(MARKER_SUFFIX)]
-    found = [s for s in scan(parent.list_objects(f"{name}.")) if s.name == name]
-    if found:
-        return parent, found
-    raise CheckpointNotFoundError(f"no checkpoint found at {uri}")
-
-
-def _is_root(store: Store, uri: str) -> bool:
-    """True if ``store`` is rooted at ``uri`` itself (not at its parent)."""
-    if uri.startswith("s3://"):
-        return store.url() == str(parse_s3_uri(uri, require_key=False)).rstrip("/")
-    return store.url() == os.path.abspath(uri)
-
-
-def _read_metadata(store: Store, part: Part) -> Metadata:
-    name = f"{part.name}/{METADATA_KEY}" if part.name else METADATA_KEY
-    return load_metadata(store.read(name), store.url(name))
 
 
 def _tensor_bytes(md: TensorStorageMetadata) -> int:
@@ -160,14 +134,6 @@ class TensorInfo:
     chunks: list[dict[str, list[int]]]
     stored_bytes: int
     logical_bytes: int
-
-
-def _single(store: Store, steps: list[Step], uri: str) -> Step:
-    if len(steps) != 1:
-        listed = ", ".join(store.url(s.name) for s in steps[:5])
-        more = ", ..." if len(steps) > 5 else ""
-        raise DcpS3Error(f"{uri} holds {len(steps)} checkpoints ({listed}{more}); name one")
-    return steps[0]
 
 
 def inspect_checkpoint(uri: str, **storage_options: Any) -> list[TensorInfo]:
@@ -471,59 +437,6 @@ def _verify_encoded(
             report.problems.append(Problem(url, f"does not decode: {type(exc).__name__}: {exc}", _item_name(index)))
 
 
-# -- gc / rm -------------------------------------------------------------------------------------------
-@dataclass
-class Garbage:
-    """What ``gc`` would remove: incomplete steps/checkpoints and stale multipart uploads."""
-
-    store: Store
-    steps: list[Step]
-    uploads: list[Upload]
-
-    @property
-    def bytes(self) -> int:
-        return sum(s.stored_bytes for s in self.steps)
-
-
-def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = None, **storage_options: Any) -> Garbage:
-    """Incomplete steps whose newest object, and uploads started, more than ``older_than`` seconds ago."""
-    store = open_store(uri, **storage_options)
-    cutoff = (time.time() if now is None else now) - older_than
-    steps = [s for s in scan(store.list_objects()) if not s.complete and s.mtime <= cutoff]
-    uploads = [u for u in store.uploads() if u.initiated <= cutoff]
-    return Garbage(store, steps, uploads)
-
-
-def collect_garbage(garbage: Garbage) -> tuple[int, int]:
-    """Remove what :func:`find_garbage` found; returns (objects deleted, uploads aborted)."""
-    objects = sum(delete_step(garbage.store, step, uploads=False) for step in garbage.steps)
-    for upload in garbage.uploads:
-        garbage.store.abort(upload)
-    return objects, len(garbage.uploads)
-
-
-def remove_checkpoint(uri: str, *, recursive: bool = False, dry_run: bool = False, **storage_options: Any) -> list[str]:
-    """Delete the step or checkpoint at ``uri`` (marker and ``.metadata`` first); returns what was removed.
-
-    A location holding several checkpoints is refused unless ``recursive``, which removes
-    every object under it.
-    """
-    store, steps = resolve(uri, **storage_options)
-    if len(steps) > 1 and not recursive:
-        raise DcpS3Error(f"{uri} holds {len(steps)} checkpoints; pass recursive=True (--recursive) to remove them all")
-    removed = [store.url(s.name) for s in steps]
-    if dry_run:
-        return removed
-    for step in steps:
-        delete_step(store, step)
-    if recursive and _is_root(store, uri):
-        leftovers = [e.name for e in store.list_objects()]
-        store.delete(leftovers)
-        for upload in store.uploads():
-            store.abort(upload)
-    return removed
-
-
 # -- cp ----------------------------------------------------------------------------------------------------
 @dataclass
 class CopyReport:
@@ -548,6 +461,7 @@ def copy_checkpoint(
     *,
     workers: int = 8,
     overwrite: bool = False,
+    follow_symlinks: bool = False,
     progress: Progress | None = None,
     src_options: dict[str, Any] | None = None,
     dst_options: dict[str, Any] | None = None,
@@ -556,18 +470,30 @@ def copy_checkpoint(
 
     Objects are copied concurrently; each copy's size is checked against the source's.
     ``dst`` names the copy: a step ``.../0000100`` copies to ``<dst>.pth``, ``<dst>.<part>/...``.
+    Before anything is written, every destination name is checked: a source key that would
+    land outside ``dst`` (``..``, ``.`` or empty segments, as in ``ck/../../x``) is refused
+    (``CheckpointFormatError`` naming it), and so is a symbolic link that leads out of a local
+    source or destination directory unless ``follow_symlinks``.
     """
     t0 = time.perf_counter()
-    src_store, steps = resolve(src, **(src_options or {}))
+    src_store, steps = resolve(src, follow_symlinks=follow_symlinks, **(src_options or {}))
     whole = _is_root(src_store, src)
     if whole:  # a directory: everything under it
         entries = src_store.list_objects()
-        dst_store = open_store(dst, **(dst_options or {}))
+        dst_store = open_store(dst, follow_symlinks=follow_symlinks, **(dst_options or {}))
         pairs = [(e, e.name) for e in entries]
+        tops = [""]
     else:  # one step, named by its prefix: <name>.pth, <name>.<part>/...
         (step,) = steps
-        dst_store, dst_name = open_object(dst, **(dst_options or {}))
+        dst_store, dst_name = open_object(dst, follow_symlinks=follow_symlinks, **(dst_options or {}))
         pairs = [(e, dst_name + e.name[len(step.name):]) for e in step.objects]
+        tops = [p.name for p in step.parts.values()] + ([step.marker.name] if step.marker else [])
+    for entry, name in pairs:
+        check_relative_name(entry.name, src_store.url())
+        check_relative_name(name, src_store.url(entry.name))
+    if not follow_symlinks:
+        _refuse_links_out(src_store, tops, "source")
+        _refuse_links_out(dst_store, [n for _, n in pairs], "destination")
     existing = {e.name for e in dst_store.list_objects()} & {d for _, d in pairs}
     if existing and not overwrite:
         raise CheckpointExistsError(
@@ -596,6 +522,17 @@ def copy_checkpoint(
             for fut in [pool.submit(copy_one, e, n) for e, n in batch]:
                 fut.result()
     return CopyReport(src, dst, len(pairs), total, time.perf_counter() - t0)
+
+
+def _refuse_links_out(store: Store, names: list[str], role: str) -> None:
+    links = store.links_out(names) if isinstance(store, LocalStore) else []
+    if links:
+        path, target = links[0]
+        more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
+        raise DcpS3Error(
+            f"{path} is a symbolic link out of the {role} directory {store.root} (to {target}){more}; "
+            "not following it: pass follow_symlinks=True (--follow-symlinks) to copy through it"
+        )
 
 
 def _copy_object(src: Store, src_name: str, dst: Store, dst_name: str) -> None:
@@ -649,6 +586,7 @@ def convert_checkpoint(
     out: str,
     *,
     fmt: str | None = None,
+    overwrite: bool = False,
     src_options: dict[str, Any] | None = None,
     dst_options: dict[str, Any] | None = None,
 ) -> ConvertReport:
@@ -659,7 +597,9 @@ def convert_checkpoint(
     checkpoint at ``out`` written with the default writer). Default: from ``out``'s suffix
     (``.safetensors``), else ``torch``. A step with exactly one ``*_model`` part converts that
     part. Everything is loaded into this process's memory. ``src_options``/``dst_options``
-    are the storage options of ``uri`` and ``out``.
+    are the storage options of ``uri`` and ``out``. An existing ``out`` (a file, or for
+    ``"dcp"`` any object under it) is refused with ``CheckpointExistsError`` before anything is
+    loaded, unless ``overwrite``.
     """
     fmt = fmt or ("safetensors" if out.endswith(".safetensors") else "torch")
     if fmt not in ("torch", "safetensors", "dcp"):
@@ -669,6 +609,18 @@ def convert_checkpoint(
             import safetensors.torch as st
         except ImportError:
             raise DcpS3Error("--format safetensors needs the safetensors package (pip install safetensors)") from None
+    if fmt == "dcp":
+        dst_dir = open_store(out, **(dst_options or {}))
+        present = dst_dir.list_objects()
+        if present and not overwrite:
+            raise CheckpointExistsError(
+                f"{dst_dir.url()} already holds {len(present)} objects (e.g. {dst_dir.url(present[0].name)}); "
+                "pass overwrite=True (--force) to write over them"
+            )
+    else:
+        dst_store, name = open_object(out, **(dst_options or {}))
+        if not overwrite and dst_store.size(name) is not None:
+            raise CheckpointExistsError(f"{dst_store.url(name)} already exists; pass overwrite=True (--force) to replace it")
     store, steps = resolve(uri, **(src_options or {}))
     step = _single(store, steps, uri)
     parts = [p for k, p in step.parts.items() if step.kind == "dcp" or k.endswith("_model")]
@@ -685,7 +637,7 @@ def convert_checkpoint(
     if fmt == "dcp":
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(state, storage_writer=open_store(out, **(dst_options or {})).writer(""), no_dist=True)
+        dcp.save(state, storage_writer=dst_dir.writer("", overwrite=overwrite), no_dist=True)
     else:
         if fmt == "safetensors":
             skipped = [k for k, v in _flatten(state) if not isinstance(v, torch.Tensor)]
@@ -694,6 +646,5 @@ def convert_checkpoint(
             buf = io.BytesIO()
             torch.save(state, buf)
             data = buf.getvalue()
-        dst_store, name = open_object(out, **(dst_options or {}))
-        dst_store.write(name, data)
+        dst_store.write(name, data, overwrite=overwrite)
     return ConvertReport(store.url(part.name), out, fmt, len(tensors), nbytes, skipped)

@@ -30,19 +30,29 @@ EXAMPLES = {
   dcp-s3 verify s3://bucket/run1             # every step of a run
 exit status: 0 if everything checks out, 1 on any problem""",
     "gc": """examples:
-  dcp-s3 gc s3://bucket/run1                 # dry run: what would be removed
-  dcp-s3 gc s3://bucket/run1 --older-than 30m --yes""",
+  dcp-s3 gc s3://bucket/run1                 # dry run: every object and upload that would be removed
+  dcp-s3 gc s3://bucket/run1 --older-than 30m --yes
+
+Only checkpoint objects are removed: .metadata, *.distcp (also in p-<hex>/), .dcp_s3-probe.*
+and step markers <step>.pth; other files next to them (config.yaml, train.log...) are kept.
+Nothing written, and no multipart upload that received a part, within --older-than (default 1h)
+is touched, and a checkpoint with such an upload in progress is left alone: make the bound
+longer than your longest save.""",
     "cp": """examples:
   dcp-s3 cp s3://bucket/run1/0001000 ./ckpt/0001000      # one step to disk
   dcp-s3 cp ./ckpt s3://bucket/run2                       # a whole run to S3
-  dcp-s3 cp s3://bucket/run1/0001000.model_model /tmp/m   # one DCP checkpoint""",
+  dcp-s3 cp s3://bucket/run1/0001000.model_model /tmp/m   # one DCP checkpoint
+A key that would land outside DST (e.g. 'ck/../../x') is refused, and so is a symbolic link
+leading out of a local SRC or DST directory unless --follow-symlinks; nothing is copied then.""",
     "rm": """examples:
-  dcp-s3 rm s3://bucket/run1/0001000         # one step (marker first)
-  dcp-s3 rm s3://bucket/run1 --recursive     # everything under the prefix""",
+  dcp-s3 rm s3://bucket/run1/0001000 --dry-run   # list every object and upload it would remove
+  dcp-s3 rm s3://bucket/run1/0001000         # one step (marker first); other files next to it are kept
+  dcp-s3 rm s3://bucket/run1 --recursive     # every object and upload under the prefix""",
     "convert": """examples:
   dcp-s3 convert s3://bucket/run1/0001000 model.pt                # full tensors, torch.save
   dcp-s3 convert s3://bucket/run1/0001000 model.safetensors       # needs the safetensors package
-  dcp-s3 convert s3://bucket/run1/0001000.model_model s3://bucket/plain/0001000 --format dcp""",
+  dcp-s3 convert s3://bucket/run1/0001000.model_model s3://bucket/plain/0001000 --format dcp
+An existing OUT is never replaced unless --force.""",
 }
 
 
@@ -68,11 +78,25 @@ def parse_duration(text: str) -> float:
     return float(match[1]) * scale
 
 
+def printable(text: str) -> str:
+    """``text`` with every non-printable character (control and format characters such as ESC,
+    CR, newline, bidi overrides) escaped as ``\\xNN``/``\\uNNNN``: object keys and names read from
+    a checkpoint reach the terminal as text, never as terminal commands."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def _say(text: str) -> None:
+    print(printable(text))
+
+
 def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
 
 
 def _table(rows: list[list[str]], right: set[int]) -> str:
+    rows = [[printable(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for row in rows:
@@ -109,7 +133,8 @@ def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
     """S3 client options from the command line, for s3:// locations only."""
     if not uri.startswith("s3://"):
         return {}
-    names = ("credential_path", "endpoint_url", "region", "profile")
+    names = ("credential_path", "endpoint_url", "region", "profile", "connect_timeout", "read_timeout",
+             "retry_attempts")
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
@@ -127,7 +152,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(_table(rows, right={2, 3, 4, 5}))
     for s in steps:
         if s.error:
-            print(f"{s.name}: {s.error}")
+            _say(f"{s.name}: {s.error}")
     done = sum(s.complete for s in steps)
     print(f"{len(steps)} checkpoints ({done} complete, {len(steps) - done} incomplete), "
           f"{human_size(sum(s.stored_bytes for s in steps))} stored")
@@ -144,7 +169,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for part in sorted({e.part for e in entries}):
         mine = [e for e in entries if e.part == part]
         if part:
-            print(f"== {part}")
+            _say(f"== {part}")
         rows = [["NAME", "SHAPE", "DTYPE", "CHUNKS", "STORED"]]
         for e in mine:
             shape = "x".join(map(str, e.shape)) if e.shape else ("scalar" if e.kind == "tensor" else "-")
@@ -170,7 +195,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         bar.close()
     for p in report.problems:
         item = f" [{p.item}]" if p.item else ""
-        print(f"FAIL {p.url}{item}: {p.message}")
+        _say(f"FAIL {p.url}{item}: {p.message}")
     summary = (f"{report.checkpoints} checkpoints, {report.objects} objects, {report.items} items, "
                f"{human_size(report.bytes_read)} read")
     if report.ok:
@@ -184,18 +209,28 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from .admin import collect_garbage, find_garbage
 
     garbage = find_garbage(args.uri, older_than=args.older_than, **_options(args, args.uri))
+    url = garbage.store.url
     verb = "removing" if args.yes else "would remove"
+    removed = {o.name for o in garbage.objects}
     for step in garbage.steps:
-        print(f"{verb} incomplete {'step' if step.kind == 'step' else 'checkpoint'} "
-              f"{garbage.store.url(step.name)} ({len(step.objects)} objects, {human_size(step.stored_bytes)})")
+        mine = [o for o in step.objects if o.name in removed]
+        _say(f"{verb} incomplete {'step' if step.kind == 'step' else 'checkpoint'} {url(step.name)} "
+             f"({len(mine)} objects, {human_size(sum(o.size for o in mine))})")
+    for entry in garbage.objects:
+        _say(f"{verb} {url(entry.name)} ({human_size(entry.size)})")
     for upload in garbage.uploads:
-        print(f"{verb} unfinished upload {garbage.store.url(upload.name)} (started {_when(upload.initiated)})")
-    if not garbage.steps and not garbage.uploads:
-        print(f"nothing to remove under {args.uri} (older than {args.older_than:g}s)")
+        _say(f"{verb} unfinished upload {url(upload.name)} (started {_when(upload.initiated)})")
+    for entry in garbage.kept:
+        _say(f"keeping {url(entry.name)} (not a checkpoint object)")
+    for where, why in garbage.skipped:
+        _say(f"skipping {where}: {why}")
+    if not garbage.objects and not garbage.uploads:
+        _say(f"nothing to remove under {args.uri} (older than {args.older_than:g}s)")
         return 0
     if not args.yes:
-        print(f"dry run: {len(garbage.steps)} incomplete checkpoints ({human_size(garbage.bytes)}), "
-              f"{len(garbage.uploads)} uploads; pass --yes to remove them")
+        print(f"dry run: {len(garbage.objects)} objects ({human_size(garbage.bytes)}) of "
+              f"{len(garbage.steps)} incomplete checkpoints and unreferenced data, {len(garbage.uploads)} uploads; "
+              "pass --yes to remove them")
         return 0
     objects, uploads = collect_garbage(garbage)
     print(f"removed {objects} objects ({human_size(garbage.bytes)}) and aborted {uploads} uploads")
@@ -208,37 +243,43 @@ def cmd_cp(args: argparse.Namespace) -> int:
     bar = _ProgressLine("cp")
     try:
         report = copy_checkpoint(
-            args.src, args.dst, workers=args.workers, overwrite=args.overwrite, progress=bar,
+            args.src, args.dst, workers=args.workers, overwrite=args.overwrite,
+            follow_symlinks=args.follow_symlinks, progress=bar,
             src_options=_options(args, args.src), dst_options=_options(args, args.dst),
         )
     finally:
         bar.close()
     rate = report.bytes / report.seconds if report.seconds > 0 else 0
-    print(f"copied {report.objects} objects ({human_size(report.bytes)}) from {report.source} to "
-          f"{report.destination} in {report.seconds:.1f}s ({human_size(int(rate))}/s); sizes verified")
+    _say(f"copied {report.objects} objects ({human_size(report.bytes)}) from {report.source} to "
+         f"{report.destination} in {report.seconds:.1f}s ({human_size(int(rate))}/s); sizes verified")
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from .admin import remove_checkpoint
 
-    removed = remove_checkpoint(args.uri, recursive=args.recursive, dry_run=args.dry_run,
+    removal = remove_checkpoint(args.uri, recursive=args.recursive, dry_run=args.dry_run,
                                 **_options(args, args.uri))
-    for url in removed:
-        print(f"{'would remove' if args.dry_run else 'removed'} {url}")
+    verb = "would remove" if args.dry_run else "removed"
+    for url in removal.urls:
+        _say(f"{verb} {url}")
+    for upload in removal.uploads:
+        _say(f"{'would abort' if args.dry_run else 'aborted'} unfinished upload {removal.store.url(upload.name)}")
+    for name in removal.kept:
+        _say(f"kept {removal.store.url(name)} (not a checkpoint object)")
     return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from .admin import convert_checkpoint
 
-    report = convert_checkpoint(args.uri, args.out, fmt=args.format, src_options=_options(args, args.uri),
-                                dst_options=_options(args, args.out))
-    print(f"wrote {report.destination} ({report.format}): {report.tensors} tensors, {human_size(report.bytes)} "
-          f"from {report.source}")
+    report = convert_checkpoint(args.uri, args.out, fmt=args.format, overwrite=args.force,
+                                src_options=_options(args, args.uri), dst_options=_options(args, args.out))
+    _say(f"wrote {report.destination} ({report.format}): {report.tensors} tensors, {human_size(report.bytes)} "
+         f"from {report.source}")
     if report.skipped:
-        print(f"left out {len(report.skipped)} non-tensor entries (safetensors holds tensors only), "
-              f"e.g. {report.skipped[0]}")
+        _say(f"left out {len(report.skipped)} non-tensor entries (safetensors holds tensors only), "
+             f"e.g. {report.skipped[0]}")
     return 0
 
 
@@ -256,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     s3.add_argument("--region", help="S3 region")
     s3.add_argument("--profile", help="boto3 profile name")
     s3.add_argument("--credential-path", help="JSON file of boto3 client arguments")
+    s3.add_argument("--connect-timeout", type=float, metavar="SECONDS",
+                    help="seconds to wait for a connection (default 10)")
+    s3.add_argument("--read-timeout", type=float, metavar="SECONDS",
+                    help="seconds to wait for an answer or for more bytes (default 20)")
+    s3.add_argument("--max-attempts", dest="retry_attempts", type=int, metavar="N",
+                    help="attempts per request, first included (default 5); an endpoint that never "
+                         "answers fails after about N x read timeout")
     common.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
 
     parser = argparse.ArgumentParser(
@@ -287,12 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("uri", help="a step, a DCP checkpoint or a prefix of several")
 
     p = add("gc", cmd_gc, "remove incomplete steps and stale uploads",
-            "Find incomplete steps/checkpoints (no marker or no .metadata) and unfinished multipart uploads "
-            "older than --older-than under a prefix; remove them with --yes (otherwise a dry run).")
+            "Find, under a prefix, the checkpoint objects of incomplete steps/checkpoints (no marker or no "
+            ".metadata), data objects of complete checkpoints that their .metadata does not reference, leftover "
+            "writer probes and unfinished multipart uploads, all older than --older-than; list every one, and "
+            "remove them with --yes (otherwise a dry run).")
     p.add_argument("uri", help="s3://bucket/prefix or a local directory")
     p.add_argument("--older-than", type=parse_duration, default=3600.0, metavar="AGE",
-                   help="only what was last written more than AGE ago (e.g. 90s, 30m, 1h, 2d; default 1h); "
-                        "protects saves in progress")
+                   help="only objects last written, and multipart uploads last written to, more than AGE ago "
+                        "(e.g. 90s, 30m, 1h, 2d; default 1h): never an upload younger than AGE. Protects saves "
+                        "in progress: make it longer than your longest save")
     p.add_argument("--yes", action="store_true", help="really remove (default: dry run)")
 
     p = add("cp", cmd_cp, "copy a checkpoint between S3 and local disk",
@@ -302,13 +353,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--workers", type=int, default=8, help="concurrent object copies (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace objects that exist at the destination")
+    p.add_argument("--follow-symlinks", action="store_true",
+                   help="copy through symbolic links that lead out of a local source or destination directory "
+                        "(refused by default)")
 
     p = add("rm", cmd_rm, "remove a step or checkpoint",
-            "Remove a step or DCP checkpoint (marker and .metadata first, so it never looks complete while "
-            "half deleted). A prefix holding several checkpoints needs --recursive.")
+            "Remove a step or DCP checkpoint: its marker, .metadata, data objects and their unfinished "
+            "uploads (marker and .metadata first, so it never looks complete while half deleted); other files "
+            "in its directories are kept. A prefix holding several checkpoints needs --recursive.")
     p.add_argument("uri")
-    p.add_argument("-r", "--recursive", action="store_true", help="remove everything under the prefix")
-    p.add_argument("-n", "--dry-run", action="store_true", help="only print what would be removed")
+    p.add_argument("-r", "--recursive", action="store_true",
+                   help="remove every object and unfinished upload under the prefix")
+    p.add_argument("-n", "--dry-run", action="store_true",
+                   help="only list every object and upload that would be removed")
 
     p = add("convert", cmd_convert, "convert to one torch.save/safetensors file or plain DCP",
             "Load a checkpoint into this process as full (unsharded) tensors and write it as one torch.save file, "
@@ -317,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output file, or for --format dcp a checkpoint location")
     p.add_argument("--format", choices=("torch", "safetensors", "dcp"),
                    help="default: safetensors if OUT ends with .safetensors, else torch")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT (refused by default)")
 
     add("demo", cmd_demo, "save a 2-rank FSDP2 checkpoint to a local S3 server and load it on 1 rank",
         "Starts SeaweedFS on 127.0.0.1, saves from 2 ranks, loads on 1, checks every tensor.")
@@ -340,13 +398,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             logging.getLogger("dcp_s3").exception("%s failed", args.command)
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"dcp-s3: error: {message}", file=sys.stderr)
+        print(f"dcp-s3: error: {printable(message)}", file=sys.stderr)
         return 1
     except BaseException as exc:  # torch's CheckpointException derives from BaseException
         if type(exc).__name__ != "CheckpointException":
             raise
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"dcp-s3: error: {message}", file=sys.stderr)
+        print(f"dcp-s3: error: {printable(message)}", file=sys.stderr)
         return 1
 
 

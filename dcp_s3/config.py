@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 import json
 import logging
+import math
+import numbers
 import os
+import re
 import stat
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError, InvalidCheckpointIdError
+from .redact import install_log_redaction
 
-__all__ = ["S3Uri", "ClientConfig", "TransferConfig", "parse_s3_uri"]
+__all__ = ["S3Uri", "ClientConfig", "TransferConfig", "parse_s3_uri", "bucket_name_problem"]
 
 log = logging.getLogger("dcp_s3")
 
@@ -48,8 +54,31 @@ class S3Uri:
         return f"s3://{self.bucket}/{self.key}"
 
 
+_BUCKET_CHARS = re.compile(r"[a-z0-9][a-z0-9.-]*[a-z0-9]")
+#: S3's bucket naming rules, quoted in every error about a bucket name.
+BUCKET_RULES = (
+    "S3 bucket names are 3-63 characters of lowercase letters, digits, dots and hyphens, start and end "
+    "with a letter or digit, contain no '..' and are not an IP address"
+)
+
+
+def bucket_name_problem(bucket: str) -> str | None:
+    """Why ``bucket`` breaks S3's bucket naming rules, or None if it follows them."""
+    if not 3 <= len(bucket) <= 63:
+        return f"is {len(bucket)} characters long"
+    if not _BUCKET_CHARS.fullmatch(bucket):
+        return "holds a character other than a-z, 0-9, '.', '-' or does not start and end with a letter or digit"
+    if ".." in bucket:
+        return "contains '..'"
+    try:
+        ipaddress.IPv4Address(bucket)
+    except ValueError:
+        return None
+    return "is formatted as an IP address"
+
+
 def parse_s3_uri(uri: str | os.PathLike[str], *, require_key: bool = True) -> S3Uri:
-    """Parse ``s3://bucket/key...``; reject other schemes, local paths and a missing key."""
+    """Parse ``s3://bucket/key...``; reject other schemes, local paths, a missing key and bad bucket names."""
     if not isinstance(uri, str):
         raise InvalidCheckpointIdError(
             f"checkpoint id {os.fspath(uri)!r} is a local path; dcp_s3 needs an s3://bucket/key URI"
@@ -62,8 +91,11 @@ def parse_s3_uri(uri: str | os.PathLike[str], *, require_key: bool = True) -> S3
     key = key.strip("/")
     if not bucket:
         raise InvalidCheckpointIdError(f"checkpoint id {uri!r} names no bucket; expected s3://bucket/key")
-    if not (3 <= len(bucket) <= 63) or any(c not in "abcdefghijklmnopqrstuvwxyz0123456789.-_" for c in bucket):
-        raise InvalidCheckpointIdError(f"checkpoint id {uri!r}: {bucket!r} is not a valid bucket name")
+    problem = bucket_name_problem(bucket)
+    if problem:
+        raise InvalidCheckpointIdError(
+            f"checkpoint id {uri!r}: {bucket!r} is not a valid bucket name: it {problem} ({BUCKET_RULES})"
+        )
     if require_key and not key:
         raise InvalidCheckpointIdError(
             f"checkpoint id {uri!r} names a bucket but no key prefix; expected s3://{bucket}/some/prefix"
@@ -71,6 +103,35 @@ def parse_s3_uri(uri: str | os.PathLike[str], *, require_key: bool = True) -> S3
     if any(part in (".", "..") for part in key.split("/")):
         raise InvalidCheckpointIdError(f"checkpoint id {uri!r} contains '.' or '..' path segments")
     return S3Uri(bucket, key)
+
+
+def int_option(name: str, value: Any, minimum: int) -> int:
+    """``value`` as a plain int (numpy ints too) if it is an integer >= ``minimum``; else ``ConfigError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}; expected an integer")
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return int(value)
+
+
+def _check_int(owner: object, name: str, minimum: int) -> None:
+    object.__setattr__(owner, name, int_option(name, getattr(owner, name), minimum))
+
+
+def _check_seconds(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}; expected a number of seconds")
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"{name}={value} must be a finite number of seconds > 0")
+    object.__setattr__(owner, name, seconds)
+
+
+def _check_str(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{name}={value!r} must be a non-empty string")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +151,6 @@ class TransferConfig:
     max_range_size: int = 16 * MiB
     #: Neighbouring reads closer than this are merged into one ranged GET.
     coalesce_gap: int = 1 * MiB
-    #: Attempts per request, first try included: botocore's retries (standard mode, jittered
-    #: backoff) and the resumption of response bodies cut short.
-    max_attempts: int = 5
 
     def override(self, **changes: int | None) -> TransferConfig:
         """A copy with the given fields replaced; ``None`` values are ignored."""
@@ -100,20 +158,23 @@ class TransferConfig:
         return dataclasses.replace(self, **given) if given else self
 
     def __post_init__(self) -> None:
+        for name, minimum in (("part_size", 1), ("max_concurrency", 1), ("files_per_rank", 1),
+                              ("max_range_size", 64 * 1024), ("coalesce_gap", 0)):
+            _check_int(self, name, minimum)
         if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
             raise ConfigError(f"part_size={self.part_size} must be between 5 MiB and 5 GiB (S3 limits)")
-        for name in ("max_concurrency", "files_per_rank", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_range_size < 64 * 1024:
-            raise ConfigError(f"max_range_size={self.max_range_size} must be >= 64 KiB")
-        if self.coalesce_gap < 0:
-            raise ConfigError(f"coalesce_gap={self.coalesce_gap} must be >= 0")
 
 
 @dataclass(frozen=True)
 class ClientConfig:
     """How to build the boto3 S3 client: credential source, endpoint, timeouts, retries.
+
+    The one settings object for everything that bounds time: ``S3StorageWriter``,
+    ``S3StorageReader`` (``client=ClientConfig(...)``), ``Checkpointer`` and the ``dcp-s3``
+    tools (storage options ``client=`` or ``connect_timeout=``/``read_timeout=``/
+    ``retry_attempts=``) all take it. With the defaults an endpoint that accepts connections
+    and never answers fails a request after about ``retry_attempts * read_timeout`` = 100 s,
+    with an error naming the endpoint.
 
     Explicit ``endpoint_url``/``region`` win over a credential file's values, which
     win over the standard boto3 chain (``AWS_*`` environment variables incl.
@@ -124,9 +185,13 @@ class ClientConfig:
     endpoint_url: str | None = None
     region: str | None = None
     profile: str | None = None
+    #: Seconds to wait for a TCP connection.
     connect_timeout: float = 10.0
-    read_timeout: float = 120.0
-    #: botocore retry attempts (first try included) and mode ("standard" or "adaptive").
+    #: Seconds a socket read (or write) may wait without progress: waiting for a reply, or for
+    #: the next bytes of a body. Each attempt of a request that gets no answer takes this long.
+    read_timeout: float = 20.0
+    #: Attempts per request, first try included: botocore's retries (``retry_mode``, jittered
+    #: backoff) and dcp_s3's resumption of response bodies cut short.
     retry_attempts: int = 5
     retry_mode: str = "standard"
     max_pool_connections: int = 10
@@ -136,12 +201,28 @@ class ClientConfig:
     request_args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.credential_path, os.PathLike):
+            object.__setattr__(self, "credential_path", os.fspath(self.credential_path))
+        for name in ("credential_path", "endpoint_url", "region", "profile"):
+            _check_str(self, name)
+        if self.endpoint_url is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", self.endpoint_url):
+            raise ConfigError(f"endpoint_url={self.endpoint_url!r} must be an http:// or https:// URL")
+        _check_seconds(self, "connect_timeout")
+        _check_seconds(self, "read_timeout")
+        _check_int(self, "retry_attempts", 1)
+        _check_int(self, "max_pool_connections", 1)
         if self.retry_mode not in ("standard", "adaptive"):
             raise ConfigError(f"retry_mode={self.retry_mode!r}; expected 'standard' or 'adaptive'")
-        if self.retry_attempts < 1:
-            raise ConfigError(f"retry_attempts={self.retry_attempts} must be >= 1")
+        if not isinstance(self.request_args, Mapping):
+            raise ConfigError(f"request_args must be a mapping, not a {type(self.request_args).__name__}")
+        object.__setattr__(self, "request_args", dict(self.request_args))
         if self.credential_path is not None and not os.path.isfile(self.credential_path):
             raise ConfigError(f"credential file {self.credential_path!r} does not exist")
+
+    def override(self, **changes: Any) -> ClientConfig:
+        """A copy with the given fields replaced; ``None`` values are ignored."""
+        given = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
 
     def client_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``boto3.session.Session.client('s3', ...)`` (may hold secrets: never log)."""
@@ -159,6 +240,7 @@ class ClientConfig:
         import boto3
         from botocore.config import Config
 
+        install_log_redaction()
         kwargs = self.client_kwargs()
         custom_endpoint = kwargs.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
             "AWS_ENDPOINT_URL"
@@ -166,7 +248,7 @@ class ClientConfig:
         config = Config(
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
-            retries={"max_attempts": self.retry_attempts, "mode": self.retry_mode},
+            retries={"total_max_attempts": self.retry_attempts, "mode": self.retry_mode},  # first try included
             max_pool_connections=self.max_pool_connections,
             tcp_keepalive=True,
             s3={
@@ -228,6 +310,18 @@ class _ClientPool:
 _CLIENTS = _ClientPool()
 
 
+def client_config(client: ClientConfig | None, pool: int, **fields: Any) -> ClientConfig:
+    """``client`` (default ``ClientConfig()``) with the non-None ``fields`` replaced and a pool of >= ``pool``.
+
+    How ``S3StorageWriter``/``S3StorageReader`` combine ``client=`` with their credential arguments.
+    """
+    if client is None:
+        client = ClientConfig()
+    elif not isinstance(client, ClientConfig):
+        raise ConfigError(f"client={client!r} must be a dcp_s3.ClientConfig")
+    return client.override(**fields, max_pool_connections=max(pool, client.max_pool_connections))
+
+
 def _log_failed_attempt(
     response: Any, operation: Any, attempts: int, caught_exception: BaseException | None, request_dict: Any,
     **_: Any,
@@ -260,6 +354,11 @@ def _read_credential_file(path: str) -> dict[str, Any]:
         raise ConfigError(
             f"credential file {path!r} has unknown keys {unknown}; allowed: {sorted(CREDENTIAL_FILE_KEYS)}"
         )
-    if mode & (stat.S_IRGRP | stat.S_IROTH) and "aws_secret_access_key" in data:
-        log.warning("credential file %s is readable by other users; chmod 600 it", path)
+    secrets = sorted(k for k in ("aws_secret_access_key", "aws_session_token") if data.get(k))
+    if mode & (stat.S_IRGRP | stat.S_IROTH) and secrets:
+        # warnings, not only logging: library users see it without configuring logging.
+        warnings.warn(
+            f"credential file {path!r} holds {' and '.join(secrets)} and is readable by other users; chmod 600 it",
+            UserWarning, stacklevel=2,
+        )
     return {k: v for k, v in data.items() if v is not None}

@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .codec import Codec, FrameIndex, stored_span
-from .config import ClientConfig, TransferConfig
-from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
+from .config import ClientConfig, TransferConfig, client_config
+from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, S3TransferError
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .replicated import read_replicated
@@ -46,7 +46,7 @@ log = logging.getLogger("dcp_s3")
 class S3StorageReader(S3Location, StorageReader):
     """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs.
 
-    Takes the same location and credential arguments as ``S3StorageWriter``.
+    Takes the same location, credential and ``client`` arguments as ``S3StorageWriter``.
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
     (larger reads are split), which also bounds staging memory per request.
 
@@ -78,6 +78,7 @@ class S3StorageReader(S3Location, StorageReader):
         transfer: TransferConfig | None = None,
         share_metadata: bool | dist.ProcessGroup = True,
         replica_group: dist.ProcessGroup | None = None,
+        client: ClientConfig | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(share_metadata, (bool, dist.ProcessGroup)):
@@ -87,11 +88,9 @@ class S3StorageReader(S3Location, StorageReader):
         self.share_metadata = share_metadata
         self.replica_group = replica_group
         transfer = (transfer or TransferConfig()).override(max_concurrency=max_concurrency, max_range_size=max_range_size)
-        client = ClientConfig(
-            credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
-            request_args=dict(request_args or {}),
-            max_pool_connections=transfer.max_concurrency + 2,
-            retry_attempts=transfer.max_attempts,
+        client = client_config(
+            client, transfer.max_concurrency + 2, credential_path=credential_path, endpoint_url=endpoint_url,
+            region=region, profile=profile, request_args=request_args,
         )
         self._session = S3Session(path, client, transfer)
         self._codec = Codec(threads=max(1, os.cpu_count() or 1))  # decodes compressed checkpoints
@@ -111,9 +110,13 @@ class S3StorageReader(S3Location, StorageReader):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, storage_data={}, _chunks={}, replica_group=None)
 
+    #: Why the last ``.metadata`` GET failed for lack of an answer (see ``read_metadata``).
+    _metadata_error: S3TransferError | None = None
+
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._reset_location(checkpoint_id)
+        self._metadata_error = None
         self.storage_data = {}
         self._chunks = {}
         self.load_id = str(uuid.uuid4())
@@ -125,12 +128,20 @@ class S3StorageReader(S3Location, StorageReader):
         DCP passes ``rank=`` only when asking for a rank-local metadata file after the
         shared one failed; that read is not shared (the ranks read on their own).
         """
+        if kwargs.get("rank") is not None and self._metadata_error is not None:
+            # torch asks again, for rank-local metadata (which dcp_s3 never writes), when the first
+            # call failed: do not wait for an endpoint that did not answer a second time.
+            raise self._metadata_error
         source = metadata_source(self.share_metadata)  # ConfigError for a wrong explicit group, on both calls
-        if source is None or "rank" in kwargs:
-            data = self._get_metadata()
-        else:
-            group, src = source
-            data = broadcast_bytes(self._get_metadata, src, group, f"{self.checkpoint_id}/{METADATA_KEY}")
+        try:
+            if source is None or "rank" in kwargs:
+                data = self._get_metadata()
+            else:
+                group, src = source
+                data = broadcast_bytes(self._get_metadata, src, group, f"{self.checkpoint_id}/{METADATA_KEY}")
+        except S3TransferError as exc:  # on every rank of a shared read, not only the one that read
+            self._metadata_error = exc
+            raise
         key = self._session.key(METADATA_KEY)
         metadata = load_metadata(data, f"s3://{self._session.require_uri().bucket}/{key}")
         if metadata.storage_meta is None:

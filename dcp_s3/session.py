@@ -63,7 +63,7 @@ class S3Session:
             self._check_fork()
             if self._transport is None:
                 self._transport = S3Transport(
-                    self.client_config.client, uri.bucket, max_attempts=self.transfer.max_attempts,
+                    self.client_config.client, uri.bucket, max_attempts=self.client_config.retry_attempts,
                     request_args=self.client_config.request_args,
                 )
             return self._transport

@@ -22,8 +22,15 @@ from typing import Any, Protocol
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from .config import ClientConfig, S3Uri, parse_s3_uri
-from .errors import CheckpointNotFoundError, ConfigError, DcpS3Error, InvalidCheckpointIdError
+from .config import S3Uri, client_config, parse_s3_uri
+from .errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpS3Error,
+    InvalidCheckpointIdError,
+)
 from .local_writer import SafeFileSystemWriter
 from .reader import S3StorageReader
 from .transfer import RangeRead, S3Transport, translate_error
@@ -33,6 +40,8 @@ __all__ = ["Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "o
 
 #: Options that choose the S3 client (the rest tune the writer/reader).
 _CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "request_args")
+#: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
+CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode")
 _IO_THREADS = 8
 
 
@@ -62,14 +71,22 @@ def _option_names(cls: type) -> set[str]:
 def split_storage_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split S3 storage options into (``S3StorageWriter`` kwargs, ``S3StorageReader`` kwargs).
 
-    Raises ``ConfigError`` naming any option neither class accepts.
+    ``ClientConfig`` settings given on their own (``connect_timeout``, ``read_timeout``,
+    ``retry_attempts``, ``retry_mode``) are folded into ``client=`` (a ``ClientConfig``, given
+    or default), which both classes take. Raises ``ConfigError`` naming any option neither
+    class accepts.
     """
+    options = dict(options)
+    settings = {k: options.pop(k) for k in CLIENT_SETTINGS if options.get(k) is not None}
+    for k in CLIENT_SETTINGS:
+        options.pop(k, None)
+    if settings:
+        options["client"] = client_config(options.get("client"), 1, **settings)
     writer_names, reader_names = _option_names(S3StorageWriter), _option_names(S3StorageReader)
     unknown = sorted(set(options) - writer_names - reader_names)
     if unknown:
-        raise ConfigError(
-            f"unknown storage option(s) {unknown}; S3 locations accept {sorted(writer_names | reader_names)}"
-        )
+        accepted = sorted(writer_names | reader_names | set(CLIENT_SETTINGS))
+        raise ConfigError(f"unknown storage option(s) {unknown}; S3 locations accept {accepted}")
     writer = {k: v for k, v in options.items() if k in writer_names}
     reader = {k: v for k, v in options.items() if k in reader_names}
     return writer, reader
@@ -100,16 +117,19 @@ class Store(Protocol):
         """The object's size, or None if it does not exist."""
         ...
 
-    def write(self, name: str, data: bytes) -> None:
-        """Create or replace ``name`` atomically (readers see the old or the new bytes)."""
+    def write(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+        """Create or replace ``name`` atomically (readers see the old or the new bytes).
+
+        ``overwrite=False``: ``CheckpointExistsError`` if ``name`` exists (checked atomically).
+        """
         ...
 
     def delete(self, names: Iterable[str]) -> None:
         """Delete objects (missing ones are ignored)."""
         ...
 
-    def writer(self, name: str) -> StorageWriter:
-        """A DCP storage writer for the checkpoint at ``name``."""
+    def writer(self, name: str, *, overwrite: bool | None = None) -> StorageWriter:
+        """A DCP storage writer for the checkpoint at ``name`` (``overwrite``: the writer's, if given)."""
         ...
 
     def reader(self, name: str) -> StorageReader:
@@ -122,6 +142,10 @@ class Store(Protocol):
 
     def abort(self, upload: Upload) -> None:
         """Abort an unfinished multipart upload."""
+        ...
+
+    def upload_activity(self, upload: Upload) -> float | None:
+        """When ``upload`` last received a part (else when it started); None if it is gone."""
         ...
 
     def download(self, name: str, path: str) -> None:
@@ -137,6 +161,24 @@ def _join(a: str, b: str) -> str:
     return f"{a}/{b}" if a and b else a or b
 
 
+def check_relative_name(name: str, origin: str) -> str:
+    """``name`` if it is a clean relative object name (no empty, ``.`` or ``..`` segment, no NUL,
+    no leading ``/``; on Windows no ``\\``), so the file path or key made from it stays under its root.
+
+    A bucket can hold keys such as ``ck/../../x`` (S3 stores them verbatim); turned into a
+    local path, or re-sent to a server that normalizes paths, such a key would land outside
+    the target. ``origin`` says where the name came from, for the error.
+    """
+    segments = name.split("/")
+    separators = {os.sep, os.altsep or "/"} - {"/"}  # a backslash separates paths on Windows
+    if not name or any(seg in ("", ".", "..") for seg in segments) or "\0" in name or separators & set(name):
+        raise CheckpointFormatError(
+            f"refusing object name {name!r} from {origin}: its '', '.' or '..' segments (or NUL, or a path "
+            "separator) would resolve outside the target; rename or delete that object"
+        )
+    return name
+
+
 class S3Store:
     """Objects under ``s3://bucket/prefix``."""
 
@@ -144,8 +186,10 @@ class S3Store:
         self.uri = uri
         self.root = str(uri).rstrip("/")
         self._writer_options, self._reader_options = split_storage_options(options)
-        client_options = {k: options[k] for k in _CLIENT_OPTIONS if options.get(k) is not None}
-        self._client_config = ClientConfig(**client_options, max_pool_connections=_IO_THREADS + 2)
+        S3StorageWriter(None, **self._writer_options)  # reject a bad option now, not at the first save
+        S3StorageReader(None, **self._reader_options)
+        client_options = {k: options.get(k) for k in _CLIENT_OPTIONS}
+        self._client_config = client_config(self._writer_options.get("client"), _IO_THREADS + 2, **client_options)
         self.transport = S3Transport(
             self._client_config.client, uri.bucket, request_args=self._client_config.request_args
         )
@@ -202,14 +246,21 @@ class S3Store:
         head = self.transport.head_object(self.key(name))
         return None if head is None else int(head["ContentLength"])
 
-    def write(self, name: str, data: bytes) -> None:
-        self.transport.put_object(self.key(name), data)  # one PUT: atomic on S3
+    def write(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
+        # One PUT: atomic on S3; If-None-Match makes "only if absent" atomic too.
+        try:
+            self.transport.put_object(self.key(name), data, if_none_match=not overwrite)
+        except CheckpointExistsError:
+            raise CheckpointExistsError(f"{self.url(name)} already exists; pass overwrite (--force) to replace it") from None
 
     def delete(self, names: Iterable[str]) -> None:
         self.transport.delete_objects([self.key(n) for n in names])
 
-    def writer(self, name: str) -> StorageWriter:
-        return S3StorageWriter(self.url(name), **self._writer_options)
+    def writer(self, name: str, *, overwrite: bool | None = None) -> StorageWriter:
+        options = dict(self._writer_options)
+        if overwrite is not None:
+            options["overwrite"] = overwrite
+        return S3StorageWriter(self.url(name), **options)
 
     def reader(self, name: str) -> StorageReader:
         return S3StorageReader(self.url(name), **self._reader_options)
@@ -223,6 +274,22 @@ class S3Store:
 
     def abort(self, upload: Upload) -> None:
         self.transport.abort_multipart_upload(self.key(upload.name), upload.upload_id)
+
+    def upload_activity(self, upload: Upload) -> float | None:
+        key = self.key(upload.name)
+        latest = upload.initiated
+        try:
+            for page in self.transport.client.get_paginator("list_parts").paginate(
+                Bucket=self.uri.bucket, Key=key, UploadId=upload.upload_id
+            ):
+                for part in page.get("Parts", []):
+                    latest = max(latest, part["LastModified"].timestamp())
+        except Exception as exc:
+            error = translate_error(exc, "LIST parts", self.uri.bucket, key)
+            if isinstance(error, CheckpointNotFoundError):
+                return None  # completed or aborted meanwhile
+            raise error from exc
+        return latest
 
     def download(self, name: str, path: str) -> None:
         key = self.key(name)
@@ -244,10 +311,16 @@ def _opener(buf: bytearray) -> Callable[[], memoryview]:
 
 
 class LocalStore:
-    """Files under a local directory (which need not exist yet)."""
+    """Files under a local directory (which need not exist yet).
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    Names from elsewhere (object keys) are checked by ``check_relative_name`` before they
+    become paths. Listing does not descend into symbolically linked directories unless
+    ``follow_symlinks``; :meth:`links_out` tells which paths resolve outside the root.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, follow_symlinks: bool = False) -> None:
         self.root = os.path.abspath(os.fspath(root))
+        self.follow_symlinks = follow_symlinks
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root!r})"
@@ -256,7 +329,35 @@ class LocalStore:
         pass
 
     def path(self, name: str) -> str:
-        return os.path.join(self.root, *name.split("/")) if name else self.root
+        if not name:
+            return self.root
+        return os.path.join(self.root, *check_relative_name(name, self.root).split("/"))
+
+    def links_out(self, names: Iterable[str] = ("",)) -> list[tuple[str, str]]:
+        """(path, real target) of every symbolic link at or under ``names`` (files or directories,
+        existing or not: the nearest existing ancestor counts) that resolves outside the root."""
+        real_root = os.path.realpath(self.root)
+
+        def outside(path: str) -> str | None:
+            real = os.path.realpath(path)
+            return None if os.path.commonpath([real, real_root]) == real_root else real
+
+        found: dict[str, str] = {}
+        for name in names:
+            top = self.path(name)
+            target = outside(top)
+            if target is not None:
+                link = top
+                while os.path.dirname(link) != link and outside(os.path.dirname(link)) is not None:
+                    link = os.path.dirname(link)  # report the link itself, not a path below it
+                found[link] = os.path.realpath(link)
+                continue
+            for dirpath, dirnames, filenames in os.walk(top):
+                for entry in dirnames + filenames:
+                    path = os.path.join(dirpath, entry)
+                    if os.path.islink(path) and (target := outside(path)) is not None:
+                        found[path] = target
+        return sorted(found.items())
 
     def url(self, name: str = "") -> str:
         return self.path(name)
@@ -265,7 +366,13 @@ class LocalStore:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         top = self.path(base)
         out: list[Entry] = []
-        for dirpath, dirnames, filenames in os.walk(top):
+        seen: set[str] = set()  # real paths of the directories walked: a linked loop is walked once
+        for dirpath, dirnames, filenames in os.walk(top, followlinks=self.follow_symlinks):
+            real = os.path.realpath(dirpath)
+            if real in seen:
+                dirnames.clear()
+                continue
+            seen.add(real)
             dirnames.sort()
             rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             for fn in sorted(filenames):
@@ -308,7 +415,7 @@ class LocalStore:
         except FileNotFoundError:
             return None
 
-    def write(self, name: str, data: bytes) -> None:
+    def write(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
         target = self.path(name)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
@@ -317,11 +424,20 @@ class LocalStore:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)  # atomic on POSIX
-        except BaseException:
+            if overwrite:
+                os.replace(tmp, target)  # atomic on POSIX
+            else:
+                try:
+                    os.link(tmp, target)  # atomic, and fails if target exists
+                except FileExistsError:
+                    raise CheckpointExistsError(f"{target} already exists; pass overwrite (--force) to replace it") from None
+                except OSError:  # a file system without hard links: check, then replace
+                    if os.path.lexists(target):
+                        raise CheckpointExistsError(f"{target} already exists; pass overwrite (--force) to replace it") from None
+                    os.replace(tmp, target)
+        finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-            raise
 
     def delete(self, names: Iterable[str]) -> None:
         dirs = set()
@@ -341,8 +457,8 @@ class LocalStore:
                     break
                 d = os.path.dirname(d)
 
-    def writer(self, name: str) -> StorageWriter:
-        return SafeFileSystemWriter(self.path(name))
+    def writer(self, name: str, *, overwrite: bool | None = None) -> StorageWriter:
+        return SafeFileSystemWriter(self.path(name), overwrite=overwrite is not False)
 
     def reader(self, name: str) -> StorageReader:
         return FileSystemReader(self.path(name))
@@ -352,6 +468,9 @@ class LocalStore:
 
     def abort(self, upload: Upload) -> None:  # pragma: no cover - nothing to abort on disk
         raise DcpS3Error("local directories have no multipart uploads")
+
+    def upload_activity(self, upload: Upload) -> float | None:  # pragma: no cover - no uploads on disk
+        return None
 
     def download(self, name: str, path: str) -> None:
         try:
@@ -365,11 +484,14 @@ class LocalStore:
         shutil.copyfile(path, target)
 
 
-def open_store(location: str | os.PathLike[str], **storage_options: Any) -> S3Store | LocalStore:
+def open_store(
+    location: str | os.PathLike[str], *, follow_symlinks: bool = False, **storage_options: Any
+) -> S3Store | LocalStore:
     """A store rooted at ``s3://bucket[/prefix]`` or at a local directory.
 
     ``storage_options`` are ``S3StorageWriter``/``S3StorageReader`` keywords; they are
     rejected (``ConfigError``) for local directories, where they would silently do nothing.
+    ``follow_symlinks``: a local store lists linked directories too (see ``LocalStore``).
     """
     text = os.fspath(location)
     if text.startswith("s3://"):
@@ -379,10 +501,12 @@ def open_store(location: str | os.PathLike[str], **storage_options: Any) -> S3St
     given = sorted(k for k, v in storage_options.items() if v is not None)
     if given:
         raise ConfigError(f"storage options {given} apply to s3:// locations only, not to local path {text!r}")
-    return LocalStore(text)
+    return LocalStore(text, follow_symlinks=follow_symlinks)
 
 
-def open_object(location: str | os.PathLike[str], **storage_options: Any) -> tuple[S3Store | LocalStore, str]:
+def open_object(
+    location: str | os.PathLike[str], *, follow_symlinks: bool = False, **storage_options: Any
+) -> tuple[S3Store | LocalStore, str]:
     """(store of the parent location, object name) for one object/file location."""
     text = os.fspath(location).rstrip("/")
     if text.startswith("s3://"):
@@ -390,4 +514,4 @@ def open_object(location: str | os.PathLike[str], **storage_options: Any) -> tup
         parent, _, name = uri.key.rpartition("/")
         return open_store(f"s3://{uri.bucket}/{parent}", **storage_options), name
     parent, name = os.path.split(os.path.abspath(text))
-    return open_store(parent, **storage_options), name
+    return open_store(parent, follow_symlinks=follow_symlinks, **storage_options), name

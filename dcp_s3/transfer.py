@@ -28,6 +28,7 @@ from botocore.exceptions import (
     BotoCoreError,
     ClientError,
     ConnectionClosedError,
+    ConnectTimeoutError,
     EndpointConnectionError,
     IncompleteReadError,
     ReadTimeoutError,
@@ -96,6 +97,11 @@ def translate_error(exc: BaseException, action: str, bucket: str, key: str | Non
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, BotoCoreError) and "credentials" in detail.lower():
         return S3AccessDeniedError(f"{action} {where}: {detail}")
+    if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError)):  # the detail names the endpoint URL
+        return S3TransferError(
+            f"{action} {where} failed: no answer in time, after every attempt: {detail} (the wait is bounded by "
+            "ClientConfig connect_timeout, read_timeout and retry_attempts)"
+        )
     return S3TransferError(f"{action} {where} failed: {type(exc).__name__}: {detail}")
 
 

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .codec import Codec, grouping_for_dtype
-from .config import ClientConfig, TransferConfig
+from .config import ClientConfig, TransferConfig, client_config, int_option
 from .errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -90,6 +90,8 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
             ``If-None-Match`` (tested once per bucket and process), refuse to save with
             ``ServerCapabilityError`` (default). ``False``: fall back to a HEAD just before the
             commit, with a warning — a save racing to the same path can then be replaced.
+        client: every client setting in one ``ClientConfig`` (timeouts, retry attempts...); the
+            five arguments above override its fields.
         part_size: multipart part size; peak extra memory is about
             ``part_size * (max_concurrency + files_per_rank)``.
         max_concurrency: parallel part uploads per process.
@@ -123,6 +125,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         max_concurrency: int | None = None,
         files_per_rank: int | None = None,
         transfer: TransferConfig | None = None,
+        client: ClientConfig | None = None,
         compression: str | None = None,
         compression_level: int = 1,
         compression_threads: int = 2,
@@ -133,16 +136,17 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         transfer = (transfer or TransferConfig()).override(
             part_size=part_size, max_concurrency=max_concurrency, files_per_rank=files_per_rank
         )
-        client = ClientConfig(
-            credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
-            request_args=dict(request_args or {}),
-            max_pool_connections=transfer.max_concurrency + transfer.files_per_rank + 2,
-            retry_attempts=transfer.max_attempts,
+        client = client_config(
+            client, transfer.max_concurrency + transfer.files_per_rank + 2, credential_path=credential_path,
+            endpoint_url=endpoint_url, region=region, profile=profile, request_args=request_args,
         )
         self._session = S3Session(path, client, transfer)
         if compression not in (None, "zstd"):
             raise ConfigError(f"compression={compression!r}; expected None or 'zstd'")
-        self._codec = Codec(level=compression_level, threads=compression_threads) if compression else None
+        self._codec = Codec(
+            level=int_option("compression_level", compression_level, -(1 << 17)),
+            threads=int_option("compression_threads", compression_threads, 1),
+        ) if compression else None
         self.overwrite = overwrite
         self.require_conditional_writes = require_conditional_writes
         # Coordinator: whether the commit may rely on If-None-Match (see prepare_global_plan).

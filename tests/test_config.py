@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import pickle
 from pathlib import Path
 
@@ -65,13 +64,13 @@ def test_missing_credential_file() -> None:
         ClientConfig(credential_path="/nonexistent/cred.json")
 
 
-def test_world_readable_credential_file_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_world_readable_credential_file_warns(tmp_path: Path) -> None:
     cred = tmp_path / "c.json"
     cred.write_text(json.dumps({"aws_access_key_id": "AK", "aws_secret_access_key": "SK"}))
     cred.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="dcp_s3"):
+    with pytest.warns(UserWarning, match="readable by other users") as record:
         ClientConfig(credential_path=str(cred)).client_kwargs()
-    assert "readable by other users" in caplog.text and "SK" not in caplog.text
+    assert all("SK" not in str(w.message) for w in record)
 
 
 def test_client_is_path_style_for_custom_endpoints() -> None:

@@ -213,11 +213,12 @@ def test_commit_retry_that_finds_its_own_metadata_succeeds(bucket: str) -> None:
     writer.finish(metadata, [])  # same bytes already there: committed, not an error
 
 
-def test_max_attempts_bounds_botocore_retries_too() -> None:
-    from dcp_s3 import TransferConfig
+def test_retry_attempts_bound_botocore_and_body_retries() -> None:
+    from dcp_s3 import ClientConfig
 
-    writer = S3StorageWriter("s3://bucket/x", transfer=TransferConfig(max_attempts=2))
-    assert writer._session.client_config.retry_attempts == 2
+    writer = S3StorageWriter("s3://bucket/x", client=ClientConfig(retry_attempts=2), part_size=8 << 20)
+    assert writer._session.client_config.retry_attempts == 2  # not replaced by a transfer setting
+    assert writer._session.transport.max_attempts == 2
     assert S3StorageReader("s3://bucket/x").__getstate__()["_session"].client_config.retry_attempts == 5
 
 
