@@ -43,12 +43,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from .cleanup import delete_step
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from .planners import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
-from .steps import MARKER_FORMAT, MARKER_SUFFIX, Step, complete_steps, latest_complete, ordered, part_name, scan
+from .steps import MARKER_FORMAT, MARKER_SUFFIX, complete_steps, latest_complete, ordered, part_name, scan
 from .store import LocalStore, S3Store, open_object, open_store
 
-__all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object", "delete_step"]
+__all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object"]
 
 log = logging.getLogger("dcp_s3")
 
@@ -97,20 +98,6 @@ def latest_checkpoint(uri_or_dir: str | os.PathLike[str], **storage_options: Any
     store = open_store(uri_or_dir, **storage_options)
     step = latest_complete(scan(store.list_objects()))
     return None if step is None else store.url(step.name)
-
-
-def delete_step(store: Store, step: Step, uploads: bool = True) -> int:
-    """Delete one step (marker first, so it never looks complete while half deleted); returns objects removed."""
-    objects = step.objects
-    first = [step.marker.name] if step.marker is not None else []
-    first += [o.name for o in objects if o.name.endswith("/.metadata") or o.name == ".metadata"]
-    rest = [o.name for o in objects if o.name not in first]
-    store.delete(first)
-    store.delete(rest)
-    if uploads and step.kind == "step":
-        for upload in store.uploads(f"{step.name}."):
-            store.abort(upload)
-    return len(objects)
 
 
 # -- the manager ------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from .steps import MARKER_SUFFIX, Part, Step, scan
 from .store import Entry, Upload, open_store
 
 __all__ = [
-    "Garbage", "Removal", "find_garbage", "collect_garbage", "remove_checkpoint", "is_checkpoint_object",
+    "Garbage", "Removal", "delete_step", "find_garbage", "collect_garbage", "remove_checkpoint", "is_checkpoint_object",
     "PROBE_PATTERN",
 ]
 
@@ -100,6 +100,18 @@ def _delete(store: Store, names: list[str]) -> None:
 
 
 # -- gc ------------------------------------------------------------------------------------------------
+def delete_step(store: Store, step: Step, uploads: bool = True) -> int:
+    """Delete one step's checkpoint objects (marker first, so it never looks complete while half
+    deleted) and, with ``uploads``, abort its unfinished uploads; other files in its directories
+    stay. Returns the number of objects deleted."""
+    mine, _ = _split_step(step)
+    _delete(store, [e.name for e in mine])
+    if uploads and step.kind == "step":
+        for upload in store.uploads(f"{step.name}."):
+            store.abort(upload)
+    return len(mine)
+
+
 @dataclass
 class Garbage:
     """What ``gc`` would remove, every object and upload named, before anything is removed."""

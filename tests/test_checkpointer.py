@@ -313,3 +313,17 @@ def test_objects_and_option_checks(bucket: str, tmp_path: Path) -> None:
     (tmp_path / "0000004.pth").write_bytes(buf.getvalue())
     with pytest.raises(CheckpointFormatError, match="not a checkpoint"):
         Checkpointer(tmp_path).load({"m": Net()}, path=tmp_path / "0000004")
+
+
+def test_retention_deletes_only_checkpoint_objects(tmp_path: Path) -> None:
+    """keep_last removes an old step's checkpoint objects, not a user's file in its directory."""
+    model = nn.Linear(4, 4)
+    ckpt = Checkpointer(tmp_path / "run", keep_last=1)
+    ckpt.save({"m": model}, iteration=1)
+    notes = tmp_path / "run" / "0000001.m_model" / "notes.md"
+    notes.write_text("mine")
+    ckpt.save({"m": model}, iteration=2)
+    assert latest_checkpoint(tmp_path / "run") == str(tmp_path / "run" / "0000002")
+    assert notes.read_text() == "mine"
+    assert not list((tmp_path / "run" / "0000001.m_model").glob("*.distcp"))
+    assert not (tmp_path / "run" / "0000001.pth").exists()
