@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    BucketNotFoundError,
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -92,6 +93,7 @@ __all__ = [
     "InvalidCheckpointIdError",
     "ConfigError",
     "CheckpointNotFoundError",
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "S3AccessDeniedError",
     "S3TransferError",

@@ -15,6 +15,7 @@ __all__ = [
     "InvalidCheckpointIdError",
     "ConfigError",
     "CheckpointNotFoundError",
+    "BucketNotFoundError",
     "CheckpointExistsError",
     "S3AccessDeniedError",
     "S3TransferError",
@@ -37,6 +38,10 @@ class ConfigError(DcpS3Error, ValueError):
 
 class CheckpointNotFoundError(DcpS3Error, FileNotFoundError):
     """The bucket, the checkpoint or one of its objects does not exist."""
+
+
+class BucketNotFoundError(CheckpointNotFoundError):
+    """The bucket itself does not exist (or is not visible with these credentials)."""
 
 
 class CheckpointExistsError(DcpS3Error, FileExistsError):

@@ -30,7 +30,7 @@ from torch.futures import Future
 
 from .codec import Codec, FrameIndex, stored_span
 from .config import ClientConfig, TransferConfig, client_config
-from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, S3TransferError
+from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, S3TransferError
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .replicated import read_replicated
@@ -153,9 +153,9 @@ class S3StorageReader(S3Location, StorageReader):
         key = self._session.key(METADATA_KEY)
         try:
             data = self._session.transport.get_object(key)
+        except BucketNotFoundError:
+            raise
         except CheckpointNotFoundError as exc:
-            if "bucket" in str(exc) and "does not exist" in str(exc):
-                raise
             raise CheckpointNotFoundError(
                 f"no checkpoint at {self.checkpoint_id}: {METADATA_KEY} is missing "
                 "(never written, or the save did not complete)"

@@ -37,6 +37,7 @@ from botocore.exceptions import (
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from .errors import (
+    BucketNotFoundError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     ConfigError,
@@ -80,7 +81,7 @@ def translate_error(exc: BaseException, action: str, bucket: str, key: str | Non
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         cause = f"{code or status}: {err.get('Message') or 'no message'}"
         if code == "NoSuchBucket":
-            return CheckpointNotFoundError(f"{action} {where}: bucket {bucket!r} does not exist ({cause})")
+            return BucketNotFoundError(f"{action} {where}: bucket {bucket!r} does not exist ({cause})")
         if code in _NOT_FOUND or status == 404:
             return CheckpointNotFoundError(f"{action} {where}: not found ({cause})")
         if code in _DENIED or status == 403:
@@ -345,7 +346,7 @@ class S3Transport:
         try:
             self._call("head_bucket", None)
         except CheckpointNotFoundError as exc:
-            raise CheckpointNotFoundError(f"bucket {self.bucket!r} does not exist") from exc.__cause__
+            raise BucketNotFoundError(f"bucket {self.bucket!r} does not exist") from exc.__cause__
 
     def delete_object(self, key: str) -> None:
         self._call("delete_object", key, Key=key)
