@@ -278,7 +278,8 @@ class Checkpointer:
         try:
             self._retain(keep=store.url(step))
         except (DcpS3Error, OSError) as exc:
-            log.warning("keep_last=%d: could not delete old steps under %s: %s", self.keep_last, self.save_dir, exc)
+            # The step is saved; storage growing unseen is what must not happen.
+            _warn(f"keep_last={self.keep_last}: could not delete old steps under {self.save_dir}: {exc}")
 
     def _retain(self, keep: str) -> None:
         assert self.keep_last is not None

@@ -18,6 +18,7 @@ import logging
 import random
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,9 +54,12 @@ log = logging.getLogger("dcp_s3")
 
 MAX_PARTS = 10_000
 
-# What each (endpoint, bucket) was found to support, tested once per process.
-_CONDITIONAL_WRITES: dict[tuple[str, str], bool] = {}
+# What each (endpoint, bucket) was found to support ("conditional_writes", "delete_objects",
+# "list_uploads"), learnt once per process; absent = not known yet.
+_CAPABILITIES: dict[tuple[str, str, str], bool] = {}
 _CAPABILITIES_LOCK = threading.Lock()
+# Error codes of servers that lack DeleteObjects as we send it: MinIO's gateway (JuiceFS) wants Content-MD5.
+_NO_BATCH_DELETE = {"MissingContentMD5", "NotImplemented"}
 MIN_PART_SIZE = 5 << 20
 
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "404", "NotFound"}
@@ -298,9 +302,7 @@ class S3Transport:
         Tested once per endpoint and bucket in a process (two PUTs and a DELETE of the
         empty object ``probe_key``), then remembered.
         """
-        cache_key = (str(self.client.meta.endpoint_url), self.bucket)
-        with _CAPABILITIES_LOCK:
-            known = _CONDITIONAL_WRITES.get(cache_key)
+        known = self._capability("conditional_writes")
         if known is not None:
             return known
         self.put_object(probe_key, b"")
@@ -313,11 +315,19 @@ class S3Transport:
             supported = False
         finally:
             self.delete_object(probe_key)
-        if not supported:
-            log.info("s3://%s at %s ignores If-None-Match on PUT", self.bucket, cache_key[0])
-        with _CAPABILITIES_LOCK:
-            _CONDITIONAL_WRITES[cache_key] = supported
+        self._learn("conditional_writes", supported)
         return supported
+
+    def _capability(self, feature: str) -> bool | None:
+        with _CAPABILITIES_LOCK:
+            return _CAPABILITIES.get((str(self.client.meta.endpoint_url), self.bucket, feature))
+
+    def _learn(self, feature: str, supported: bool) -> None:
+        endpoint = str(self.client.meta.endpoint_url)
+        if not supported:
+            log.info("s3://%s at %s: no %s", self.bucket, endpoint, feature)
+        with _CAPABILITIES_LOCK:
+            _CAPABILITIES[(endpoint, self.bucket, feature)] = supported
 
     def get_object(self, key: str) -> bytes:
         """The whole object (for small objects such as ``.metadata``)."""
@@ -352,12 +362,32 @@ class S3Transport:
         self._call("delete_object", key, Key=key)
 
     def delete_objects(self, keys: Sequence[str]) -> None:
-        """Delete many keys, 1,000 per request (the S3 limit); keys already gone are fine."""
+        """Delete many keys, 1,000 per request (the S3 limit); keys already gone are fine.
+
+        On a server that refuses DeleteObjects as botocore sends it (``MissingContentMD5``:
+        MinIO's gateway, as in JuiceFS; or ``NotImplemented``), keys are deleted one by one,
+        and so on for this endpoint and bucket from then on.
+        """
         for start in range(0, len(keys), 1000):
             batch = keys[start : start + 1000]
-            resp = self._call(
-                "delete_objects", batch[0], Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-            )
+            if self._capability("delete_objects") is False:
+                for key in batch:
+                    self.delete_object(key)
+                continue
+            try:
+                resp = self._call(
+                    "delete_objects", batch[0], Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
+            except S3TransferError as exc:
+                cause = exc.__cause__
+                if not isinstance(cause, ClientError) or (
+                    cause.response.get("Error", {}).get("Code") not in _NO_BATCH_DELETE and _status(cause) != 501
+                ):
+                    raise
+                self._learn("delete_objects", False)
+                for key in batch:
+                    self.delete_object(key)
+                continue
             errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
             if errors:
                 first = errors[0]
@@ -376,14 +406,31 @@ class S3Transport:
             raise translate_error(exc, "LIST", self.bucket, prefix) from exc
 
     def list_multipart_uploads(self, prefix: str) -> list[dict[str, Any]]:
-        """Multipart uploads started under ``prefix`` and neither completed nor aborted."""
+        """Multipart uploads started under ``prefix`` and neither completed nor aborted.
+
+        A server without ListMultipartUploads (s3rver answers ``NotImplemented``) lists none,
+        with a warning (once per endpoint and bucket in a process): unfinished uploads there
+        are invisible to ``gc`` and retention, which carry on without them.
+        """
+        if self._capability("list_uploads") is False:
+            return []
         uploads: list[dict[str, Any]] = []
         paginator = self.client.get_paginator("list_multipart_uploads")
         try:
             args = self._args_for("list_multipart_uploads")
             for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, **args):
                 uploads.extend(page.get("Uploads", []))
-        except (ClientError, BotoCoreError) as exc:
+        except ClientError as exc:
+            if not _is_not_implemented(exc):
+                raise translate_error(exc, "LIST uploads", self.bucket, prefix) from exc
+            self._learn("list_uploads", False)
+            warnings.warn(
+                f"s3://{self.bucket} at {self.client.meta.endpoint_url} does not list multipart uploads: "
+                "unfinished uploads cannot be found or aborted there (abort them by other means)",
+                RuntimeWarning, stacklevel=2,
+            )
+            return []
+        except BotoCoreError as exc:
             raise translate_error(exc, "LIST uploads", self.bucket, prefix) from exc
         return uploads
 

@@ -16,6 +16,8 @@ on top of) forwarding it:
 ``"truncate"``  forward, then send the response headers (full ``Content-Length``) and only
                 half the body, then close
 ``"stall"``     sleep ``stall_s`` seconds, then forward normally
+``"md5"``       answer ``400 MissingContentMD5`` (MinIO's gateway on DeleteObjects), not forwarded
+``"501"``       answer ``501 NotImplemented`` (a server without the operation), not forwarded
 
 ``drop_request_headers`` removes headers from every forwarded request (e.g. ``If-None-Match``,
 to play a server without conditional writes in front of moto, which checks no signatures).
@@ -48,11 +50,15 @@ from urllib.parse import parse_qs, urlsplit
 
 __all__ = ["FaultProxy", "Rule", "classify", "FAULTS"]
 
-FAULTS = ("500", "503", "reset", "truncate", "stall")
+FAULTS = ("500", "503", "reset", "truncate", "stall", "md5", "501")
 
 _ERRORS = {
     "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
     "503": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+    # What servers lacking a feature answer: MinIO's gateway on a DeleteObjects without Content-MD5,
+    # s3rver on ListMultipartUploads.
+    "md5": (400, "Bad Request", "MissingContentMD5", "Missing required header for this request: Content-Md5."),
+    "501": (501, "Not Implemented", "NotImplemented", "A header you provided implies functionality that is not implemented."),
 }
 
 

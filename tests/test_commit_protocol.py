@@ -33,8 +33,8 @@ from dcp_s3.layout import METADATA_KEY, load_metadata, referenced_objects
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.local_writer import SafeFileSystemWriter
 from tests.commit_child import model, sgd, state, train_a_bit
-from tests.fault_proxy import FaultProxy
-from tests.objects import data_keys
+from tests.fault_proxy import FaultProxy, Rule
+from tests.objects import data_keys, object_keys
 
 CHILD = str(Path(__file__).with_name("commit_child.py"))
 ROOT = str(Path(__file__).parent.parent)
@@ -301,3 +301,28 @@ def test_resumes_steps_whose_marker_has_no_format(bucket: str) -> None:
     dcp.save(m.state_dict(), storage_writer=S3StorageWriter(f"{root}/0000600.model_model"), no_dist=True)
     with pytest.raises(ValueError, match="neither a step marker"):
         Checkpointer(root).load({"model": m2}, path=f"{root}/0000600")
+
+
+# -- servers without DeleteObjects or ListMultipartUploads (answers played by the proxy) ----------------------
+def test_servers_missing_batch_delete_and_upload_listing(
+    moto_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    rules = [Rule({"DeleteObjects"}, "md5", max_per_request=None), Rule({"ListMultipartUploads"}, "501")]
+    with FaultProxy(moto_server.endpoint_url, rules) as proxy:
+        for name, value in moto_server.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        bucket = moto_server.create_bucket(f"quirks-{time.monotonic_ns()}")
+        root = f"s3://{bucket}/run"
+        m = model(0)
+        ckpt = Checkpointer(root, keep_last=1)
+        with pytest.warns(RuntimeWarning, match="does not list multipart uploads"):
+            for it in (1, 2, 3):  # retention deletes steps 1 and 2; re-saving 3 deletes its replaced objects
+                ckpt.save({"m": m}, iteration=it)
+            ckpt.save({"m": m}, iteration=3)
+        keys = set(object_keys(moto_server.client(), bucket, "run/"))
+        assert not any(k.startswith(("run/0000001", "run/0000002")) for k in keys), keys
+        assert len([k for k in keys if k.endswith(".distcp")]) == 1, keys  # only the last save's object
+        assert proxy.faults[("DeleteObjects", "md5")] == 1  # learnt once, then one DELETE per key
+        assert proxy.counts["DeleteObject"] >= 3
+        assert Checkpointer(root).load({"m": model(5)}) == 3
