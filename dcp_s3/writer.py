@@ -278,10 +278,9 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         if self.overwrite:
             replaced = self._committed_objects(key) - ours
             etag = transport.put_object(key, body)
-            # Delete the replaced save's objects only while .metadata is still ours: a save that
-            # committed after us may have read our objects as the ones to delete, never the reverse.
-            head = transport.head_object(key)
-            if replaced and head is not None and head.get("ETag") == etag:
+            # Delete the replaced checkpoint's objects only while .metadata is still ours: if another
+            # save committed after us, it deletes what it replaced, and ours are then left for gc.
+            if replaced and self._still_committed(key, etag, body):
                 self._delete_quietly(sorted(replaced), "objects of the replaced checkpoint")
         else:
             self._commit_once(key, body, ours)
@@ -303,6 +302,19 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
             raise self._exists_error(
                 "another save committed it while this one was being written; this save was not committed"
             ) from exc
+
+    def _still_committed(self, key: str, etag: str, body: bytes) -> bool:
+        """Whether ``.metadata`` still holds ``body`` (this save's): by ETag, or by content where
+        the server's HEAD carries none (the JuiceFS/MinIO gateway)."""
+        head = self._session.transport.head_object(key)
+        if head is None:
+            return False
+        if head.get("ETag") and etag:
+            return bool(head["ETag"] == etag)
+        try:
+            return self._session.transport.get_object(key) == body
+        except CheckpointNotFoundError:
+            return False
 
     def _committed_objects(self, key: str) -> set[str]:
         """The objects the checkpoint now committed at this path uses (empty if there is none)."""

@@ -19,6 +19,7 @@ on top of) forwarding it:
 ``"md5"``       answer ``400 MissingContentMD5`` (MinIO's gateway on DeleteObjects), not forwarded
 ``"501"``       answer ``501 NotImplemented`` (a server without the operation), not forwarded
 
+``drop_response_headers`` removes (method, header) pairs from responses (e.g. ``("HEAD", "etag")``).
 ``drop_request_headers`` removes headers from every forwarded request (e.g. ``If-None-Match``,
 to play a server without conditional writes in front of moto, which checks no signatures).
 
@@ -234,6 +235,7 @@ class FaultProxy:
         socket_timeout: float = 30.0,
         lifetime_s: float = 600.0,
         drop_request_headers: Iterable[str] = (),
+        drop_response_headers: Iterable[tuple[str, str]] = (),
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname or not parts.port:
@@ -246,6 +248,8 @@ class FaultProxy:
         # Headers removed before forwarding, e.g. ``if-none-match`` to play a server that ignores it
         # (only against upstreams that do not check signatures, such as moto).
         self.drop_request_headers = frozenset(h.lower() for h in drop_request_headers)
+        # (method, header) pairs removed from responses, e.g. ("HEAD", "etag") as the JuiceFS gateway answers.
+        self.drop_response_headers = frozenset((m.upper(), h.lower()) for m, h in drop_response_headers)
         self.counts: Counter[str] = Counter()
         self.faults: Counter[tuple[str, str]] = Counter()
         self.log: list[tuple[str, str, str | None]] = []  # (op, key, fault) of every request
@@ -399,6 +403,7 @@ class FaultProxy:
                 ]
                 if req.method == "HEAD":  # keep the upstream's Content-Length: there is no body
                     headers += [(k, v) for k, v in resp.getheaders() if k.lower() == "content-length"]
+                headers = [(k, v) for k, v in headers if (req.method, k.lower()) not in self.drop_response_headers]
             finally:
                 resp.close()
         return status_line, headers, body

@@ -326,3 +326,19 @@ def test_servers_missing_batch_delete_and_upload_listing(
         assert proxy.faults[("DeleteObjects", "md5")] == 1  # learnt once, then one DELETE per key
         assert proxy.counts["DeleteObject"] >= 3
         assert Checkpointer(root).load({"m": model(5)}) == 3
+
+
+def test_overwrite_cleans_up_where_head_has_no_etag(moto_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The JuiceFS gateway answers HEAD without an ETag: the writer then compares .metadata's bytes."""
+    with FaultProxy(moto_server.endpoint_url, drop_response_headers={("HEAD", "etag")}) as proxy:
+        for name, value in moto_server.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        bucket = moto_server.create_bucket(f"noetag-{time.monotonic_ns()}")
+        uri = f"s3://{bucket}/ck"
+        for seed in (1, 2, 3):
+            dcp.save(state(seed), storage_writer=S3StorageWriter(uri), no_dist=True)
+        assert loaded_seed(uri) == 3
+        client = moto_server.client()
+        assert "ETag" not in S3StorageWriter(uri)._session.transport.head_object("ck/.metadata")  # type: ignore[operator]
+        assert len(data_keys(client, bucket, "ck/")) == 1  # the replaced saves' objects are gone
