@@ -1,0 +1,348 @@
+"""The restricted unpickler of ``.metadata``: builds DCP's metadata classes and nothing else.
+
+A checkpoint's ``.metadata`` comes from whoever can write to the bucket, so its pickle is
+run by an interpreter that admits only what DCP metadata is made of:
+
+- globals: DCP's metadata dataclasses, dcp_s3's ``ItemLocation``/``FrameIndex``, torch
+  dtypes (looked up in a table, never with ``getattr(torch, name)``, which can import
+  modules), ``torch.Size``, layouts, paths, and the builtin containers;
+- calls (REDUCE): only the few constructors the pickler emits, each with the argument
+  types it emits; a dataclass instance is created without calling anything (NEWOBJ);
+- state (BUILD): only on *instances* of the metadata classes, once each, with plain
+  attribute names — never on a class or function, so a pickle cannot change a class for
+  the rest of the process;
+- dict keys and set elements: ``str``, small ``int`` or ``MetadataIndex``, whose hashes
+  cost O(1) and cannot be made to collide (a nested tuple as a key would take
+  exponential time to hash);
+- no persistent ids, extension codes or out-of-band buffers.
+
+Work that is not proportional to the pickle's own bytes (a constructor copying an
+argument fetched from the memo, a state applied from the memo) is charged to a budget
+proportional to the pickle's size; running out is a ``CheckpointFormatError``.
+
+Python's own pure-Python unpickler (``pickle._Unpickler``) provides the opcode decoding;
+this class replaces the entries of its dispatch table that create, call or mutate.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pathlib
+import pickle
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.serialization
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .codec import FrameIndex
+from .errors import CheckpointFormatError
+
+__all__ = ["unpickle_metadata", "budget_for", "describe"]
+
+#: Work units allowed per byte of pickle (plus a floor), for constructor copies and walks.
+BUDGET_PER_BYTE = 8
+BUDGET_FLOOR = 1 << 16
+#: Largest int allowed as a dict key / set element: below the hash modulus, so hashes are distinct.
+_MAX_INT_KEY = (1 << 61) - 2
+#: Most dimensions an offset in a ``MetadataIndex`` key may have (hashing it costs one step per dimension).
+MAX_NDIM = 64
+
+
+def budget_for(size: int) -> int:
+    """Work units a metadata pickle of ``size`` bytes may cost beyond decoding its opcodes."""
+    return BUDGET_FLOOR + BUDGET_PER_BYTE * size
+
+
+def describe(value: object) -> str:
+    """A short description of an untrusted value for an error message (no deep repr)."""
+    if isinstance(value, int) and not -(1 << 64) < value < 1 << 64:
+        return "a large int"
+    if isinstance(value, (int, float, str, bytes)) or value is None:
+        text = repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return f"a {type(value).__name__}"
+
+
+_Dataclasses = (
+    Metadata, TensorStorageMetadata, TensorProperties, ChunkStorageMetadata, BytesStorageMetadata,
+    MetadataIndex, StorageMeta, _StorageInfo, FrameIndex,
+)
+
+
+def _item_location() -> type:
+    from .layout import ItemLocation  # layout imports this module
+
+    return ItemLocation
+
+
+def _globals() -> dict[tuple[str, str], Any]:
+    table: dict[tuple[str, str], Any] = {}
+    for cls in (*_Dataclasses, _MEM_FORMAT_ENCODING, _item_location()):
+        table[(cls.__module__, cls.__name__)] = cls
+    table[("torch", "Size")] = torch.Size
+    table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    table[("pathlib", "PosixPath")] = pathlib.PosixPath
+    table[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
+    table[("collections", "OrderedDict")] = collections.OrderedDict
+    for builtin in (set, frozenset, tuple, list, dict):
+        table[("builtins", builtin.__name__)] = builtin
+    # vars(torch) holds only what torch has already set: no lazy submodule import.
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype):
+            table[("torch", name)] = value
+    return table
+
+
+def _size_args(args: tuple[Any, ...]) -> int:
+    _check_args(args, (tuple, list), 1, 1)
+    if {*map(type, args[0])} - {int}:
+        raise CheckpointFormatError("a torch.Size with a non-integer element")
+    return len(args[0]) + 1
+
+
+def _path_args(args: tuple[Any, ...]) -> int:
+    _check_args(args, (str,), 0, 64)
+    return sum(map(len, args)) + 1
+
+
+def _sequence_args(args: tuple[Any, ...]) -> int:
+    _check_args(args, (tuple, list), 0, 1)
+    return len(args[0]) + 1 if args else 1
+
+
+def _keyed_args(args: tuple[Any, ...]) -> int:
+    units = _sequence_args(args)
+    for element in args[0] if args else ():
+        _check_key(element)
+    return units
+
+
+def _no_args(args: tuple[Any, ...]) -> int:
+    _check_args(args, (), 0, 0)
+    return 1
+
+
+def _one(kind: type) -> Callable[[tuple[Any, ...]], int]:
+    def check(args: tuple[Any, ...]) -> int:
+        _check_args(args, (kind,), 1, 1)
+        return 1
+
+    return check
+
+
+def _call_checks() -> dict[Any, Callable[[tuple[Any, ...]], int]]:
+    """The callables REDUCE may call, each with a check of its arguments returning their cost."""
+    return {
+        torch.Size: _size_args,
+        torch.serialization._get_layout: _one(str),
+        _MEM_FORMAT_ENCODING: _one(int),
+        collections.OrderedDict: _no_args,
+        pathlib.PosixPath: _path_args,
+        pathlib.PurePosixPath: _path_args,
+        set: _keyed_args,
+        frozenset: _keyed_args,
+        list: _sequence_args,
+        tuple: _sequence_args,
+        dict: _no_args,
+    }
+
+
+_GLOBALS: dict[tuple[str, str], Any] | None = None
+_CALLS: dict[int, Callable[[tuple[Any, ...]], int]] = {}
+_NEWOBJ: dict[int, type] = {}
+
+
+def _check_key(key: object) -> None:
+    """Refuse a dict key / set element whose hash is costly or can be made to collide."""
+    kind = type(key)
+    if kind is str:
+        return
+    if kind is int and -_MAX_INT_KEY <= key <= _MAX_INT_KEY:  # type: ignore[operator]
+        return
+    if kind is MetadataIndex:
+        fqn, offset = getattr(key, "fqn", None), getattr(key, "offset", None)
+        if type(fqn) is str and (offset is None or (type(offset) is torch.Size and len(offset) <= MAX_NDIM)):
+            return
+        raise CheckpointFormatError(
+            f"a MetadataIndex used as a key has fqn {describe(fqn)} and offset {describe(offset)}"
+        )
+    raise CheckpointFormatError(f"{describe(key)} used as a dict key or set element")
+
+
+def _check_args(args: tuple[Any, ...], types: tuple[type, ...], lo: int, hi: int) -> None:
+    if not lo <= len(args) <= hi or {*map(type, args)} - {*types}:
+        kinds = ", ".join(type(a).__name__ for a in args)
+        raise CheckpointFormatError(f"unexpected arguments ({kinds})")
+
+
+class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """See the module docstring."""
+
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    # Set by pickle._Unpickler (not in typeshed).
+    stack: list[Any]
+    append: Callable[[Any], None]
+    pop_mark: Callable[[], list[Any]]
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.budget = budget_for(len(data))
+        self.built: dict[int, Any] = {}  # id -> instance (kept alive so that ids stay unique)
+        global _GLOBALS, _CALLS, _NEWOBJ
+        if _GLOBALS is None:
+            _GLOBALS = _globals()
+            # Looked up by id: hashing an untrusted stack object could itself be the attack.
+            _CALLS = {id(func): check for func, check in _call_checks().items()}
+            _NEWOBJ = {id(cls): cls for cls in (*_Dataclasses, _item_location())}
+        self.table, self.calls, self.newobj = _GLOBALS, _CALLS, _NEWOBJ
+
+    def charge(self, units: int) -> None:
+        self.budget -= units
+        if self.budget < 0:
+            raise CheckpointFormatError(
+                "the pickle expands far beyond its size (shared references re-used by constructors)"
+            )
+
+    # -- globals ---------------------------------------------------------------------------------
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self.table[(module, name)]
+        except (KeyError, TypeError):
+            raise CheckpointFormatError(f"refusing to load {module}.{name}: not a checkpoint metadata class") from None
+
+    # -- opcodes that call, create or mutate -------------------------------------------------------
+    def load_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        check = self.calls.get(id(func))
+        if check is None or type(args) is not tuple:
+            raise CheckpointFormatError(f"refusing to call {describe(func)} while loading metadata")
+        try:
+            cost = check(args)
+        except CheckpointFormatError as exc:
+            raise CheckpointFormatError(f"{func.__module__}.{func.__qualname__}: {exc}") from None
+        self.charge(cost)
+        self.stack[-1] = func(*args)
+
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if id(cls) not in self.newobj or args != ():
+            raise CheckpointFormatError(f"refusing to create {describe(cls)} while loading metadata")
+        self.append(cls.__new__(cls))
+
+    def load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        cls = type(inst)
+        if id(cls) not in self.newobj:  # an instance of a metadata class; never a class or function
+            raise CheckpointFormatError(f"refusing to set state on {describe(inst)} while loading metadata")
+        if id(inst) in self.built:
+            raise CheckpointFormatError(f"state set twice on one {cls.__name__}")
+        self.built[id(inst)] = inst
+        setstate = getattr(cls, "__setstate__", None)
+        if setstate is not None:
+            if type(state) is not tuple:
+                raise CheckpointFormatError(f"{cls.__name__} state is {describe(state)}, not a tuple")
+            self.charge(len(state))
+            setstate(inst, state)
+            return
+        if type(state) is not dict:
+            raise CheckpointFormatError(f"{cls.__name__} state is {describe(state)}, not a dict")
+        for key in state:
+            if type(key) is not str or key.startswith("__"):
+                raise CheckpointFormatError(f"{cls.__name__} state sets attribute {describe(key)}")
+        self.charge(len(state))
+        inst.__dict__.update(state)
+
+    def _target(self, kinds: tuple[type, ...], keys: Any) -> Any:
+        target = self.stack[-1]
+        if type(target) not in kinds:
+            raise CheckpointFormatError(f"refusing to add items to {describe(target)}")
+        for key in keys:
+            _check_key(key)
+        return target
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._target(_MAPPINGS, (key,))[key] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        self._target(_MAPPINGS, items[::2]).update(zip(items[::2], items[1::2]))
+
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        for key in items[::2]:
+            _check_key(key)
+        self.append(dict(zip(items[::2], items[1::2])))
+
+    def load_additems(self) -> None:
+        items = self.pop_mark()
+        self._target((set,), items).update(items)
+
+    def load_frozenset(self) -> None:
+        items = self.pop_mark()
+        for item in items:
+            _check_key(item)
+        self.append(frozenset(items))
+
+    def load_append(self) -> None:
+        value = self.stack.pop()
+        self._target((list,), ()).append(value)
+
+    def load_appends(self) -> None:
+        items = self.pop_mark()
+        self._target((list,), ()).extend(items)
+
+
+_MAPPINGS = (dict, collections.OrderedDict)
+
+
+def _refuse(name: str) -> Callable[[Any], None]:
+    def refuse(self: Any) -> None:
+        raise CheckpointFormatError(f"pickle opcode {name} is not used by checkpoint metadata")
+
+    return refuse
+
+
+def _setup_dispatch() -> None:
+    table = _Unpickler.dispatch
+    ops = {
+        pickle.REDUCE: _Unpickler.load_reduce, pickle.NEWOBJ: _Unpickler.load_newobj,
+        pickle.BUILD: _Unpickler.load_build, pickle.SETITEM: _Unpickler.load_setitem,
+        pickle.SETITEMS: _Unpickler.load_setitems, pickle.DICT: _Unpickler.load_dict,
+        pickle.ADDITEMS: _Unpickler.load_additems, pickle.FROZENSET: _Unpickler.load_frozenset,
+        pickle.APPEND: _Unpickler.load_append, pickle.APPENDS: _Unpickler.load_appends,
+    }
+    for opcode, handler in ops.items():
+        table[opcode[0]] = handler
+    refused = ("NEWOBJ_EX", "OBJ", "INST", "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4", "BYTEARRAY8",
+               "NEXT_BUFFER", "READONLY_BUFFER")
+    for name in refused:
+        table[getattr(pickle, name)[0]] = _refuse(name)
+
+
+_setup_dispatch()
+
+
+def unpickle_metadata(data: bytes) -> Any:
+    """Unpickle ``.metadata`` bytes under the rules above; ``CheckpointFormatError`` on any breach.
+
+    Other failures (a truncated or garbled pickle) propagate as the unpickler raised them.
+    """
+    return _Unpickler(data).load()
