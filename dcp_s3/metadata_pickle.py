@@ -188,10 +188,10 @@ def _check_args(args: tuple[Any, ...], types: tuple[type, ...], lo: int, hi: int
         raise CheckpointFormatError(f"unexpected arguments ({kinds})")
 
 
-class _Unpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+class _Unpickler(pickle._Unpickler):
     """See the module docstring."""
 
-    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
     # Set by pickle._Unpickler (not in typeshed).
     stack: list[Any]
     append: Callable[[Any], None]
