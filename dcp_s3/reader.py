@@ -27,9 +27,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .byte_items import check_byte_item
 from .codec import Codec, FrameIndex, stored_span
 from .config import ClientConfig, TransferConfig
-from .errors import CheckpointFormatError, CheckpointNotFoundError
+from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .session import S3Location, S3Session
@@ -46,6 +47,11 @@ class S3StorageReader(S3Location, StorageReader):
     Takes the same location and credential arguments as ``S3StorageWriter``.
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
     (larger reads are split), which also bounds staging memory per request.
+
+    Byte items (non-tensor values, which torch's default planner ``torch.load``\ s with
+    ``weights_only=False``) are checked first and refused with a ``CheckpointFormatError``
+    if weights-only loading would refuse them (see ``dcp_s3.byte_items``);
+    ``allow_unsafe_byte_items=True`` skips that check, for checkpoints you trust.
     """
 
     def __init__(
@@ -60,8 +66,12 @@ class S3StorageReader(S3Location, StorageReader):
         max_concurrency: int | None = None,
         max_range_size: int | None = None,
         transfer: TransferConfig | None = None,
+        allow_unsafe_byte_items: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(allow_unsafe_byte_items, bool):
+            raise ConfigError(f"allow_unsafe_byte_items={allow_unsafe_byte_items!r}: must be True or False")
+        self.allow_unsafe_byte_items = allow_unsafe_byte_items
         transfer = (transfer or TransferConfig()).override(max_concurrency=max_concurrency, max_range_size=max_range_size)
         client = ClientConfig(
             credential_path=credential_path, endpoint_url=endpoint_url, region=region, profile=profile,
@@ -79,7 +89,10 @@ class S3StorageReader(S3Location, StorageReader):
         return f"S3StorageReader({str(self._session.uri)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id}
+        return {
+            "_session": self._session, "_codec": self._codec, "load_id": self.load_id,
+            "allow_unsafe_byte_items": self.allow_unsafe_byte_items,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, storage_data={}, _chunks={})
@@ -163,11 +176,19 @@ class S3StorageReader(S3Location, StorageReader):
                 f"that this reader does not support (it reads {CODEC_DESCRIPTOR})"
             )
         if req.type == LoadItemType.BYTE_IO:
-            buf = bytearray(info.length)
-            reads.append(RangeRead(key, info.offset, info.offset + info.length, lambda: memoryview(buf)))
+            held: dict[str, bytearray] = {}
+
+            def open_buffer() -> memoryview:  # once the server has confirmed that the range exists
+                held["buf"] = bytearray(info.length)
+                return memoryview(held["buf"])
+
+            reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer))
 
             def load_bytes() -> None:
+                buf = held.pop("buf") if info.length else bytearray()
                 self._verify(req, info, memoryview(buf))
+                if not self.allow_unsafe_byte_items:
+                    check_byte_item(buf, req.storage_index.fqn, f"s3://{self._session.require_uri().bucket}/{key}")
                 planner.load_bytes(req, io.BytesIO(buf))
 
             return load_bytes
@@ -202,8 +223,8 @@ class S3StorageReader(S3Location, StorageReader):
     def _verify_frames(self, key: str, info: Any, frames: FrameIndex, lo: int, hi: int, out: memoryview) -> None:
         """Check the CRC32C of every frame that raw bytes ``[lo, hi)`` (now in ``out``) cover whole."""
         crcs = getattr(info, "frame_crc32c", None)
-        if crcs is None:
-            return
+        if crcs is None:  # load_metadata refuses this; metadata built in-process could still lack them
+            raise CheckpointFormatError(f"s3://{self._session.require_uri().bucket}/{key}: compressed item without checksums")
         for i in range(lo // frames.frame_size, frames.num_frames):
             f_lo, f_hi = frames.raw_range(i)
             if f_lo >= hi:
@@ -237,6 +258,12 @@ class S3StorageReader(S3Location, StorageReader):
         sizes, dtype = self._chunks.get((fqn, tuple(req.storage_index.offset or ())), (None, None))
         if sizes is None or dtype is None:
             raise CheckpointFormatError(f"{self.checkpoint_id}: no chunk metadata for {req.storage_index}")
+        if len(req.lengths) != len(sizes) or any(
+            o < 0 or n < 0 or o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, sizes)
+        ):
+            raise CheckpointFormatError(
+                f"{fqn}: the plan reads {list(req.lengths)} at {list(req.storage_offsets)} of a stored chunk of {list(sizes)}"
+            )
         elem = torch._utils._element_size(dtype)
         rows_total = sizes[0] if len(sizes) else 1
         row_bytes = math.prod(sizes[1:]) * elem if len(sizes) else elem

@@ -4,7 +4,7 @@ The checkpoint manager and the ``dcp-s3`` tools work on *objects* named relative
 root: list (recursively, by name prefix), read, read byte ranges, write (atomically),
 delete, and make a DCP ``StorageWriter``/``StorageReader`` for a sub-location. On S3 the
 writer/reader are ``S3StorageWriter``/``S3StorageReader``; on disk torch's
-``FileSystemWriter``/``FileSystemReader``. Names always use ``/``.
+``FileSystemWriter`` and ``FileSystemReader`` (with dcp_s3's byte item check). Names always use ``/``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from .byte_items import CheckedFileSystemReader
 from .config import ClientConfig, S3Uri, parse_s3_uri
 from .errors import CheckpointNotFoundError, ConfigError, DcpS3Error, InvalidCheckpointIdError
 from .reader import S3StorageReader
@@ -344,7 +345,7 @@ class LocalStore:
         return FileSystemWriter(self.path(name))
 
     def reader(self, name: str) -> StorageReader:
-        return FileSystemReader(self.path(name))
+        return CheckedFileSystemReader(self.path(name))  # byte items checked as on S3
 
     def uploads(self, prefix: str = "") -> list[Upload]:
         return []
