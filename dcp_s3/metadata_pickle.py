@@ -30,6 +30,7 @@ import collections
 import io
 import pathlib
 import pickle
+import types
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -73,6 +74,8 @@ def describe(value: object) -> str:
     if isinstance(value, (int, float, str, bytes)) or value is None:
         text = repr(value)
         return text if len(text) <= 60 else text[:57] + "..."
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return f"{value.__module__}.{value.__qualname__}"
     return f"a {type(value).__name__}"
 
 

@@ -48,10 +48,11 @@ class S3StorageReader(S3Location, StorageReader):
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
     (larger reads are split), which also bounds staging memory per request.
 
-    Byte items (non-tensor values, which torch's default planner ``torch.load``\ s with
-    ``weights_only=False``) are checked first and refused with a ``CheckpointFormatError``
-    if weights-only loading would refuse them (see ``dcp_s3.byte_items``);
-    ``allow_unsafe_byte_items=True`` skips that check, for checkpoints you trust.
+    Byte items (non-tensor values, which torch's default planner reads with
+    ``torch.load(..., weights_only=False)``) are checked first, whatever the planner, and
+    refused with a ``CheckpointFormatError`` if weights-only loading would refuse them
+    (see ``dcp_s3.byte_items``); ``allow_unsafe_byte_items=True`` skips that check, for
+    checkpoints you trust.
     """
 
     def __init__(
