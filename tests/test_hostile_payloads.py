@@ -45,19 +45,22 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
 from dcp_s3.admin import convert_checkpoint, inspect_checkpoint, verify_checkpoint
 from dcp_s3.byte_items import byte_item_problem
 from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.codec import FrameIndex
-from dcp_s3.layout import ItemLocation
+from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
+from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation, load_metadata
 from dcp_s3.local_server import LocalS3Server
 
 
@@ -307,8 +310,6 @@ def test_metadata_name_lookup_imports_nothing() -> None:
     ids=["reduce-dataclass", "build-twice", "dunder-state", "newobj-builtin", "ext", "persid", "append", "size"],
 )
 def test_restricted_unpickler_refuses(ops: bytes, match: str) -> None:
-    from dcp_s3.layout import load_metadata
-
     with pytest.raises(CheckpointFormatError, match=match):
         load_metadata(pickle_ops(ops), "crafted")
 
@@ -389,8 +390,6 @@ def test_expanding_metadata_is_bounded_in_time_and_memory(bucket: str, s3_env: L
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("bomb", ["hash", "copy", "cycle"])
 def test_metadata_pickle_bombs_fail_fast(bomb: str) -> None:
-    from dcp_s3.layout import load_metadata
-
     if bomb == "hash":  # a DAG of nested tuples as a dict key: 2^100 steps to hash
         ops = pickle.EMPTY_DICT + pickle.EMPTY_TUPLE + b"".join(
             put_op(i) + pickle.POP + get_op(i) + get_op(i) + pickle.TUPLE2 for i in range(100)
@@ -426,3 +425,125 @@ def test_byte_item_bombs_are_refused_before_torch_load(bucket: str, s3_env: Loca
         with PeakRss().watch() as rss, pytest.raises(CheckpointFormatError, match=match):
             load_direct(uri, blank())
         assert rss.growth < 256 * MiB, rss.growth
+
+
+# -- malformed field values in .metadata: CheckpointFormatError naming the field, or a verify problem -----
+def _frames(**fields: Any) -> FrameIndex:
+    values = dict(codec=CODEC_NAME, version=CODEC_VERSION, element_size=4, grouping=GROUP_FLOAT, raw_length=64,
+                  frame_size=4 * MiB, ends=(40,), raw_frames=0) | fields
+    index = object.__new__(FrameIndex)  # bypasses validation, as a crafted pickle would
+    for name, value in values.items():
+        object.__setattr__(index, name, value)
+    return index
+
+
+def genuine() -> Metadata:
+    """Well-formed metadata: a 2-chunk tensor (one plain, one compressed) and a byte item."""
+    chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 8])),
+              ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 8]))]
+    return Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 8]), chunks),
+                             "step": BytesStorageMetadata()},
+        storage_data={
+            MetadataIndex("w", torch.Size([0, 0]), 0): ItemLocation("__0_0.distcp", 0, 600, None, payload_offset=500, crc32c=1),
+            MetadataIndex("w", torch.Size([2, 0]), 1): ItemLocation(
+                "p-1/__1_0.distcp", 0, 40, [CODEC_DESCRIPTOR], frames=_frames(), frame_crc32c=(7,)),
+            MetadataIndex("step"): ItemLocation("__0_0.distcp", 600, 300, None, crc32c=5),
+        },
+        planner_data={"w": ("w",), "step": ("step",)},
+        storage_meta=StorageMeta(checkpoint_id="s3://b/k", save_id="x", modules=["dcp_s3/1"]),
+    )
+
+
+def _entry(md: Metadata, fqn: str, n: int = 0) -> Any:
+    return [info for index, info in md.storage_data.items() if index.fqn == fqn][n]
+
+
+def _rekey(md: Metadata, old_fqn: str, new: MetadataIndex) -> None:
+    (index,) = [i for i in md.storage_data if i.fqn == old_fqn][:1]
+    md.storage_data[new] = md.storage_data.pop(index)
+
+
+_MALFORMED: list[tuple[str, Any, str]] = [
+    ("negative-offset", lambda md: setattr(_entry(md, "step"), "offset", -1), r"storage entry step: offset is -1"),
+    ("bool-length", lambda md: setattr(_entry(md, "step"), "length", True), r"storage entry step: length is True"),
+    ("str-length", lambda md: setattr(_entry(md, "step"), "length", "10"), r"length is '10'"),
+    ("float-offset", lambda md: setattr(_entry(md, "step"), "offset", 1.5), r"offset is 1.5"),
+    ("int-path", lambda md: setattr(_entry(md, "step"), "relative_path", 5), r"invalid object path 5"),
+    ("escaping-path", lambda md: setattr(_entry(md, "step"), "relative_path", "../x/__0_0.distcp"), "invalid object path"),
+    ("missing-field", lambda md: delattr(_entry(md, "step"), "length"), r"step: field length is missing"),
+    ("payload-past-end", lambda md: setattr(_entry(md, "w"), "payload_offset", 601), r"w\[0, 0\]: payload_offset is 601"),
+    ("crc-range", lambda md: setattr(_entry(md, "step"), "crc32c", 2**40), r"step: crc32c is 1099511627776"),
+    ("short-item", lambda md: setattr(_entry(md, "w"), "length", 520), r"w\[0, 0\]: holds 20 bytes, too few for its chunk's 64"),
+    ("transforms-str", lambda md: setattr(_entry(md, "w", 1), "transform_descriptors", "zstd"), r"transform_descriptors is 'zstd'"),
+    ("frame-crcs", lambda md: setattr(_entry(md, "w", 1), "frame_crc32c", (1, 2)), r"w\[2, 0\]: frame_crc32c is a tuple, expected 1"),
+    ("frames-bool", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(element_size=True)), "wrong type"),
+    ("frames-decrease", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(frame_size=32, ends=(30, 20))), "decrease"),
+    ("frames-huge", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(frame_size=1 << 30)), "at most"),
+    ("frames-past-item", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(ends=(50,))), r"frames end at byte 50 of a 40-byte"),
+    ("frames-vs-chunk", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(raw_length=4 * MiB)), r"decodes to 4194304 bytes, its chunk holds 64"),
+    ("bytes-with-frames", lambda md: setattr(_entry(md, "step"), "frames", _frames()), r"step: a byte item with"),
+    ("chunk-ndim", lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "sizes", torch.Size([2])), r"tensor w: chunk 0 sizes is a Size"),
+    ("chunk-outside", lambda md: setattr(md.state_dict_metadata["w"].chunks[1], "offsets", torch.Size([3, 0])), r"chunk 1 .* lies outside"),
+    ("negative-size", lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([-1, 8])), r"tensor w: size is -1"),
+    ("chunks-tuple", lambda md: setattr(md.state_dict_metadata["w"], "chunks", tuple(md.state_dict_metadata["w"].chunks)), "chunks is a tuple"),
+    ("dtype-str", lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "float32"), r"tensor w: dtype is 'float32'"),
+    ("requires-grad-int", lambda md: setattr(md.state_dict_metadata["w"].properties, "requires_grad", 1), "requires_grad is 1"),
+    ("properties-none", lambda md: setattr(md.state_dict_metadata["w"], "properties", None), "properties is None"),
+    ("entry-int", lambda md: md.state_dict_metadata.__setitem__("step", 5), r"step: entry is 5"),
+    ("unknown-fqn", lambda md: _rekey(md, "step", MetadataIndex("ghost")), r"ghost: not described"),
+    ("no-such-chunk", lambda md: _rekey(md, "w", MetadataIndex("w", torch.Size([1, 0]))), "no chunk of the tensor at offset"),
+    ("fqn-int", lambda md: _rekey(md, "step", MetadataIndex(5)), r"MetadataIndex used as a key has fqn 5"),
+    ("index-str", lambda md: _rekey(md, "step", MetadataIndex("step", None, "x")), r"step: index is 'x'"),
+    ("str-key", lambda md: setattr(md, "storage_data", {"w": _entry(md, "w")}), r"storage data maps 'w' to"),
+    ("version-int", lambda md: setattr(md, "version", 2), "version is 2"),
+    ("storage-meta-dict", lambda md: setattr(md, "storage_meta", {"a": 1}), "storage_meta is a dict"),
+]
+
+
+def test_genuine_metadata_passes_validation() -> None:
+    md = load_metadata(pickle.dumps(genuine()), "s3://b/k/.metadata")
+    assert md.storage_data == genuine().storage_data
+
+
+@pytest.mark.parametrize(("mutate", "match"), [c[1:] for c in _MALFORMED], ids=[c[0] for c in _MALFORMED])
+def test_malformed_metadata_fields_are_format_errors_naming_them(mutate: Any, match: str) -> None:
+    md = genuine()
+    mutate(md)
+    with pytest.raises(CheckpointFormatError, match=match) as info:
+        load_metadata(pickle.dumps(md), "s3://b/k/.metadata")
+    assert str(info.value).startswith("s3://b/k/.metadata: ")
+
+
+def test_malformed_metadata_on_every_read_path(bucket: str, s3_env: LocalS3Server) -> None:
+    uri = f"s3://{bucket}/ck"
+    dcp.save(state(), storage_writer=S3StorageWriter(uri))
+    md = read_metadata(uri)
+    _entry(md, "w").length = -5
+    write_metadata(uri, md)
+    match = r"storage entry w\[0, 0\]: length is -5"
+    with pytest.raises(CheckpointFormatError, match=match):
+        inspect_checkpoint(uri)
+    (problem,) = verify_checkpoint(uri).problems
+    assert "length is -5" in problem.message
+    with pytest.raises(CheckpointFormatError, match=match):
+        S3StorageReader(uri).read_metadata()
+    with pytest.raises(BaseException, match="length is -5"):  # DCP re-raises it as an AssertionError
+        dcp.load(blank(), storage_reader=S3StorageReader(uri))
+
+
+def test_a_plan_beyond_the_stored_chunk_is_refused(bucket: str, s3_env: LocalS3Server) -> None:
+    uri = f"s3://{bucket}/ck"
+    dcp.save({"w": torch.ones(3, 4)}, storage_writer=S3StorageWriter(uri))
+
+    class Greedy(DefaultLoadPlanner):  # asks for 5 rows of a 3-row chunk
+        def create_local_plan(self) -> LoadPlan:
+            plan = super().create_local_plan()
+            (item,) = plan.items
+            return LoadPlan([dataclasses.replace(item, lengths=torch.Size([5, 4]))])
+
+        def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+            return torch.zeros(5, 4)
+
+    with pytest.raises(CheckpointFormatError, match=r"the plan reads \[5, 4\] at \[0, 0\] of a stored chunk of \[3, 4\]"):
+        load_direct(uri, {"w": torch.zeros(3, 4)}, planner=Greedy())
