@@ -111,8 +111,9 @@ def _globals() -> dict[tuple[str, str], Any]:
 
 def _size_args(args: tuple[Any, ...]) -> int:
     _check_args(args, (tuple, list), 1, 1)
-    if {*map(type, args[0])} - {int}:
-        raise CheckpointFormatError("a torch.Size with a non-integer element")
+    for x in args[0]:
+        if type(x) is not int:
+            raise CheckpointFormatError("a torch.Size with a non-integer element")
     return len(args[0]) + 1
 
 
@@ -186,9 +187,11 @@ def _check_key(key: object) -> None:
 
 
 def _check_args(args: tuple[Any, ...], types: tuple[type, ...], lo: int, hi: int) -> None:
-    if not lo <= len(args) <= hi or {*map(type, args)} - {*types}:
-        kinds = ", ".join(type(a).__name__ for a in args)
-        raise CheckpointFormatError(f"unexpected arguments ({kinds})")
+    if not lo <= len(args) <= hi:
+        raise CheckpointFormatError(f"{len(args)} arguments")
+    for a in args:
+        if type(a) not in types:
+            raise CheckpointFormatError(f"an argument of type {type(a).__name__}")
 
 
 class _Unpickler(pickle._Unpickler):
@@ -197,8 +200,14 @@ class _Unpickler(pickle._Unpickler):
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
     # Set by pickle._Unpickler (not in typeshed).
     stack: list[Any]
+    metastack: list[list[Any]]
     append: Callable[[Any], None]
     pop_mark: Callable[[], list[Any]]
+    read: Callable[[int], bytes]
+    readline: Callable[[], bytes]
+    _file_read: Callable[[int], bytes]
+    _file_readline: Callable[[], bytes]
+    proto: int
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data))
@@ -211,6 +220,30 @@ class _Unpickler(pickle._Unpickler):
             _CALLS = {id(func): check for func, check in _call_checks().items()}
             _NEWOBJ = {id(cls): cls for cls in (*_Dataclasses, _item_location())}
         self.table, self.calls, self.newobj = _GLOBALS, _CALLS, _NEWOBJ
+
+    def load(self) -> Any:
+        """``pickle._Unpickler.load``, reading straight from the in-memory bytes.
+
+        Frames (protocol 4+) only tell a streaming reader how much to buffer; the whole
+        pickle is in memory, so FRAME is skipped instead of copying each frame.
+        """
+        self.read, self.readline = self._file_read, self._file_readline
+        self.metastack, self.stack = [], []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError
+                dispatch[key[0]](self)
+        except pickle._Stop as stop:  # type: ignore[attr-defined]
+            return stop.value
+
+    def load_frame(self) -> None:
+        if len(self.read(8)) != 8:
+            raise EOFError
 
     def charge(self, units: int) -> None:
         self.budget -= units
@@ -276,7 +309,8 @@ class _Unpickler(pickle._Unpickler):
         if type(target) not in kinds:
             raise CheckpointFormatError(f"refusing to add items to {describe(target)}")
         for key in keys:
-            _check_key(key)
+            if type(key) is not str:  # (the common case, inline)
+                _check_key(key)
         return target
 
     def load_setitem(self) -> None:
@@ -286,7 +320,8 @@ class _Unpickler(pickle._Unpickler):
 
     def load_setitems(self) -> None:
         items = self.pop_mark()
-        self._target(_MAPPINGS, items[::2]).update(zip(items[::2], items[1::2]))
+        keys = items[::2]
+        self._target(_MAPPINGS, keys).update(zip(keys, items[1::2]))
 
     def load_dict(self) -> None:
         items = self.pop_mark()
@@ -330,6 +365,7 @@ def _setup_dispatch() -> None:
         pickle.BUILD: _Unpickler.load_build, pickle.SETITEM: _Unpickler.load_setitem,
         pickle.SETITEMS: _Unpickler.load_setitems, pickle.DICT: _Unpickler.load_dict,
         pickle.ADDITEMS: _Unpickler.load_additems, pickle.FROZENSET: _Unpickler.load_frozenset,
+        pickle.FRAME: _Unpickler.load_frame,
         pickle.APPEND: _Unpickler.load_append, pickle.APPENDS: _Unpickler.load_appends,
     }
     for opcode, handler in ops.items():
