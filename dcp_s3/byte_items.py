@@ -25,6 +25,7 @@ check for checkpoints you trust.
 from __future__ import annotations
 
 import _compat_pickle
+import functools
 import io
 import pickle
 import struct
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import _weights_only_unpickler as _wo  # private: torch's allowlist (used by _table and friends only)
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
@@ -100,23 +102,28 @@ def _weight(root: object, cap: int) -> int:
     return done[id(root)]
 
 
-def _allowed_globals() -> dict[str, Any]:
-    # The one place that reads torch's private weights-only allowlist.
-    from torch import _weights_only_unpickler as wo
-
-    table = dict(wo._get_allowed_globals())
-    table.update(wo._get_user_allowed_globals())
-    for name in list(table):
-        if name.partition(".")[0] in wo._blocklisted_modules:
-            del table[name]
-    return table
-
-
 def _canonical(full: str, obj: Any) -> tuple[str, str]:
+    """The (module, name) a pickle names ``obj`` by (what the unpickler's find_class resolves)."""
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if isinstance(module, str) and isinstance(qualname, str) and f"{module}.{qualname}" == full:
         return module, qualname
     return full.rpartition(".")[0], full.rpartition(".")[2]
+
+
+def _table(allowlist: dict[str, Any]) -> dict[tuple[str, str], Any]:
+    return {_canonical(full, obj): obj for full, obj in allowlist.items()
+            if full.partition(".")[0] not in _wo._blocklisted_modules}
+
+
+@functools.cache
+def _torch_allowlist() -> dict[tuple[str, str], Any]:
+    return _table(_wo._get_allowed_globals())
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """Torch's weights-only allowlist plus what the user registered with ``add_safe_globals``."""
+    user = _wo._get_user_allowed_globals()
+    return {**_torch_allowlist(), **_table(user)} if user else _torch_allowlist()
 
 
 class _Checker:
@@ -129,7 +136,7 @@ class _Checker:
         self.memo: dict[int, Any] = {}
         self.budget = budget_for(len(data))
         self.record_size = record_size
-        self.allowed = {_canonical(full, obj): obj for full, obj in _allowed_globals().items()}
+        self.allowed = _allowed_globals()
 
     def read(self, n: int) -> bytes:
         if self.pos + n > len(self.data):

@@ -121,7 +121,7 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     for what the unpickler admits and ``metadata_check`` for what is validated).
     """
     try:
-        return check_metadata(unpickle_metadata(data), budget_for(len(data)))
+        return check_metadata(unpickle_metadata(data, (ItemLocation,)), budget_for(len(data)))
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"{where}: {exc}") from None
     except Exception as exc:

@@ -79,21 +79,16 @@ def describe(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
-_Dataclasses = (
+#: The classes a metadata pickle may instantiate (NEWOBJ) and give state (BUILD).
+_DATACLASSES = (
     Metadata, TensorStorageMetadata, TensorProperties, ChunkStorageMetadata, BytesStorageMetadata,
     MetadataIndex, StorageMeta, _StorageInfo, FrameIndex,
 )
 
 
-def _item_location() -> type:
-    from .layout import ItemLocation  # layout imports this module
-
-    return ItemLocation
-
-
-def _globals() -> dict[tuple[str, str], Any]:
+def _globals(classes: tuple[type, ...]) -> dict[tuple[str, str], Any]:
     table: dict[tuple[str, str], Any] = {}
-    for cls in (*_Dataclasses, _MEM_FORMAT_ENCODING, _item_location()):
+    for cls in (*classes, _MEM_FORMAT_ENCODING):
         table[(cls.__module__, cls.__name__)] = cls
     table[("torch", "Size")] = torch.Size
     table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
@@ -164,9 +159,6 @@ def _call_checks() -> dict[Any, Callable[[tuple[Any, ...]], int]]:
     }
 
 
-_GLOBALS: dict[tuple[str, str], Any] | None = None
-_CALLS: dict[int, Callable[[tuple[Any, ...]], int]] = {}
-_NEWOBJ: dict[int, type] = {}
 
 
 def _check_key(key: object) -> None:
@@ -209,17 +201,15 @@ class _Unpickler(pickle._Unpickler):
     _file_readline: Callable[[], bytes]
     proto: int
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, classes: tuple[type, ...]) -> None:
         super().__init__(io.BytesIO(data))
         self.budget = budget_for(len(data))
         self.built: dict[int, Any] = {}  # id -> instance (kept alive so that ids stay unique)
-        global _GLOBALS, _CALLS, _NEWOBJ
-        if _GLOBALS is None:
-            _GLOBALS = _globals()
-            # Looked up by id: hashing an untrusted stack object could itself be the attack.
-            _CALLS = {id(func): check for func, check in _call_checks().items()}
-            _NEWOBJ = {id(cls): cls for cls in (*_Dataclasses, _item_location())}
-        self.table, self.calls, self.newobj = _GLOBALS, _CALLS, _NEWOBJ
+        classes = (*_DATACLASSES, *classes)
+        self.table = _globals(classes)
+        # Looked up by id: hashing an untrusted stack object could itself be the attack.
+        self.calls = {id(func): check for func, check in _call_checks().items()}
+        self.newobj = {id(cls): cls for cls in classes}
 
     def load(self) -> Any:
         """``pickle._Unpickler.load``, reading straight from the in-memory bytes.
@@ -379,9 +369,10 @@ def _setup_dispatch() -> None:
 _setup_dispatch()
 
 
-def unpickle_metadata(data: bytes) -> Any:
+def unpickle_metadata(data: bytes, classes: tuple[type, ...] = ()) -> Any:
     """Unpickle ``.metadata`` bytes under the rules above; ``CheckpointFormatError`` on any breach.
 
+    ``classes``: dataclasses the metadata may hold besides DCP's (dcp_s3's ``ItemLocation``).
     Other failures (a truncated or garbled pickle) propagate as the unpickler raised them.
     """
-    return _Unpickler(data).load()
+    return _Unpickler(data, classes).load()
