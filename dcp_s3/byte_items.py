@@ -126,6 +126,32 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     return {**_torch_allowlist(), **_table(user)} if user else _torch_allowlist()
 
 
+#: Largest int whose hash is itself (below the hash modulus): such keys never collide.
+_MAX_INT_KEY = (1 << 61) - 2
+#: Most dict keys / set elements with one hash value in one byte item.
+_MAX_SAME_HASH = 16
+
+
+def _is_bytes(value: object) -> bool:
+    """Protocol 2 pickles bytes as a call of ``_codecs.encode``."""
+    return isinstance(value, _Node) and value.callee is not None and value.callee.name == "_codecs.encode"
+
+
+def _real(key: object, depth: int = 0) -> object:
+    """The value a hashable symbolic key stands for (tuples of atoms); refuses anything else."""
+    if isinstance(key, _Node):
+        if _is_bytes(key):  # bytes hash randomized per process, like str
+            return object()
+        if key.kind != "tuple":
+            raise _Refused(f"it uses {_label(key)} as a dict key or set element")
+        if depth > 16:
+            raise _Refused("it uses a tuple nested more than 16 deep as a dict key or set element")
+        return tuple(_real(item, depth + 1) for item in key.items)
+    if isinstance(key, _Global):
+        return key.name
+    return key
+
+
 class _Checker:
     """Interprets a protocol-2 pickle symbolically under torch's weights-only rules."""
 
@@ -135,6 +161,7 @@ class _Checker:
         self.metastack: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
         self.budget = budget_for(len(data))
+        self.keys: dict[int, tuple[_Node, dict[str, int]]] = {}  # per dict: hashes of its keys
         self.record_size = record_size
         self.allowed = _allowed_globals()
 
@@ -226,9 +253,35 @@ class _Checker:
         self.charge(state)
         inst.items.append(state)
 
+    def key(self, key: object, seen: dict[str, int]) -> None:
+        """A dict key or set element (``seen``: hashes counted so far in that container).
+
+        Hashing a key costs its size. str and bytes hashes are randomized per process and
+        small ints hash to themselves; other keys (large ints, floats, tuples) can be chosen
+        to share one hash, which makes every insertion scan the others: more than a few keys
+        of one container with one hash are refused.
+        """
+        self.charge(key)
+        if isinstance(key, (str, bytes, _Global)) or key is None or _is_bytes(key) or (
+                type(key) in (int, bool) and -_MAX_INT_KEY <= key <= _MAX_INT_KEY):  # type: ignore[operator]
+            return
+        h = str(hash(_real(key)))
+        seen[h] = seen.get(h, 0) + 1
+        if seen[h] > _MAX_SAME_HASH:
+            raise _Refused(f"more than {_MAX_SAME_HASH} keys of one of its dicts or sets share one hash")
+
     def _check_call(self, func: _Global, args: _Node) -> None:
         if func.obj is bytearray and any(isinstance(a, int) for a in args.items):
             raise _Refused("it would allocate bytearray(<int>)")
+        if func.obj in (set, Counter, OrderedDict) and args.items:  # they hash what they are given
+            source = args.items[0]
+            seen: dict[str, int] = {}
+            if isinstance(source, _Node) and source.kind in ("list", "tuple"):
+                for element in source.items:
+                    pair = isinstance(element, _Node) and element.kind == "tuple" and len(element.items) == 2
+                    self.key(element.items[0] if func.obj is OrderedDict and pair else element, seen)
+            elif not (isinstance(source, _Node) and source.kind == "dict"):  # a dict's keys were checked
+                raise _Refused(f"it would build a {func.name} from {_label(source)}")
         if func.name == "torch._tensor._rebuild_from_type_v2" and not (
             args.items and isinstance(args.items[0], _Global) and args.items[0].name.startswith("torch._utils._rebuild_")
         ):
@@ -258,8 +311,9 @@ class _Checker:
         if not (isinstance(target, _Node) and (target.kind == "dict" or (
                 target.kind == "call" and target.callee is not None and target.callee.obj in (OrderedDict, Counter)))):
             raise _Refused(f"it would set items on {_label(target)}")
+        seen = self.keys.setdefault(id(target), (target, {}))[1]  # (target kept alive: its id stays unique)
         for key in items[::2]:
-            self.charge(key)  # hashing a key costs its size
+            self.key(key, seen)
         target.items.extend(items)
 
     def op_appends(self, items: list[Any]) -> None:

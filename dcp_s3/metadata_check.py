@@ -35,7 +35,7 @@ from .codec import FrameIndex
 from .errors import CheckpointFormatError
 from .metadata_pickle import MAX_NDIM, describe
 
-__all__ = ["check_metadata", "check_object_name", "MAX_OFFSET"]
+__all__ = ["check_metadata", "check_object_name", "offsets_key", "MAX_OFFSET"]
 
 #: Largest byte offset or length accepted from metadata (S3 objects are at most 5 TiB).
 MAX_OFFSET = (1 << 63) - 1
@@ -96,8 +96,14 @@ def _name(fqn: str) -> str:
     return fqn if len(fqn) <= 200 else fqn[:197] + "..."
 
 
-def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[tuple[int, ...], int]:
-    """Check one tensor entry; returns the stored bytes of each chunk, by its offsets."""
+def offsets_key(offsets: tuple[int, ...] | torch.Size) -> str:
+    """A dict key for chunk offsets: tuples of ints can be chosen so that their hashes collide
+    (every insertion would then scan all the others); a str's hash is randomized per process."""
+    return ",".join(map(str, offsets))
+
+
+def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[str, int]:
+    """Check one tensor entry; returns the stored bytes of each chunk, by ``offsets_key``."""
     where = f"tensor {_name(fqn)}"
     props = _field(md, "properties", where)
     if type(props) is not TensorProperties:
@@ -118,7 +124,7 @@ def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[tuple[int,
     if type(chunks) is not list:
         raise CheckpointFormatError(f"{where}: chunks is {describe(chunks)}, expected a list")
     walk.spend(len(chunks) * (2 + 2 * len(size)))
-    out: dict[tuple[int, ...], int] = {}
+    out: dict[str, int] = {}
     for i, chunk in enumerate(chunks):
         if type(chunk) is not ChunkStorageMetadata:
             raise CheckpointFormatError(f"{where}: chunk {i} is {describe(chunk)}")
@@ -131,7 +137,7 @@ def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[tuple[int,
         nbytes = math.prod(sizes) * elem
         if nbytes > MAX_OFFSET:
             raise CheckpointFormatError(f"{where}: chunk {i} of {list(sizes)} is too large")
-        out[tuple(offsets)] = nbytes
+        out[offsets_key(offsets)] = nbytes
     return out
 
 
@@ -210,7 +216,7 @@ def check_metadata(metadata: object, budget: int) -> Metadata:
     if type(state) is not dict or type(storage) is not dict:
         raise CheckpointFormatError("metadata has no state_dict_metadata or storage_data dict")
     walk.spend(len(state) + len(storage))
-    chunks: dict[str, dict[tuple[int, ...], int] | None] = {}
+    chunks: dict[str, dict[str, int] | None] = {}
     for fqn, md in state.items():
         if type(fqn) is not str:
             raise CheckpointFormatError(f"metadata key {describe(fqn)} is not a string")
@@ -231,7 +237,7 @@ def check_metadata(metadata: object, budget: int) -> Metadata:
         tensor = chunks[index.fqn]
         nbytes = None
         if tensor is not None:
-            nbytes = tensor.get(tuple(index.offset)) if index.offset is not None else None
+            nbytes = tensor.get(offsets_key(index.offset)) if index.offset is not None else None
             if nbytes is None:
                 raise CheckpointFormatError(
                     f"storage entry {_name(index.fqn)}: no chunk of the tensor at offset {describe(index.offset)}"

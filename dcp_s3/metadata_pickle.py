@@ -60,6 +60,12 @@ BUDGET_FLOOR = 1 << 16
 _MAX_INT_KEY = (1 << 61) - 2
 #: Most dimensions an offset in a ``MetadataIndex`` key may have (hashing it costs one step per dimension).
 MAX_NDIM = 64
+#: Most ``MetadataIndex`` keys with one hash value (distinct keys collide by chance with odds ~2^-64).
+_MAX_SAME_HASH = 16
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def budget_for(size: int) -> int:
@@ -122,13 +128,6 @@ def _sequence_args(args: tuple[Any, ...]) -> int:
     return len(args[0]) + 1 if args else 1
 
 
-def _keyed_args(args: tuple[Any, ...]) -> int:
-    units = _sequence_args(args)
-    for element in args[0] if args else ():
-        _check_key(element)
-    return units
-
-
 def _no_args(args: tuple[Any, ...]) -> int:
     _check_args(args, (), 0, 0)
     return 1
@@ -142,7 +141,7 @@ def _one(kind: type) -> Callable[[tuple[Any, ...]], int]:
     return check
 
 
-def _call_checks() -> dict[Any, Callable[[tuple[Any, ...]], int]]:
+def _call_checks(keyed: Callable[[tuple[Any, ...]], int]) -> dict[Any, Callable[[tuple[Any, ...]], int]]:
     """The callables REDUCE may call, each with a check of its arguments returning their cost."""
     return {
         torch.Size: _size_args,
@@ -151,31 +150,14 @@ def _call_checks() -> dict[Any, Callable[[tuple[Any, ...]], int]]:
         collections.OrderedDict: _no_args,
         pathlib.PosixPath: _path_args,
         pathlib.PurePosixPath: _path_args,
-        set: _keyed_args,
-        frozenset: _keyed_args,
+        set: keyed,
+        frozenset: keyed,
         list: _sequence_args,
         tuple: _sequence_args,
         dict: _no_args,
     }
 
 
-
-
-def _check_key(key: object) -> None:
-    """Refuse a dict key / set element whose hash is costly or can be made to collide."""
-    kind = type(key)
-    if kind is str:
-        return
-    if kind is int and -_MAX_INT_KEY <= key <= _MAX_INT_KEY:  # type: ignore[operator]
-        return
-    if kind is MetadataIndex:
-        fqn, offset = getattr(key, "fqn", None), getattr(key, "offset", None)
-        if type(fqn) is str and (offset is None or (type(offset) is torch.Size and len(offset) <= MAX_NDIM)):
-            return
-        raise CheckpointFormatError(
-            f"a MetadataIndex used as a key has fqn {describe(fqn)} and offset {describe(offset)}"
-        )
-    raise CheckpointFormatError(f"{describe(key)} used as a dict key or set element")
 
 
 def _check_args(args: tuple[Any, ...], types: tuple[type, ...], lo: int, hi: int) -> None:
@@ -208,7 +190,8 @@ class _Unpickler(pickle._Unpickler):
         classes = (*_DATACLASSES, *classes)
         self.table = _globals(classes)
         # Looked up by id: hashing an untrusted stack object could itself be the attack.
-        self.calls = {id(func): check for func, check in _call_checks().items()}
+        self.calls = {id(func): check for func, check in _call_checks(self._keyed_args).items()}
+        self.hashes: dict[str, int] = {}  # MetadataIndex key hashes seen (as str: its hash is randomized)
         self.newobj = {id(cls): cls for cls in classes}
 
     def load(self) -> Any:
@@ -248,6 +231,39 @@ class _Unpickler(pickle._Unpickler):
             return self.table[(module, name)]
         except (KeyError, TypeError):
             raise CheckpointFormatError(f"refusing to load {module}.{name}: not a checkpoint metadata class") from None
+
+    # -- dict keys and set elements ------------------------------------------------------------------
+    def check_key(self, key: object) -> None:
+        """Refuse a dict key / set element whose hash is costly or can be made to collide.
+
+        ``str`` hashes are randomized per process; ints within the hash modulus hash to
+        themselves. A ``MetadataIndex`` hashes its fqn and offset; offsets can be chosen so
+        that their (unrandomized) tuple hashes collide, which would make every insertion
+        scan all the others: more than a few keys with one hash are refused.
+        """
+        kind = type(key)
+        if kind is str:
+            return
+        if kind is int and -_MAX_INT_KEY <= key <= _MAX_INT_KEY:  # type: ignore[operator]
+            return
+        if kind is MetadataIndex:
+            fqn, offset = getattr(key, "fqn", None), getattr(key, "offset", None)
+            if type(fqn) is not str or not (offset is None or (type(offset) is torch.Size and len(offset) <= MAX_NDIM)):
+                raise CheckpointFormatError(
+                    f"a MetadataIndex used as a key has fqn {describe(fqn)} and offset {describe(offset)}"
+                )
+            h = str(hash(key))
+            seen = self.hashes[h] = self.hashes.get(h, 0) + 1
+            if seen > _MAX_SAME_HASH:
+                raise CheckpointFormatError(f"more than {_MAX_SAME_HASH} keys of {_short(fqn)} share one hash")
+            return
+        raise CheckpointFormatError(f"{describe(key)} used as a dict key or set element")
+
+    def _keyed_args(self, args: tuple[Any, ...]) -> int:
+        units = _sequence_args(args)
+        for element in args[0] if args else ():
+            self.check_key(element)
+        return units
 
     # -- opcodes that call, create or mutate -------------------------------------------------------
     def load_reduce(self) -> None:
@@ -300,7 +316,7 @@ class _Unpickler(pickle._Unpickler):
             raise CheckpointFormatError(f"refusing to add items to {describe(target)}")
         for key in keys:
             if type(key) is not str:  # (the common case, inline)
-                _check_key(key)
+                self.check_key(key)
         return target
 
     def load_setitem(self) -> None:
@@ -316,7 +332,7 @@ class _Unpickler(pickle._Unpickler):
     def load_dict(self) -> None:
         items = self.pop_mark()
         for key in items[::2]:
-            _check_key(key)
+            self.check_key(key)
         self.append(dict(zip(items[::2], items[1::2])))
 
     def load_additems(self) -> None:
@@ -326,7 +342,7 @@ class _Unpickler(pickle._Unpickler):
     def load_frozenset(self) -> None:
         items = self.pop_mark()
         for item in items:
-            _check_key(item)
+            self.check_key(item)
         self.append(frozenset(items))
 
     def load_append(self) -> None:

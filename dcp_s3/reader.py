@@ -33,6 +33,7 @@ from .config import ClientConfig, TransferConfig
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
+from .metadata_check import offsets_key
 from .session import S3Location, S3Session
 from .transfer import RangeRead
 
@@ -84,7 +85,7 @@ class S3StorageReader(S3Location, StorageReader):
         self._codec = Codec(threads=max(1, os.cpu_count() or 1))  # decodes compressed checkpoints
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
-        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
+        self._chunks: dict[tuple[str, str], tuple[torch.Size, torch.dtype]] = {}  # by (fqn, offsets_key)
 
     def __repr__(self) -> str:
         return f"S3StorageReader({str(self._session.uri)!r})"
@@ -130,7 +131,7 @@ class S3StorageReader(S3Location, StorageReader):
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 for chunk in md.chunks:
-                    self._chunks[(fqn, tuple(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
+                    self._chunks[(fqn, offsets_key(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -256,7 +257,7 @@ class S3StorageReader(S3Location, StorageReader):
         Returns whether ``dest`` then holds the whole stored payload (so its checksum can be checked).
         """
         fqn = req.storage_index.fqn
-        sizes, dtype = self._chunks.get((fqn, tuple(req.storage_index.offset or ())), (None, None))
+        sizes, dtype = self._chunks.get((fqn, offsets_key(req.storage_index.offset or ())), (None, None))
         if sizes is None or dtype is None:
             raise CheckpointFormatError(f"{self.checkpoint_id}: no chunk metadata for {req.storage_index}")
         if len(req.lengths) != len(sizes) or any(

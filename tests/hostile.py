@@ -174,3 +174,28 @@ def get_op(i: int) -> bytes:
 
 def int_op(n: int) -> bytes:
     return pickle.BININT + n.to_bytes(4, "little", signed=True)
+
+
+_P1, _P2, _P5 = 11400714785074694791, 14029467366897019727, 2870177450012600261
+_M64, _MOD = (1 << 64) - 1, (1 << 61) - 1
+
+
+def _rotl(x: int, r: int) -> int:
+    return ((x << r) | (x >> (64 - r))) & _M64
+
+
+def colliding_offsets(n: int) -> list[tuple[int, int]]:
+    """``n`` distinct pairs of ints whose tuple hashes are equal (CPython's xxHash-based tuple hash)."""
+    target = 0x1234_5678_9ABC_DEF0
+    need = (_rotl(target * pow(_P1, -1, 1 << 64) & _M64, 64 - 31))  # acc after lane 2, before the rotation
+    out = []
+    a = 0
+    while len(out) < n:
+        a += 1
+        acc = _rotl((_P5 + a * _P2) & _M64, 31) * _P1 & _M64
+        lane = (need - acc) * pow(_P2, -1, 1 << 64) & _M64  # the hash b must have
+        b = lane if lane < _MOD else lane - (1 << 64) if lane > (1 << 64) - _MOD else None
+        if b is not None and b not in (-1, -2):
+            out.append((a, b))
+    assert len({hash(p) for p in out}) == 1
+    return out

@@ -27,6 +27,7 @@ from hostile import (
     CallWith,
     MiB,
     PeakRss,
+    colliding_offsets,
     get_op,
     global_op,
     int_op,
@@ -225,6 +226,15 @@ def test_byte_item_forms_torch_load_would_run_are_refused(tmp_path: Path) -> Non
     assert not marker.exists()
 
 
+def test_byte_item_keys_that_collide_by_design_are_refused() -> None:
+    pairs = colliding_offsets(100)  # int pairs with one tuple hash: a quadratic dict to build
+    assert "share one hash" in str(byte_item_problem(torch_saved({p: 1 for p in pairs})))
+    assert "share one hash" in str(byte_item_problem(torch_saved(set(pairs))))
+    # ordinary keys of every kind, and one key repeated across many dicts, are fine
+    assert byte_item_problem(torch_saved({(1, "a"): 2, 2.5: 1, 2**70: 3, None: 0, b"k": 1})) is None
+    assert byte_item_problem(torch_saved([{("a", 1): i} for i in range(40)])) is None
+
+
 # -- class 2: .metadata cannot change anything outside the object it builds ---------------------------
 _TARGETS = [
     ("dcp_s3.layout", "ItemLocation", ItemLocation),
@@ -410,6 +420,16 @@ def test_metadata_pickle_bombs_fail_fast(bomb: str) -> None:
     with PeakRss().watch() as rss, pytest.raises(CheckpointFormatError, match=match):
         load_metadata(pickle_ops(ops), "crafted")
     assert rss.growth < 256 * MiB, rss.growth
+
+
+def test_colliding_metadata_keys_are_refused() -> None:
+    """Offsets chosen so that every MetadataIndex key has one hash: building the dict would scan
+    all earlier keys at each insertion (quadratic)."""
+    md = genuine()
+    for i, (a, b) in enumerate(colliding_offsets(200)):
+        md.storage_data[MetadataIndex("w", torch.Size([a, b]))] = ItemLocation("__0_0.distcp", i, 1)
+    with pytest.raises(CheckpointFormatError, match="keys of w share one hash"):
+        load_metadata(pickle.dumps(md), "crafted")
 
 
 @pytest.mark.timeout(120)
