@@ -296,8 +296,11 @@ class _Checker:
         if not (isinstance(storage_type, _Global) and "Storage" in storage_type.name and type(key) is str
                 and type(location) is str and type(numel) is int and numel >= 0):
             raise _Refused("it holds a malformed storage reference")
-        dtype = getattr(storage_type.obj, "dtype", torch.uint8)
-        elem = torch._utils._element_size(dtype) if isinstance(dtype, torch.dtype) else 1
+        try:  # how torch.load reads the storage type's name
+            dtype = torch.serialization.StorageType(storage_type.name.rpartition(".")[2]).dtype
+        except KeyError:  # UntypedStorage: bytes
+            dtype = torch.uint8
+        elem = torch._utils._element_size(dtype)
         try:
             size = self.record_size(f"data/{key}")
         except Exception:

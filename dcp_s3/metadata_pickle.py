@@ -12,8 +12,9 @@ run by an interpreter that admits only what DCP metadata is made of:
   attribute names — never on a class or function, so a pickle cannot change a class for
   the rest of the process;
 - dict keys and set elements: ``str``, small ``int`` or ``MetadataIndex``, whose hashes
-  cost O(1) and cannot be made to collide (a nested tuple as a key would take
-  exponential time to hash);
+  cost O(1) (a nested tuple as a key would take exponential time to hash), and at most
+  a few keys per hash value (offsets can be chosen so that tuple hashes collide, which
+  would make building the dict quadratic);
 - no persistent ids, extension codes or out-of-band buffers.
 
 Work that is not proportional to the pickle's own bytes (a constructor copying an
@@ -26,6 +27,7 @@ this class replaces the entries of its dispatch table that create, call or mutat
 
 from __future__ import annotations
 
+import _compat_pickle
 import collections
 import io
 import pathlib
@@ -158,8 +160,6 @@ def _call_checks(keyed: Callable[[tuple[Any, ...]], int]) -> dict[Any, Callable[
     }
 
 
-
-
 def _check_args(args: tuple[Any, ...], types: tuple[type, ...], lo: int, hi: int) -> None:
     if not lo <= len(args) <= hi:
         raise CheckpointFormatError(f"{len(args)} arguments")
@@ -227,6 +227,11 @@ class _Unpickler(pickle._Unpickler):
 
     # -- globals ---------------------------------------------------------------------------------
     def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3:  # Python 2 names, renamed as pickle's own find_class does (fix_imports)
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
         try:
             return self.table[(module, name)]
         except (KeyError, TypeError):

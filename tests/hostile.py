@@ -13,6 +13,7 @@ import os
 import pickle
 import shlex
 import threading
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -199,3 +200,14 @@ def colliding_offsets(n: int) -> list[tuple[int, int]]:
             out.append((a, b))
     assert len({hash(p) for p in out}) == 1
     return out
+
+
+def with_pickle(archive: bytes, patch: Callable[[bytes], bytes]) -> bytes:
+    """A copy of a ``torch.save`` archive whose ``data.pkl`` is ``patch(data.pkl)`` (CRCs rewritten)."""
+    src = zipfile.ZipFile(io.BytesIO(archive))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            dst.writestr(info.filename, patch(data) if info.filename.endswith("/data.pkl") else data)
+    return out.getvalue()

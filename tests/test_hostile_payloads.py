@@ -40,6 +40,7 @@ from hostile import (
     torch_saved,
     touch,
     unicode_op,
+    with_pickle,
     write_metadata,
 )
 from torch import nn
@@ -223,6 +224,11 @@ def test_byte_item_forms_torch_load_would_run_are_refused(tmp_path: Path) -> Non
     assert "legacy or raw" in str(byte_item_problem(pickle.dumps(touch(marker))))
     assert "TorchScript" in str(byte_item_problem(scripted.getvalue()))
     assert "torch.nn.modules.linear.Linear" in str(byte_item_problem(torch_saved(nn.Linear(2, 2))))
+    # a storage claiming more bytes than its record holds (torch would allocate the claim)
+    ones = torch_saved(torch.ones(2))
+    assert byte_item_problem(with_pickle(ones, lambda pkl: pkl)) is None
+    claim = with_pickle(ones, lambda pkl: pkl.replace(b"K\x02t", pickle.BININT + (1 << 28).to_bytes(4, "little") + b"t"))
+    assert "claims 1073741824 bytes, its record holds 8" in str(byte_item_problem(claim))
     assert not marker.exists()
 
 
@@ -360,15 +366,15 @@ def test_compressed_item_without_checksums_is_refused(bucket: str, s3_env: Local
 def test_byte_item_length_lie_allocates_nothing(bucket: str, s3_env: LocalS3Server) -> None:
     uri = f"s3://{bucket}/ck"
     dcp.save(state(), storage_writer=S3StorageWriter(uri))
-    md = read_metadata(uri)
-    for index, info in md.storage_data.items():
-        if index.fqn == "step":
-            info.length = 512 * MiB  # the object holds about 4 KiB
-    write_metadata(uri, md)
-    with PeakRss().watch() as rss, pytest.raises(CheckpointFormatError, match="shorter than the checkpoint metadata"):
-        load_direct(uri, blank())
-    assert rss.growth < 128 * MiB, rss.growth
-    assert any("truncated" in p.message for p in verify_checkpoint(uri).problems)
+    for offset, length in ((None, 512 * MiB), (1 << 40, 16)):  # runs off the end; starts past it
+        md = read_metadata(uri)
+        (info,) = [info for index, info in md.storage_data.items() if index.fqn == "step"]
+        info.offset, info.length = info.offset if offset is None else offset, length  # the object holds ~4 KiB
+        write_metadata(uri, md)
+        with PeakRss().watch() as rss, pytest.raises(CheckpointFormatError, match="shorter than the checkpoint metadata"):
+            load_direct(uri, blank())
+        assert rss.growth < 128 * MiB, rss.growth
+        assert any("truncated" in p.message for p in verify_checkpoint(uri).problems)
 
 
 def _shared_chunks_bomb(tensors: int, chunks: int) -> Metadata:
