@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from .byte_items import byte_item_problem
 from .cleanup import Garbage, Removal, collect_garbage, find_garbage, remove_checkpoint
 from .errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from .layout import METADATA_KEY, checksum_error
@@ -196,9 +197,11 @@ def verify_checkpoint(uri: str, *, progress: Progress | None = None, **storage_o
     """Read every item of every checkpoint at ``uri`` and check it; problems are reported, not raised.
 
     Checks: the step marker loads and names parts that exist; each part is committed and
-    its metadata loads; every data object exists and is long enough; each plain item is a
-    readable ``torch.save`` blob (``weights_only``) whose tensor has the shape and dtype the
-    metadata says; encoded (compressed) items decode through the storage reader.
+    its metadata loads and is well-formed; every data object exists and is long enough; each
+    plain item is a readable ``torch.save`` blob that weights-only loading accepts (checked
+    without running it: an item the readers would refuse is a problem) and a tensor item has
+    the shape and dtype the metadata says; encoded (compressed) items decode through the
+    storage reader.
     """
     store, steps = resolve(uri, **storage_options)
     report = VerifyReport()
@@ -353,13 +356,11 @@ def _check_blob(blob: bytes, index: MetadataIndex, info: Any, metadata: Metadata
                 return error
     elif isinstance(md, BytesStorageMetadata) and (error := checksum_error(info, blob)):
         return error
+    # Checked without running it: a byte item the readers would refuse is a problem too.
+    problem = byte_item_problem(blob)
+    if problem is not None:
+        return _short(f"refused on load: {problem}")
     if isinstance(md, BytesStorageMetadata):
-        try:
-            torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            pass  # an intact archive of a class weights_only refuses: not corruption
-        except Exception as exc:
-            return _short(f"does not load: {type(exc).__name__}: {exc}")
         return None
     try:
         tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)

@@ -68,6 +68,8 @@ GROUP_FLOAT: Final = 1
 """Frames hold zstd of the byte planes of the elements rotated left by one bit."""
 
 DEFAULT_FRAME_SIZE: Final = 4 << 20
+#: Largest frame a reader accepts: bounds the scratch memory a (lying) frame index can ask for.
+MAX_FRAME_SIZE: Final = 64 << 20
 _BLOCK_ELEMENTS: Final = 1 << 16  # shuffle block: keeps temporaries in L2 cache
 _SAMPLE_BYTES: Final = 32 << 10  # exponent-plane sample used to pick zstd parameters
 # Literal-heavy zstd parameters: min_match 7 with a tiny hash table finds few
@@ -108,17 +110,23 @@ class FrameIndex:
         self._validate()
 
     def _validate(self) -> None:
-        if self.element_size < 1 or self.frame_size < 1 or self.frame_size % self.element_size:
+        # Values come from checkpoint metadata: check types first (bool is not an int here).
+        ints = (self.version, self.element_size, self.grouping, self.raw_length, self.frame_size, self.raw_frames)
+        if type(self.codec) is not str or any(type(v) is not int for v in ints) or type(self.ends) is not tuple:
+            raise CheckpointFormatError("bad frame index: a field has the wrong type")
+        if not 1 <= self.element_size <= self.frame_size <= MAX_FRAME_SIZE or self.frame_size % self.element_size:
             raise CheckpointFormatError(
-                f"bad frame index: frame_size {self.frame_size} must be a positive multiple of "
-                f"element_size {self.element_size}"
+                f"bad frame index: frame_size {self.frame_size} must be a multiple of element_size "
+                f"{self.element_size} and at most {MAX_FRAME_SIZE}"
             )
         if self.raw_length < 0 or len(self.ends) != -(-self.raw_length // self.frame_size):
             raise CheckpointFormatError(
                 f"bad frame index: {len(self.ends)} frames for {self.raw_length} raw bytes "
                 f"in frames of {self.frame_size}"
             )
-        if any(b < a for a, b in zip((0,) + self.ends, self.ends)) or self.raw_frames >> len(self.ends):
+        if any(type(e) is not int for e in self.ends):
+            raise CheckpointFormatError("bad frame index: a stored offset is not an integer")
+        if any(b < a for a, b in zip((0,) + self.ends, self.ends)) or self.raw_frames < 0 or self.raw_frames >> len(self.ends):
             raise CheckpointFormatError("bad frame index: stored offsets decrease or raw_frames has extra bits")
 
     # Pickled as the class plus a state tuple, so a restricted unpickler only has
@@ -131,6 +139,8 @@ class FrameIndex:
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         if not isinstance(state, tuple) or len(state) != len(_FIELDS):
             codec, version = (state[0], state[1]) if isinstance(state, tuple) and len(state) > 1 else ("?", "?")
+            codec = codec if isinstance(codec, str) and len(codec) <= 60 else "?"
+            version = version if type(version) is int and abs(version) < 1 << 32 else "?"
             raise CheckpointFormatError(
                 f"cannot read the frame index of codec {codec!r} version {version}: this dcp_s3 reads {_supported()}"
             )
@@ -207,8 +217,8 @@ class Codec:
         :meth:`encode` call (default ``2 * threads``); bounds encode memory to about
         ``(max_in_flight + threads) * frame_size``.
         """
-        if threads < 1 or frame_size < 1 or (max_in_flight is not None and max_in_flight < 1):
-            raise ValueError("threads, frame_size and max_in_flight must be positive")
+        if threads < 1 or not 1 <= frame_size <= MAX_FRAME_SIZE or (max_in_flight is not None and max_in_flight < 1):
+            raise ValueError(f"threads and max_in_flight must be positive, frame_size in [1, {MAX_FRAME_SIZE}]")
         zstandard.ZstdCompressor(level=level)  # validates the level
         self.level, self.threads, self.frame_size = level, threads, frame_size
         self.max_in_flight = max_in_flight or 2 * threads
@@ -487,9 +497,9 @@ def _decompress_into(piece: memoryview, dst: memoryview, i: int) -> None:
     try:
         got = cramjam.zstd.decompress_into(piece, dst)
     except cramjam.DecompressionError as e:
-        if "whole buffer" in str(e):
-            raise CheckpointFormatError(f"frame {i} decompresses to more than the expected {len(dst)} bytes") from e
-        raise CheckpointFormatError(f"frame {i} is not valid zstd data: {e}") from e
+        raise CheckpointFormatError(
+            f"frame {i} is not valid zstd data or decompresses to more than the expected {len(dst)} bytes ({e})"
+        ) from e
     if got != len(dst):
         raise CheckpointFormatError(f"frame {i} decompressed to {got} bytes, expected {len(dst)}")
 

@@ -20,21 +20,19 @@ fetch them straight into the destination tensor.
 
 from __future__ import annotations
 
-import io
 import pickle
-import posixpath
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from crc32c import crc32c
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .codec import CODEC_NAME, CODEC_VERSION, FrameIndex
 from .errors import CheckpointFormatError, ConfigError
+from .metadata_check import check_metadata, check_object_name
+from .metadata_pickle import budget_for, describe, unpickle_metadata
 
 __all__ = [
     "METADATA_KEY", "PROBE_PREFIX", "ItemLocation", "new_token", "data_object_name", "referenced_objects", "rank_prefix",
@@ -137,67 +135,21 @@ def checksum_error(info: _StorageInfo, payload: bytes | memoryview) -> str | Non
     return f"checksum mismatch (crc32c {actual:#010x}, expected {expected:#010x}): the stored bytes are corrupt"
 
 
-def check_object_name(name: str) -> str:
-    """Reject object names from metadata that would escape the checkpoint prefix."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name.startswith("/")
-        or "://" in name
-        or "\\" in name
-        or any(part in ("", ".", "..") for part in name.split("/"))
-        or posixpath.normpath(name) != name
-    ):
-        raise CheckpointFormatError(f"metadata names an invalid object path {name!r}")
-    return name
-
-
 def dump_metadata(metadata: Metadata) -> bytes:
     return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-# Classes a checkpoint's .metadata may reference; anything else is refused.
-_ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset(
-        {
-            "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-            "BytesStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-        }
-    ),
-    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
-    "torch.serialization": frozenset({"_get_layout"}),
-    "torch": frozenset({"Size"}),
-    "dcp_s3.layout": frozenset({"ItemLocation"}),
-    "dcp_s3.codec": frozenset({"FrameIndex"}),
-    "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
-    "collections": frozenset({"OrderedDict"}),
-    "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict"}),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles only the classes DCP metadata is made of: a crafted pickle cannot run code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise CheckpointFormatError(f"refusing to load {module}.{name}: not a checkpoint metadata class")
-
-
 def load_metadata(data: bytes, where: str) -> Metadata:
-    """Unpickle ``.metadata`` bytes with the restricted unpickler; errors name ``where``."""
+    """Unpickle ``.metadata`` bytes with the restricted unpickler and validate every field.
+
+    Any failure is a ``CheckpointFormatError`` naming ``where`` (see ``metadata_pickle``
+    for what the unpickler admits and ``metadata_check`` for what is validated).
+    """
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        return check_metadata(unpickle_metadata(data, (ItemLocation,)), budget_for(len(data)))
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"{where}: {exc}") from None
     except Exception as exc:
-        raise CheckpointFormatError(f"{where} is not a DCP metadata file ({type(exc).__name__}: {exc})") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-        raise CheckpointFormatError(f"{where} does not hold DCP Metadata with storage data")
-    for info in metadata.storage_data.values():
-        if not isinstance(info, _StorageInfo):
-            raise CheckpointFormatError(f"{where}: storage data entry of type {type(info).__name__}")
-        check_object_name(info.relative_path)
-    return metadata
+        raise CheckpointFormatError(
+            f"{where} is not a DCP metadata file ({type(exc).__name__}: {describe(str(exc))})"
+        ) from None

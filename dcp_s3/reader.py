@@ -28,11 +28,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from .byte_items import check_byte_item
 from .codec import Codec, FrameIndex, stored_span
 from .config import ClientConfig, TransferConfig, client_config
 from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, S3TransferError
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
+from .metadata_check import offsets_key
 from .replicated import read_replicated
 from .session import S3Location, S3Session
 from .sharing import broadcast_bytes, metadata_source
@@ -62,6 +64,11 @@ class S3StorageReader(S3Location, StorageReader):
     when every rank loads the whole model). Each member reads a share of the common
     plan from S3 and broadcasts it to the others, so the group reads the bytes once.
     Every member must pass its own group; members whose plans differ get ``ConfigError``.
+    Byte items (non-tensor values, which torch's default planner reads with
+    ``torch.load(..., weights_only=False)``) are checked first, whatever the planner, and
+    refused with a ``CheckpointFormatError`` if weights-only loading would refuse them
+    (see ``dcp_s3.byte_items``); ``allow_unsafe_byte_items=True`` skips that check, for
+    checkpoints you trust.
     """
 
     def __init__(
@@ -79,8 +86,12 @@ class S3StorageReader(S3Location, StorageReader):
         share_metadata: bool | dist.ProcessGroup = True,
         replica_group: dist.ProcessGroup | None = None,
         client: ClientConfig | None = None,
+        allow_unsafe_byte_items: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(allow_unsafe_byte_items, bool):
+            raise ConfigError(f"allow_unsafe_byte_items={allow_unsafe_byte_items!r}: must be True or False")
+        self.allow_unsafe_byte_items = allow_unsafe_byte_items
         if not isinstance(share_metadata, (bool, dist.ProcessGroup)):
             raise ConfigError(f"share_metadata={share_metadata!r}: expected True, False or a ProcessGroup")
         if replica_group is not None and not isinstance(replica_group, dist.ProcessGroup):
@@ -96,7 +107,7 @@ class S3StorageReader(S3Location, StorageReader):
         self._codec = Codec(threads=max(1, os.cpu_count() or 1))  # decodes compressed checkpoints
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
-        self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
+        self._chunks: dict[tuple[str, str], tuple[torch.Size, torch.dtype]] = {}  # by (fqn, offsets_key)
 
     def __repr__(self) -> str:
         return f"S3StorageReader({str(self._session.uri)!r})"
@@ -105,7 +116,7 @@ class S3StorageReader(S3Location, StorageReader):
         # Process groups do not pickle: a copy finds dcp.load's group again (share_metadata=True),
         # an explicit group becomes False (every rank reads) and replica_group None.
         return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id,
-                "share_metadata": self.share_metadata is True}
+                "share_metadata": self.share_metadata is True, "allow_unsafe_byte_items": self.allow_unsafe_byte_items}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, storage_data={}, _chunks={}, replica_group=None)
@@ -168,7 +179,7 @@ class S3StorageReader(S3Location, StorageReader):
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 for chunk in md.chunks:
-                    self._chunks[(fqn, tuple(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
+                    self._chunks[(fqn, offsets_key(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -218,11 +229,19 @@ class S3StorageReader(S3Location, StorageReader):
                 f"that this reader does not support (it reads {CODEC_DESCRIPTOR})"
             )
         if req.type == LoadItemType.BYTE_IO:
-            buf = bytearray(info.length)
-            reads.append(RangeRead(key, info.offset, info.offset + info.length, lambda: memoryview(buf)))
+            held: dict[str, bytearray] = {}
+
+            def open_buffer() -> memoryview:  # once the server has confirmed that the range exists
+                held["buf"] = bytearray(info.length)
+                return memoryview(held["buf"])
+
+            reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer))
 
             def load_bytes() -> None:
+                buf = held.pop("buf") if info.length else bytearray()
                 self._verify(req, info, memoryview(buf))
+                if not self.allow_unsafe_byte_items:
+                    check_byte_item(buf, req.storage_index.fqn, f"s3://{self._session.require_uri().bucket}/{key}")
                 planner.load_bytes(req, io.BytesIO(buf))
 
             return load_bytes
@@ -257,8 +276,8 @@ class S3StorageReader(S3Location, StorageReader):
     def _verify_frames(self, key: str, info: Any, frames: FrameIndex, lo: int, hi: int, out: memoryview) -> None:
         """Check the CRC32C of every frame that raw bytes ``[lo, hi)`` (now in ``out``) cover whole."""
         crcs = getattr(info, "frame_crc32c", None)
-        if crcs is None:
-            return
+        if crcs is None:  # load_metadata refuses this; metadata built in-process could still lack them
+            raise CheckpointFormatError(f"s3://{self._session.require_uri().bucket}/{key}: compressed item without checksums")
         for i in range(lo // frames.frame_size, frames.num_frames):
             f_lo, f_hi = frames.raw_range(i)
             if f_lo >= hi:
@@ -289,9 +308,15 @@ class S3StorageReader(S3Location, StorageReader):
         Returns whether ``dest`` then holds the whole stored payload (so its checksum can be checked).
         """
         fqn = req.storage_index.fqn
-        sizes, dtype = self._chunks.get((fqn, tuple(req.storage_index.offset or ())), (None, None))
+        sizes, dtype = self._chunks.get((fqn, offsets_key(req.storage_index.offset or ())), (None, None))
         if sizes is None or dtype is None:
             raise CheckpointFormatError(f"{self.checkpoint_id}: no chunk metadata for {req.storage_index}")
+        if len(req.lengths) != len(sizes) or any(
+            o < 0 or n < 0 or o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, sizes)
+        ):
+            raise CheckpointFormatError(
+                f"{fqn}: the plan reads {list(req.lengths)} at {list(req.storage_offsets)} of a stored chunk of {list(sizes)}"
+            )
         elem = torch._utils._element_size(dtype)
         rows_total = sizes[0] if len(sizes) else 1
         row_bytes = math.prod(sizes[1:]) * elem if len(sizes) else elem

@@ -4,7 +4,8 @@ The checkpoint manager and the ``dcp-s3`` tools work on *objects* named relative
 root: list (recursively, by name prefix), read, read byte ranges, write (atomically),
 delete, and make a DCP ``StorageWriter``/``StorageReader`` for a sub-location. On S3 the
 writer/reader are ``S3StorageWriter``/``S3StorageReader``; on disk ``SafeFileSystemWriter``
-(torch's ``FileSystemWriter`` with an atomic overwrite) and torch's ``FileSystemReader``. Names always use ``/``.
+(torch's ``FileSystemWriter`` with an atomic overwrite) and ``CheckedFileSystemReader`` (torch's
+``FileSystemReader`` with dcp_s3's byte item check). Names always use ``/``.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from .byte_items import CheckedFileSystemReader
 from .config import S3Uri, client_config, parse_s3_uri
 from .errors import (
     CheckpointExistsError,
@@ -461,7 +462,7 @@ class LocalStore:
         return SafeFileSystemWriter(self.path(name), overwrite=overwrite is not False)
 
     def reader(self, name: str) -> StorageReader:
-        return FileSystemReader(self.path(name))
+        return CheckedFileSystemReader(self.path(name))  # byte items checked as on S3
 
     def uploads(self, prefix: str = "") -> list[Upload]:
         return []

@@ -40,6 +40,7 @@ from urllib3.exceptions import HTTPError as Urllib3HTTPError
 from .errors import (
     BucketNotFoundError,
     CheckpointExistsError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     ConfigError,
     DcpS3Error,
@@ -466,10 +467,16 @@ class S3Transport:
         attempt = 0
         while pos < end:
             try:
-                resp = self._call("get_object", key, Key=key, Range=_range_header(pos, end))
-                length = int(resp.get("ContentLength", -1))
-                if length != end - pos:
-                    raise S3TransferError(
+                try:
+                    resp = self._call("get_object", key, Key=key, Range=_range_header(pos, end))
+                except S3TransferError as exc:
+                    if _status(exc.__cause__) != 416:  # Range Not Satisfiable: starts past the end
+                        raise
+                    length = 0
+                else:
+                    length = int(resp.get("ContentLength", -1))
+                if length != end - pos:  # checked before any destination is opened (allocated)
+                    raise CheckpointFormatError(
                         f"GET s3://{self.bucket}/{key} bytes {pos}-{end}: server sent {length} bytes, "
                         f"expected {end - pos} (object shorter than the checkpoint metadata says?)"
                     )

@@ -1,0 +1,424 @@
+"""A symbolic check that ``torch.load`` of a ``torch.save`` archive does only what weights-only loading allows.
+
+:func:`byte_item_problem` locates the pickle exactly as ``torch.load`` does (torch's own
+zip reader), then interprets its opcodes symbolically under the rules of torch's
+weights-only unpickler — the same opcode set; globals only from torch's weights-only
+allowlist, including classes registered with ``torch.serialization.add_safe_globals``;
+calls and object creation only of those globals; state only on objects created so, never
+on a class — while calling nothing. A pickle that passes makes ``torch.load`` perform
+only operations weights-only loading allows. On top, the work such a load would do is
+bounded by the pickle's size: shared references re-used by constructors, a
+self-referencing value, ``bytearray(<int>)``, dict keys chosen to share one hash and
+storages larger than their records are refused. Legacy (non-zip) files, TorchScript
+archives and raw bytes are refused too.
+
+Torch's private allowlist (``torch._weights_only_unpickler``) and zip reader
+(``torch._C.PyTorchFileReader``) are used here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import functools
+import io
+import pickle
+import struct
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import _weights_only_unpickler as _wo  # private: torch's allowlist (used by _table and friends only)
+
+from .metadata_pickle import budget_for, describe
+
+__all__ = ["byte_item_problem"]
+
+_ZIP_MAGIC = b"PK\x03\x04"  # what torch.serialization._is_zipfile compares
+
+
+class _Refused(Exception):
+    """Why an item is refused (internal; becomes a message)."""
+
+
+class _Global:
+    __slots__ = ("name", "obj")
+
+    def __init__(self, name: str, obj: Any) -> None:
+        self.name, self.obj = name, obj
+
+
+class _Node:
+    """A value the pickle would build: a container, a call's result or a storage."""
+
+    __slots__ = ("kind", "items", "callee")
+
+    def __init__(self, kind: str, items: list[Any] | None = None, callee: _Global | None = None) -> None:
+        self.kind, self.items, self.callee = kind, items if items is not None else [], callee
+
+
+def _leaf_weight(value: object) -> int:
+    return 1 + len(value) if isinstance(value, (str, bytes)) else 1
+
+
+def _weight(root: object, cap: int) -> int:
+    """How many objects ``root`` expands to as a tree (saturating above ``cap``); a cycle is refused."""
+    if not isinstance(root, _Node):
+        return _leaf_weight(root)
+    done: dict[int, int] = {}
+    open_: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack[-1]
+        key = id(node)
+        if key in done:
+            stack.pop()
+        elif key not in open_:
+            open_.add(key)
+            for child in node.items:
+                if isinstance(child, _Node) and id(child) not in done:
+                    if id(child) in open_:
+                        raise _Refused("it holds a value that contains itself")
+                    stack.append(child)
+        else:
+            total = 1 + sum(done[id(c)] if isinstance(c, _Node) else _leaf_weight(c) for c in node.items)
+            done[key] = min(total, cap + 1)
+            open_.discard(key)
+            stack.pop()
+    return done[id(root)]
+
+
+def _canonical(full: str, obj: Any) -> tuple[str, str]:
+    """The (module, name) a pickle names ``obj`` by (what the unpickler's find_class resolves)."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str) and f"{module}.{qualname}" == full:
+        return module, qualname
+    return full.rpartition(".")[0], full.rpartition(".")[2]
+
+
+def _table(allowlist: dict[str, Any]) -> dict[tuple[str, str], Any]:
+    return {_canonical(full, obj): obj for full, obj in allowlist.items()
+            if full.partition(".")[0] not in _wo._blocklisted_modules}
+
+
+@functools.cache
+def _torch_allowlist() -> dict[tuple[str, str], Any]:
+    return _table(_wo._get_allowed_globals())
+
+
+def _allowed_globals() -> dict[tuple[str, str], Any]:
+    """Torch's weights-only allowlist plus what the user registered with ``add_safe_globals``."""
+    user = _wo._get_user_allowed_globals()
+    return {**_torch_allowlist(), **_table(user)} if user else _torch_allowlist()
+
+
+#: Largest int whose hash is itself (below the hash modulus): such keys never collide.
+_MAX_INT_KEY = (1 << 61) - 2
+#: Most dict keys / set elements with one hash value in one byte item.
+_MAX_SAME_HASH = 16
+
+
+def _is_bytes(value: object) -> bool:
+    """Protocol 2 pickles bytes as a call of ``_codecs.encode``."""
+    return isinstance(value, _Node) and value.callee is not None and value.callee.name == "_codecs.encode"
+
+
+def _real(key: object, depth: int = 0) -> object:
+    """The value a hashable symbolic key stands for (tuples of atoms); refuses anything else."""
+    if isinstance(key, _Node):
+        if _is_bytes(key):  # bytes hash randomized per process, like str
+            return object()
+        if key.kind != "tuple":
+            raise _Refused(f"it uses {_label(key)} as a dict key or set element")
+        if depth > 16:
+            raise _Refused("it uses a tuple nested more than 16 deep as a dict key or set element")
+        return tuple(_real(item, depth + 1) for item in key.items)
+    if isinstance(key, _Global):
+        return key.name
+    return key
+
+
+class _Checker:
+    """Interprets a protocol-2 pickle symbolically under torch's weights-only rules."""
+
+    def __init__(self, data: bytes, record_size: Callable[[str], int]) -> None:
+        self.data, self.pos, self.proto = data, 0, 0
+        self.stack: list[Any] = []
+        self.metastack: list[list[Any]] = []
+        self.memo: dict[int, Any] = {}
+        self.budget = budget_for(len(data))
+        self.keys: dict[int, tuple[_Node, dict[str, int]]] = {}  # per dict: hashes of its keys
+        self.record_size = record_size
+        self.allowed = _allowed_globals()
+
+    def read(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise _Refused("the pickle is truncated")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def readline(self) -> str:
+        end = self.data.find(b"\n", self.pos)
+        if end < 0:
+            raise _Refused("the pickle is truncated")
+        line = self.data[self.pos : end].decode("utf-8")
+        self.pos = end + 1
+        return line
+
+    def charge(self, value: object) -> None:
+        self.budget -= _weight(value, self.budget)
+        if self.budget < 0:
+            raise _Refused("it expands far beyond its size (shared references re-used by constructors)")
+
+    def pop_mark(self) -> list[Any]:
+        items = self.stack
+        if not self.metastack:
+            raise _Refused("the pickle is malformed (no MARK)")
+        self.stack = self.metastack.pop()
+        return items
+
+    def callee(self, value: object, what: str) -> _Global:
+        if not isinstance(value, _Global):
+            raise _Refused(f"it would {what} {describe(value)}, which weights-only loading does not allow")
+        return value
+
+    def run(self) -> object:
+        ops = _OPS
+        while True:
+            op = self.read(1)[0]
+            handler = ops.get(op)
+            if handler is None:
+                raise _Refused(f"it uses pickle opcode {op:#04x}, which weights-only loading does not allow")
+            result = handler(self)
+            if result is not None:
+                return result[0]
+
+    # -- opcode handlers; a handler returns (value,) at STOP ----------------------------------------------
+    def op_global(self) -> None:
+        module, name = self.readline(), self.readline()
+        # The unpickler renames Python 2 names (fix_imports) below protocol 3, as torch.save's pickles need.
+        renamed = _compat_pickle.NAME_MAPPING.get((module, name))
+        if renamed is None and module in _compat_pickle.IMPORT_MAPPING:
+            renamed = (_compat_pickle.IMPORT_MAPPING[module], name)
+        if renamed is not None:
+            if self.proto >= 3:
+                raise _Refused(f"it would load {module}.{name}, which weights-only loading does not allow")
+            module, name = renamed
+        obj = self.allowed.get((module, name))
+        if obj is None:
+            raise _Refused(f"it would load {module}.{name}, which weights-only loading does not allow")
+        self.stack.append(_Global(f"{module}.{name}", obj))
+
+    def op_reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.callee(self.stack[-1], "call")
+        if not isinstance(args, _Node) or args.kind != "tuple":
+            raise _Refused(f"the arguments of {func.name} are not a tuple")
+        self._check_call(func, args)
+        self.charge(args)
+        self.stack[-1] = _Node("call", [args], func)
+
+    def op_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.callee(self.stack.pop(), "create")
+        self.charge(args)
+        self.stack.append(_Node("call", [args], cls))
+
+    def op_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if not isinstance(inst, _Node) or inst.kind != "call" or inst.callee is None:
+            raise _Refused(f"it would set state on {_label(inst)}, which weights-only loading does not allow")
+        # Weights-only loading sets a plain tensor's state with set_(*state); torch.load's
+        # Tensor.__setstate__ does the same only for a 4-tuple (else it sets hooks).
+        name = inst.callee.name
+        if (inst.callee.obj is torch.Tensor or name.startswith("torch._utils._rebuild_")) and "parameter" not in name:
+            if not (isinstance(state, _Node) and state.kind == "tuple" and len(state.items) == 4):
+                raise _Refused(f"it would set the state of the result of {name} other than with set_")
+        self.charge(state)
+        inst.items.append(state)
+
+    def key(self, key: object, seen: dict[str, int]) -> None:
+        """A dict key or set element (``seen``: hashes counted so far in that container).
+
+        Hashing a key costs its size. str and bytes hashes are randomized per process and
+        small ints hash to themselves; other keys (large ints, floats, tuples) can be chosen
+        to share one hash, which makes every insertion scan the others: more than a few keys
+        of one container with one hash are refused.
+        """
+        self.charge(key)
+        if isinstance(key, (str, bytes, _Global)) or key is None or _is_bytes(key) or (
+                type(key) in (int, bool) and -_MAX_INT_KEY <= key <= _MAX_INT_KEY):  # type: ignore[operator]
+            return
+        h = str(hash(_real(key)))
+        seen[h] = seen.get(h, 0) + 1
+        if seen[h] > _MAX_SAME_HASH:
+            raise _Refused(f"more than {_MAX_SAME_HASH} keys of one of its dicts or sets share one hash")
+
+    def _check_call(self, func: _Global, args: _Node) -> None:
+        if func.obj is bytearray and any(isinstance(a, int) for a in args.items):
+            raise _Refused("it would allocate bytearray(<int>)")
+        if func.obj in (set, Counter, OrderedDict) and args.items:  # they hash what they are given
+            source = args.items[0]
+            seen: dict[str, int] = {}
+            if isinstance(source, _Node) and source.kind in ("list", "tuple"):
+                for element in source.items:
+                    pair = isinstance(element, _Node) and element.kind == "tuple" and len(element.items) == 2
+                    self.key(element.items[0] if func.obj is OrderedDict and pair else element, seen)
+            elif not (isinstance(source, _Node) and source.kind == "dict"):  # a dict's keys were checked
+                raise _Refused(f"it would build a {func.name} from {_label(source)}")
+        if func.name == "torch._tensor._rebuild_from_type_v2" and not (
+            args.items and isinstance(args.items[0], _Global) and args.items[0].name.startswith("torch._utils._rebuild_")
+        ):
+            raise _Refused("it would rebuild a tensor subclass through something other than a tensor rebuild function")
+
+    def op_persid(self) -> None:
+        pid = self.stack.pop()
+        items = pid.items if isinstance(pid, _Node) and pid.kind == "tuple" else None
+        if not items or len(items) != 5 or items[0] != "storage":
+            raise _Refused("it holds a persistent id that is not a storage")
+        storage_type, key, location, numel = items[1:]
+        if not (isinstance(storage_type, _Global) and "Storage" in storage_type.name and type(key) is str
+                and type(location) is str and type(numel) is int and numel >= 0):
+            raise _Refused("it holds a malformed storage reference")
+        try:  # how torch.load reads the storage type's name
+            dtype = torch.serialization.StorageType(storage_type.name.rpartition(".")[2]).dtype
+        except KeyError:  # UntypedStorage: bytes
+            dtype = torch.uint8
+        elem = torch._utils._element_size(dtype)
+        try:
+            size = self.record_size(f"data/{key}")
+        except Exception:
+            raise _Refused(f"it refers to storage {describe(key)}, which the archive lacks") from None
+        if numel * elem > size:
+            raise _Refused(f"storage {describe(key)} claims {numel * elem} bytes, its record holds {size}")
+        self.stack.append(_Node("storage"))
+
+    def op_setitems(self, items: list[Any]) -> None:
+        target = self.stack[-1]
+        if not (isinstance(target, _Node) and (target.kind == "dict" or (
+                target.kind == "call" and target.callee is not None and target.callee.obj in (OrderedDict, Counter)))):
+            raise _Refused(f"it would set items on {_label(target)}")
+        seen = self.keys.setdefault(id(target), (target, {}))[1]  # (target kept alive: its id stays unique)
+        for key in items[::2]:
+            self.key(key, seen)
+        target.items.extend(items)
+
+    def op_appends(self, items: list[Any]) -> None:
+        target = self.stack[-1]
+        if not isinstance(target, _Node) or target.kind != "list":
+            raise _Refused(f"it would append to {_label(target)}")
+        target.items.extend(items)
+
+
+def _label(value: object) -> str:
+    if isinstance(value, _Global):
+        return value.name
+    if isinstance(value, _Node):
+        return f"the result of {value.callee.name}" if value.callee is not None else f"a {value.kind}"
+    return describe(value)
+
+
+def _tuple(n: int) -> Callable[[_Checker], None]:
+    def build(c: _Checker) -> None:
+        if len(c.stack) < n:
+            raise _Refused("the pickle is malformed (stack underflow)")
+        items = c.stack[len(c.stack) - n :]
+        del c.stack[len(c.stack) - n :]
+        c.stack.append(_Node("tuple", items))
+
+    return build
+
+
+def _tuple_mark(c: _Checker) -> None:
+    items = c.pop_mark()  # (replaces c.stack: read it after)
+    c.stack.append(_Node("tuple", items))
+
+
+def _push(make: Callable[[_Checker], Any]) -> Callable[[_Checker], None]:
+    return lambda c: c.stack.append(make(c))
+
+
+def _mark(c: _Checker) -> None:
+    c.metastack.append(c.stack)
+    c.stack = []
+
+
+def _put(c: _Checker, index: int) -> None:
+    if not c.stack:
+        raise _Refused("the pickle is malformed (PUT on an empty stack)")
+    c.memo[index] = c.stack[-1]
+
+
+def _get(c: _Checker, index: int) -> None:
+    if index not in c.memo:
+        raise _Refused("the pickle is malformed (unknown memo entry)")
+    c.stack.append(c.memo[index])
+
+
+def _stop(c: _Checker) -> tuple[Any]:
+    value = c.stack.pop()
+    c.charge(value)  # the whole value, as a consumer walking it would see it
+    return (value,)
+
+
+_u = struct.Struct("<I")
+_OPS: dict[int, Callable[[_Checker], Any]] = {
+    pickle.PROTO[0]: lambda c: setattr(c, "proto", c.read(1)[0]),
+    pickle.STOP[0]: _stop,
+    pickle.GLOBAL[0]: _Checker.op_global,
+    pickle.REDUCE[0]: _Checker.op_reduce,
+    pickle.NEWOBJ[0]: _Checker.op_newobj,
+    pickle.BUILD[0]: _Checker.op_build,
+    pickle.BINPERSID[0]: _Checker.op_persid,
+    pickle.APPEND[0]: lambda c: c.op_appends([c.stack.pop()]),
+    pickle.APPENDS[0]: lambda c: c.op_appends(c.pop_mark()),
+    pickle.SETITEM[0]: lambda c: c.op_setitems([c.stack.pop(-2), c.stack.pop()]),
+    pickle.SETITEMS[0]: lambda c: c.op_setitems(c.pop_mark()),
+    pickle.MARK[0]: _mark,
+    pickle.TUPLE[0]: _tuple_mark,
+    pickle.TUPLE1[0]: _tuple(1),
+    pickle.TUPLE2[0]: _tuple(2),
+    pickle.TUPLE3[0]: _tuple(3),
+    pickle.EMPTY_TUPLE[0]: _push(lambda c: _Node("tuple")),
+    pickle.EMPTY_LIST[0]: _push(lambda c: _Node("list")),
+    pickle.EMPTY_DICT[0]: _push(lambda c: _Node("dict")),
+    pickle.EMPTY_SET[0]: _push(lambda c: _Node("set")),
+    pickle.NONE[0]: _push(lambda c: None),
+    pickle.NEWFALSE[0]: _push(lambda c: False),
+    pickle.NEWTRUE[0]: _push(lambda c: True),
+    pickle.BININT[0]: _push(lambda c: struct.unpack("<i", c.read(4))[0]),
+    pickle.BININT1[0]: _push(lambda c: c.read(1)[0]),
+    pickle.BININT2[0]: _push(lambda c: struct.unpack("<H", c.read(2))[0]),
+    pickle.BINFLOAT[0]: _push(lambda c: struct.unpack(">d", c.read(8))[0]),
+    pickle.LONG1[0]: _push(lambda c: int.from_bytes(c.read(c.read(1)[0]), "little", signed=True)),
+    pickle.BINUNICODE[0]: _push(lambda c: c.read(_u.unpack(c.read(4))[0]).decode("utf-8", "surrogatepass")),
+    pickle.SHORT_BINSTRING[0]: _push(lambda c: c.read(c.read(1)[0]).decode("utf-8")),
+    pickle.BINGET[0]: lambda c: _get(c, c.read(1)[0]),
+    pickle.LONG_BINGET[0]: lambda c: _get(c, _u.unpack(c.read(4))[0]),
+    pickle.BINPUT[0]: lambda c: _put(c, c.read(1)[0]),
+    pickle.LONG_BINPUT[0]: lambda c: _put(c, _u.unpack(c.read(4))[0]),
+}
+
+
+def byte_item_problem(data: bytes | bytearray | memoryview) -> str | None:
+    """Why ``torch.load(data, weights_only=False)`` could do more than weights-only loading allows, or None."""
+    blob = bytes(data)
+    if blob[:4] != _ZIP_MAGIC:
+        return "it is not a torch.save zip archive (a legacy or raw byte item)"
+    try:
+        # torch's own zip reader, so that the pickle checked is the one torch.load would run.
+        archive = torch._C.PyTorchFileReader(io.BytesIO(blob))
+        if "constants.pkl" in archive.get_all_records():  # what torch.serialization._is_torchscript_zip checks
+            return "it is a TorchScript archive (torch.load would run torch.jit.load)"
+        pkl = archive.get_record("data.pkl")
+    except RuntimeError as exc:
+        return f"it is not a readable torch.save archive ({describe(str(exc))})"
+    try:
+        _Checker(pkl, archive.get_record_size).run()
+    except _Refused as exc:
+        return str(exc)
+    except (IndexError, UnicodeDecodeError, struct.error):
+        return "its pickle is malformed"
+    return None
