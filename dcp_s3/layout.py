@@ -35,7 +35,7 @@ from .metadata_check import check_metadata, check_object_name
 from .metadata_pickle import budget_for, describe, unpickle_metadata
 
 __all__ = [
-    "METADATA_KEY", "PROBE_PREFIX", "ItemLocation", "new_token", "data_object_name", "referenced_objects", "rank_prefix",
+    "METADATA_KEY", "PROBE_PREFIX", "ItemLocation", "new_token", "data_object_name", "referenced_objects", "replaceable_objects", "rank_prefix",
     "check_key_prefixes", "is_key_prefix_dir", "dump_metadata", "load_metadata", "check_object_name", "checksum_error",
 ]
 
@@ -102,6 +102,18 @@ def rank_prefix(rank: int, key_prefixes: int = 1) -> str:
 def is_key_prefix_dir(name: str) -> bool:
     """True for a directory name ``rank_prefix`` makes (``p-`` and lowercase hex digits)."""
     return _KEY_PREFIX_DIR.fullmatch(name) is not None
+
+
+def replaceable_objects(metadata: Metadata) -> set[str]:
+    """The objects of ``metadata`` that a save replacing it may delete: its data objects
+    (``*.distcp``, directly in the checkpoint or in a ``p-<hex>/`` directory). A crafted
+    ``.metadata`` naming another file of the directory (``config.yaml``) gets it left alone."""
+    out = set()
+    for name in referenced_objects(metadata):
+        sub, _, base = name.rpartition("/")
+        if base.endswith(DATA_SUFFIX) and (not sub or is_key_prefix_dir(sub)):
+            out.add(name)
+    return out
 
 
 @dataclass

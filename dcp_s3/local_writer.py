@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .errors import CheckpointExistsError, CheckpointFormatError, ConfigError
-from .layout import METADATA_KEY, load_metadata, new_token, referenced_objects
+from .layout import METADATA_KEY, load_metadata, new_token, referenced_objects, replaceable_objects
 
 __all__ = ["SafeFileSystemWriter"]
 
@@ -83,7 +83,7 @@ def _committed_files(metadata_path: Path) -> set[str]:
     except FileNotFoundError:
         return set()
     try:
-        return referenced_objects(load_metadata(data, str(metadata_path)))
+        return replaceable_objects(load_metadata(data, str(metadata_path)))
     except CheckpointFormatError as exc:
         log.warning("not deleting the files of the checkpoint being replaced: %s", exc)
         return set()

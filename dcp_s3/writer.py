@@ -62,6 +62,7 @@ from .layout import (
     new_token,
     rank_prefix,
     referenced_objects,
+    replaceable_objects,
 )
 from .session import S3Location, S3Session
 from .transfer import BufferPool, ObjectWriter, wait_all
@@ -326,7 +327,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         if data is None:
             return set()
         try:
-            return referenced_objects(load_metadata(data, f"s3://{transport.bucket}/{key}"))
+            return replaceable_objects(load_metadata(data, f"s3://{transport.bucket}/{key}"))
         except CheckpointFormatError as exc:
             # Unreadable: replace it, but leave its objects to ``dcp-s3 gc`` rather than guess.
             log.warning("not deleting the objects of the checkpoint being replaced: %s", exc)

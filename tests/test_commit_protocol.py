@@ -29,7 +29,7 @@ from dcp_s3 import (
     ServerCapabilityError,
     save_object,
 )
-from dcp_s3.layout import METADATA_KEY, load_metadata, referenced_objects
+from dcp_s3.layout import METADATA_KEY, dump_metadata, load_metadata, referenced_objects
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.local_writer import SafeFileSystemWriter
 from tests.commit_child import model, sgd, state, train_a_bit
@@ -342,3 +342,28 @@ def test_overwrite_cleans_up_where_head_has_no_etag(moto_server: LocalS3Server, 
         client = moto_server.client()
         assert "ETag" not in S3StorageWriter(uri)._session.transport.head_object("ck/.metadata")  # type: ignore[operator]
         assert len(data_keys(client, bucket, "ck/")) == 1  # the replaced saves' objects are gone
+
+
+def test_overwrite_deletes_only_data_objects_a_crafted_metadata_names(
+    bucket: str, s3_env: LocalS3Server, tmp_path: Path
+) -> None:
+    """A .metadata that claims a user's file as its object does not get that file deleted on overwrite."""
+    client = s3_env.client()
+    uri = f"s3://{bucket}/crafted"
+    dcp.save(state(1), storage_writer=S3StorageWriter(uri), no_dist=True)
+    client.put_object(Bucket=bucket, Key="crafted/config.yaml", Body=b"lr: 0.1")
+    metadata = S3StorageReader(uri).read_metadata()
+    next(iter(metadata.storage_data.values())).relative_path = "config.yaml"
+    client.put_object(Bucket=bucket, Key=f"crafted/{METADATA_KEY}", Body=dump_metadata(metadata))
+    dcp.save(state(2), storage_writer=S3StorageWriter(uri), no_dist=True)
+    assert loaded_seed(uri) == 2
+    assert client.get_object(Bucket=bucket, Key="crafted/config.yaml")["Body"].read() == b"lr: 0.1"
+    # The same on disk.
+    directory = tmp_path / "ck"
+    dcp.save(state(1), storage_writer=SafeFileSystemWriter(directory), no_dist=True)
+    (directory / "config.yaml").write_text("lr: 0.1")
+    local = load_metadata((directory / METADATA_KEY).read_bytes(), "local")
+    next(iter(local.storage_data.values())).relative_path = "config.yaml"
+    (directory / METADATA_KEY).write_bytes(dump_metadata(local))
+    dcp.save(state(2), storage_writer=SafeFileSystemWriter(directory), no_dist=True)
+    assert (directory / "config.yaml").read_text() == "lr: 0.1"
