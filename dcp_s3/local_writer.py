@@ -57,14 +57,24 @@ class SafeFileSystemWriter(FileSystemWriter):
         metadata.version = "1.0.0"
         directory = Path(self.path)
         target = directory / METADATA_KEY
-        replaced = _committed_files(target) - referenced_objects(metadata)
+        replaced = _committed_files(target) - referenced_objects(metadata) if self.overwrite else set()
         tmp = directory / f"{METADATA_KEY}.{new_token()}.tmp"
         try:
             with open(tmp, "wb") as f:
                 pickle.dump(metadata, f, protocol=pickle.HIGHEST_PROTOCOL)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, target)  # atomic: readers see the old checkpoint or the new one
+            if self.overwrite:
+                os.replace(tmp, target)  # atomic: readers see the old checkpoint or the new one
+            else:
+                os.link(tmp, target)  # atomic and exclusive: of two racing saves, one commits
+        except FileExistsError:
+            for name in referenced_objects(metadata):  # this save was not committed: remove its files
+                (directory / name).unlink(missing_ok=True)
+            raise CheckpointExistsError(
+                f"Checkpoint already exists at {self.path} and overwrite=False; another save committed it "
+                "while this one was being written"
+            ) from None
         finally:
             tmp.unlink(missing_ok=True)
         dir_fd = os.open(directory, os.O_RDONLY)

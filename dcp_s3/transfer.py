@@ -666,5 +666,9 @@ class ObjectWriter:
             try:
                 self.transport.abort_multipart_upload(self.key, upload_id)
                 log.debug("aborted multipart upload of s3://%s/%s", self.transport.bucket, self.key)
-            except DcpS3Error as exc:
-                log.warning("could not abort multipart upload of s3://%s/%s: %s", self.transport.bucket, self.key, exc)
+            except DcpS3Error as exc:  # its parts stay stored (and billed) until someone aborts it
+                warnings.warn(
+                    f"could not abort the multipart upload of s3://{self.transport.bucket}/{self.key} ({exc}); "
+                    "its parts stay on the server until aborted (`dcp-s3 gc`, or the server's own tools)",
+                    RuntimeWarning, stacklevel=2,
+                )

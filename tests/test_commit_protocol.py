@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_s3 import (
     Checkpointer,
@@ -367,3 +368,26 @@ def test_overwrite_deletes_only_data_objects_a_crafted_metadata_names(
     (directory / METADATA_KEY).write_bytes(dump_metadata(local))
     dcp.save(state(2), storage_writer=SafeFileSystemWriter(directory), no_dist=True)
     assert (directory / "config.yaml").read_text() == "lr: 0.1"
+
+
+def test_local_overwrite_false_race_commits_exactly_one(tmp_path: Path) -> None:
+    """Two overwrite=False saves to one directory: the commit is an exclusive link, one wins."""
+    directory = tmp_path / "ck"
+
+    class RaceAtFirstItem(DefaultSavePlanner):
+        ran = False
+
+        def resolve_data(self, write_item: Any) -> Any:
+            if not RaceAtFirstItem.ran:  # the other save runs to its commit while this one writes
+                RaceAtFirstItem.ran = True
+                dcp.save(state(3), storage_writer=SafeFileSystemWriter(directory, overwrite=False), no_dist=True)
+            return super().resolve_data(write_item)
+
+    with pytest.raises(BaseException, match="Checkpoint already exists"):
+        dcp.save(state(2), storage_writer=SafeFileSystemWriter(directory, overwrite=False),
+                 planner=RaceAtFirstItem(), no_dist=True)
+    out = _blank()
+    dcp.load(out, storage_reader=FileSystemReader(directory), no_dist=True)
+    assert out["meta"]["seed"] == 3 and torch.equal(out["a"], state(3)["a"])
+    used = referenced_objects(load_metadata((directory / METADATA_KEY).read_bytes(), "local"))
+    assert {p.name for p in directory.glob("*.distcp")} == used  # the loser removed its files
