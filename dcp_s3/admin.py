@@ -543,6 +543,8 @@ def _copy_object(src: Store, src_name: str, dst: Store, dst_name: str) -> None:
         src.download(src_name, target)
     elif isinstance(src, LocalStore):
         dst.upload(src.path(src_name), dst_name)
+    elif dst.same_server(src):
+        dst.copy_from(src, src_name, dst_name)  # server-side: no bytes through this machine
     else:
         with tempfile.TemporaryDirectory(prefix="dcp_s3-cp-") as tmp:
             path = os.path.join(tmp, "object")

@@ -14,16 +14,14 @@ import inspect
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from .byte_items import CheckedFileSystemReader
-from .config import S3Uri, client_config, parse_s3_uri
+from .config import S3Uri, TransferConfig, client_config, parse_s3_uri
 from .errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -34,7 +32,8 @@ from .errors import (
 )
 from .local_writer import SafeFileSystemWriter
 from .reader import S3StorageReader
-from .transfer import RangeRead, S3Transport, translate_error
+from .session import S3Session
+from .transfer import BufferPool, RangeRead, S3Transport
 from .writer import S3StorageWriter
 
 __all__ = ["Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "open_object", "split_storage_options"]
@@ -43,7 +42,6 @@ __all__ = ["Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "o
 _CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "request_args")
 #: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
 CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode")
-_IO_THREADS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +102,11 @@ class Store(Protocol):
 
     def list_objects(self, prefix: str = "") -> list[Entry]:
         """Every object whose relative name starts with ``prefix`` (a plain string prefix)."""
+        ...
+
+    def list_dir(self, prefix: str = "") -> tuple[list[Entry], list[str]]:
+        """(objects directly in directory ``prefix`` (``""`` or ending in ``/``), its subdirectories
+        ``prefix<name>/``): one level, so the cost is that of the entries at that level only."""
         ...
 
     def read(self, name: str) -> bytes:
@@ -181,7 +184,12 @@ def check_relative_name(name: str, origin: str) -> str:
 
 
 class S3Store:
-    """Objects under ``s3://bucket/prefix``."""
+    """Objects under ``s3://bucket/prefix``.
+
+    One ``S3Session`` carries every request: the client settings (``ClientConfig``, built from
+    the storage options exactly as the writer/reader build theirs, so ``request_args``, timeouts
+    and retries reach every request), the transport and the I/O pool (``TransferConfig``).
+    """
 
     def __init__(self, uri: S3Uri, **options: Any) -> None:
         self.uri = uri
@@ -189,28 +197,29 @@ class S3Store:
         self._writer_options, self._reader_options = split_storage_options(options)
         S3StorageWriter(None, **self._writer_options)  # reject a bad option now, not at the first save
         S3StorageReader(None, **self._reader_options)
-        client_options = {k: options.get(k) for k in _CLIENT_OPTIONS}
-        self._client_config = client_config(self._writer_options.get("client"), _IO_THREADS + 2, **client_options)
-        self.transport = S3Transport(
-            self._client_config.client, uri.bucket, request_args=self._client_config.request_args
+        transfer = (options.get("transfer") or TransferConfig()).override(
+            part_size=options.get("part_size"), max_concurrency=options.get("max_concurrency"),
+            files_per_rank=options.get("files_per_rank"), max_range_size=options.get("max_range_size"),
         )
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        client_options = {k: options.get(k) for k in _CLIENT_OPTIONS}
+        # The writer's pool size, so that the store and its writers share one client.
+        pool = transfer.max_concurrency + transfer.files_per_rank + 2
+        client = client_config(self._writer_options.get("client"), pool, **client_options)
+        self.session = S3Session(None, client, transfer)
+        self.session.uri = uri
+        # Part buffers of uploads, shared by concurrent uploads: their memory bound.
+        self._buffers = BufferPool(transfer.max_concurrency + 2, transfer.part_size)
 
     def __repr__(self) -> str:
         return f"S3Store({self.root!r})"
 
-    def _pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="dcp_s3-store")
-            return self._executor
+    @property
+    def transport(self) -> S3Transport:
+        return self.session.transport
 
     def close(self) -> None:
-        with self._lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+        self.session.close()
+        self._buffers.clear()
 
     def key(self, name: str) -> str:
         return _join(self.uri.key, name)
@@ -221,14 +230,21 @@ class S3Store:
     def _rel(self, key: str) -> str:
         return key[len(self.uri.key) + 1 :] if self.uri.key else key
 
-    def list_objects(self, prefix: str = "") -> list[Entry]:
+    def _dir_key(self, prefix: str) -> str:
         # The root is a "directory": list "key/" so that "run" does not match "run2/...".
-        full = self.key(prefix) if prefix else (self.uri.key + "/" if self.uri.key else "")
-        return [
-            Entry(self._rel(o["Key"]), int(o["Size"]), o["LastModified"].timestamp())
-            for o in self.transport.list_objects(full)
-            if not o["Key"].endswith("/")
-        ]
+        return self.key(prefix) if prefix else (self.uri.key + "/" if self.uri.key else "")
+
+    def _entry(self, obj: dict[str, Any]) -> Entry:
+        return Entry(self._rel(obj["Key"]), int(obj["Size"]), obj["LastModified"].timestamp())
+
+    def list_objects(self, prefix: str = "") -> list[Entry]:
+        return [self._entry(o) for o in self.transport.list_objects(self._dir_key(prefix)) if not o["Key"].endswith("/")]
+
+    def list_dir(self, prefix: str = "") -> tuple[list[Entry], list[str]]:
+        """One level under directory ``prefix`` (``""`` or ending in ``/``): (its objects, the names of
+        its subdirectories, ending in ``/``), with a delimiter listing: costs O(entries at that level)."""
+        objects, prefixes = self.transport.list_dir(self._dir_key(prefix))
+        return [self._entry(o) for o in objects if not o["Key"].endswith("/")], [self._rel(p) for p in prefixes]
 
     def read(self, name: str) -> bytes:
         return self.transport.get_object(self.key(name))
@@ -240,7 +256,10 @@ class S3Store:
             for (start, end), buf in zip(ranges, bufs)
             if end > start
         ]
-        self.transport.read_ranges(reads, executor=self._pool(), max_gap=1 << 20, max_size=16 << 20)
+        transfer = self.session.transfer
+        self.transport.read_ranges(
+            reads, executor=self.session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
+        )
         return [bytes(b) for b in bufs]
 
     def size(self, name: str) -> int | None:
@@ -267,44 +286,79 @@ class S3Store:
         return S3StorageReader(self.url(name), **self._reader_options)
 
     def uploads(self, prefix: str = "") -> list[Upload]:
-        full = self.key(prefix) if prefix else (self.uri.key + "/" if self.uri.key else "")
         return [
             Upload(self._rel(u["Key"]), u["UploadId"], u["Initiated"].timestamp())
-            for u in self.transport.list_multipart_uploads(full)
+            for u in self.transport.list_multipart_uploads(self._dir_key(prefix))
         ]
 
     def abort(self, upload: Upload) -> None:
         self.transport.abort_multipart_upload(self.key(upload.name), upload.upload_id)
 
     def upload_activity(self, upload: Upload) -> float | None:
-        key = self.key(upload.name)
-        latest = upload.initiated
         try:
-            for page in self.transport.client.get_paginator("list_parts").paginate(
-                Bucket=self.uri.bucket, Key=key, UploadId=upload.upload_id
-            ):
-                for part in page.get("Parts", []):
-                    latest = max(latest, part["LastModified"].timestamp())
-        except Exception as exc:
-            error = translate_error(exc, "LIST parts", self.uri.bucket, key)
-            if isinstance(error, CheckpointNotFoundError):
-                return None  # completed or aborted meanwhile
-            raise error from exc
-        return latest
+            parts = self.transport.list_parts(self.key(upload.name), upload.upload_id)
+        except CheckpointNotFoundError:
+            return None  # completed or aborted meanwhile
+        return max([upload.initiated] + [p["LastModified"].timestamp() for p in parts])
 
     def download(self, name: str, path: str) -> None:
+        """Ranged GETs of ``max_range_size`` bytes, concurrently, each written to the file at its offset
+        as it arrives: memory is bounded by ``max_concurrency * max_range_size``."""
         key = self.key(name)
-        try:
-            self.transport.client.download_file(self.uri.bucket, key, path)
-        except Exception as exc:
-            raise translate_error(exc, "GET", self.uri.bucket, key) from exc
+        head = self.transport.head_object(key)
+        if head is None:
+            raise CheckpointNotFoundError(f"GET {self.url(name)}: not found")
+        size = int(head["ContentLength"])
+        step = self.session.transfer.max_range_size
+        with open(path, "wb") as f:
+            f.truncate(size)
+            reads = [_file_range(key, f.fileno(), start, min(size, start + step)) for start in range(0, size, step)]
+            self.transport.read_ranges(reads, executor=self.session.executor, max_gap=0, max_size=step)
 
     def upload(self, path: str, name: str) -> None:
-        key = self.key(name)
+        """A streaming multipart upload of the file (one PUT if small), parts sent concurrently."""
+        size = os.path.getsize(path)
+        writer = self.transport.open_writer(
+            self.key(name), pool=self._buffers, executor=self.session.executor, expected_size=size
+        )
         try:
-            self.transport.client.upload_file(path, self.uri.bucket, key)
-        except Exception as exc:
-            raise translate_error(exc, "PUT", self.uri.bucket, key) from exc
+            with open(path, "rb") as f:
+                while chunk := f.read(writer.part_size):
+                    writer.write(chunk)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+
+    def same_server(self, other: S3Store) -> bool:
+        """Whether ``other`` reaches the same endpoint with the same credentials (so a server-side copy works)."""
+        mine, theirs = self.session.client_config, other.session.client_config
+        fields = ("credential_path", "endpoint_url", "region", "profile")
+        return all(getattr(mine, f) == getattr(theirs, f) for f in fields)
+
+    def copy_from(self, source: S3Store, source_name: str, name: str) -> None:
+        """Server-side copy of ``source_name`` in ``source`` to ``name`` here (CopyObject; UploadPartCopy
+        over 5 GiB); this store's request options apply to the copy."""
+        size = source.size(source_name)
+        if size is None:
+            raise CheckpointNotFoundError(f"COPY {source.url(source_name)}: not found")
+        self.transport.copy_object(
+            self.key(name), source.transport, source.key(source_name), size, executor=self.session.executor
+        )
+
+
+def _file_range(key: str, fd: int, start: int, end: int) -> RangeRead:
+    """A read of bytes ``[start, end)`` into a buffer allocated when they arrive, written to ``fd`` at ``start``."""
+    buf: list[bytearray] = []
+
+    def open_() -> memoryview:
+        buf.append(bytearray(end - start))
+        return memoryview(buf[0])
+
+    def done() -> None:
+        os.pwrite(fd, buf.pop(), start)
+
+    return RangeRead(key, start, end, open_, done)
 
 
 def _opener(buf: bytearray) -> Callable[[], memoryview]:
@@ -386,6 +440,28 @@ class LocalStore:
                     continue
                 out.append(Entry(name, st.st_size, st.st_mtime))
         return out
+
+    def list_dir(self, prefix: str = "") -> tuple[list[Entry], list[str]]:
+        """One level under directory ``prefix`` (``""`` or ending in ``/``): (its files, the names of its
+        subdirectories, ending in ``/``; linked ones only with ``follow_symlinks``)."""
+        top = self.path(prefix.rstrip("/"))
+        objects: list[Entry] = []
+        dirs: list[str] = []
+        try:
+            with os.scandir(top) as it:
+                found = sorted(it, key=lambda e: e.name)
+        except (FileNotFoundError, NotADirectoryError):
+            return [], []
+        for entry in found:
+            try:
+                if entry.is_dir(follow_symlinks=self.follow_symlinks):
+                    dirs.append(f"{prefix}{entry.name}/")
+                elif not entry.is_dir():
+                    st = entry.stat()
+                    objects.append(Entry(prefix + entry.name, st.st_size, st.st_mtime))
+            except FileNotFoundError:  # removed while listing
+                continue
+        return objects, dirs
 
     def read(self, name: str) -> bytes:
         try:
