@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +17,10 @@ import pytest
 from torch import nn
 
 from dcp_s3 import cli, config, transfer
-from dcp_s3.checkpointer import Checkpointer
+from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
 from dcp_s3.errors import CheckpointNotFoundError
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.steps import complete_steps, find_complete, scan
 from dcp_s3.store import open_store
 
 MiB = 1 << 20
@@ -34,27 +35,36 @@ NEW_OBJECT_OPS = {"PutObject", "CreateMultipartUpload", "CopyObject"}
 
 
 @pytest.fixture
-def sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, dict[str, Any]]]]:
-    """(operation, parameters) of every request sent by any client made during the test.
+def hooks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Callable[..., Any]]]:
+    """(botocore event, handler) pairs registered on every client made during the test.
 
     The process-wide client cache is replaced by an empty one, so that every client the test
-    uses is new and has the recording hook.
+    uses is new and has the hooks (on the real client: requests still go to the server).
     """
+    registered: list[tuple[str, Callable[..., Any]]] = []
+    make_client = config.ClientConfig.make_client
+
+    def hooked_client(self: config.ClientConfig) -> Any:
+        client = make_client(self)
+        for event, handler in registered:
+            client.meta.events.register(event, handler)
+        return client
+
+    monkeypatch.setattr(config, "_CLIENTS", config._ClientPool())
+    monkeypatch.setattr(config.ClientConfig, "make_client", hooked_client)
+    return registered
+
+
+@pytest.fixture
+def sent(hooks: list[tuple[str, Callable[..., Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """(operation, parameters) of every request sent by any client made during the test."""
     calls: list[tuple[str, dict[str, Any]]] = []
 
     def record(params: dict[str, Any], model: Any, **_: Any) -> None:
         calls.append((model.name, dict(params)))  # returning a value would replace the params
 
-    make_client = config.ClientConfig.make_client
-
-    def recording_client(self: config.ClientConfig) -> Any:
-        client = make_client(self)
-        client.meta.events.register("provide-client-params.s3", record)
-        return client
-
-    monkeypatch.setattr(config, "_CLIENTS", config._ClientPool())
-    monkeypatch.setattr(config.ClientConfig, "make_client", recording_client)
-    yield calls
+    hooks.append(("provide-client-params.s3", record))
+    return calls
 
 
 def check(calls: list[tuple[str, dict[str, Any]]], expected_ops: set[str]) -> None:
@@ -150,3 +160,81 @@ def test_upload_and_download_go_in_parts(bucket: str, tmp_path: Path, sent: list
     assert [op for op, _ in sent].count("GetObject") == 14  # 1 MiB ranges
     with pytest.raises(CheckpointNotFoundError):
         store.download("missing", str(tmp_path / "c"))
+
+
+# -- listings cost O(steps) ---------------------------------------------------------------------------
+def _fake_steps(client: Any, bucket: str, root: str, steps: int, objects: int) -> None:
+    """Committed steps 1..``steps`` (marker, part ``.metadata``) of ``objects`` empty data objects each."""
+    for i in range(1, steps + 1):
+        part = f"{root}/{i:07d}.m_model"
+        for n in range(objects):
+            client.put_object(Bucket=bucket, Key=f"{part}/__{n}_0.{'0' * 16}.distcp", Body=b"")
+        client.put_object(Bucket=bucket, Key=f"{part}/.metadata", Body=b"")
+        client.put_object(Bucket=bucket, Key=f"{root}/{i:07d}.pth", Body=b"")
+
+
+def test_latest_resume_retention_list_steps_not_objects(
+    bucket: str, s3_env: LocalS3Server, sent: list[tuple[str, dict[str, Any]]],
+    hooks: list[tuple[str, Callable[..., Any]]],
+) -> None:
+    listed = [0]
+
+    def count_keys(parsed: dict[str, Any], **_: Any) -> None:
+        listed[0] += len(parsed.get("Contents", [])) + len(parsed.get("CommonPrefixes", []))
+
+    hooks.append(("after-call.s3.ListObjectsV2", count_keys))
+    client = s3_env.client()
+    model = nn.Linear(8, 4)
+    costs = {}
+    for objects in (8, 64):  # data objects per step (ranks)
+        root = f"s3://{bucket}/r{objects}"
+        _fake_steps(client, bucket, f"r{objects}", 19, objects)
+        ckpt = Checkpointer(root, keep_last=100)
+        ckpt.save({"m": model}, iteration=20)  # a real step, newest
+        sent.clear()
+        listed[0] = 0
+        assert latest_checkpoint(root) == f"{root}/0000020"
+        assert ckpt.load({"m": model}) == 20
+        ckpt._retain(keep=f"{root}/0000020")  # as after a save; keep_last=100 deletes nothing
+        ops = [op for op, _ in sent]
+        costs[objects] = (ops.count("ListObjectsV2"), listed[0], ops.count("HeadObject"))
+    print("costs (LIST requests, keys listed, HEADs) by objects per step:", costs)
+    lists, keys, heads = costs[8]
+    assert costs[64] == costs[8], costs  # 8x the objects, the same requests and keys
+    assert lists == 3 and keys == 3 * (20 + 20), costs  # one delimiter LIST of the root each: 20 markers + 20 parts
+    # latest and resume stop at the newest complete step; retention checks the steps it examines
+    assert heads <= 2 * 1 + 2 + 20, costs
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("named", [False, True])
+def test_find_complete_agrees_with_full_scan(where: str, named: bool, request: pytest.FixtureRequest,
+                                             tmp_path: Path) -> None:
+    """The delimiter search finds exactly the complete steps a full recursive scan finds."""
+    if where == "s3":
+        store = open_store(f"s3://{request.getfixturevalue('bucket')}/run")
+    else:
+        store = open_store(tmp_path / "run")
+    tree = {
+        "0000001.pth": 1, "0000001.m_model/.metadata": 1, "0000001.m_model/__0_0.distcp": 1,
+        "0000002.pth": 1, "0000002.m_model/__0_0.distcp": 1,  # marker, part uncommitted
+        "0000003.m_model/.metadata": 1,  # no marker
+        "0000004.pth": 1, "0000004.m_model/.metadata": 1, "0000004.m_optim/p-0/__0_0.distcp": 1,  # optim uncommitted
+        "0000005.pth": 1, "0000005.a_model/.metadata": 1, "0000005.a_optim/.metadata": 1,
+        "nested/0000009.pth": 1, "nested/0000009.m_model/.metadata": 1,  # not directly under the root
+        "plain/.metadata": 1,
+    }
+    # A part whose objects were all deleted: SeaweedFS still lists its directory, a full scan does not see it.
+    tree.update({"0000006.pth": 1, "0000006.m_model/.metadata": 1, "0000006.m_optim/__0_0.distcp": 1})
+    if named:  # names other than numbers: ordered by marker time
+        tree.update({"best.pth": 1, "best.m_model/.metadata": 1, "legacy.pth": 1})
+    for name in tree:
+        store.write(name, b"x")
+        time.sleep(0.01 if where == "local" else 0)
+    store.delete(["0000006.m_optim/__0_0.distcp"])
+    full = [s.name for s in complete_steps(scan(store.list_objects()))]
+    assert [s.name for s in find_complete(store, None)] == full
+    assert [s.name for s in find_complete(store, 2)] == full[-2:]
+    assert [s.name for s in find_complete(store)] == full[-1:]
+    assert find_complete(store, 0) == []
+    assert set(full) == {"0000001", "0000005", "0000006"} | ({"best", "legacy"} if named else set())
