@@ -47,7 +47,9 @@ from .cleanup import delete_step
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from .planners import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
 from .steps import MARKER_FORMAT, MARKER_SUFFIX, find_complete, part_name, scan
-from .store import LocalStore, S3Store, open_object, open_store
+from .store import open_object, open_store
+from .store_local import LocalStore
+from .store_s3 import S3Store
 
 __all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object"]
 
