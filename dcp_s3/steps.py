@@ -31,7 +31,7 @@ from .layout import METADATA_KEY, is_key_prefix_dir
 from .store import Entry, Store
 
 __all__ = [
-    "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "latest_complete", "part_name",
+    "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "part_name",
     "root_steps", "find_complete",
 ]
 
@@ -159,12 +159,6 @@ def ordered(steps: Iterable[Step]) -> list[Step]:
 def complete_steps(steps: Iterable[Step]) -> list[Step]:
     """Complete manager steps directly under the root (not nested, not plain DCP checkpoints), oldest first."""
     return ordered(s for s in steps if s.kind == "step" and s.complete and "/" not in s.name)
-
-
-def latest_complete(steps: Iterable[Step]) -> Step | None:
-    """The newest complete manager step directly under the root."""
-    done = complete_steps(steps)
-    return done[-1] if done else None
 
 
 def root_steps(store: Store) -> list[Step]:
