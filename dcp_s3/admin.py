@@ -42,7 +42,8 @@ from .locations import is_root as _is_root
 from .locations import read_metadata as _read_metadata
 from .locations import single as _single
 from .steps import MARKER_FORMAT, MARKER_SUFFIX, Part, Step
-from .store import Entry, LocalStore, check_relative_name, open_object, open_store
+from .store import Entry, check_relative_name, open_object, open_store
+from .store_local import LocalStore
 
 __all__ = [
     "StepSummary", "TensorInfo", "Problem", "VerifyReport", "Garbage", "Removal", "CopyReport", "ConvertReport",
@@ -495,7 +496,8 @@ def copy_checkpoint(
     if not follow_symlinks:
         _refuse_links_out(src_store, tops, "source")
         _refuse_links_out(dst_store, [n for _, n in pairs], "destination")
-    existing = {e.name for e in dst_store.list_objects()} & {d for _, d in pairs}
+    # Only the names a step's copy writes (<dst_name>...), not the whole destination directory.
+    existing = {e.name for e in dst_store.list_objects("" if whole else dst_name)} & {d for _, d in pairs}
     if existing and not overwrite:
         raise CheckpointExistsError(
             f"{dst_store.url(min(existing))} already exists ({len(existing)} objects would be replaced); "
@@ -543,6 +545,8 @@ def _copy_object(src: Store, src_name: str, dst: Store, dst_name: str) -> None:
         src.download(src_name, target)
     elif isinstance(src, LocalStore):
         dst.upload(src.path(src_name), dst_name)
+    elif dst.same_server(src):
+        dst.copy_from(src, src_name, dst_name)  # server-side: no bytes through this machine
     else:
         with tempfile.TemporaryDirectory(prefix="dcp_s3-cp-") as tmp:
             path = os.path.join(tmp, "object")

@@ -46,8 +46,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from .cleanup import delete_step
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from .planners import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
-from .steps import MARKER_FORMAT, MARKER_SUFFIX, complete_steps, latest_complete, ordered, part_name, scan
-from .store import LocalStore, S3Store, open_object, open_store
+from .steps import MARKER_FORMAT, MARKER_SUFFIX, find_complete, part_name, scan
+from .store import open_object, open_store
+from .store_local import LocalStore
+from .store_s3 import S3Store
 
 __all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object"]
 
@@ -96,8 +98,8 @@ def latest_checkpoint(uri_or_dir: str | os.PathLike[str], **storage_options: Any
     part committed); steps without a marker (a crash, a save in progress) are never returned.
     """
     store = open_store(uri_or_dir, **storage_options)
-    step = latest_complete(scan(store.list_objects()))
-    return None if step is None else store.url(step.name)
+    found = find_complete(store)
+    return store.url(found[-1].name) if found else None
 
 
 # -- the manager ------------------------------------------------------------------------------------
@@ -284,12 +286,14 @@ class Checkpointer:
     def _retain(self, keep: str) -> None:
         assert self.keep_last is not None
         # Single-file checkpoints (no parts) may be the user's own files: never deleted.
-        complete = ordered(s for s in complete_steps(scan(self.store.list_objects())) if s.parts)
+        complete = [s for s in find_complete(self.store, None) if s.parts]
         kept = {s.name for s in complete[-self.keep_last :]}
         for old in complete:
             if old.name in kept or self.store.url(old.name) == keep:
                 continue
-            n = delete_step(self.store, old)
+            # Only now its objects: a listing of this step's prefix, not of the whole root.
+            (listed,) = [s for s in scan(self.store.list_objects(f"{old.name}.")) if s.name == old.name] or [old]
+            n = delete_step(self.store, listed)
             log.info("keep_last=%d: deleted step %s (%d objects)", self.keep_last, self.store.url(old.name), n)
 
     # -- load ---------------------------------------------------------------------------------------
@@ -350,10 +354,10 @@ class Checkpointer:
         """Rank 0: find the step, read its marker, check that its parts exist."""
         if path is None:
             store: Store = self.store
-            found = latest_complete(scan(store.list_objects()))
-            if found is None:
+            found = find_complete(store)
+            if not found:
                 return None
-            step = found.name
+            step = found[-1].name
         else:
             store, step = self._object(path)
             if step.endswith(MARKER_SUFFIX):

@@ -78,6 +78,18 @@ def parse_duration(text: str) -> float:
     return float(match[1]) * scale
 
 
+def parse_request_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (KEY, VALUE); ``BucketKeyEnabled`` takes ``true``/``false``."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or not value:
+        raise argparse.ArgumentTypeError(f"invalid request argument {text!r}; use KEY=VALUE, e.g. ServerSideEncryption=aws:kms")
+    if key == "BucketKeyEnabled":
+        if value.lower() not in ("true", "false"):
+            raise argparse.ArgumentTypeError(f"BucketKeyEnabled={value!r}: expected true or false")
+        return key, value.lower() == "true"
+    return key, value
+
+
 def printable(text: str) -> str:
     """``text`` with every non-printable character (control and format characters such as ESC,
     CR, newline, bidi overrides) escaped as ``\\xNN``/``\\uNNNN``: object keys and names read from
@@ -135,7 +147,10 @@ def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
         return {}
     names = ("credential_path", "endpoint_url", "region", "profile", "connect_timeout", "read_timeout",
              "retry_attempts")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    options = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    if getattr(args, "request_args", None):
+        options["request_args"] = dict(args.request_args)
+    return options
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -304,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     s3.add_argument("--max-attempts", dest="retry_attempts", type=int, metavar="N",
                     help="attempts per request, first included (default 5); an endpoint that never "
                          "answers fails after about N x read timeout")
+    s3.add_argument("--request-arg", dest="request_args", action="append", type=parse_request_arg,
+                    metavar="KEY=VALUE",
+                    help="an option added to every S3 request that takes it (repeatable): ServerSideEncryption, "
+                         "SSEKMSKeyId, SSEKMSEncryptionContext, BucketKeyEnabled, StorageClass, "
+                         "ExpectedBucketOwner, RequestPayer")
     common.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
 
     parser = argparse.ArgumentParser(

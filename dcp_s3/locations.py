@@ -16,7 +16,9 @@ from .config import parse_s3_uri
 from .errors import CheckpointNotFoundError, DcpS3Error
 from .layout import METADATA_KEY, load_metadata
 from .steps import MARKER_SUFFIX, Part, Step, scan
-from .store import LocalStore, S3Store, open_object, open_store
+from .store import open_object, open_store
+from .store_local import LocalStore
+from .store_s3 import S3Store
 
 __all__ = ["Store", "resolve", "is_root", "read_metadata", "single"]
 

@@ -15,7 +15,10 @@ legacy single-file checkpoint (``{"model": ..., "optimizer": ..., "iteration": .
 Any other directory that directly holds ``.metadata`` or ``*.distcp`` objects is a plain
 DCP checkpoint. ``*.distcp`` objects in a ``p-<hex>`` directory (``S3StorageWriter(key_prefixes=N)``)
 belong to the directory above it, unless that ``p-<hex>`` directory holds a ``.metadata`` itself.
-Nothing here knows about S3 or torch.distributed.
+Nothing here knows about S3 or torch.distributed. :func:`find_complete` finds complete steps from one
+delimiter listing of the root plus a HEAD per part of the steps it examines: its cost grows with the
+number of steps, not of objects (:func:`scan` groups a full recursive listing, for the tools that need
+every object).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .layout import METADATA_KEY, is_key_prefix_dir
-from .store import Entry
+from .store import Entry, Store
 
 __all__ = [
-    "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "latest_complete", "part_name",
+    "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "part_name",
+    "root_steps", "find_complete",
 ]
 
 MARKER_SUFFIX = ".pth"
@@ -157,7 +161,46 @@ def complete_steps(steps: Iterable[Step]) -> list[Step]:
     return ordered(s for s in steps if s.kind == "step" and s.complete and "/" not in s.name)
 
 
-def latest_complete(steps: Iterable[Step]) -> Step | None:
-    """The newest complete manager step directly under the root."""
-    done = complete_steps(steps)
-    return done[-1] if done else None
+def root_steps(store: Store) -> list[Step]:
+    """Manager steps directly under the root, from one delimiter listing: markers, and part
+    directories (``<step>.<key>_model/``) whose objects are not listed (``Part.objects`` empty)."""
+    objects, dirs = store.list_dir("")
+    steps: dict[str, Step] = {}
+    for entry in objects:
+        if entry.name.endswith(MARKER_SUFFIX) and len(entry.name) > len(MARKER_SUFFIX):
+            name = entry.name[: -len(MARKER_SUFFIX)]
+            steps.setdefault(name, Step(name, "step")).marker = entry
+    for directory in (d.rstrip("/") for d in dirs):
+        match = _PART_RE.match(directory)
+        if match:
+            steps.setdefault(match["step"], Step(match["step"], "step")).parts[match["part"]] = Part(directory)
+    return list(steps.values())
+
+
+def _parts_committed(store: Store, step: Step) -> bool:
+    """Whether every part of ``step`` has its ``.metadata``. A part without one counts only if it holds
+    an object: some servers (SeaweedFS) keep listing a directory whose objects were all deleted."""
+    return all(
+        store.size(_meta(p.name)) is not None or not store.list_objects(p.name + "/") for p in step.parts.values()
+    )
+
+
+def find_complete(store: Store, count: int | None = 1) -> list[Step]:
+    """The newest ``count`` (None: all) complete manager steps directly under the root, oldest first.
+
+    As :func:`complete_steps` over a full listing, at the cost of one delimiter listing of the root
+    and a HEAD of each part's ``.metadata`` for the steps with a marker, newest first, until ``count``
+    are found (steps named other than by a number are ordered by marker time: then all are checked).
+    The steps' ``parts`` hold no objects.
+    """
+    candidates = [s for s in root_steps(store) if s.marker is not None]
+    if candidates and all(s.iteration is not None for s in candidates):
+        found: list[Step] = []
+        for step in reversed(ordered(candidates)):
+            if count is not None and len(found) >= count:
+                break
+            if _parts_committed(store, step):
+                found.append(step)
+        return found[::-1]
+    done = ordered(s for s in candidates if _parts_committed(store, s))
+    return done if count is None else done[len(done) - count :] if count else []

@@ -6,44 +6,30 @@ delete, and make a DCP ``StorageWriter``/``StorageReader`` for a sub-location. O
 writer/reader are ``S3StorageWriter``/``S3StorageReader``; on disk ``SafeFileSystemWriter``
 (torch's ``FileSystemWriter`` with an atomic overwrite) and ``CheckedFileSystemReader`` (torch's
 ``FileSystemReader`` with dcp_s3's byte item check). Names always use ``/``.
-"""
 
+This module holds the interface (``Store``, ``Entry``, ``Upload``) and ``open_store``; the backends
+are ``dcp_s3.store_s3.S3Store`` and ``dcp_s3.store_local.LocalStore`` (also importable from here).
+"""
 from __future__ import annotations
 
-import inspect
 import os
-import shutil
-import tempfile
-import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from .byte_items import CheckedFileSystemReader
-from .config import S3Uri, client_config, parse_s3_uri
-from .errors import (
-    CheckpointExistsError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    ConfigError,
-    DcpS3Error,
-    InvalidCheckpointIdError,
-)
-from .local_writer import SafeFileSystemWriter
-from .reader import S3StorageReader
-from .transfer import RangeRead, S3Transport, translate_error
-from .writer import S3StorageWriter
+from .config import parse_s3_uri
+from .errors import CheckpointFormatError, ConfigError, InvalidCheckpointIdError
 
-__all__ = ["Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "open_object", "split_storage_options"]
+if TYPE_CHECKING:
+    from .store_local import LocalStore
+    from .store_s3 import S3Store, split_storage_options
 
-#: Options that choose the S3 client (the rest tune the writer/reader).
-_CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "request_args")
-#: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
-CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode")
-_IO_THREADS = 8
+__all__ = [
+    "Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "open_object", "split_storage_options",
+    "check_relative_name",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,36 +49,6 @@ class Upload:
     upload_id: str
     initiated: float
 
-
-def _option_names(cls: type) -> set[str]:
-    params = inspect.signature(cls).parameters
-    return {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
-
-
-def split_storage_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split S3 storage options into (``S3StorageWriter`` kwargs, ``S3StorageReader`` kwargs).
-
-    ``ClientConfig`` settings given on their own (``connect_timeout``, ``read_timeout``,
-    ``retry_attempts``, ``retry_mode``) are folded into ``client=`` (a ``ClientConfig``, given
-    or default), which both classes take. Raises ``ConfigError`` naming any option neither
-    class accepts.
-    """
-    options = dict(options)
-    settings = {k: options.pop(k) for k in CLIENT_SETTINGS if options.get(k) is not None}
-    for k in CLIENT_SETTINGS:
-        options.pop(k, None)
-    if settings:
-        options["client"] = client_config(options.get("client"), 1, **settings)
-    writer_names, reader_names = _option_names(S3StorageWriter), _option_names(S3StorageReader)
-    unknown = sorted(set(options) - writer_names - reader_names)
-    if unknown:
-        accepted = sorted(writer_names | reader_names | set(CLIENT_SETTINGS))
-        raise ConfigError(f"unknown storage option(s) {unknown}; S3 locations accept {accepted}")
-    writer = {k: v for k, v in options.items() if k in writer_names}
-    reader = {k: v for k, v in options.items() if k in reader_names}
-    return writer, reader
-
-
 class Store(Protocol):
     """Objects under one root location; names are relative to the root and use ``/``."""
 
@@ -104,6 +60,11 @@ class Store(Protocol):
 
     def list_objects(self, prefix: str = "") -> list[Entry]:
         """Every object whose relative name starts with ``prefix`` (a plain string prefix)."""
+        ...
+
+    def list_dir(self, prefix: str = "") -> tuple[list[Entry], list[str]]:
+        """(objects directly in directory ``prefix`` (``""`` or ending in ``/``), its subdirectories
+        ``prefix<name>/``): one level, so the cost is that of the entries at that level only."""
         ...
 
     def read(self, name: str) -> bytes:
@@ -157,7 +118,6 @@ class Store(Protocol):
         """Copy the local file ``path`` to object ``name``."""
         ...
 
-
 def _join(a: str, b: str) -> str:
     return f"{a}/{b}" if a and b else a or b
 
@@ -179,312 +139,6 @@ def check_relative_name(name: str, origin: str) -> str:
         )
     return name
 
-
-class S3Store:
-    """Objects under ``s3://bucket/prefix``."""
-
-    def __init__(self, uri: S3Uri, **options: Any) -> None:
-        self.uri = uri
-        self.root = str(uri).rstrip("/")
-        self._writer_options, self._reader_options = split_storage_options(options)
-        S3StorageWriter(None, **self._writer_options)  # reject a bad option now, not at the first save
-        S3StorageReader(None, **self._reader_options)
-        client_options = {k: options.get(k) for k in _CLIENT_OPTIONS}
-        self._client_config = client_config(self._writer_options.get("client"), _IO_THREADS + 2, **client_options)
-        self.transport = S3Transport(
-            self._client_config.client, uri.bucket, request_args=self._client_config.request_args
-        )
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-
-    def __repr__(self) -> str:
-        return f"S3Store({self.root!r})"
-
-    def _pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="dcp_s3-store")
-            return self._executor
-
-    def close(self) -> None:
-        with self._lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-
-    def key(self, name: str) -> str:
-        return _join(self.uri.key, name)
-
-    def url(self, name: str = "") -> str:
-        return f"s3://{self.uri.bucket}/{self.key(name)}".rstrip("/")
-
-    def _rel(self, key: str) -> str:
-        return key[len(self.uri.key) + 1 :] if self.uri.key else key
-
-    def list_objects(self, prefix: str = "") -> list[Entry]:
-        # The root is a "directory": list "key/" so that "run" does not match "run2/...".
-        full = self.key(prefix) if prefix else (self.uri.key + "/" if self.uri.key else "")
-        return [
-            Entry(self._rel(o["Key"]), int(o["Size"]), o["LastModified"].timestamp())
-            for o in self.transport.list_objects(full)
-            if not o["Key"].endswith("/")
-        ]
-
-    def read(self, name: str) -> bytes:
-        return self.transport.get_object(self.key(name))
-
-    def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        bufs = [bytearray(end - start) for start, end in ranges]
-        reads = [
-            RangeRead(self.key(name), start, end, _opener(buf))
-            for (start, end), buf in zip(ranges, bufs)
-            if end > start
-        ]
-        self.transport.read_ranges(reads, executor=self._pool(), max_gap=1 << 20, max_size=16 << 20)
-        return [bytes(b) for b in bufs]
-
-    def size(self, name: str) -> int | None:
-        head = self.transport.head_object(self.key(name))
-        return None if head is None else int(head["ContentLength"])
-
-    def write(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
-        # One PUT: atomic on S3; If-None-Match makes "only if absent" atomic too.
-        try:
-            self.transport.put_object(self.key(name), data, if_none_match=not overwrite)
-        except CheckpointExistsError:
-            raise CheckpointExistsError(f"{self.url(name)} already exists; pass overwrite (--force) to replace it") from None
-
-    def delete(self, names: Iterable[str]) -> None:
-        self.transport.delete_objects([self.key(n) for n in names])
-
-    def writer(self, name: str, *, overwrite: bool | None = None) -> StorageWriter:
-        options = dict(self._writer_options)
-        if overwrite is not None:
-            options["overwrite"] = overwrite
-        return S3StorageWriter(self.url(name), **options)
-
-    def reader(self, name: str) -> StorageReader:
-        return S3StorageReader(self.url(name), **self._reader_options)
-
-    def uploads(self, prefix: str = "") -> list[Upload]:
-        full = self.key(prefix) if prefix else (self.uri.key + "/" if self.uri.key else "")
-        return [
-            Upload(self._rel(u["Key"]), u["UploadId"], u["Initiated"].timestamp())
-            for u in self.transport.list_multipart_uploads(full)
-        ]
-
-    def abort(self, upload: Upload) -> None:
-        self.transport.abort_multipart_upload(self.key(upload.name), upload.upload_id)
-
-    def upload_activity(self, upload: Upload) -> float | None:
-        key = self.key(upload.name)
-        latest = upload.initiated
-        try:
-            for page in self.transport.client.get_paginator("list_parts").paginate(
-                Bucket=self.uri.bucket, Key=key, UploadId=upload.upload_id
-            ):
-                for part in page.get("Parts", []):
-                    latest = max(latest, part["LastModified"].timestamp())
-        except Exception as exc:
-            error = translate_error(exc, "LIST parts", self.uri.bucket, key)
-            if isinstance(error, CheckpointNotFoundError):
-                return None  # completed or aborted meanwhile
-            raise error from exc
-        return latest
-
-    def download(self, name: str, path: str) -> None:
-        key = self.key(name)
-        try:
-            self.transport.client.download_file(self.uri.bucket, key, path)
-        except Exception as exc:
-            raise translate_error(exc, "GET", self.uri.bucket, key) from exc
-
-    def upload(self, path: str, name: str) -> None:
-        key = self.key(name)
-        try:
-            self.transport.client.upload_file(path, self.uri.bucket, key)
-        except Exception as exc:
-            raise translate_error(exc, "PUT", self.uri.bucket, key) from exc
-
-
-def _opener(buf: bytearray) -> Callable[[], memoryview]:
-    return lambda: memoryview(buf)
-
-
-class LocalStore:
-    """Files under a local directory (which need not exist yet).
-
-    Names from elsewhere (object keys) are checked by ``check_relative_name`` before they
-    become paths. Listing does not descend into symbolically linked directories unless
-    ``follow_symlinks``; :meth:`links_out` tells which paths resolve outside the root.
-    """
-
-    def __init__(self, root: str | os.PathLike[str], *, follow_symlinks: bool = False) -> None:
-        self.root = os.path.abspath(os.fspath(root))
-        self.follow_symlinks = follow_symlinks
-
-    def __repr__(self) -> str:
-        return f"LocalStore({self.root!r})"
-
-    def close(self) -> None:
-        pass
-
-    def path(self, name: str) -> str:
-        if not name:
-            return self.root
-        return os.path.join(self.root, *check_relative_name(name, self.root).split("/"))
-
-    def links_out(self, names: Iterable[str] = ("",)) -> list[tuple[str, str]]:
-        """(path, real target) of every symbolic link at or under ``names`` (files or directories,
-        existing or not: the nearest existing ancestor counts) that resolves outside the root."""
-        real_root = os.path.realpath(self.root)
-
-        def outside(path: str) -> str | None:
-            real = os.path.realpath(path)
-            return None if os.path.commonpath([real, real_root]) == real_root else real
-
-        found: dict[str, str] = {}
-        for name in names:
-            top = self.path(name)
-            target = outside(top)
-            if target is not None:
-                link = top
-                while os.path.dirname(link) != link and outside(os.path.dirname(link)) is not None:
-                    link = os.path.dirname(link)  # report the link itself, not a path below it
-                found[link] = os.path.realpath(link)
-                continue
-            for dirpath, dirnames, filenames in os.walk(top):
-                for entry in dirnames + filenames:
-                    path = os.path.join(dirpath, entry)
-                    if os.path.islink(path) and (target := outside(path)) is not None:
-                        found[path] = target
-        return sorted(found.items())
-
-    def url(self, name: str = "") -> str:
-        return self.path(name)
-
-    def list_objects(self, prefix: str = "") -> list[Entry]:
-        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        top = self.path(base)
-        out: list[Entry] = []
-        seen: set[str] = set()  # real paths of the directories walked: a linked loop is walked once
-        for dirpath, dirnames, filenames in os.walk(top, followlinks=self.follow_symlinks):
-            real = os.path.realpath(dirpath)
-            if real in seen:
-                dirnames.clear()
-                continue
-            seen.add(real)
-            dirnames.sort()
-            rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-            for fn in sorted(filenames):
-                name = fn if rel_dir == "." else f"{rel_dir}/{fn}"
-                if not name.startswith(prefix):
-                    continue
-                try:
-                    st = os.stat(os.path.join(dirpath, fn))
-                except FileNotFoundError:  # removed while listing
-                    continue
-                out.append(Entry(name, st.st_size, st.st_mtime))
-        return out
-
-    def read(self, name: str) -> bytes:
-        try:
-            with open(self.path(name), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.path(name)} does not exist") from None
-
-    def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        out = []
-        try:
-            with open(self.path(name), "rb") as f:
-                for start, end in ranges:
-                    f.seek(start)
-                    data = f.read(end - start)
-                    if len(data) != end - start:
-                        raise CheckpointNotFoundError(
-                            f"{self.path(name)}: bytes {start}-{end} requested, file ends at {start + len(data)}"
-                        )
-                    out.append(data)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.path(name)} does not exist") from None
-        return out
-
-    def size(self, name: str) -> int | None:
-        try:
-            return os.stat(self.path(name)).st_size
-        except FileNotFoundError:
-            return None
-
-    def write(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
-        target = self.path(name)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            if overwrite:
-                os.replace(tmp, target)  # atomic on POSIX
-            else:
-                try:
-                    os.link(tmp, target)  # atomic, and fails if target exists
-                except FileExistsError:
-                    raise CheckpointExistsError(f"{target} already exists; pass overwrite (--force) to replace it") from None
-                except OSError:  # a file system without hard links: check, then replace
-                    if os.path.lexists(target):
-                        raise CheckpointExistsError(f"{target} already exists; pass overwrite (--force) to replace it") from None
-                    os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-    def delete(self, names: Iterable[str]) -> None:
-        dirs = set()
-        for name in names:
-            try:
-                os.unlink(self.path(name))
-            except FileNotFoundError:
-                pass
-            if "/" in name:
-                dirs.add(os.path.dirname(self.path(name)))
-        # Remove directories left empty (deepest first), never the root.
-        for d in sorted(dirs, key=len, reverse=True):
-            while d.startswith(self.root + os.sep):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    break
-                d = os.path.dirname(d)
-
-    def writer(self, name: str, *, overwrite: bool | None = None) -> StorageWriter:
-        return SafeFileSystemWriter(self.path(name), overwrite=overwrite is not False)
-
-    def reader(self, name: str) -> StorageReader:
-        return CheckedFileSystemReader(self.path(name))  # byte items checked as on S3
-
-    def uploads(self, prefix: str = "") -> list[Upload]:
-        return []
-
-    def abort(self, upload: Upload) -> None:  # pragma: no cover - nothing to abort on disk
-        raise DcpS3Error("local directories have no multipart uploads")
-
-    def upload_activity(self, upload: Upload) -> float | None:  # pragma: no cover - no uploads on disk
-        return None
-
-    def download(self, name: str, path: str) -> None:
-        try:
-            shutil.copyfile(self.path(name), path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{self.path(name)} does not exist") from None
-
-    def upload(self, path: str, name: str) -> None:
-        target = self.path(name)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copyfile(path, target)
-
-
 def open_store(
     location: str | os.PathLike[str], *, follow_symlinks: bool = False, **storage_options: Any
 ) -> S3Store | LocalStore:
@@ -494,6 +148,9 @@ def open_store(
     rejected (``ConfigError``) for local directories, where they would silently do nothing.
     ``follow_symlinks``: a local store lists linked directories too (see ``LocalStore``).
     """
+    from .store_local import LocalStore
+    from .store_s3 import S3Store
+
     text = os.fspath(location)
     if text.startswith("s3://"):
         return S3Store(parse_s3_uri(text, require_key=False), **storage_options)
@@ -516,3 +173,16 @@ def open_object(
         return open_store(f"s3://{uri.bucket}/{parent}", **storage_options), name
     parent, name = os.path.split(os.path.abspath(text))
     return open_store(parent, follow_symlinks=follow_symlinks, **storage_options), name
+
+
+def __getattr__(name: str) -> Any:
+    """The backends and their helpers, imported on first use (they import this module)."""
+    if name == "LocalStore":
+        from .store_local import LocalStore
+
+        return LocalStore
+    if name in ("S3Store", "split_storage_options", "CLIENT_SETTINGS"):
+        from . import store_s3
+
+        return getattr(store_s3, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -132,9 +132,14 @@ def _is_not_implemented(exc: ClientError) -> bool:
 
 _OBJECT_OPS = frozenset(
     {"put_object", "create_multipart_upload", "upload_part", "complete_multipart_upload", "abort_multipart_upload",
-     "get_object", "head_object", "delete_object", "delete_objects", "list_objects_v2", "list_multipart_uploads"}
+     "get_object", "head_object", "delete_object", "delete_objects", "list_objects_v2", "list_multipart_uploads",
+     "list_parts", "copy_object", "upload_part_copy"}
 )
-_NEW_OBJECT_OPS = frozenset({"put_object", "create_multipart_upload"})
+_NEW_OBJECT_OPS = frozenset({"put_object", "create_multipart_upload", "copy_object"})
+#: Largest object CopyObject copies in one request (S3's limit); larger ones are copied by UploadPartCopy.
+MAX_COPY_SIZE = 5 << 30
+#: Bytes per UploadPartCopy part (enlarged when an object would exceed 10,000 parts).
+COPY_PART_SIZE = 512 << 20
 #: Request options passed through to S3, and the operations that take each.
 _REQUEST_ARG_OPS: dict[str, frozenset[str]] = {
     "ServerSideEncryption": _NEW_OBJECT_OPS,
@@ -405,6 +410,79 @@ class S3Transport:
                 yield from page.get("Contents", [])
         except (ClientError, BotoCoreError) as exc:
             raise translate_error(exc, "LIST", self.bucket, prefix) from exc
+
+    def list_dir(self, prefix: str) -> tuple[list[dict[str, Any]], list[str]]:
+        """One level under ``prefix`` (which ends in ``/`` or is empty): (objects directly in it,
+        the common prefixes ``prefix<name>/`` of the "directories" below it), with ``Delimiter="/"``."""
+        objects: list[dict[str, Any]] = []
+        prefixes: list[str] = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(
+                Bucket=self.bucket, Prefix=prefix, Delimiter="/", **self._args_for("list_objects_v2")
+            ):
+                objects.extend(page.get("Contents", []))
+                prefixes.extend(p["Prefix"] for p in page.get("CommonPrefixes", []))
+        except (ClientError, BotoCoreError) as exc:
+            raise translate_error(exc, "LIST", self.bucket, prefix) from exc
+        return objects, prefixes
+
+    def list_parts(self, key: str, upload_id: str) -> list[dict[str, Any]]:
+        """The parts uploaded so far to a multipart upload (``PartNumber``, ``LastModified``...)."""
+        parts: list[dict[str, Any]] = []
+        paginator = self.client.get_paginator("list_parts")
+        try:
+            args = self._args_for("list_parts")
+            for page in paginator.paginate(Bucket=self.bucket, Key=key, UploadId=upload_id, **args):
+                parts.extend(page.get("Parts", []))
+        except (ClientError, BotoCoreError) as exc:
+            raise translate_error(exc, "LIST parts", self.bucket, key) from exc
+        return parts
+
+    # -- server-side copy --------------------------------------------------------------------
+    def copy_object(
+        self, key: str, source: S3Transport, source_key: str, size: int, *, executor: ThreadPoolExecutor
+    ) -> None:
+        """Copy ``source_key`` of ``source``'s bucket to ``key`` on the server (no bytes pass through here).
+
+        This transport's request options apply (SSE, storage class of the copy); the source's
+        ``ExpectedBucketOwner`` is sent as ``ExpectedSourceBucketOwner``. Objects over 5 GiB
+        (``MAX_COPY_SIZE``) are copied as a multipart upload of concurrent UploadPartCopy requests.
+        """
+        copy_source = {"Bucket": source.bucket, "Key": source_key}
+        extra = {}
+        if "ExpectedBucketOwner" in source.request_args:
+            extra["ExpectedSourceBucketOwner"] = source.request_args["ExpectedBucketOwner"]
+        if "RequestPayer" in source.request_args and "RequestPayer" not in self.request_args:
+            extra["RequestPayer"] = source.request_args["RequestPayer"]
+        if size <= MAX_COPY_SIZE:
+            self._call("copy_object", key, Key=key, CopySource=copy_source, **extra)
+            return
+        part_size = fit_part_size(COPY_PART_SIZE, size)
+        upload_id = self._call("create_multipart_upload", key, Key=key)["UploadId"]
+        try:
+            def copy_part(number: int, start: int) -> dict[str, Any]:
+                end = min(size, start + part_size)
+                resp = self._call(
+                    "upload_part_copy", key, Key=key, UploadId=upload_id, PartNumber=number,
+                    CopySource=copy_source, CopySourceRange=_range_header(start, end), **extra,
+                )
+                return {"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]}
+
+            futures = [
+                executor.submit(copy_part, i + 1, start) for i, start in enumerate(range(0, size, part_size))
+            ]
+            wait_all(futures)
+            parts = [fut.result() for fut in futures]
+            self._call(
+                "complete_multipart_upload", key, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+        except BaseException:
+            try:
+                self.abort_multipart_upload(key, upload_id)
+            except DcpS3Error as exc:
+                log.warning("could not abort multipart copy to s3://%s/%s: %s", self.bucket, key, exc)
+            raise
 
     def list_multipart_uploads(self, prefix: str) -> list[dict[str, Any]]:
         """Multipart uploads started under ``prefix`` and neither completed nor aborted.
