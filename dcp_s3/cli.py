@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = ["main"]
 
 EXAMPLES = {
@@ -288,8 +290,14 @@ def cmd_rm(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from .admin import convert_checkpoint
 
+    src_options = _options(args, args.uri)
+    if args.allow_unsafe_byte_items:
+        if not args.uri.startswith("s3://"):
+            raise ConfigError("--allow-unsafe-byte-items applies to s3:// sources; for a local checkpoint register "
+                              "its classes with torch.serialization.add_safe_globals instead")
+        src_options["allow_unsafe_byte_items"] = True
     report = convert_checkpoint(args.uri, args.out, fmt=args.format, overwrite=args.force,
-                                src_options=_options(args, args.uri), dst_options=_options(args, args.out))
+                                src_options=src_options, dst_options=_options(args, args.out))
     _say(f"wrote {report.destination} ({report.format}): {report.tensors} tensors, {human_size(report.bytes)} "
          f"from {report.source}")
     if report.skipped:
@@ -395,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("torch", "safetensors", "dcp"),
                    help="default: safetensors if OUT ends with .safetensors, else torch")
     p.add_argument("--force", action="store_true", help="replace an existing OUT (refused by default)")
+    p.add_argument("--allow-unsafe-byte-items", action="store_true",
+                   help="load non-tensor values that weights-only loading refuses (they can run code: trusted "
+                        "checkpoints only)")
 
     add("demo", cmd_demo, "save a 2-rank FSDP2 checkpoint to a local S3 server and load it on 1 rank",
         "Starts SeaweedFS on 127.0.0.1, saves from 2 ranks, loads on 1, checks every tensor.")

@@ -573,3 +573,16 @@ def test_a_plan_beyond_the_stored_chunk_is_refused(bucket: str, s3_env: LocalS3S
 
     with pytest.raises(CheckpointFormatError, match=r"the plan reads \[5, 4\] at \[0, 0\] of a stored chunk of \[3, 4\]"):
         load_direct(uri, {"w": torch.zeros(3, 4)}, planner=Greedy())
+
+
+def test_cli_convert_refuses_payloads_unless_told(bucket: str, s3_env: LocalS3Server, tmp_path: Path) -> None:
+    from dcp_s3.cli import main
+
+    marker = tmp_path / "pwned"
+    uri = f"s3://{bucket}/ck"
+    poisoned(uri, touch(marker))
+    assert main(["convert", uri, str(tmp_path / "out.pt")]) == 1
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+    assert main(["convert", str(tmp_path), str(tmp_path / "x.pt"), "--allow-unsafe-byte-items"]) == 1
+    assert main(["convert", uri, str(tmp_path / "out.pt"), "--allow-unsafe-byte-items"]) == 0
+    assert marker.exists()  # the flag reaches the reader (and the payload runs, as documented)
