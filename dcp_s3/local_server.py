@@ -71,6 +71,9 @@ class LocalS3Server:
                 f"-s3.port={s3}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
                 f"-metricsPort={metrics}", "-master.vacuumIntervalSeconds=86400",
+                # One volume per bucket at least; by default the count is free disk / 1 GiB, which a
+                # test session (a bucket per test) on a fuller disk exhausts: "no free volumes left".
+                "-volume.max=2000",
                 f"-filer.localSocket={workdir}/f.sock", f"-s3.localSocket={workdir}/s.sock",
             ]
         elif kind == "moto":
