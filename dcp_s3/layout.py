@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 from crc32c import crc32c
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ._torch_compat import _StorageInfo
 from .codec import CODEC_NAME, CODEC_VERSION, FrameIndex
 from .errors import CheckpointFormatError, ConfigError
 

@@ -21,15 +21,15 @@ from typing import Any
 
 import torch
 from crc32c import crc32c
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ._torch_compat import element_size, narrow_tensor_by_index, placeholder_metadata
 from .codec import Codec, FrameIndex, stored_span
 from .config import ClientConfig, TransferConfig
-from .errors import CheckpointFormatError, CheckpointNotFoundError
+from .errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .session import S3Location, S3Session
@@ -74,6 +74,7 @@ class S3StorageReader(S3Location, StorageReader):
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
+        self._metadata_error: DcpS3Error | None = None  # see placeholder_metadata
 
     def __repr__(self) -> str:
         return f"S3StorageReader({str(self._session.uri)!r})"
@@ -82,18 +83,31 @@ class S3StorageReader(S3Location, StorageReader):
         return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, storage_data={}, _chunks={})
+        self.__dict__.update(state, storage_data={}, _chunks={}, _metadata_error=None)
 
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._reset_location(checkpoint_id)
         self.storage_data = {}
         self._chunks = {}
+        self._metadata_error = None
         self.load_id = str(uuid.uuid4())
 
     # The parameter must be literally named ``kwargs`` for DCP to pass rank/use_collectives.
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """One GET of ``.metadata``, unpickled by a restricted unpickler."""
+        if "rank" in kwargs and self._metadata_error is not None:
+            # torch's loader retrying for rank-local metadata: the error goes out of set_up_storage_reader.
+            return placeholder_metadata()
+        try:
+            metadata = self._read_metadata()
+        except DcpS3Error as exc:
+            self._metadata_error = exc
+            raise
+        self._metadata_error = None
+        return metadata
+
+    def _read_metadata(self) -> Metadata:
         key = self._session.key(METADATA_KEY)
         try:
             data = self._session.transport.get_object(key)
@@ -111,6 +125,8 @@ class S3StorageReader(S3Location, StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._metadata_error is not None:
+            raise self._metadata_error
         self.storage_data = metadata.storage_data
         self._chunks = {}
         for fqn, md in metadata.state_dict_metadata.items():
@@ -237,7 +253,7 @@ class S3StorageReader(S3Location, StorageReader):
         sizes, dtype = self._chunks.get((fqn, tuple(req.storage_index.offset or ())), (None, None))
         if sizes is None or dtype is None:
             raise CheckpointFormatError(f"{self.checkpoint_id}: no chunk metadata for {req.storage_index}")
-        elem = torch._utils._element_size(dtype)
+        elem = element_size(dtype)
         rows_total = sizes[0] if len(sizes) else 1
         row_bytes = math.prod(sizes[1:]) * elem if len(sizes) else elem
         frames: FrameIndex | None = getattr(info, "frames", None)
