@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -33,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from ._torch_compat import _EmptyStateDictLoadPlanner, _load_state_dict, _StorageInfo, element_size
 from .byte_items import byte_item_problem
 from .cleanup import Garbage, Removal, collect_garbage, find_garbage, remove_checkpoint
 from .errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
@@ -57,7 +57,7 @@ _BATCH_BYTES = 64 << 20  # largest batch of item bytes held in memory while veri
 
 
 def _tensor_bytes(md: TensorStorageMetadata) -> int:
-    return math.prod(md.size) * torch._utils._element_size(md.properties.dtype)
+    return math.prod(md.size) * element_size(md.properties.dtype)
 
 
 def _tensor_sizes(metadata: Metadata) -> tuple[int, int]:
@@ -351,7 +351,7 @@ def _check_blob(blob: bytes, index: MetadataIndex, info: Any, metadata: Metadata
     if isinstance(md, TensorStorageMetadata) and payload_offset is not None:
         _, sizes = _chunk(metadata, index)
         if sizes is not None:
-            nbytes = math.prod(sizes) * torch._utils._element_size(md.properties.dtype)
+            nbytes = math.prod(sizes) * element_size(md.properties.dtype)
             error = checksum_error(info, memoryview(blob)[payload_offset : payload_offset + nbytes])
             if error:
                 return error
@@ -567,9 +567,6 @@ class ConvertReport:
 
 def _load_full(store: Store, part: Part) -> dict[str, Any]:
     """Every entry of a DCP checkpoint as full (unsharded) CPU tensors, in one process."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     state: dict[str, Any] = {}
     _load_state_dict(state, storage_reader=store.reader(part.name), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -41,8 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from ._torch_compat import async_save, default_group_has_cpu, flatten_state_dict
 from .cleanup import delete_step
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from .planners import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
@@ -233,11 +232,10 @@ class Checkpointer:
         futures = []
         for (key, kind, state, planner), group in zip(parts, groups):
             writer, url = self._writer(store, step, key, kind)
-            fut = dcp.async_save(
+            futures.append(async_save(
                 state, checkpoint_id=url, storage_writer=writer, planner=planner, process_group=group,
                 no_dist=not _distributed(),
-            )
-            futures.append(fut.upload_completion if isinstance(fut, AsyncSaveResponse) else fut)
+            ))
         rank0 = _rank() == 0
 
         def finish() -> str:
@@ -513,8 +511,7 @@ class Checkpointer:
     def _control_group(self) -> Any:
         """The group for small object collectives: the default one if it has a CPU backend, else gloo."""
         if not self._control_ready:
-            default = dist.distributed_c10d._get_default_group()
-            if torch.device("cpu") not in default._device_types:
+            if not default_group_has_cpu():
                 self._control = dist.new_group(backend="gloo")
             self._control_ready = True
         return self._control

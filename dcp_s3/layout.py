@@ -26,9 +26,9 @@ import secrets
 from dataclasses import dataclass
 
 from crc32c import crc32c
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ._torch_compat import _StorageInfo
 from .codec import CODEC_NAME, CODEC_VERSION, FrameIndex
 from .errors import CheckpointFormatError, ConfigError
 from .metadata_check import check_metadata, check_object_name

@@ -19,11 +19,11 @@ import pickle
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ._torch_compat import _StoragePrefix
 from .errors import CheckpointExistsError, CheckpointFormatError, ConfigError
 from .layout import METADATA_KEY, load_metadata, new_token, referenced_objects, replaceable_objects
 

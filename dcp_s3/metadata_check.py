@@ -20,7 +20,6 @@ import posixpath
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ._torch_compat import _StorageInfo, element_size
 from .codec import FrameIndex
 from .errors import CheckpointFormatError
 from .metadata_pickle import MAX_NDIM, describe
@@ -117,7 +117,7 @@ def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[str, int]:
             raise CheckpointFormatError(f"{where}: {name} is {describe(getattr(props, name))}")
     size = _shape(_field(md, "size", where), f"{where}: size")
     try:
-        elem = torch._utils._element_size(dtype)
+        elem = element_size(dtype)
     except TypeError:
         raise CheckpointFormatError(f"{where}: dtype {dtype} has no element size") from None
     chunks = _field(md, "chunks", where)

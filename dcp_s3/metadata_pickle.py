@@ -38,7 +38,6 @@ from typing import Any, ClassVar
 
 import torch
 import torch.serialization
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
@@ -50,6 +49,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ._torch_compat import _StorageInfo
 from .codec import FrameIndex
 from .errors import CheckpointFormatError
 

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 from torch.distributed.tensor import DTensor
 
+from dcp_s3._torch_compat import flatten_state_dict
 from dcp_s3.errors import CheckpointFormatError
 
 __all__ = [

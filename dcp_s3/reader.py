@@ -22,16 +22,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from crc32c import crc32c
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ._torch_compat import element_size, narrow_tensor_by_index, placeholder_metadata
 from .byte_items import check_byte_item
 from .codec import Codec, FrameIndex, stored_span
 from .config import ClientConfig, TransferConfig, client_config
-from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, S3TransferError
+from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .metadata_check import offsets_key
@@ -108,6 +108,7 @@ class S3StorageReader(S3Location, StorageReader):
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[tuple[str, str], tuple[torch.Size, torch.dtype]] = {}  # by (fqn, offsets_key)
+        self._metadata_error: DcpS3Error | None = None  # see read_metadata
 
     def __repr__(self) -> str:
         return f"S3StorageReader({str(self._session.uri)!r})"
@@ -119,42 +120,40 @@ class S3StorageReader(S3Location, StorageReader):
                 "share_metadata": self.share_metadata is True, "allow_unsafe_byte_items": self.allow_unsafe_byte_items}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, storage_data={}, _chunks={}, replica_group=None)
-
-    #: Why the last ``.metadata`` GET failed for lack of an answer (see ``read_metadata``).
-    _metadata_error: S3TransferError | None = None
+        self.__dict__.update(state, storage_data={}, _chunks={}, replica_group=None, _metadata_error=None)
 
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._reset_location(checkpoint_id)
-        self._metadata_error = None
         self.storage_data = {}
         self._chunks = {}
+        self._metadata_error = None
         self.load_id = str(uuid.uuid4())
 
     # The parameter must be literally named ``kwargs`` for DCP to pass rank/use_collectives.
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """``.metadata``, unpickled by a restricted unpickler: one GET per load (see ``share_metadata``).
 
-        DCP passes ``rank=`` only when asking for a rank-local metadata file after the
-        shared one failed; that read is not shared (the ranks read on their own).
+        When the read fails, torch asks again with ``rank=`` (for rank-local metadata, which
+        dcp_s3 never writes) and, before 2.12, then drops both errors. That second call gets
+        placeholder metadata at once, without waiting for the endpoint again, and the first
+        error is raised by ``set_up_storage_reader``, so the user sees it on every torch.
         """
-        if kwargs.get("rank") is not None and self._metadata_error is not None:
-            # torch asks again, for rank-local metadata (which dcp_s3 never writes), when the first
-            # call failed: do not wait for an endpoint that did not answer a second time.
-            raise self._metadata_error
+        if "rank" in kwargs and self._metadata_error is not None:
+            return placeholder_metadata()
         source = metadata_source(self.share_metadata)  # ConfigError for a wrong explicit group, on both calls
+        key = self._session.key(METADATA_KEY)
         try:
             if source is None or "rank" in kwargs:
                 data = self._get_metadata()
-            else:
+            else:  # one rank reads, the load's group shares it (an error reaches every rank)
                 group, src = source
                 data = broadcast_bytes(self._get_metadata, src, group, f"{self.checkpoint_id}/{METADATA_KEY}")
-        except S3TransferError as exc:  # on every rank of a shared read, not only the one that read
+            metadata = load_metadata(data, f"s3://{self._session.require_uri().bucket}/{key}")
+        except DcpS3Error as exc:
             self._metadata_error = exc
             raise
-        key = self._session.key(METADATA_KEY)
-        metadata = load_metadata(data, f"s3://{self._session.require_uri().bucket}/{key}")
+        self._metadata_error = None
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -174,6 +173,8 @@ class S3StorageReader(S3Location, StorageReader):
         return data
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._metadata_error is not None:
+            raise self._metadata_error
         self.storage_data = metadata.storage_data
         self._chunks = {}
         for fqn, md in metadata.state_dict_metadata.items():
@@ -317,7 +318,7 @@ class S3StorageReader(S3Location, StorageReader):
             raise CheckpointFormatError(
                 f"{fqn}: the plan reads {list(req.lengths)} at {list(req.storage_offsets)} of a stored chunk of {list(sizes)}"
             )
-        elem = torch._utils._element_size(dtype)
+        elem = element_size(dtype)
         rows_total = sizes[0] if len(sizes) else 1
         row_bytes = math.prod(sizes[1:]) * elem if len(sizes) else elem
         frames: FrameIndex | None = getattr(info, "frames", None)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import _weights_only_unpickler as _wo  # private: torch's allowlist (used by _table and friends only)
 
+from ._torch_compat import element_size
 from .metadata_pickle import budget_for, describe
 
 __all__ = ["byte_item_problem"]
@@ -286,7 +287,7 @@ class _Checker:
             dtype = torch.serialization.StorageType(storage_type.name.rpartition(".")[2]).dtype
         except KeyError:  # UntypedStorage: bytes
             dtype = torch.uint8
-        elem = torch._utils._element_size(dtype)
+        elem = element_size(dtype)
         try:
             size = self.record_size(f"data/{key}")
         except Exception:

@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 from crc32c import crc32c
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ._torch_compat import _StoragePrefix, element_size, require_transform_descriptors
 from .codec import Codec, grouping_for_dtype
 from .config import ClientConfig, TransferConfig, client_config, int_option
 from .errors import (
@@ -144,6 +144,8 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         self._session = S3Session(path, client, transfer)
         if compression not in (None, "zstd"):
             raise ConfigError(f"compression={compression!r}; expected None or 'zstd'")
+        if compression:
+            require_transform_descriptors(f"compression={compression!r}")
         self._codec = Codec(
             level=int_option("compression_level", compression_level, -(1 << 17)),
             threads=int_option("compression_threads", compression_threads, 1),
@@ -350,7 +352,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
 def _item_size(item: WriteItem) -> int:
     if item.tensor_data is None:
         return 0
-    return item.tensor_data.size.numel() * torch._utils._element_size(item.tensor_data.properties.dtype)
+    return item.tensor_data.size.numel() * element_size(item.tensor_data.properties.dtype)
 
 
 def _planned_size(items: list[WriteItem]) -> int:

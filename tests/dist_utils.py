@@ -25,13 +25,16 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        queue.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException as exc:  # report every failure, including CheckpointException
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    # Deliver the result before tearing gloo down: torch 2.7's ProcessGroupGloo destructor can
+    # deadlock (it joins a worker thread that waits for the GIL to free a tensor), and
+    # run_ranks kills a rank that is still alive 30 s after its result arrived.
+    queue.close()
+    queue.join_thread()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300) -> list[Any]:

@@ -1,0 +1,115 @@
+"""Every private or version-dependent torch API that dcp_s3 uses, in one place.
+
+dcp_s3 supports torch 2.7 through 2.15 (``pyproject.toml``). When a new torch release
+breaks something, this module is the place to look: other modules import torch's private
+names from here, never from torch directly.
+
+Public DCP APIs we rely on, all present from 2.7: ``_StorageInfo.transform_descriptors``,
+``SavePlan.usable``, ``StorageMeta(modules=)``, ``dcp.save/load(no_dist=)``.
+Differences inside the supported range (checked in each release's source):
+
+- 2.9: ``state_dict_saver.AsyncSaveResponse`` and ``dcp.async_save(no_dist=)``
+  (:func:`async_save`); saver and loader pass ``rank``/``use_collectives`` to hooks
+  whose signature has ``**kwargs``.
+- 2.9: the loader retries a failed ``read_metadata()`` as ``read_metadata(rank=...)``;
+  until 2.11 it then drops both errors (``AssertionError("metadata is None")``), so
+  readers answer the retry with :func:`placeholder_metadata`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from concurrent.futures import Future
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from .errors import ConfigError
+
+__all__ = [
+    "TORCH_VERSION",
+    "narrow_tensor_by_index",
+    "flatten_state_dict",
+    "_EmptyStateDictLoadPlanner",
+    "_StorageInfo",
+    "_StoragePrefix",
+    "_load_state_dict",
+    "element_size",
+    "default_group_has_cpu",
+    "async_save",
+    "require_transform_descriptors",
+    "placeholder_metadata",
+]
+
+TORCH_VERSION = torch.__version__
+
+try:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+except ImportError:  # torch < 2.9: async_save returns the upload's future itself
+    AsyncSaveResponse = None  # type: ignore[assignment,misc]
+
+#: ``dcp.async_save`` takes ``no_dist=`` (torch >= 2.9).
+ASYNC_SAVE_HAS_NO_DIST = "no_dist" in inspect.signature(dcp.async_save).parameters
+#: ``_StorageInfo`` records a per-item transform (torch >= 2.7); compressed items need it.
+HAS_TRANSFORM_DESCRIPTORS = "transform_descriptors" in {f.name for f in dataclasses.fields(_StorageInfo)}
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return int(torch._utils._element_size(dtype))
+
+
+def default_group_has_cpu() -> bool:
+    """True if the default process group has a backend for CPU tensors (e.g. gloo)."""
+    group: Any = dist.distributed_c10d._get_default_group()
+    return torch.device("cpu") in group._device_types
+
+
+def async_save(state_dict: Any, *, no_dist: bool, **kwargs: Any) -> Future[Any]:
+    """``dcp.async_save(state_dict, **kwargs)``; returns the future of the upload on every torch.
+
+    torch < 2.9 has no ``no_dist=``: it decides by whether a process group is initialized,
+    which is what ``no_dist`` says whenever it is not set against an initialized group.
+    """
+    if ASYNC_SAVE_HAS_NO_DIST:
+        kwargs["no_dist"] = no_dist
+    elif no_dist and dist.is_available() and dist.is_initialized():
+        raise ConfigError(
+            f"async_save(no_dist=True) inside an initialized process group needs torch>=2.9 (this is torch "
+            f"{TORCH_VERSION})"
+        )
+    response: Any = dcp.async_save(state_dict, **kwargs)
+    if AsyncSaveResponse is not None and isinstance(response, AsyncSaveResponse):
+        return response.upload_completion
+    return cast(Future[Any], response)
+
+
+def require_transform_descriptors(feature: str) -> None:
+    """``ConfigError`` unless this torch records per-item transforms (needed by ``feature``)."""
+    if not HAS_TRANSFORM_DESCRIPTORS:
+        raise ConfigError(
+            f"{feature} needs torch>=2.7 (its _StorageInfo.transform_descriptors records how each item "
+            f"is encoded); this is torch {TORCH_VERSION}"
+        )
+
+
+def placeholder_metadata() -> Metadata:
+    """An empty ``Metadata`` to hand to torch's loader in place of one that could not be read.
+
+    From 2.9, when ``read_metadata()`` raises, torch's loader retries with
+    ``read_metadata(rank=...)`` (rank-local metadata); if that raises too it fails with
+    ``AssertionError("metadata is None")`` and, before 2.12, drops both errors. A reader that
+    answers the retry with this placeholder and raises the first error from
+    ``set_up_storage_reader`` (called next, inside the same collective step) gets its own
+    error to every rank, as torch 2.7/2.8 do.
+    """
+    return Metadata(state_dict_metadata={})
