@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import _weights_only_unpickler as weights_only_unpickler  # torch's weights-only allowlist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
@@ -48,6 +49,13 @@ __all__ = [
     "async_save",
     "require_transform_descriptors",
     "placeholder_metadata",
+    "weights_only_unpickler",
+    "get_layout",
+    "REBUILD_PREFIX",
+    "REBUILD_FROM_TYPE_V2",
+    "torch_zip_reader",
+    "record_size",
+    "dist_wrapper_class",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -113,3 +121,36 @@ def placeholder_metadata() -> Metadata:
     error to every rank, as torch 2.7/2.8 do.
     """
     return Metadata(state_dict_metadata={})
+
+
+# -- used by the security checks (weights_only.py, metadata_pickle.py) and sharing.py -----------------
+
+#: ``torch.serialization._get_layout``: how pickled metadata names a tensor layout.
+get_layout = torch.serialization._get_layout
+#: Names of the functions torch.save's pickles call to rebuild tensors (strings inside pickles).
+REBUILD_PREFIX = "torch._utils._rebuild_"
+REBUILD_FROM_TYPE_V2 = "torch._tensor._rebuild_from_type_v2"
+
+
+def torch_zip_reader(blob: bytes) -> Any:
+    """torch's own zip reader over ``blob`` (so the pickle checked is the one torch.load would run)."""
+    import io
+
+    return torch._C.PyTorchFileReader(io.BytesIO(blob))
+
+
+def record_size(archive: Any) -> Any:
+    """``archive.get_record_size`` (torch >= 2.8), else the size of each record as read (2.7)."""
+    method = getattr(archive, "get_record_size", None)
+    if method is not None:
+        return method
+    return lambda name: len(archive.get_record(name))
+
+
+def dist_wrapper_class() -> Any:
+    """torch's ``_DistWrapper`` (what ``dcp.load``/``dcp.save`` build from their process group), or None."""
+    try:
+        from torch.distributed.checkpoint.utils import _DistWrapper
+    except ImportError:
+        return None
+    return _DistWrapper

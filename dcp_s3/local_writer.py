@@ -37,7 +37,7 @@ class SafeFileSystemWriter(FileSystemWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # torch's version warns on every overwrite: here overwriting is the safe, intended default.
-        if self.rank is not None and not self.use_collectives:
+        if getattr(self, "rank", None) is not None and not getattr(self, "use_collectives", True):  # torch >= 2.9
             raise ConfigError("SafeFileSystemWriter needs use_collectives=True: the coordinator commits one .metadata")
         Path(self.path).mkdir(parents=True, exist_ok=True)
         if not self.overwrite and (Path(self.path) / METADATA_KEY).exists():

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ._torch_compat import _StorageInfo
+from ._torch_compat import _StorageInfo, get_layout
 from .codec import FrameIndex
 from .errors import CheckpointFormatError
 
@@ -99,7 +99,7 @@ def _globals(classes: tuple[type, ...]) -> dict[tuple[str, str], Any]:
     for cls in (*classes, _MEM_FORMAT_ENCODING):
         table[(cls.__module__, cls.__name__)] = cls
     table[("torch", "Size")] = torch.Size
-    table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    table[("torch.serialization", "_get_layout")] = get_layout
     table[("pathlib", "PosixPath")] = pathlib.PosixPath
     table[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
     table[("collections", "OrderedDict")] = collections.OrderedDict
@@ -147,7 +147,7 @@ def _call_checks(keyed: Callable[[tuple[Any, ...]], int]) -> dict[Any, Callable[
     """The callables REDUCE may call, each with a check of its arguments returning their cost."""
     return {
         torch.Size: _size_args,
-        torch.serialization._get_layout: _one(str),
+        get_layout: _one(str),
         _MEM_FORMAT_ENCODING: _one(int),
         collections.OrderedDict: _no_args,
         pathlib.PosixPath: _path_args,

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as _dcp
 
+from ._torch_compat import dist_wrapper_class
 from .errors import ConfigError, DcpS3Error
 
 __all__ = [
@@ -66,9 +67,8 @@ def running_dcp_group() -> DcpGroup | None:
     Looks at the frames of torch's ``torch.distributed.checkpoint`` package on the call stack
     (never at user frames) for the ``_DistWrapper`` the call built from its ``process_group``.
     """
-    try:
-        from torch.distributed.checkpoint.utils import _DistWrapper
-    except ImportError:  # a torch release without it: no detection, no sharing
+    wrapper = dist_wrapper_class()
+    if wrapper is None:  # a torch release without it: no detection, no sharing
         return None
     frame: FrameType | None = sys._getframe(1)
     for _ in range(_MAX_FRAMES):
@@ -76,7 +76,7 @@ def running_dcp_group() -> DcpGroup | None:
             break
         if frame.f_code.co_filename.startswith(_DCP_DIR):
             for value in frame.f_locals.values():
-                if isinstance(value, _DistWrapper):
+                if isinstance(value, wrapper):
                     if not value.use_dist or not dist.is_initialized():
                         return None
                     return DcpGroup(value.group, int(value.global_coordinator_rank))

@@ -12,15 +12,13 @@ self-referencing value, ``bytearray(<int>)``, dict keys chosen to share one hash
 storages larger than their records are refused. Legacy (non-zip) files, TorchScript
 archives and raw bytes are refused too.
 
-Torch's private allowlist (``torch._weights_only_unpickler``) and zip reader
-(``torch._C.PyTorchFileReader``) are used here and nowhere else.
+Torch's private allowlist and zip reader come from ``dcp_s3._torch_compat``.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
 import functools
-import io
 import pickle
 import struct
 from collections import Counter, OrderedDict
@@ -28,9 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import _weights_only_unpickler as _wo  # private: torch's allowlist (used by _table and friends only)
 
-from ._torch_compat import element_size
+from ._torch_compat import REBUILD_FROM_TYPE_V2, REBUILD_PREFIX, element_size, record_size, torch_zip_reader
+from ._torch_compat import weights_only_unpickler as _wo
 from .metadata_pickle import budget_for, describe
 
 __all__ = ["byte_item_problem"]
@@ -234,7 +232,7 @@ class _Checker:
         # Weights-only loading sets a plain tensor's state with set_(*state); torch.load's
         # Tensor.__setstate__ does the same only for a 4-tuple (else it sets hooks).
         name = inst.callee.name
-        if (inst.callee.obj is torch.Tensor or name.startswith("torch._utils._rebuild_")) and "parameter" not in name:
+        if (inst.callee.obj is torch.Tensor or name.startswith(REBUILD_PREFIX)) and "parameter" not in name:
             if not (isinstance(state, _Node) and state.kind == "tuple" and len(state.items) == 4):
                 raise _Refused(f"it would set the state of the result of {name} other than with set_")
         self.charge(state)
@@ -269,8 +267,8 @@ class _Checker:
                     self.key(element.items[0] if func.obj is OrderedDict and pair else element, seen)
             elif not (isinstance(source, _Node) and source.kind == "dict"):  # a dict's keys were checked
                 raise _Refused(f"it would build a {func.name} from {_label(source)}")
-        if func.name == "torch._tensor._rebuild_from_type_v2" and not (
-            args.items and isinstance(args.items[0], _Global) and args.items[0].name.startswith("torch._utils._rebuild_")
+        if func.name == REBUILD_FROM_TYPE_V2 and not (
+            args.items and isinstance(args.items[0], _Global) and args.items[0].name.startswith(REBUILD_PREFIX)
         ):
             raise _Refused("it would rebuild a tensor subclass through something other than a tensor rebuild function")
 
@@ -410,14 +408,14 @@ def byte_item_problem(data: bytes | bytearray | memoryview) -> str | None:
         return "it is not a torch.save zip archive (a legacy or raw byte item)"
     try:
         # torch's own zip reader, so that the pickle checked is the one torch.load would run.
-        archive = torch._C.PyTorchFileReader(io.BytesIO(blob))
+        archive = torch_zip_reader(blob)
         if "constants.pkl" in archive.get_all_records():  # what torch.serialization._is_torchscript_zip checks
             return "it is a TorchScript archive (torch.load would run torch.jit.load)"
         pkl = archive.get_record("data.pkl")
     except RuntimeError as exc:
         return f"it is not a readable torch.save archive ({describe(str(exc))})"
     try:
-        _Checker(pkl, archive.get_record_size).run()
+        _Checker(pkl, record_size(archive)).run()
     except _Refused as exc:
         return str(exc)
     except (IndexError, UnicodeDecodeError, struct.error):
