@@ -1,4 +1,4 @@
-"""``S3StorageReader``: DCP's StorageReader for S3 and S3-compatible stores.
+"""``S3StorageReader``: DCP's StorageReader over any object store (S3, S3-compatible, local disk).
 
 Call order (torch DCP): ``reset`` → ``read_metadata`` (one GET of ``.metadata``)
 → ``set_up_storage_reader`` → ``prepare_local_plan``/``prepare_global_plan`` →
@@ -35,17 +35,17 @@ from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFou
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .metadata_check import offsets_key
+from .objstore import RangeRead
 from .replicated import read_replicated
-from .session import S3Location, S3Session
+from .session import Location, Session
 from .sharing import broadcast_bytes, metadata_source
-from .transfer import RangeRead
 
 __all__ = ["S3StorageReader"]
 
 log = logging.getLogger("dcp_s3")
 
 
-class S3StorageReader(S3Location, StorageReader):
+class S3StorageReader(Location, StorageReader):
     """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs.
 
     Takes the same location, credential and ``client`` arguments as ``S3StorageWriter``.
@@ -103,15 +103,15 @@ class S3StorageReader(S3Location, StorageReader):
             client, transfer.max_concurrency + 2, credential_path=credential_path, endpoint_url=endpoint_url,
             region=region, profile=profile, request_args=request_args,
         )
-        self._session = S3Session(path, client, transfer)
-        self._codec = Codec(threads=max(1, os.cpu_count() or 1))  # decodes compressed checkpoints
+        self._session = Session(path, client, transfer)
+        self._codec = Codec(threads=transfer.decode_threads)  # decodes compressed checkpoints
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[tuple[str, str], tuple[torch.Size, torch.dtype]] = {}  # by (fqn, offsets_key)
         self._metadata_error: DcpS3Error | None = None  # see read_metadata
 
     def __repr__(self) -> str:
-        return f"S3StorageReader({str(self._session.uri)!r})"
+        return f"S3StorageReader({str(self._session.location)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups do not pickle: a copy finds dcp.load's group again (share_metadata=True),
@@ -149,7 +149,7 @@ class S3StorageReader(S3Location, StorageReader):
             else:  # one rank reads, the load's group shares it (an error reaches every rank)
                 group, src = source
                 data = broadcast_bytes(self._get_metadata, src, group, f"{self.checkpoint_id}/{METADATA_KEY}")
-            metadata = load_metadata(data, f"s3://{self._session.require_uri().bucket}/{key}")
+            metadata = load_metadata(data, self._session.transport.url(key))
         except DcpS3Error as exc:
             self._metadata_error = exc
             raise
@@ -162,7 +162,7 @@ class S3StorageReader(S3Location, StorageReader):
     def _get_metadata(self) -> bytes:
         key = self._session.key(METADATA_KEY)
         try:
-            data = self._session.transport.get_object(key)
+            data = self._session.transport.get(key)
         except BucketNotFoundError:
             raise
         except CheckpointNotFoundError as exc:
@@ -242,7 +242,7 @@ class S3StorageReader(S3Location, StorageReader):
                 buf = held.pop("buf") if info.length else bytearray()
                 self._verify(req, info, memoryview(buf))
                 if not self.allow_unsafe_byte_items:
-                    check_byte_item(buf, req.storage_index.fqn, f"s3://{self._session.require_uri().bucket}/{key}")
+                    check_byte_item(buf, req.storage_index.fqn, self._session.transport.url(key))
                 planner.load_bytes(req, io.BytesIO(buf))
 
             return load_bytes
@@ -269,7 +269,7 @@ class S3StorageReader(S3Location, StorageReader):
     def _verify(self, req: ReadItem, info: Any, payload: memoryview) -> None:
         error = checksum_error(info, payload)
         if error is not None:
-            where = f"s3://{self._session.require_uri().bucket}/{self._session.key(info.relative_path)}"
+            where = self._session.url(info.relative_path)
             raise CheckpointFormatError(
                 f"{req.storage_index.fqn}: {where} bytes {info.offset}-{info.offset + info.length}: {error}"
             )
@@ -278,14 +278,14 @@ class S3StorageReader(S3Location, StorageReader):
         """Check the CRC32C of every frame that raw bytes ``[lo, hi)`` (now in ``out``) cover whole."""
         crcs = getattr(info, "frame_crc32c", None)
         if crcs is None:  # load_metadata refuses this; metadata built in-process could still lack them
-            raise CheckpointFormatError(f"s3://{self._session.require_uri().bucket}/{key}: compressed item without checksums")
+            raise CheckpointFormatError(f"{self._session.transport.url(key)}: compressed item without checksums")
         for i in range(lo // frames.frame_size, frames.num_frames):
             f_lo, f_hi = frames.raw_range(i)
             if f_lo >= hi:
                 break
             if f_lo >= lo and f_hi <= hi and crc32c(out[f_lo - lo : f_hi - lo]) != crcs[i]:
                 raise CheckpointFormatError(
-                    f"s3://{self._session.require_uri().bucket}/{key}: frame {i} of the item at bytes "
+                    f"{self._session.transport.url(key)}: frame {i} of the item at bytes "
                     f"{info.offset}-{info.offset + info.length} fails its checksum: the stored object is corrupt"
                 )
 

@@ -21,8 +21,7 @@ class TestLocalDirectory(StoreConformance):
     @pytest.fixture
     def target(self, tmp_path: Path) -> Target:
         root = tmp_path / "store"
-        # torch's file format: zip records carry CRC32s that verify checks, loads do not.
-        return Target("local", str(root), LocalRaw(root), checksums=False, compression=False)
+        return Target("local", str(root), LocalRaw(root))
 
 
 class TestSeaweedFS(StoreConformance):

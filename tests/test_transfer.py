@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
+from dcp_s3.buffers import BufferPool, fit_part_size
 from dcp_s3.config import ClientConfig
 from dcp_s3.errors import S3TransferError
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.transfer import BufferPool, RangeRead, S3Transport, coalesce, fit_part_size
+from dcp_s3.objstore import RangeRead, coalesce
+from dcp_s3.objstore_s3 import S3ObjectStore
 
 MiB = 1 << 20
 
@@ -66,9 +68,9 @@ class _CutBody:
         pass
 
 
-def transport(server: LocalS3Server, bucket: str, client: Any = None) -> S3Transport:
+def transport(server: LocalS3Server, bucket: str, client: Any = None) -> S3ObjectStore:
     client = client or ClientConfig(endpoint_url=server.endpoint_url).make_client()
-    return S3Transport(lambda: client, bucket, max_attempts=3, sleep=lambda s: None)
+    return S3ObjectStore(lambda: client, bucket, max_attempts=3, sleep=lambda s: None)
 
 
 def test_streamed_multipart_upload_round_trip(bucket: str, s3_env: LocalS3Server) -> None:
@@ -154,9 +156,11 @@ def test_buffer_pool_bounds_buffers_in_use() -> None:
 
 
 def test_transport_layer_does_not_import_torch() -> None:
-    """transfer/config/errors form the transport: importing them, in a fresh interpreter, loads no torch."""
+    """The object stores (interface, S3 and local backends) with config/errors: importing them, in a fresh
+    interpreter, loads no torch."""
     code = (
-        "import sys, dcp_s3.transfer, dcp_s3.config, dcp_s3.errors\n"
+        "import sys, dcp_s3.objstore, dcp_s3.objstore_s3, dcp_s3.objstore_local, dcp_s3.s3_multipart, dcp_s3.config\n"
+        "import dcp_s3.session\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
         "import dcp_s3\n"
         "dcp_s3.S3StorageWriter  # the public API still resolves, importing torch now\n"
@@ -170,7 +174,7 @@ def test_transport_layer_does_not_import_torch() -> None:
 
 def test_wrong_region_is_a_config_error_naming_the_right_one() -> None:
     from dcp_s3.errors import ConfigError
-    from dcp_s3.transfer import translate_error
+    from dcp_s3.s3_requests import translate_error
 
     response = {
         "Error": {"Code": "AuthorizationHeaderMalformed", "Message": "the region 'us-east-1' is wrong"},
