@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ._torch_compat import element_size, narrow_tensor_by_index, placeholder_metadata
+from ._torch_compat import decode_torch_transforms, element_size, narrow_tensor_by_index, placeholder_metadata
 from .byte_items import check_byte_item
 from .codec import Codec, FrameIndex, stored_span
 from .config import ClientConfig, TransferConfig, client_config
@@ -224,11 +224,14 @@ class S3StorageReader(Location, StorageReader):
             raise CheckpointFormatError(f"{self.checkpoint_id}: no storage entry for {req.storage_index.fqn}")
         key = self._session.key(info.relative_path)
         frames = getattr(info, "frames", None)
-        if info.transform_descriptors and (frames is None or list(info.transform_descriptors) != [CODEC_DESCRIPTOR]):
+        transforms = list(info.transform_descriptors or ())
+        if frames is not None and transforms != [CODEC_DESCRIPTOR]:
             raise CheckpointFormatError(
-                f"{req.storage_index.fqn} in {self.checkpoint_id} uses transforms {list(info.transform_descriptors)} "
+                f"{req.storage_index.fqn} in {self.checkpoint_id} uses transforms {transforms} "
                 f"that this reader does not support (it reads {CODEC_DESCRIPTOR})"
             )
+        # Transforms of torch's own writer (FileSystemWriter(_extensions=...)): undone as torch does.
+        foreign = transforms if frames is None else []
         if req.type == LoadItemType.BYTE_IO:
             held: dict[str, bytearray] = {}
 
@@ -241,6 +244,8 @@ class S3StorageReader(Location, StorageReader):
             def load_bytes() -> None:
                 buf = held.pop("buf") if info.length else bytearray()
                 self._verify(req, info, memoryview(buf))
+                if foreign:
+                    buf = bytearray(decode_torch_transforms(foreign, buf, self._session.transport.url(key)))
                 if not self.allow_unsafe_byte_items:
                     check_byte_item(buf, req.storage_index.fqn, self._session.transport.url(key))
                 planner.load_bytes(req, io.BytesIO(buf))
@@ -254,8 +259,8 @@ class S3StorageReader(Location, StorageReader):
                 f"checkpoint's {tuple(req.lengths)}"
             )
         whole = False
-        if frames is None and getattr(info, "payload_offset", None) is None:
-            self._plan_torch_load(req, key, info, dest, reads)
+        if frames is None and (foreign or getattr(info, "payload_offset", None) is None):
+            self._plan_torch_load(req, key, info, dest, reads, foreign)
         else:
             whole = self._plan_tensor(req, key, info, dest, reads)
 
@@ -289,8 +294,11 @@ class S3StorageReader(Location, StorageReader):
                     f"{info.offset}-{info.offset + info.length} fails its checksum: the stored object is corrupt"
                 )
 
-    def _plan_torch_load(self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]) -> None:
-        """Items written by other writers: fetch the whole ``torch.save`` blob and load it."""
+    def _plan_torch_load(
+        self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead], transforms: list[str]
+    ) -> None:
+        """Items written by other writers: fetch the whole ``torch.save`` blob (undoing torch's ``transforms``)
+        and load it."""
         state: dict[str, bytearray] = {}
 
         def open_buffer() -> memoryview:  # allocated only while the request is in flight
@@ -298,7 +306,10 @@ class S3StorageReader(Location, StorageReader):
             return memoryview(state["buf"])
 
         def done() -> None:
-            tensor = torch.load(io.BytesIO(state.pop("buf")), map_location="cpu", weights_only=True)
+            blob = state.pop("buf")
+            if transforms:
+                blob = bytearray(decode_torch_transforms(transforms, blob, self._session.transport.url(key)))
+            tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
             dest.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
 
         reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer, done))
