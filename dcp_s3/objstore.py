@@ -142,27 +142,60 @@ class ObjectWriter(ABC):
     """A write-only stream that creates one object; it appears, whole, only on ``close``.
 
     A failure or ``abort()`` leaves nothing behind (no partial object, no orphan upload).
-    ``part_size`` is the size of the chunks worth handing to ``write`` at once.
+    ``part_size`` is the size of the chunks worth handing to ``write`` at once. Backends
+    implement ``_write``, ``_finish`` and ``_abort``; this class keeps the position and makes
+    any failure abort.
     """
 
-    key: str
-    part_size: int
+    def __init__(self, key: str, part_size: int, where: str) -> None:
+        self.key = key
+        self.part_size = part_size
+        self._where = where
+        self._position = 0
+        self._closed = False
 
-    @abstractmethod
     def tell(self) -> int:
         """Bytes written so far."""
+        return self._position
 
-    @abstractmethod
     def write(self, data: bytes | bytearray | memoryview) -> int:
         """Append ``data``; returns ``len(data)``."""
+        if self._closed:
+            raise ConfigError(f"write to closed writer of {self._where}")
+        view = memoryview(data).cast("B")
+        try:
+            self._write(view)
+        except BaseException:
+            self.abort()
+            raise
+        self._position += len(view)
+        return len(view)
 
-    @abstractmethod
     def close(self) -> int:
         """Make the object visible; returns its size in bytes. Idempotent."""
+        if self._closed:
+            return self._position
+        try:
+            self._finish()
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        return self._position
 
-    @abstractmethod
     def abort(self) -> None:
         """Drop the object being written."""
+        self._closed = True
+        self._abort()
+
+    @abstractmethod
+    def _write(self, view: memoryview) -> None: ...
+
+    @abstractmethod
+    def _finish(self) -> None: ...
+
+    @abstractmethod
+    def _abort(self) -> None: ...
 
 
 class ObjectStore(ABC):

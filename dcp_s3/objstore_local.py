@@ -253,44 +253,21 @@ class FileWriter(ObjectWriter):
     """Writes one file through a temporary file next to it; ``close`` fsyncs and renames it into place."""
 
     def __init__(self, target: str, key: str, part_size: int) -> None:
-        self.key = key
-        self.part_size = part_size
+        super().__init__(key, part_size, target)
         self._target = target
         fd, self._tmp = _new_temp(target)
         self._file = os.fdopen(fd, "wb")
-        self._position = 0
-        self._closed = False
 
-    def tell(self) -> int:
-        return self._position
+    def _write(self, view: memoryview) -> None:
+        self._file.write(view)
 
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        if self._closed:
-            raise ConfigError(f"write to closed writer of {self._target}")
-        try:
-            n = self._file.write(data)
-        except BaseException:
-            self.abort()
-            raise
-        self._position += n
-        return n
+    def _finish(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        _commit_temp(self._tmp, self._target, exclusive=False)
 
-    def close(self) -> int:
-        if self._closed:
-            return self._position
-        try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            _commit_temp(self._tmp, self._target, exclusive=False)
-        except BaseException:
-            self.abort()
-            raise
-        self._closed = True
-        return self._position
-
-    def abort(self) -> None:
-        self._closed = True
+    def _abort(self) -> None:
         self._file.close()
         if os.path.exists(self._tmp):
             os.unlink(self._tmp)

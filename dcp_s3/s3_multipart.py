@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .buffers import BufferPool, fit_part_size
-from .errors import ConfigError, DcpS3Error
+from .errors import DcpS3Error
 from .objstore import ObjectWriter, PendingUpload, wait_all
 from .s3_requests import range_header
 
@@ -80,42 +80,26 @@ class MultipartWriter(ObjectWriter):
         executor: ThreadPoolExecutor,
         expected_size: int | None = None,
     ) -> None:
+        super().__init__(key, fit_part_size(pool.size, expected_size), f"s3://{store.bucket}/{key}")
         self.store = store
-        self.key = key
         self._pool = pool
         self._executor = executor
-        self.part_size = fit_part_size(pool.size, expected_size)
         self._buf: bytearray | None = None
         self._fill = 0
-        self._position = 0
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
-        self._closed = False
 
-    def tell(self) -> int:
-        return self._position
-
-    def write(self, data: bytes | bytearray | memoryview) -> int:
-        if self._closed:
-            raise ConfigError(f"write to closed writer of s3://{self.store.bucket}/{self.key}")
-        view = memoryview(data).cast("B")
-        total = len(view)
-        try:
-            while view:
-                if self._buf is None:
-                    self._buf = self._pool.acquire(self.part_size)
-                    self._fill = 0
-                n = min(len(view), self.part_size - self._fill)
-                self._buf[self._fill : self._fill + n] = view[:n]
-                self._fill += n
-                view = view[n:]
-                if self._fill == self.part_size:
-                    self._submit_part()
-        except BaseException:
-            self.abort()
-            raise
-        self._position += total
-        return total
+    def _write(self, view: memoryview) -> None:
+        while view:
+            if self._buf is None:
+                self._buf = self._pool.acquire(self.part_size)
+                self._fill = 0
+            n = min(len(view), self.part_size - self._fill)
+            self._buf[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            view = view[n:]
+            if self._fill == self.part_size:
+                self._submit_part()
 
     def _submit_part(self) -> None:
         if self._upload_id is None:
@@ -142,35 +126,26 @@ class MultipartWriter(ObjectWriter):
         finally:
             self._pool.release(buf)
 
-    def close(self) -> int:
-        if self._closed:
-            return self._position
-        try:
-            if self._upload_id is None:
-                body = bytes(memoryview(self._buf)[: self._fill]) if self._buf is not None else b""
-                self.store.put(self.key, body)
-                if self._buf is not None:
-                    self._pool.release(self._buf)
-                    self._buf = None
-            else:
-                if self._fill or not self._parts:
-                    self._submit_part()
-                wait_all(self._parts)
-                parts = [fut.result() for fut in self._parts]
-                self.store.call(
-                    "complete_multipart_upload", self.key,
-                    Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": parts},
-                )
-                self._upload_id = None
-        except BaseException:
-            self.abort()
-            raise
-        self._closed = True
-        return self._position
+    def _finish(self) -> None:
+        if self._upload_id is None:
+            body = bytes(memoryview(self._buf)[: self._fill]) if self._buf is not None else b""
+            self.store.put(self.key, body)
+            if self._buf is not None:
+                self._pool.release(self._buf)
+                self._buf = None
+            return
+        if self._fill or not self._parts:
+            self._submit_part()
+        wait_all(self._parts)
+        parts = [fut.result() for fut in self._parts]
+        self.store.call(
+            "complete_multipart_upload", self.key,
+            Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": parts},
+        )
+        self._upload_id = None
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         """Cancel queued parts and abort the multipart upload."""
-        self._closed = True
         for fut in self._parts:
             fut.cancel()
         for fut in self._parts:
