@@ -46,7 +46,8 @@ log = logging.getLogger("dcp_s3")
 
 
 class S3StorageReader(Location, StorageReader):
-    """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs.
+    """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs, or
+    from a local directory (ranged ``preadv`` into the destination, through the local object store).
 
     Takes the same location, credential and ``client`` arguments as ``S3StorageWriter``.
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
