@@ -161,12 +161,12 @@ def dist_wrapper_class() -> Any:
 def decode_torch_transforms(descriptors: list[str], data: bytes | bytearray, where: str) -> bytes:
     """Undo torch's own storage transforms (``FileSystemWriter(_extensions=[ZStandard()])``) on one
     item's stored bytes, as torch's ``FileSystemReader`` does (private: ``_StorageReaderTransforms``)."""
-    from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
-
     try:
+        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+
         stream = _StorageReaderTransforms().transform_load_stream(None, descriptors, io.BytesIO(data))  # type: ignore[arg-type]
         return bytes(stream.read())
-    except Exception as exc:  # torch raises ValueError for unknown names, zstd errors for bad bytes
+    except Exception as exc:  # ValueError for unknown names, zstd errors for bad bytes, ImportError before 2.7
         raise CheckpointFormatError(
             f"{where}: cannot undo transforms {descriptors} (dcp_s3 reads its own dcp_s3.zstd-frames/1 and "
             f"torch's registered extensions): {type(exc).__name__}: {exc}"

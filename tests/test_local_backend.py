@@ -128,3 +128,13 @@ def test_a_corrupt_local_metadata_is_a_format_error(tmp_path: Path) -> None:
     with pytest.raises(BaseException) as info:
         dcp.load(blank(), storage_reader=S3StorageReader(tmp_path / "ck"), no_dist=True)
     assert "CheckpointFormatError" in repr(info.value) or isinstance(info.value, CheckpointFormatError)
+
+
+def test_unknown_torch_transform_is_a_format_error(tmp_path: Path) -> None:
+    dcp.save(state(11), storage_writer=FileSystemWriter(tmp_path / "old"), no_dist=True)
+    md = load_metadata((tmp_path / "old" / METADATA_KEY).read_bytes(), "old")
+    for info in md.storage_data.values():
+        info.transform_descriptors = ["evil/1"]
+    (tmp_path / "old" / METADATA_KEY).write_bytes(dump_metadata(md))
+    with pytest.raises(BaseException, match=r"cannot undo transforms \['evil/1'\]"):
+        dcp.load(blank(), storage_reader=S3StorageReader(tmp_path / "old"), no_dist=True)
