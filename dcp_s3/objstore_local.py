@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -125,7 +126,7 @@ class LocalObjectStore(ObjectStore):
             st = os.stat(self.path(key))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        if not os.path.isfile(self.path(key)):
+        if not stat.S_ISREG(st.st_mode):  # a directory is not an object
             return None
         return ObjectInfo(key, st.st_size, st.st_mtime, _etag(st))
 

@@ -25,7 +25,9 @@ from .buffers import BufferPool
 from .config import TransferConfig, client_config, parse_s3_uri
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
 from .objstore import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_relative_name
+from .reader import S3StorageReader
 from .session import Session
+from .writer import S3StorageWriter
 
 if TYPE_CHECKING:
     from .store_local import LocalStore
@@ -85,9 +87,6 @@ def split_storage_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], d
         options.pop(k, None)
     if settings:
         options["client"] = client_config(options.get("client"), 1, **settings)
-    from .reader import S3StorageReader
-    from .writer import S3StorageWriter
-
     writer_names, reader_names = _option_names(S3StorageWriter), _option_names(S3StorageReader)
     unknown = sorted(set(options) - writer_names - reader_names)
     if unknown:
@@ -205,8 +204,6 @@ class Store:
 
     def writer(self, name: str, *, overwrite: bool | None = None) -> StorageWriter:
         """A DCP storage writer for the checkpoint at ``name`` (``overwrite``: the writer's, if given)."""
-        from .writer import S3StorageWriter
-
         options = dict(self._writer_options)
         if overwrite is not None:
             options["overwrite"] = overwrite
@@ -214,8 +211,6 @@ class Store:
 
     def reader(self, name: str) -> StorageReader:
         """A DCP storage reader for the checkpoint at ``name``."""
-        from .reader import S3StorageReader
-
         return S3StorageReader(self.url(name), **self._reader_options)
 
     def uploads(self, prefix: str = "") -> list[Upload]:
