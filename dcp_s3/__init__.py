@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.2.0"
 
-# Imported on first use, so that ``import dcp_s3.transfer`` (the torch-free engine) does not load
+# Imported on first use, so that ``import dcp_s3.objstore`` (the torch-free object stores) does not load
 # torch and DCP, and ``import dcp_s3`` stays cheap.
 _LAZY = {
     "S3StorageWriter": "writer",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import io
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .errors import ConfigError
+from .errors import CheckpointFormatError, ConfigError
 
 __all__ = [
     "TORCH_VERSION",
@@ -56,6 +57,7 @@ __all__ = [
     "torch_zip_reader",
     "record_size",
     "dist_wrapper_class",
+    "decode_torch_transforms",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -154,3 +156,18 @@ def dist_wrapper_class() -> Any:
     except ImportError:
         return None
     return _DistWrapper
+
+
+def decode_torch_transforms(descriptors: list[str], data: bytes | bytearray, where: str) -> bytes:
+    """Undo torch's own storage transforms (``FileSystemWriter(_extensions=[ZStandard()])``) on one
+    item's stored bytes, as torch's ``FileSystemReader`` does (private: ``_StorageReaderTransforms``)."""
+    try:
+        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+
+        stream = _StorageReaderTransforms().transform_load_stream(None, descriptors, io.BytesIO(data))  # type: ignore[arg-type]
+        return bytes(stream.read())
+    except Exception as exc:  # ValueError for unknown names, zstd errors for bad bytes, ImportError before 2.7
+        raise CheckpointFormatError(
+            f"{where}: cannot undo transforms {descriptors} (dcp_s3 reads its own dcp_s3.zstd-frames/1 and "
+            f"torch's registered extensions): {type(exc).__name__}: {exc}"
+        ) from exc

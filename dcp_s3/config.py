@@ -138,7 +138,9 @@ def _check_str(owner: object, name: str) -> None:
 class TransferConfig:
     """Sizes and concurrency of the transfer engine.
 
-    Peak extra memory of a save is about ``part_size * (max_concurrency + files_per_rank)``.
+    Part buffers of a save hold at most ``(max_concurrency + files_per_rank) * P`` bytes, ``P`` being
+    ``part_size``, or ``buffers.fit_part_size(part_size, size)`` for the largest object when it would
+    exceed 10,000 parts (see README "Memory").
     """
 
     #: Bytes per multipart part (5 MiB..5 GiB); enlarged when an object would exceed 10,000 parts.
@@ -151,6 +153,9 @@ class TransferConfig:
     max_range_size: int = 16 * MiB
     #: Neighbouring reads closer than this are merged into one ranged GET.
     coalesce_gap: int = 1 * MiB
+    #: Threads per reader decoding compressed checkpoints (per process: a node with many ranks
+    #: runs this many per rank, so the default stays small).
+    decode_threads: int = dataclasses.field(default_factory=lambda: min(4, os.cpu_count() or 1))
 
     def override(self, **changes: int | None) -> TransferConfig:
         """A copy with the given fields replaced; ``None`` values are ignored."""
@@ -159,7 +164,7 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         for name, minimum in (("part_size", 1), ("max_concurrency", 1), ("files_per_rank", 1),
-                              ("max_range_size", 64 * 1024), ("coalesce_gap", 0)):
+                              ("max_range_size", 64 * 1024), ("coalesce_gap", 0), ("decode_threads", 1)):
             _check_int(self, name, minimum)
         if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
             raise ConfigError(f"part_size={self.part_size} must be between 5 MiB and 5 GiB (S3 limits)")

@@ -1,4 +1,4 @@
-"""``S3StorageReader``: DCP's StorageReader for S3 and S3-compatible stores.
+"""``S3StorageReader``: DCP's StorageReader over any object store (S3, S3-compatible, local disk).
 
 Call order (torch DCP): ``reset`` → ``read_metadata`` (one GET of ``.metadata``)
 → ``set_up_storage_reader`` → ``prepare_local_plan``/``prepare_global_plan`` →
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ._torch_compat import element_size, narrow_tensor_by_index, placeholder_metadata
+from ._torch_compat import decode_torch_transforms, element_size, narrow_tensor_by_index, placeholder_metadata
 from .byte_items import check_byte_item
 from .codec import Codec, FrameIndex, stored_span
 from .config import ClientConfig, TransferConfig, client_config
@@ -35,18 +35,19 @@ from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFou
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .metadata_check import offsets_key
+from .objstore import RangeRead
 from .replicated import read_replicated
-from .session import S3Location, S3Session
+from .session import Location, Session
 from .sharing import broadcast_bytes, metadata_source
-from .transfer import RangeRead
 
 __all__ = ["S3StorageReader"]
 
 log = logging.getLogger("dcp_s3")
 
 
-class S3StorageReader(S3Location, StorageReader):
-    """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs.
+class S3StorageReader(Location, StorageReader):
+    """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs, or
+    from a local directory (ranged ``preadv`` into the destination, through the local object store).
 
     Takes the same location, credential and ``client`` arguments as ``S3StorageWriter``.
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
@@ -103,15 +104,15 @@ class S3StorageReader(S3Location, StorageReader):
             client, transfer.max_concurrency + 2, credential_path=credential_path, endpoint_url=endpoint_url,
             region=region, profile=profile, request_args=request_args,
         )
-        self._session = S3Session(path, client, transfer)
-        self._codec = Codec(threads=max(1, os.cpu_count() or 1))  # decodes compressed checkpoints
+        self._session = Session(path, client, transfer)
+        self._codec = Codec(threads=transfer.decode_threads)  # decodes compressed checkpoints
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[tuple[str, str], tuple[torch.Size, torch.dtype]] = {}  # by (fqn, offsets_key)
         self._metadata_error: DcpS3Error | None = None  # see read_metadata
 
     def __repr__(self) -> str:
-        return f"S3StorageReader({str(self._session.uri)!r})"
+        return f"S3StorageReader({str(self._session.location)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         # Process groups do not pickle: a copy finds dcp.load's group again (share_metadata=True),
@@ -149,7 +150,7 @@ class S3StorageReader(S3Location, StorageReader):
             else:  # one rank reads, the load's group shares it (an error reaches every rank)
                 group, src = source
                 data = broadcast_bytes(self._get_metadata, src, group, f"{self.checkpoint_id}/{METADATA_KEY}")
-            metadata = load_metadata(data, f"s3://{self._session.require_uri().bucket}/{key}")
+            metadata = load_metadata(data, self._session.transport.url(key))
         except DcpS3Error as exc:
             self._metadata_error = exc
             raise
@@ -162,7 +163,7 @@ class S3StorageReader(S3Location, StorageReader):
     def _get_metadata(self) -> bytes:
         key = self._session.key(METADATA_KEY)
         try:
-            data = self._session.transport.get_object(key)
+            data = self._session.transport.get(key)
         except BucketNotFoundError:
             raise
         except CheckpointNotFoundError as exc:
@@ -224,11 +225,14 @@ class S3StorageReader(S3Location, StorageReader):
             raise CheckpointFormatError(f"{self.checkpoint_id}: no storage entry for {req.storage_index.fqn}")
         key = self._session.key(info.relative_path)
         frames = getattr(info, "frames", None)
-        if info.transform_descriptors and (frames is None or list(info.transform_descriptors) != [CODEC_DESCRIPTOR]):
+        transforms = list(info.transform_descriptors or ())
+        if frames is not None and transforms != [CODEC_DESCRIPTOR]:
             raise CheckpointFormatError(
-                f"{req.storage_index.fqn} in {self.checkpoint_id} uses transforms {list(info.transform_descriptors)} "
+                f"{req.storage_index.fqn} in {self.checkpoint_id} uses transforms {transforms} "
                 f"that this reader does not support (it reads {CODEC_DESCRIPTOR})"
             )
+        # Transforms of torch's own writer (FileSystemWriter(_extensions=...)): undone as torch does.
+        foreign = transforms if frames is None else []
         if req.type == LoadItemType.BYTE_IO:
             held: dict[str, bytearray] = {}
 
@@ -241,8 +245,10 @@ class S3StorageReader(S3Location, StorageReader):
             def load_bytes() -> None:
                 buf = held.pop("buf") if info.length else bytearray()
                 self._verify(req, info, memoryview(buf))
+                if foreign:
+                    buf = bytearray(decode_torch_transforms(foreign, buf, self._session.transport.url(key)))
                 if not self.allow_unsafe_byte_items:
-                    check_byte_item(buf, req.storage_index.fqn, f"s3://{self._session.require_uri().bucket}/{key}")
+                    check_byte_item(buf, req.storage_index.fqn, self._session.transport.url(key))
                 planner.load_bytes(req, io.BytesIO(buf))
 
             return load_bytes
@@ -254,8 +260,8 @@ class S3StorageReader(S3Location, StorageReader):
                 f"checkpoint's {tuple(req.lengths)}"
             )
         whole = False
-        if frames is None and getattr(info, "payload_offset", None) is None:
-            self._plan_torch_load(req, key, info, dest, reads)
+        if frames is None and (foreign or getattr(info, "payload_offset", None) is None):
+            self._plan_torch_load(req, key, info, dest, reads, foreign)
         else:
             whole = self._plan_tensor(req, key, info, dest, reads)
 
@@ -269,7 +275,7 @@ class S3StorageReader(S3Location, StorageReader):
     def _verify(self, req: ReadItem, info: Any, payload: memoryview) -> None:
         error = checksum_error(info, payload)
         if error is not None:
-            where = f"s3://{self._session.require_uri().bucket}/{self._session.key(info.relative_path)}"
+            where = self._session.url(info.relative_path)
             raise CheckpointFormatError(
                 f"{req.storage_index.fqn}: {where} bytes {info.offset}-{info.offset + info.length}: {error}"
             )
@@ -278,19 +284,22 @@ class S3StorageReader(S3Location, StorageReader):
         """Check the CRC32C of every frame that raw bytes ``[lo, hi)`` (now in ``out``) cover whole."""
         crcs = getattr(info, "frame_crc32c", None)
         if crcs is None:  # load_metadata refuses this; metadata built in-process could still lack them
-            raise CheckpointFormatError(f"s3://{self._session.require_uri().bucket}/{key}: compressed item without checksums")
+            raise CheckpointFormatError(f"{self._session.transport.url(key)}: compressed item without checksums")
         for i in range(lo // frames.frame_size, frames.num_frames):
             f_lo, f_hi = frames.raw_range(i)
             if f_lo >= hi:
                 break
             if f_lo >= lo and f_hi <= hi and crc32c(out[f_lo - lo : f_hi - lo]) != crcs[i]:
                 raise CheckpointFormatError(
-                    f"s3://{self._session.require_uri().bucket}/{key}: frame {i} of the item at bytes "
+                    f"{self._session.transport.url(key)}: frame {i} of the item at bytes "
                     f"{info.offset}-{info.offset + info.length} fails its checksum: the stored object is corrupt"
                 )
 
-    def _plan_torch_load(self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]) -> None:
-        """Items written by other writers: fetch the whole ``torch.save`` blob and load it."""
+    def _plan_torch_load(
+        self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead], transforms: list[str]
+    ) -> None:
+        """Items written by other writers: fetch the whole ``torch.save`` blob (undoing torch's ``transforms``)
+        and load it."""
         state: dict[str, bytearray] = {}
 
         def open_buffer() -> memoryview:  # allocated only while the request is in flight
@@ -298,7 +307,10 @@ class S3StorageReader(S3Location, StorageReader):
             return memoryview(state["buf"])
 
         def done() -> None:
-            tensor = torch.load(io.BytesIO(state.pop("buf")), map_location="cpu", weights_only=True)
+            blob = state.pop("buf")
+            if transforms:
+                blob = bytearray(decode_torch_transforms(transforms, blob, self._session.transport.url(key)))
+            tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
             dest.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
 
         reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer, done))

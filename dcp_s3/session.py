@@ -1,8 +1,10 @@
-"""What a writer and a reader share: the checkpoint location, the client, the pools.
+"""What a writer and a reader share: the checkpoint location, its object store, the pools.
 
-``S3Session`` is picklable: only the URI and the (secret-free) configs travel;
-the boto3 client and thread pool are created lazily in whichever process uses
-them, which is what ``dcp.async_save(..., async_checkpointer_type=PROCESS)`` needs.
+A location is ``s3://bucket/key`` (the S3 backend, one store per bucket) or a local
+directory, given as a path or ``file://`` URL (the local backend, one store rooted at the
+checkpoint directory). ``Session`` is picklable: only the location and the (secret-free)
+configs travel; the store, its client and the thread pool are created lazily in whichever
+process uses them, which is what ``dcp.async_save(..., async_checkpointer_type=PROCESS)`` needs.
 """
 
 from __future__ import annotations
@@ -10,67 +12,110 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from .config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
 from .errors import DcpS3Error, InvalidCheckpointIdError
-from .transfer import S3Transport, check_request_args
+from .objstore import ObjectStore
+from .objstore_local import LocalObjectStore
+from .objstore_s3 import S3ObjectStore
+from .s3_requests import check_request_args
 
-__all__ = ["S3Session", "S3Location"]
+__all__ = ["Session", "Location", "LocalDir", "parse_location"]
 
 
-class S3Session:
-    """The checkpoint URI plus lazily created transport and worker pool."""
+@dataclass(frozen=True, slots=True)
+class LocalDir:
+    """A checkpoint directory on local disk (an absolute path); object names are relative to it.
+
+    ``follow_symlinks``: listings descend into linked directories (see ``LocalObjectStore``).
+    """
+
+    path: str
+    follow_symlinks: bool = False
+
+    def join(self, name: str) -> str:
+        return name
+
+    def __str__(self) -> str:
+        return self.path
+
+
+def parse_location(path: str | os.PathLike[str]) -> S3Uri | LocalDir:
+    """``s3://bucket/key`` → ``S3Uri``; a local path or ``file://`` URL → ``LocalDir``; other schemes refused."""
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text:
+        raise InvalidCheckpointIdError(f"checkpoint id {path!r}: expected s3://bucket/key or a local directory")
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    elif "://" in text:
+        return parse_s3_uri(text)
+    return LocalDir(os.path.abspath(text))
+
+
+class Session:
+    """The checkpoint location plus its lazily created object store and worker pool."""
 
     def __init__(self, path: str | os.PathLike[str] | None, client: ClientConfig, transfer: TransferConfig) -> None:
-        self.uri: S3Uri | None = None if path is None else parse_s3_uri(path)
+        self.location: S3Uri | LocalDir | None = None if path is None else parse_location(path)
         check_request_args(client.request_args)
         self.client_config = client
         self.transfer = transfer
         self._lock = threading.Lock()
-        self._transport: S3Transport | None = None
+        self._transport: ObjectStore | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"uri": self.uri, "client_config": self.client_config, "transfer": self.transfer}
+        return {"location": self.location, "client_config": self.client_config, "transfer": self.transfer}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(None, state["client_config"], state["transfer"])  # type: ignore[misc]
-        self.uri = state["uri"]
+        self.location = state["location"]
 
     def set_path(self, path: str | os.PathLike[str]) -> None:
-        uri = parse_s3_uri(path)
+        location = parse_location(path)
         with self._lock:
-            if self.uri is None or uri.bucket != self.uri.bucket:
+            if _container(location) != _container(self.location):
                 self._transport = None
-            self.uri = uri
+            self.location = location
 
-    def require_uri(self) -> S3Uri:
-        if self.uri is None:
+    def require_location(self) -> S3Uri | LocalDir:
+        if self.location is None:
             raise InvalidCheckpointIdError(
-                "no checkpoint location: pass path='s3://bucket/key' to the writer/reader or checkpoint_id= to dcp"
+                "no checkpoint location: pass path='s3://bucket/key' (or a local directory) to the writer/reader "
+                "or checkpoint_id= to dcp"
             )
-        return self.uri
+        return self.location
 
     def key(self, name: str) -> str:
-        return self.require_uri().join(name)
+        """The store key of ``name`` (relative to the checkpoint)."""
+        return self.require_location().join(name)
+
+    def url(self, name: str) -> str:
+        """``name`` (relative to the checkpoint) as a user would write it, for messages."""
+        return self.transport.url(self.key(name))
 
     @property
-    def transport(self) -> S3Transport:
-        uri = self.require_uri()
+    def transport(self) -> ObjectStore:
+        """The object store of the checkpoint's bucket (S3) or directory (local disk)."""
+        location = self.require_location()
         with self._lock:
             self._check_fork()
             if self._transport is None:
-                self._transport = S3Transport(
-                    self.client_config.client, uri.bucket, max_attempts=self.client_config.retry_attempts,
-                    request_args=self.client_config.request_args,
-                )
+                if isinstance(location, LocalDir):
+                    self._transport = LocalObjectStore(location.path, follow_symlinks=location.follow_symlinks)
+                else:
+                    self._transport = S3ObjectStore(
+                        self.client_config.client, location.bucket, max_attempts=self.client_config.retry_attempts,
+                        request_args=self.client_config.request_args,
+                    )
             return self._transport
 
     @property
     def executor(self) -> ThreadPoolExecutor:
-        """The I/O pool: ``max_concurrency`` threads for part uploads and ranged GETs."""
+        """The I/O pool: ``max_concurrency`` threads for part uploads and ranged reads."""
         with self._lock:
             self._check_fork()
             if self._executor is None:
@@ -91,23 +136,29 @@ class S3Session:
                 self._executor = None
 
 
-class S3Location:
+def _container(location: S3Uri | LocalDir | None) -> tuple[str, str] | None:
+    if location is None:
+        return None
+    return ("local", location.path) if isinstance(location, LocalDir) else ("s3", location.bucket)
+
+
+class Location:
     """What S3StorageWriter and S3StorageReader share as DCP storage: the checkpoint id."""
 
-    _session: S3Session
+    _session: Session
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """True for ``s3://bucket/key...``; anything else is not ours."""
+        """True for ``s3://bucket/key...``, a local path and ``file://``; other schemes are not ours."""
         try:
-            parse_s3_uri(checkpoint_id)
+            parse_location(checkpoint_id)
         except DcpS3Error:
             return False
         return True
 
     @property
     def checkpoint_id(self) -> str:
-        return str(self._session.require_uri())
+        return str(self._session.require_location())
 
     def _reset_location(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
         if checkpoint_id:

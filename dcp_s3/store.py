@@ -1,34 +1,41 @@
-"""One interface over a checkpoint root on S3 (``s3://bucket/prefix``) or on local disk.
+"""One store over a checkpoint root on S3 (``s3://bucket/prefix``) or on local disk.
 
 The checkpoint manager and the ``dcp-s3`` tools work on *objects* named relative to a
-root: list (recursively, by name prefix), read, read byte ranges, write (atomically),
-delete, and make a DCP ``StorageWriter``/``StorageReader`` for a sub-location. On S3 the
-writer/reader are ``S3StorageWriter``/``S3StorageReader``; on disk ``SafeFileSystemWriter``
-(torch's ``FileSystemWriter`` with an atomic overwrite) and ``CheckedFileSystemReader`` (torch's
-``FileSystemReader`` with dcp_s3's byte item check). Names always use ``/``.
+root: list (recursively, by name prefix, or one level), read, read byte ranges, write
+(atomically), delete, copy, and make a DCP ``StorageWriter``/``StorageReader`` for a
+sub-location. :class:`Store` does all of it over the object-store interface
+(:class:`dcp_s3.objstore.ObjectStore`), the same way on every backend: the writer/reader are
+``S3StorageWriter``/``S3StorageReader`` on S3 and on disk alike. Names always use ``/``.
 
-This module holds the interface (``Store``, ``Entry``, ``Upload``) and ``open_store``; the backends
-are ``dcp_s3.store_s3.S3Store`` and ``dcp_s3.store_local.LocalStore`` (also importable from here).
+The backends add only what really differs: ``dcp_s3.store_s3.S3Store`` (storage options,
+server-side copy between buckets of one server) and ``dcp_s3.store_local.LocalStore``
+(paths, symbolic-link policy); both are importable from here.
 """
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from .config import parse_s3_uri
-from .errors import CheckpointFormatError, ConfigError, InvalidCheckpointIdError
+from .buffers import BufferPool
+from .config import TransferConfig, client_config, parse_s3_uri
+from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
+from .objstore import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_relative_name
+from .reader import S3StorageReader
+from .session import Session
+from .writer import S3StorageWriter
 
 if TYPE_CHECKING:
     from .store_local import LocalStore
-    from .store_s3 import S3Store, split_storage_options
+    from .store_s3 import S3Store
 
 __all__ = [
     "Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "open_object", "split_storage_options",
-    "check_relative_name",
+    "check_relative_name", "CLIENT_SETTINGS", "LOCAL_OPTIONS",
 ]
 
 
@@ -49,103 +56,245 @@ class Upload:
     upload_id: str
     initiated: float
 
-class Store(Protocol):
-    """Objects under one root location; names are relative to the root and use ``/``."""
 
-    root: str
+#: Options that choose the S3 client (the rest tune the writer/reader).
+_CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "request_args")
+#: Options that mean something for a local directory (the rest are S3's: client, parts, conditional writes).
+LOCAL_OPTIONS = frozenset({
+    "compression", "compression_level", "compression_threads", "key_prefixes", "files_per_rank", "max_concurrency",
+    "max_range_size", "transfer", "overwrite", "share_metadata", "replica_group", "allow_unsafe_byte_items",
+})
+#: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
+CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode")
+
+
+def _option_names(cls: type) -> set[str]:
+    params = inspect.signature(cls).parameters
+    return {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def split_storage_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split storage options into (``S3StorageWriter`` kwargs, ``S3StorageReader`` kwargs).
+
+    ``ClientConfig`` settings given on their own (``connect_timeout``, ``read_timeout``,
+    ``retry_attempts``, ``retry_mode``) are folded into ``client=`` (a ``ClientConfig``, given
+    or default), which both classes take. Raises ``ConfigError`` naming any option neither
+    class accepts.
+    """
+    options = dict(options)
+    settings = {k: options.pop(k) for k in CLIENT_SETTINGS if options.get(k) is not None}
+    for k in CLIENT_SETTINGS:
+        options.pop(k, None)
+    if settings:
+        options["client"] = client_config(options.get("client"), 1, **settings)
+    writer_names, reader_names = _option_names(S3StorageWriter), _option_names(S3StorageReader)
+    unknown = sorted(set(options) - writer_names - reader_names)
+    if unknown:
+        accepted = sorted(writer_names | reader_names | set(CLIENT_SETTINGS))
+        raise ConfigError(f"unknown storage option(s) {unknown}; S3 locations accept {accepted}")
+    writer = {k: v for k, v in options.items() if k in writer_names}
+    reader = {k: v for k, v in options.items() if k in reader_names}
+    return writer, reader
+
+
+def transfer_from(options: Mapping[str, Any]) -> TransferConfig:
+    """The ``TransferConfig`` the storage options describe."""
+    return (options.get("transfer") or TransferConfig()).override(
+        part_size=options.get("part_size"), max_concurrency=options.get("max_concurrency"),
+        files_per_rank=options.get("files_per_rank"), max_range_size=options.get("max_range_size"),
+    )
+
+
+class Store:
+    """Objects under one root location; names are relative to the root and use ``/``.
+
+    ``session`` carries the object store (created lazily, so a store pickles), its I/O pool
+    (``TransferConfig``) and, on S3, every client setting; ``prefix`` is the root's key in the
+    object store's container. ``writer_options``/``reader_options`` are passed to the
+    DCP writer/reader it makes.
+    """
+
+    def __init__(
+        self, session: Session, prefix: str, root: str, *,
+        writer_options: dict[str, Any] | None = None, reader_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.session = session
+        self.prefix = prefix
+        self.root = root
+        self._writer_options = writer_options or {}
+        self._reader_options = reader_options or {}
+        transfer = session.transfer
+        # Part buffers of uploads, shared by concurrent uploads: their memory bound.
+        self._buffers = BufferPool(transfer.max_concurrency + 2, transfer.part_size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.root!r})"
+
+    @property
+    def objects(self) -> ObjectStore:
+        return self.session.transport
+
+    transport = objects
+
+    def close(self) -> None:
+        self.session.close()
+        self._buffers.clear()
+
+    def key(self, name: str) -> str:
+        return _join(self.prefix, name)
 
     def url(self, name: str = "") -> str:
         """The location of ``name`` as a user would write it (``s3://...`` or a path)."""
-        ...
+        return self.objects.url(self.key(name)).rstrip("/") if name or self.prefix else self.root
+
+    def _rel(self, key: str) -> str:
+        return key[len(self.prefix) + 1 :] if self.prefix else key
+
+    def _dir_key(self, prefix: str) -> str:
+        # The root is a "directory": list "key/" so that "run" does not match "run2/...".
+        return self.key(prefix) if prefix else (self.prefix + "/" if self.prefix else "")
+
+    def _entry(self, obj: ObjectInfo) -> Entry:
+        return Entry(self._rel(obj.key), obj.size, obj.mtime)
 
     def list_objects(self, prefix: str = "") -> list[Entry]:
         """Every object whose relative name starts with ``prefix`` (a plain string prefix)."""
-        ...
+        return [self._entry(o) for o in self.objects.list_objects(self._dir_key(prefix)) if not o.key.endswith("/")]
 
     def list_dir(self, prefix: str = "") -> tuple[list[Entry], list[str]]:
         """(objects directly in directory ``prefix`` (``""`` or ending in ``/``), its subdirectories
         ``prefix<name>/``): one level, so the cost is that of the entries at that level only."""
-        ...
+        objects, prefixes = self.objects.list_dir(self._dir_key(prefix))
+        return [self._entry(o) for o in objects if not o.key.endswith("/")], [self._rel(p) for p in prefixes]
 
     def read(self, name: str) -> bytes:
         """The whole object; ``CheckpointNotFoundError`` if it does not exist."""
-        ...
+        return self.objects.get(self.key(name))
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Bytes ``[start, end)`` of ``name`` for each range (fetched concurrently on S3)."""
-        ...
+        """Bytes ``[start, end)`` of ``name`` for each range, fetched concurrently."""
+        bufs = [bytearray(end - start) for start, end in ranges]
+        reads = [
+            RangeRead(self.key(name), start, end, _opener(buf)) for (start, end), buf in zip(ranges, bufs) if end > start
+        ]
+        transfer = self.session.transfer
+        self.objects.read_ranges(
+            reads, executor=self.session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
+        )
+        return [bytes(b) for b in bufs]
 
     def size(self, name: str) -> int | None:
         """The object's size, or None if it does not exist."""
-        ...
+        head = self.objects.head(self.key(name))
+        return None if head is None else head.size
 
     def write(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
         """Create or replace ``name`` atomically (readers see the old or the new bytes).
 
         ``overwrite=False``: ``CheckpointExistsError`` if ``name`` exists (checked atomically).
         """
-        ...
+        try:
+            self.objects.put(self.key(name), data, if_none_match=not overwrite)
+        except CheckpointExistsError:
+            raise CheckpointExistsError(f"{self.url(name)} already exists; pass overwrite (--force) to replace it") from None
 
     def delete(self, names: Iterable[str]) -> None:
         """Delete objects (missing ones are ignored)."""
-        ...
+        self.objects.delete([self.key(n) for n in names])
 
     def writer(self, name: str, *, overwrite: bool | None = None) -> StorageWriter:
         """A DCP storage writer for the checkpoint at ``name`` (``overwrite``: the writer's, if given)."""
-        ...
+        options = dict(self._writer_options)
+        if overwrite is not None:
+            options["overwrite"] = overwrite
+        return S3StorageWriter(self.url(name), **options)
 
     def reader(self, name: str) -> StorageReader:
         """A DCP storage reader for the checkpoint at ``name``."""
-        ...
+        return S3StorageReader(self.url(name), **self._reader_options)
 
     def uploads(self, prefix: str = "") -> list[Upload]:
         """Unfinished multipart uploads under ``prefix`` (always empty on disk)."""
-        ...
+        return [Upload(self._rel(u.key), u.upload_id, u.initiated) for u in self.objects.list_uploads(self._dir_key(prefix))]
+
+    def _pending(self, upload: Upload) -> PendingUpload:
+        return PendingUpload(self.key(upload.name), upload.upload_id, upload.initiated)
 
     def abort(self, upload: Upload) -> None:
         """Abort an unfinished multipart upload."""
-        ...
+        self.objects.abort_upload(self._pending(upload))
 
     def upload_activity(self, upload: Upload) -> float | None:
         """When ``upload`` last received a part (else when it started); None if it is gone."""
-        ...
+        return self.objects.upload_activity(self._pending(upload))
 
     def download(self, name: str, path: str) -> None:
-        """Copy object ``name`` to the local file ``path``."""
-        ...
+        """Copy object ``name`` to the local file ``path``: ranged reads of ``max_range_size`` bytes,
+        concurrently, each written at its offset as it arrives (memory: ``max_concurrency * max_range_size``)."""
+        key = self.key(name)
+        head = self.objects.head(key)
+        if head is None:
+            raise CheckpointNotFoundError(f"GET {self.url(name)}: not found")
+        step = self.session.transfer.max_range_size
+        with open(path, "wb") as f:
+            f.truncate(head.size)
+            reads = [_file_range(key, f.fileno(), start, min(head.size, start + step)) for start in range(0, head.size, step)]
+            self.objects.read_ranges(reads, executor=self.session.executor, max_gap=0, max_size=step)
 
     def upload(self, path: str, name: str) -> None:
-        """Copy the local file ``path`` to object ``name``."""
-        ...
+        """Copy the local file ``path`` to object ``name``, streamed (on S3: parts sent concurrently)."""
+        writer = self.objects.open_writer(
+            self.key(name), pool=self._buffers, executor=self.session.executor, expected_size=os.path.getsize(path)
+        )
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(writer.part_size):
+                    writer.write(chunk)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+
+    def copy_from(self, source: Store, source_name: str, name: str) -> None:
+        """Copy ``source_name`` of ``source`` (a store of the same backend) to ``name`` here, without
+        the bytes passing through this process where the backend can (S3: CopyObject, UploadPartCopy
+        over 5 GiB, with this store's request options)."""
+        size = source.size(source_name)
+        if size is None:
+            raise CheckpointNotFoundError(f"COPY {source.url(source_name)}: not found")
+        self.objects.copy(self.key(name), source.objects, source.key(source_name), size, executor=self.session.executor)
+
+
+def _file_range(key: str, fd: int, start: int, end: int) -> RangeRead:
+    """A read of bytes ``[start, end)`` into a buffer allocated when they arrive, written to ``fd`` at ``start``."""
+    buf: list[bytearray] = []
+
+    def open_() -> memoryview:
+        buf.append(bytearray(end - start))
+        return memoryview(buf[0])
+
+    def done() -> None:
+        os.pwrite(fd, buf.pop(), start)
+
+    return RangeRead(key, start, end, open_, done)
+
+
+def _opener(buf: bytearray) -> Callable[[], memoryview]:
+    return lambda: memoryview(buf)
+
 
 def _join(a: str, b: str) -> str:
     return f"{a}/{b}" if a and b else a or b
 
-
-def check_relative_name(name: str, origin: str) -> str:
-    """``name`` if it is a clean relative object name (no empty, ``.`` or ``..`` segment, no NUL,
-    no leading ``/``; on Windows no ``\\``), so the file path or key made from it stays under its root.
-
-    A bucket can hold keys such as ``ck/../../x`` (S3 stores them verbatim); turned into a
-    local path, or re-sent to a server that normalizes paths, such a key would land outside
-    the target. ``origin`` says where the name came from, for the error.
-    """
-    segments = name.split("/")
-    separators = {os.sep, os.altsep or "/"} - {"/"}  # a backslash separates paths on Windows
-    if not name or any(seg in ("", ".", "..") for seg in segments) or "\0" in name or separators & set(name):
-        raise CheckpointFormatError(
-            f"refusing object name {name!r} from {origin}: its '', '.' or '..' segments (or NUL, or a path "
-            "separator) would resolve outside the target; rename or delete that object"
-        )
-    return name
 
 def open_store(
     location: str | os.PathLike[str], *, follow_symlinks: bool = False, **storage_options: Any
 ) -> S3Store | LocalStore:
     """A store rooted at ``s3://bucket[/prefix]`` or at a local directory.
 
-    ``storage_options`` are ``S3StorageWriter``/``S3StorageReader`` keywords; they are
-    rejected (``ConfigError``) for local directories, where they would silently do nothing.
+    ``storage_options`` are ``S3StorageWriter``/``S3StorageReader`` keywords; for local
+    directories only those that mean something there (``LOCAL_OPTIONS``: compression, key
+    prefixes...); the S3 ones are rejected (``ConfigError``) there, where they would do nothing.
     ``follow_symlinks``: a local store lists linked directories too (see ``LocalStore``).
     """
     from .store_local import LocalStore
@@ -156,10 +305,7 @@ def open_store(
         return S3Store(parse_s3_uri(text, require_key=False), **storage_options)
     if "://" in text:
         raise InvalidCheckpointIdError(f"{text!r}: unsupported scheme; expected s3://bucket/prefix or a local path")
-    given = sorted(k for k, v in storage_options.items() if v is not None)
-    if given:
-        raise ConfigError(f"storage options {given} apply to s3:// locations only, not to local path {text!r}")
-    return LocalStore(text, follow_symlinks=follow_symlinks)
+    return LocalStore(text, follow_symlinks=follow_symlinks, **storage_options)
 
 
 def open_object(
@@ -181,8 +327,8 @@ def __getattr__(name: str) -> Any:
         from .store_local import LocalStore
 
         return LocalStore
-    if name in ("S3Store", "split_storage_options", "CLIENT_SETTINGS"):
-        from . import store_s3
+    if name == "S3Store":
+        from .store_s3 import S3Store
 
-        return getattr(store_s3, name)
+        return S3Store
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``S3StorageWriter``: DCP's StorageWriter for S3 and S3-compatible stores.
+"""``S3StorageWriter``: DCP's StorageWriter over any object store (S3, S3-compatible, local disk).
 
 Call order (torch DCP): every rank calls ``reset`` → ``set_up_storage_writer`` →
 ``prepare_local_plan``; the coordinator calls ``prepare_global_plan`` (checks the
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ._torch_compat import _StoragePrefix, element_size, require_transform_descriptors
+from .buffers import BufferPool
 from .codec import Codec, grouping_for_dtype
 from .config import ClientConfig, TransferConfig, client_config, int_option
 from .errors import (
@@ -64,19 +65,23 @@ from .layout import (
     referenced_objects,
     replaceable_objects,
 )
-from .session import S3Location, S3Session
-from .transfer import BufferPool, ObjectWriter, wait_all
+from .objstore import ObjectWriter, wait_all
+from .session import Location, Session
 
 __all__ = ["S3StorageWriter"]
 
 log = logging.getLogger("dcp_s3")
 
 
-class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
-    """Save DCP checkpoints to ``s3://bucket/prefix`` with streaming multipart uploads.
+class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
+    """Save DCP checkpoints to ``s3://bucket/prefix`` (streaming multipart uploads) or a local directory.
+
+    A local path (or ``file://`` URL) saves through the local-disk object store with the same
+    format, checksums, compression and commit protocol as on S3 (the S3 client options are
+    then unused); uncompressed local checkpoints also load with torch's ``FileSystemReader``.
 
     Args:
-        path: ``s3://bucket/key`` of the checkpoint (or pass ``checkpoint_id=`` to ``dcp.save``).
+        path: ``s3://bucket/key`` or a local directory (or pass ``checkpoint_id=`` to ``dcp.save``).
         credential_path: JSON file of boto3 client arguments (``aws_access_key_id``,
             ``aws_secret_access_key``, ``aws_session_token``, ``endpoint_url``, ``region_name``).
             Without it the standard boto3 chain applies (env, profile, instance role).
@@ -93,8 +98,9 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
             commit, with a warning — a save racing to the same path can then be replaced.
         client: every client setting in one ``ClientConfig`` (timeouts, retry attempts...); the
             five arguments above override its fields.
-        part_size: multipart part size; peak extra memory is about
-            ``part_size * (max_concurrency + files_per_rank)``.
+        part_size: multipart part size; part buffers of a save hold at most
+            ``(max_concurrency + files_per_rank) * fit_part_size(part_size, largest object)`` bytes
+            (see README "Memory").
         max_concurrency: parallel part uploads per process.
         files_per_rank: data objects per rank, each serialized by its own thread.
         transfer: full engine settings; the three arguments above override its fields.
@@ -141,7 +147,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
             client, transfer.max_concurrency + transfer.files_per_rank + 2, credential_path=credential_path,
             endpoint_url=endpoint_url, region=region, profile=profile, request_args=request_args,
         )
-        self._session = S3Session(path, client, transfer)
+        self._session = Session(path, client, transfer)
         if compression not in (None, "zstd"):
             raise ConfigError(f"compression={compression!r}; expected None or 'zstd'")
         if compression:
@@ -160,7 +166,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         self.is_coordinator = False
 
     def __repr__(self) -> str:
-        return f"S3StorageWriter({str(self._session.uri)!r}, overwrite={self.overwrite})"
+        return f"S3StorageWriter({str(self._session.location)!r}, overwrite={self.overwrite})"
 
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -176,7 +182,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         self.rank = kwargs.get("rank")
         if kwargs.get("use_collectives") is False:
             raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator commits one .metadata")
-        self._session.require_uri()
+        self._session.require_location()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -187,15 +193,15 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         Nothing is deleted here: the checkpoint at the path stays loadable until ``finish``.
         """
         transport = self._session.transport
-        transport.check_bucket()
+        transport.check_container()
         if not self.overwrite:
-            if transport.head_object(self._session.key(METADATA_KEY)) is not None:
+            if transport.head(self._session.key(METADATA_KEY)) is not None:
                 raise self._exists_error("pass overwrite=True to replace it or choose a new path")
             self._conditional_commit = transport.conditional_writes_supported(
                 self._session.key(PROBE_PREFIX + new_token())
             )
             if not self._conditional_commit:
-                where = f"s3://{transport.bucket} at {transport.client.meta.endpoint_url}"
+                where = transport.describe()
                 if self.require_conditional_writes:
                     raise ServerCapabilityError(
                         f"overwrite=False for {self.checkpoint_id}: {where} ignores If-None-Match on PUT, so a "
@@ -280,7 +286,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         body = dump_metadata(metadata)
         if self.overwrite:
             replaced = self._committed_objects(key) - ours
-            etag = transport.put_object(key, body)
+            etag = transport.put(key, body)
             # Delete the replaced checkpoint's objects only while .metadata is still ours: if another
             # save committed after us, it deletes what it replaced, and ours are then left for gc.
             if replaced and self._still_committed(key, etag, body):
@@ -292,14 +298,14 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
     def _commit_once(self, key: str, body: bytes, ours: set[str]) -> None:
         """``overwrite=False``: PUT ``.metadata`` only if no checkpoint is there; else clean up and raise."""
         transport = self._session.transport
-        if not self._conditional_commit and transport.head_object(key) is not None:  # best effort (warned)
+        if not self._conditional_commit and transport.head(key) is not None:  # best effort (warned)
             self._delete_quietly(sorted(ours), "objects of a save that was not committed")
             raise self._exists_error("another save committed it while this one was being written")
         try:
-            transport.put_object(key, body, if_none_match=self._conditional_commit)
+            transport.put(key, body, if_none_match=self._conditional_commit)
         except CheckpointExistsError as exc:
             # A retried PUT whose first attempt did land finds its own bytes (they hold this save's id).
-            if transport.get_object(key) == body:
+            if transport.get(key) == body:
                 return
             self._delete_quietly(sorted(ours), "objects of a save that was not committed")
             raise self._exists_error(
@@ -309,13 +315,13 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
     def _still_committed(self, key: str, etag: str, body: bytes) -> bool:
         """Whether ``.metadata`` still holds ``body`` (this save's): by ETag, or by content where
         the server's HEAD carries none (the JuiceFS/MinIO gateway)."""
-        head = self._session.transport.head_object(key)
+        head = self._session.transport.head(key)
         if head is None:
             return False
-        if head.get("ETag") and etag:
-            return bool(head["ETag"] == etag)
+        if head.etag and etag:
+            return head.etag == etag
         try:
-            return self._session.transport.get_object(key) == body
+            return self._session.transport.get(key) == body
         except CheckpointNotFoundError:
             return False
 
@@ -323,13 +329,13 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         """The objects the checkpoint now committed at this path uses (empty if there is none)."""
         transport = self._session.transport
         try:
-            data = transport.get_object(key) if transport.head_object(key) is not None else None
+            data = transport.get(key) if transport.head(key) is not None else None
         except CheckpointNotFoundError:  # deleted between the HEAD and the GET
             data = None
         if data is None:
             return set()
         try:
-            return replaceable_objects(load_metadata(data, f"s3://{transport.bucket}/{key}"))
+            return replaceable_objects(load_metadata(data, transport.url(key)))
         except CheckpointFormatError as exc:
             # Unreadable: replace it, but leave its objects to ``dcp-s3 gc`` rather than guess.
             log.warning("not deleting the objects of the checkpoint being replaced: %s", exc)
@@ -340,7 +346,7 @@ class S3StorageWriter(S3Location, StorageWriter, BlockingAsyncStager):
         if not names:
             return
         try:
-            self._session.transport.delete_objects([self._session.key(n) for n in names])
+            self._session.transport.delete([self._session.key(n) for n in names])
         except DcpS3Error as exc:
             warnings.warn(
                 f"could not delete {len(names)} {what} under {self.checkpoint_id} ({exc}); "
@@ -381,14 +387,14 @@ def _write_item(
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
-            raise TypeError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO")
+            raise CheckpointFormatError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO")
         writer.write(data.getbuffer())
         location = ItemLocation(name, offset, writer.tell() - offset, crc32c=crc32c(data.getbuffer()))
     else:
         if not isinstance(data, torch.Tensor):
-            raise TypeError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
+            raise CheckpointFormatError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
         if not streamable(data):
-            raise TypeError(f"{item.index.fqn}: cannot save a {data.layout} tensor on {data.device}")
+            raise CheckpointFormatError(f"{item.index.fqn}: cannot save a {data.layout} tensor on {data.device}")
         location = _write_tensor(writer, name, data, codec)
     return WriteResult(index=item.index, size_in_bytes=location.length, storage_data=location)
 

@@ -13,9 +13,9 @@ the test kills it). Phases are real botocore events on the real client, matched 
 - ``commit:<name>``: before the PUT of the object whose key ends with ``<name>``;
 - ``none``: run through.
 
-For ``local`` (``SafeFileSystemWriter`` on a directory), the phases are the same points on disk:
-``upload`` the planner's second item, ``commit`` the ``os.replace`` of ``.metadata``, ``cleanup``
-the first deletion of a replaced file.
+For ``local`` (``S3StorageWriter`` on a directory: the local object store), the phases are the same
+points on disk: ``upload`` the planner's second item, ``commit`` the ``os.replace`` of ``.metadata``,
+``cleanup`` the first deletion of a replaced data file.
 
 Exit status: 0 committed, 3 ``CheckpointExistsError``, 1 anything else.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +32,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from dcp_s3 import Checkpointer, CheckpointExistsError, S3StorageWriter
-from dcp_s3.local_writer import SafeFileSystemWriter
 
 MiB = 1 << 20
 
@@ -130,7 +128,7 @@ def main(argv: list[str]) -> int:
         wait = hold(phase, held, release)
         _hold_locally(phase, lambda: wait({"PartNumber": 2, "Key": "/.metadata"}, _Op(phase)))
         planner = _HoldingPlanner(lambda: wait({"PartNumber": 2}, _Op("upload")))
-        dcp.save(state(int(seed)), storage_writer=SafeFileSystemWriter(directory), planner=planner, no_dist=True)
+        dcp.save(state(int(seed)), storage_writer=S3StorageWriter(directory), planner=planner, no_dist=True)
         return 0
     raise SystemExit(f"unknown kind {kind!r}")
 
@@ -168,13 +166,14 @@ def _hold_locally(phase: str, wait: Any) -> None:
 
         os.replace = held_replace  # type: ignore[assignment]
     elif phase == "cleanup":
-        unlink = Path.unlink
+        unlink = os.unlink
 
-        def held_unlink(self: Path, missing_ok: bool = False) -> None:
-            wait()
-            unlink(self, missing_ok=missing_ok)
+        def held_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+            if str(path).endswith(".distcp"):
+                wait()
+            unlink(path, *args, **kwargs)
 
-        Path.unlink = held_unlink  # type: ignore[method-assign]
+        os.unlink = held_unlink
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from dcp_s3 import (
 )
 from dcp_s3.layout import METADATA_KEY, dump_metadata, load_metadata, referenced_objects
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.local_writer import SafeFileSystemWriter
 from tests.commit_child import model, sgd, state, train_a_bit
 from tests.fault_proxy import FaultProxy, Rule
 from tests.objects import data_keys, object_keys
@@ -128,9 +127,9 @@ def test_killed_overwrite_leaves_old_or_new_checkpoint(
 
 @pytest.mark.parametrize(("phase", "expected"), [("upload", 1), ("commit", 1), ("cleanup", 2)])
 def test_killed_local_overwrite_leaves_old_or_new_checkpoint(tmp_path: Path, phase: str, expected: int) -> None:
-    """The same on a local directory (``SafeFileSystemWriter``, what the Checkpointer uses there)."""
+    """The same on a local directory (``S3StorageWriter`` over the local object store, as the Checkpointer uses)."""
     directory = tmp_path / "ck"
-    dcp.save(state(1), storage_writer=SafeFileSystemWriter(directory), no_dist=True)
+    dcp.save(state(1), storage_writer=S3StorageWriter(directory), no_dist=True)
     old = {p.name for p in directory.glob("*.distcp")}
     child = Child({}, tmp_path, phase, "local", str(directory), "2")
     child.wait_held()
@@ -141,7 +140,7 @@ def test_killed_local_overwrite_leaves_old_or_new_checkpoint(tmp_path: Path, pha
     assert out["meta"]["seed"] == expected and torch.equal(out["a"], ref["a"]) and torch.equal(out["b"], ref["b"])
     if expected == 1:
         assert old <= {p.name for p in directory.glob("*.distcp")}
-    dcp.save(state(3), storage_writer=SafeFileSystemWriter(directory), no_dist=True)
+    dcp.save(state(3), storage_writer=S3StorageWriter(directory), no_dist=True)
     used = referenced_objects(load_metadata((directory / METADATA_KEY).read_bytes(), "local"))
     assert not used & old and used <= {p.name for p in directory.glob("*.distcp")}
 
@@ -341,7 +340,8 @@ def test_overwrite_cleans_up_where_head_has_no_etag(moto_server: LocalS3Server, 
             dcp.save(state(seed), storage_writer=S3StorageWriter(uri), no_dist=True)
         assert loaded_seed(uri) == 3
         client = moto_server.client()
-        assert "ETag" not in S3StorageWriter(uri)._session.transport.head_object("ck/.metadata")  # type: ignore[operator]
+        head = S3StorageWriter(uri)._session.transport.head("ck/.metadata")
+        assert head is not None and head.etag == ""
         assert len(data_keys(client, bucket, "ck/")) == 1  # the replaced saves' objects are gone
 
 
@@ -361,12 +361,12 @@ def test_overwrite_deletes_only_data_objects_a_crafted_metadata_names(
     assert client.get_object(Bucket=bucket, Key="crafted/config.yaml")["Body"].read() == b"lr: 0.1"
     # The same on disk.
     directory = tmp_path / "ck"
-    dcp.save(state(1), storage_writer=SafeFileSystemWriter(directory), no_dist=True)
+    dcp.save(state(1), storage_writer=S3StorageWriter(directory), no_dist=True)
     (directory / "config.yaml").write_text("lr: 0.1")
     local = load_metadata((directory / METADATA_KEY).read_bytes(), "local")
     next(iter(local.storage_data.values())).relative_path = "config.yaml"
     (directory / METADATA_KEY).write_bytes(dump_metadata(local))
-    dcp.save(state(2), storage_writer=SafeFileSystemWriter(directory), no_dist=True)
+    dcp.save(state(2), storage_writer=S3StorageWriter(directory), no_dist=True)
     assert (directory / "config.yaml").read_text() == "lr: 0.1"
 
 
@@ -380,11 +380,11 @@ def test_local_overwrite_false_race_commits_exactly_one(tmp_path: Path) -> None:
         def resolve_data(self, write_item: Any) -> Any:
             if not RaceAtFirstItem.ran:  # the other save runs to its commit while this one writes
                 RaceAtFirstItem.ran = True
-                dcp.save(state(3), storage_writer=SafeFileSystemWriter(directory, overwrite=False), no_dist=True)
+                dcp.save(state(3), storage_writer=S3StorageWriter(directory, overwrite=False), no_dist=True)
             return super().resolve_data(write_item)
 
     with pytest.raises(BaseException, match="Checkpoint already exists"):
-        dcp.save(state(2), storage_writer=SafeFileSystemWriter(directory, overwrite=False),
+        dcp.save(state(2), storage_writer=S3StorageWriter(directory, overwrite=False),
                  planner=RaceAtFirstItem(), no_dist=True)
     out = _blank()
     dcp.load(out, storage_reader=FileSystemReader(directory), no_dist=True)

@@ -85,3 +85,17 @@ def test_transfer_config_validation() -> None:
         TransferConfig(part_size=1024)
     with pytest.raises(ConfigError, match="max_concurrency"):
         TransferConfig(max_concurrency=0)
+
+
+def test_decode_threads_are_a_small_bounded_setting() -> None:
+    """Not os.cpu_count(): a 192-core node with 8 ranks would start 1,536 decoder threads."""
+    import os
+
+    from dcp_s3 import S3StorageReader
+    from dcp_s3.config import TransferConfig
+
+    assert TransferConfig().decode_threads == min(4, os.cpu_count() or 1)
+    assert S3StorageReader("s3://bucket/x", transfer=TransferConfig(decode_threads=3))._codec.threads == 3
+    assert S3StorageReader("s3://bucket/x")._codec.threads <= 4
+    with pytest.raises(ConfigError, match="decode_threads"):
+        TransferConfig(decode_threads=0)

@@ -1,4 +1,5 @@
-"""The conformance suite (``tests/conformance.py``) on a local directory, SeaweedFS and moto.
+"""The conformance suites on a local directory, SeaweedFS and moto: ``tests/conformance.py``
+(checkpoints through the public API) and ``tests/objstore_conformance.py`` (the object-store interface).
 
 Each backend is reached the way a user would: the directory by its path, SeaweedFS through
 the standard ``AWS_*`` environment (``AWS_ENDPOINT_URL``), moto through a credential file
@@ -13,16 +14,20 @@ from pathlib import Path
 
 import pytest
 
+from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.objstore import ObjectStore
+from dcp_s3.objstore_local import LocalObjectStore
+from dcp_s3.objstore_s3 import S3ObjectStore
 from tests.conformance import LocalRaw, S3Raw, StoreConformance, Target
+from tests.objstore_conformance import ObjectStoreConformance
 
 
 class TestLocalDirectory(StoreConformance):
     @pytest.fixture
     def target(self, tmp_path: Path) -> Target:
         root = tmp_path / "store"
-        # torch's file format: zip records carry CRC32s that verify checks, loads do not.
-        return Target("local", str(root), LocalRaw(root), checksums=False, compression=False)
+        return Target("local", str(root), LocalRaw(root))
 
 
 class TestSeaweedFS(StoreConformance):
@@ -42,3 +47,32 @@ class TestMoto(StoreConformance):
             "moto", f"s3://{bucket}/run-a", S3Raw(moto_server.client(), bucket, "run-a"),
             options={"credential_path": str(credentials)},
         )
+
+
+# -- the object-store interface itself -----------------------------------------------------------------
+class TestLocalObjectStore(ObjectStoreConformance):
+    @pytest.fixture
+    def objstore(self, tmp_path: Path) -> ObjectStore:
+        return LocalObjectStore(tmp_path / "root")
+
+    def test_names_that_leave_the_root_are_refused(self, tmp_path: Path) -> None:
+        store = LocalObjectStore(tmp_path / "root")
+        for name in ("../x", "a/../../x", "/etc/passwd", "a//b", "./a"):
+            with pytest.raises(CheckpointFormatError, match="refusing object name"):
+                store.put(name, b"evil")
+        assert not list((tmp_path).rglob("x")) and not (tmp_path / "root").exists()
+
+
+class TestSeaweedObjectStore(ObjectStoreConformance):
+    @pytest.fixture
+    def objstore(self, bucket: str, s3_env: LocalS3Server) -> ObjectStore:
+        client = s3_env.client()
+        return S3ObjectStore(lambda: client, bucket)
+
+
+class TestMotoObjectStore(ObjectStoreConformance):
+    @pytest.fixture
+    def objstore(self, moto_server: LocalS3Server) -> ObjectStore:
+        bucket = moto_server.create_bucket(f"os-{uuid.uuid4().hex[:16]}")
+        client = moto_server.client()
+        return S3ObjectStore(lambda: client, bucket)

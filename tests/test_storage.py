@@ -224,9 +224,7 @@ def test_retry_attempts_bound_botocore_and_body_retries() -> None:
 
 
 @pytest.mark.parametrize(
-    "uri",
-    ["/tmp/ckpt", "file:///tmp/ckpt", "gs://bucket/key", "s3://bucket", "s3://bucket/", "s3:///key", "s3://B!/k",
-     "s3://bucket/a/../b"],
+    "uri", ["gs://bucket/key", "s3://bucket", "s3://bucket/", "s3:///key", "s3://B!/k", "s3://bucket/a/../b", ""],
 )
 def test_non_s3_uris_rejected(uri: str) -> None:
     assert not S3StorageWriter.validate_checkpoint_id(uri)
@@ -237,9 +235,16 @@ def test_non_s3_uris_rejected(uri: str) -> None:
         S3StorageReader(uri)
 
 
-def test_path_objects_rejected() -> None:
-    with pytest.raises(InvalidCheckpointIdError, match="local path"):
-        S3StorageWriter(Path("/tmp/x"))  # type: ignore[arg-type]
+@pytest.mark.parametrize("path", ["/tmp/ckpt", "file:///tmp/ckpt", Path("/tmp/ckpt"), "rel/ckpt"])
+def test_local_paths_select_the_local_backend(path: str | Path) -> None:
+    """Local paths used to be refused; they now mean the local object store (same format and protocol)."""
+    from dcp_s3.objstore_local import LocalObjectStore
+
+    assert S3StorageWriter.validate_checkpoint_id(path) and S3StorageReader.validate_checkpoint_id(path)
+    writer = S3StorageWriter(path)
+    assert isinstance(writer._session.transport, LocalObjectStore)
+    expected = os.path.abspath(str(path).removeprefix("file://"))
+    assert writer.checkpoint_id == expected == S3StorageReader(path).checkpoint_id
 
 
 def test_missing_path_is_a_clear_error() -> None:

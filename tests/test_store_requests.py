@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from torch import nn
 
-from dcp_s3 import cli, config, transfer
+from dcp_s3 import cli, config, objstore_s3, s3_multipart
 from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
 from dcp_s3.errors import CheckpointNotFoundError
 from dcp_s3.local_server import LocalS3Server
@@ -118,8 +118,8 @@ def test_cp_rm_gc_send_request_args(
     check(sent, {"GetObject", "HeadObject", "ListObjectsV2"})
     assert (out / "0000001.m_model" / "__0_0.distcp").read_bytes() == big
     # S3 -> S3: server-side copy; objects over the (lowered) CopyObject limit by UploadPartCopy
-    monkeypatch.setattr(transfer, "MAX_COPY_SIZE", 8 * MiB)
-    monkeypatch.setattr(transfer, "COPY_PART_SIZE", 5 * MiB)
+    monkeypatch.setattr(objstore_s3, "MAX_COPY_SIZE", 8 * MiB)
+    monkeypatch.setattr(s3_multipart, "COPY_PART_SIZE", 5 * MiB)
     assert cli.main(["cp", s3, f"s3://{bucket}/copy", *CLI_ARGS]) == 0
     check(sent, {"CopyObject", "CreateMultipartUpload", "UploadPartCopy", "CompleteMultipartUpload"})
     assert client.get_object(Bucket=bucket, Key="copy/0000001.m_model/__0_0.distcp")["Body"].read() == big

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
+from dcp_s3.buffers import BufferPool, fit_part_size
 from dcp_s3.config import ClientConfig
 from dcp_s3.errors import S3TransferError
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.transfer import BufferPool, RangeRead, S3Transport, coalesce, fit_part_size
+from dcp_s3.objstore import RangeRead, coalesce
+from dcp_s3.objstore_s3 import S3ObjectStore
 
 MiB = 1 << 20
 
@@ -66,9 +68,9 @@ class _CutBody:
         pass
 
 
-def transport(server: LocalS3Server, bucket: str, client: Any = None) -> S3Transport:
+def transport(server: LocalS3Server, bucket: str, client: Any = None) -> S3ObjectStore:
     client = client or ClientConfig(endpoint_url=server.endpoint_url).make_client()
-    return S3Transport(lambda: client, bucket, max_attempts=3, sleep=lambda s: None)
+    return S3ObjectStore(lambda: client, bucket, max_attempts=3, sleep=lambda s: None)
 
 
 def test_streamed_multipart_upload_round_trip(bucket: str, s3_env: LocalS3Server) -> None:
@@ -154,9 +156,11 @@ def test_buffer_pool_bounds_buffers_in_use() -> None:
 
 
 def test_transport_layer_does_not_import_torch() -> None:
-    """transfer/config/errors form the transport: importing them, in a fresh interpreter, loads no torch."""
+    """The object stores (interface, S3 and local backends) with config/errors: importing them, in a fresh
+    interpreter, loads no torch."""
     code = (
-        "import sys, dcp_s3.transfer, dcp_s3.config, dcp_s3.errors\n"
+        "import sys, dcp_s3.objstore, dcp_s3.objstore_s3, dcp_s3.objstore_local, dcp_s3.s3_multipart, dcp_s3.config\n"
+        "import dcp_s3.session\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
         "import dcp_s3\n"
         "dcp_s3.S3StorageWriter  # the public API still resolves, importing torch now\n"
@@ -170,7 +174,7 @@ def test_transport_layer_does_not_import_torch() -> None:
 
 def test_wrong_region_is_a_config_error_naming_the_right_one() -> None:
     from dcp_s3.errors import ConfigError
-    from dcp_s3.transfer import translate_error
+    from dcp_s3.s3_requests import translate_error
 
     response = {
         "Error": {"Code": "AuthorizationHeaderMalformed", "Message": "the region 'us-east-1' is wrong"},
@@ -180,3 +184,47 @@ def test_wrong_region_is_a_config_error_naming_the_right_one() -> None:
     assert isinstance(err, ConfigError)
     assert "wrong region" in str(err) and "'eu-west-1'" in str(err) and "s3://bkt" in str(err)
     assert pickle.loads(pickle.dumps(err)).args == err.args
+
+
+def test_credential_errors_are_decided_by_type_not_message() -> None:
+    from botocore.exceptions import NoCredentialsError, ParamValidationError, PartialCredentialsError
+
+    from dcp_s3.errors import S3AccessDeniedError
+    from dcp_s3.s3_requests import translate_error
+
+    for exc in (NoCredentialsError(), PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY")):
+        assert isinstance(translate_error(exc, "PUT", "bkt", "k"), S3AccessDeniedError), exc
+    # A message that merely mentions credentials is not a credential failure.
+    other = translate_error(ParamValidationError(report="credentials: bad key name"), "PUT", "bkt", "k")
+    assert type(other) is S3TransferError and "s3://bkt/k" in str(other)
+
+
+def test_buffer_pool_counts_the_bytes_it_holds() -> None:
+    pool = BufferPool(2, 1024)
+    a = pool.acquire()
+    pool.release(a)
+    b = pool.acquire(4096)  # the free 1 KiB buffer is too small: dropped, not kept beside the new one
+    c = pool.acquire(4096)
+    assert pool.peak_bytes == 2 * 4096 <= pool.count * 4096
+    pool.release(b)
+    pool.release(c)
+    pool.clear()
+    assert pool.acquire() is not b and pool.peak_bytes == 2 * 4096
+
+
+def test_memory_bound_holds_when_parts_are_enlarged(bucket: str, s3_env: LocalS3Server) -> None:
+    """An object declared too large for 10,000 parts of ``part_size`` gets larger parts; the pool's
+    bytes stay within ``count * enlarged part size`` (README "Memory")."""
+    t = transport(s3_env, bucket)
+    declared = 60 << 30  # 60 GiB: 12,288 parts of 5 MiB, so parts grow to 10 MiB
+    pool = BufferPool(3, 5 * MiB)
+    data = os.urandom(35 * MiB)
+    with ThreadPoolExecutor(2) as ex:
+        writer = t.open_writer("enlarged", pool=pool, executor=ex, expected_size=declared)
+        assert writer.part_size == fit_part_size(5 * MiB, declared) == 10 * MiB
+        for i in range(0, len(data), 3 * MiB):
+            writer.write(data[i : i + 3 * MiB])
+        writer.close()
+    assert 10 * MiB <= pool.peak_bytes <= pool.count * writer.part_size
+    head = s3_env.client().head_object(Bucket=bucket, Key="enlarged")
+    assert head["ETag"].strip('"').endswith("-4")  # 3 parts of 10 MiB and the rest
