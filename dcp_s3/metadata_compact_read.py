@@ -1,0 +1,634 @@
+"""Reading the compact ``.metadata`` format (see ``metadata_compact``) from untrusted bytes.
+
+``load_compact`` returns a real ``Metadata`` whose big parts are lazy views of the bytes:
+each tensor's ``chunks`` is a ``Sequence`` (``RuleChunks`` computes chunk ``i`` from the
+rule, ``ExplicitChunks`` reads it from the arrays) and ``storage_data`` a ``Mapping``
+(``CompactStorage``) that builds and validates an entry when it is looked up. Decoding
+costs O(header + tensors with explicit chunks); a rank then pays per item it uses.
+
+Every check of ``metadata_check`` applies, when a value is built (storage entries through
+``metadata_check.check_location``); the header is bounded, every array must lie inside the
+bytes with the count and type the header gives, every index must point into its table.
+Any violation is a ``CheckpointFormatError``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import pathlib
+import struct
+from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
+from typing import Any, overload
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ._torch_compat import _StorageInfo, element_size
+from .codec import FrameIndex
+from .errors import CheckpointFormatError
+from .metadata_check import MAX_OFFSET, check_location, check_object_name
+from .metadata_compact import (
+    DTYPES,
+    FORMAT_VERSION,
+    FRAME_COLUMNS,
+    KIND_ITEM_LOCATION,
+    LAYOUTS,
+    MAGIC,
+    MEMORY_FORMATS,
+    STORAGE_COLUMNS,
+    rule_chunk,
+)
+from .metadata_pickle import MAX_NDIM, describe
+
+__all__ = ["load_compact", "RuleChunks", "ExplicitChunks", "CompactStorage", "materialize"]
+
+#: Largest JSON header accepted, and deepest nesting of a tagged value.
+MAX_HEADER = 64 << 20
+MAX_DEPTH = 64
+_MAX_INT_KEY = (1 << 61) - 2
+_INT_TYPES = ("<u1", "<u2", "<u4", "<u8", "<i1", "<i2", "<i4", "<i8")
+
+
+def _bad(what: str) -> CheckpointFormatError:
+    return CheckpointFormatError(f"compact metadata: {what}")
+
+
+def _get(obj: Any, key: str, kinds: type | tuple[type, ...], where: str) -> Any:
+    if type(obj) is not dict or key not in obj:
+        raise _bad(f"{where}: field {key} is missing")
+    value = obj[key]
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if type(value) not in kinds:
+        raise _bad(f"{where}: {key} is {describe(value)}")
+    return value
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_OFFSET) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise _bad(f"{what} is {describe(value)}, expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def untag(value: Any, depth: int = 0) -> Any:
+    """Inverse of ``metadata_compact.tag`` for untrusted JSON."""
+    if depth > MAX_DEPTH:
+        raise _bad("a tagged value nests too deeply")
+    if value is None or type(value) in (bool, int, str, float):
+        return value
+    if type(value) is not dict or len(value) != 1:
+        raise _bad(f"a tagged value is {describe(value)}")
+    (kind, inner), = value.items()
+    if kind == "S" and type(inner) is list and len(inner) <= MAX_NDIM:
+        return torch.Size([_int(v, "a torch.Size element") for v in inner])
+    if kind in ("P", "PP") and type(inner) is str:
+        return pathlib.PosixPath(inner) if kind == "P" else pathlib.PurePosixPath(inner)
+    if kind in ("L", "T") and type(inner) is list:
+        items = [untag(v, depth + 1) for v in inner]
+        return items if kind == "L" else tuple(items)
+    if kind == "D" and type(inner) is list:
+        out: dict[Any, Any] = {}
+        for pair in inner:
+            if type(pair) is not list or len(pair) != 2:
+                raise _bad("a tagged dict item is not a pair")
+            key = untag(pair[0], depth + 1)
+            # str hashes are randomized; small ints have distinct hashes: no crafted collisions
+            if not (type(key) is str or key is None or type(key) is bool or
+                    (type(key) is int and abs(key) <= _MAX_INT_KEY)):
+                raise _bad(f"a dict key is {describe(key)}")
+            out[key] = untag(pair[1], depth + 1)
+        return out
+    raise _bad(f"unknown tagged value {describe(kind)}")
+
+
+class _Arrays:
+    def __init__(self, data: bytes, base: int, table: Any) -> None:
+        if type(table) is not dict:
+            raise _bad("the array table is missing")
+        self.data, self.base, self.table = data, base, table
+
+    def get(self, name: Any, count: int | None = None) -> np.ndarray:
+        spec = self.table.get(name) if type(name) is str else None
+        if type(spec) is not list or len(spec) != 3 or spec[0] not in _INT_TYPES:
+            raise _bad(f"array {describe(name)} is not described")
+        dtype = np.dtype(spec[0])
+        offset = _int(spec[1], f"array {name} offset")
+        n = _int(spec[2], f"array {name} count")
+        if count is not None and n != count:
+            raise _bad(f"array {name} holds {n} values, expected {count}")
+        if self.base + offset + n * dtype.itemsize > len(self.data):
+            raise _bad(f"array {name} ({n} x {dtype.itemsize} bytes at {offset}) runs past the end of the data")
+        return np.frombuffer(self.data, dtype=dtype, count=n, offset=self.base + offset)
+
+
+class Column:
+    """One integer per storage entry (or frame index), described as in ``metadata_compact``."""
+
+    def __init__(self, spec: Any, n: int, arrays: _Arrays, name: str) -> None:
+        self.n = n
+        self.const: int | None = None
+        self.values: np.ndarray | None = None
+        self.run_ends: np.ndarray | None = None
+        self.period = 0
+        if type(spec) is not dict or len(spec) != 1:
+            raise _bad(f"column {name} is {describe(spec)}")
+        (kind, arg), = spec.items()
+        if kind == "c":
+            self.const = _int(arg, f"column {name}", -1)
+            self.start, self.step = self.const, 0
+        elif kind in ("a", "m"):
+            nums = arg if type(arg) is list else []
+            if len(nums) != (2 if kind == "a" else 3):
+                raise _bad(f"column {name} is {describe(arg)}")
+            if kind == "m":
+                self.period = _int(nums[0], f"column {name} period", 1, max(1, n))
+                if n % self.period:
+                    raise _bad(f"column {name}: period {self.period} does not divide {n}")
+            self.start = _int(nums[-2], f"column {name} start", -1)
+            self.step = _int(nums[-1], f"column {name} step", -MAX_OFFSET)
+        elif kind == "r":
+            pair = arg if type(arg) is list and len(arg) == 2 else [None, None]
+            lengths = arrays.get(pair[1]).astype(np.int64)
+            self.values = arrays.get(pair[0], len(lengths))
+            if len(lengths) and int(lengths.min()) < 1 or int(lengths.sum()) != n:
+                raise _bad(f"column {name}: runs do not add up to {n} entries")
+            self.run_ends = np.cumsum(lengths)
+        elif kind == "x":
+            self.values = arrays.get(arg, n)
+        else:
+            raise _bad(f"column {name} has unknown encoding {describe(kind)}")
+
+    def __getitem__(self, i: int) -> int:
+        if self.const is not None:
+            return self.const
+        if self.values is None:
+            return self.start + self.step * (i % self.period if self.period else i)
+        if self.run_ends is not None:
+            i = int(np.searchsorted(self.run_ends, i, side="right"))
+        return int(self.values[i])
+
+    def array(self) -> np.ndarray:
+        """Every value, as int64."""
+        if self.values is not None:
+            if self.run_ends is None:
+                return self.values.astype(np.int64)
+            return np.repeat(self.values.astype(np.int64), np.diff(self.run_ends, prepend=0))
+        i = np.arange(self.n, dtype=np.int64)
+        return self.start + self.step * (i % self.period if self.period else i)
+
+    def bounds(self) -> tuple[int, int]:
+        """(smallest, largest) value, computed without expanding the column."""
+        if self.n == 0:
+            return 0, 0
+        if self.values is not None:
+            return int(self.values.min()), int(self.values.max())
+        last = self.start + self.step * ((self.period or self.n) - 1)
+        return min(self.start, last), max(self.start, last)
+
+
+class RuleChunks(Sequence[ChunkStorageMetadata]):
+    """The chunks of ``torch.chunk``'s split of ``size`` into ``n`` along ``dim`` (``-1``: a scalar)."""
+
+    def __init__(self, size: torch.Size, dim: int, n: int) -> None:
+        self.size, self.dim, self.n = size, dim, n
+        self._step = -(-size[dim] // n) if dim >= 0 else 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    @overload
+    def __getitem__(self, i: int) -> ChunkStorageMetadata: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[ChunkStorageMetadata]: ...
+    def __getitem__(self, i: int | slice) -> ChunkStorageMetadata | list[ChunkStorageMetadata]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        if self.dim < 0:
+            return ChunkStorageMetadata(torch.Size([]), torch.Size([]))
+        offsets, sizes = rule_chunk(self.size, self.dim, self.n, i % self.n)
+        return ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+
+    def find(self, offsets: Sequence[int]) -> int | None:
+        """Index of the first chunk at ``offsets``, or None."""
+        if self.dim < 0:
+            return 0 if len(offsets) == 0 else None
+        if len(offsets) != len(self.size) or any(o != 0 for k, o in enumerate(offsets) if k != self.dim):
+            return None
+        lo, d = offsets[self.dim], self.size[self.dim]
+        if self._step == 0:
+            i = 0 if lo == 0 else None
+        elif lo == d:
+            i = -(-d // self._step)
+        elif lo % self._step == 0:
+            i = lo // self._step
+        else:
+            i = None
+        return i if i is not None and i < self.n else None
+
+    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[int]:
+        """Indices of the non-empty chunks that may overlap the box ``offsets``/``sizes``, ascending."""
+        if self.dim < 0:
+            yield 0
+            return
+        if self._step == 0 or any(s == 0 for s in sizes):
+            return
+        lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
+        yield from range(lo // self._step, min(self.n, -(-min(hi, self.size[self.dim]) // self._step)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == self.n and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RuleChunks(size={list(self.size)}, dim={self.dim}, n={self.n})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RuleChunks, (self.size, self.dim, self.n))
+
+
+class ExplicitChunks(Sequence[ChunkStorageMetadata]):
+    """Chunks read from (n, ndim) offset and size arrays."""
+
+    def __init__(self, size: torch.Size, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        self.size, self.offsets, self.sizes = size, offsets, sizes
+        self._sorted: tuple[np.ndarray, list[tuple[int, ...]]] | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    @overload
+    def __getitem__(self, i: int) -> ChunkStorageMetadata: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[ChunkStorageMetadata]: ...
+    def __getitem__(self, i: int | slice) -> ChunkStorageMetadata | list[ChunkStorageMetadata]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return ChunkStorageMetadata(torch.Size(self.offsets[i].tolist()), torch.Size(self.sizes[i].tolist()))
+
+    def find(self, offsets: Sequence[int]) -> int | None:
+        if len(offsets) != len(self.size):
+            return None
+        if self._sorted is None:  # lexicographic order, stable: equal offsets keep chunk order
+            order = np.lexsort(self.offsets.T[::-1]) if len(self.size) else np.arange(len(self))
+            self._sorted = (order, [tuple(row) for row in self.offsets[order].tolist()])
+        order, rows = self._sorted
+        key = tuple(offsets)
+        k = bisect.bisect_left(rows, key)
+        return int(order[k]) if k < len(rows) and rows[k] == key else None
+
+    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[int]:
+        if any(s == 0 for s in sizes):
+            return iter(())
+        lo = np.asarray(offsets, dtype=np.int64)
+        hi = lo + np.asarray(sizes, dtype=np.int64)
+        mask = ((self.offsets < hi) & (self.offsets + self.sizes > lo)).all(axis=1) & (self.sizes > 0).all(axis=1)
+        return iter(np.flatnonzero(mask).tolist())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ExplicitChunks, (self.size, self.offsets, self.sizes))
+
+
+class _Entry:
+    __slots__ = ("fqn", "start", "count", "chunks", "stored", "elem")
+
+    def __init__(self, fqn: str, start: int, count: int, chunks: Sequence[ChunkStorageMetadata] | None,
+                 stored: np.ndarray | None, elem: int) -> None:
+        self.fqn, self.start, self.count, self.chunks, self.stored, self.elem = fqn, start, count, chunks, stored, elem
+
+
+class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
+    """``Metadata.storage_data`` of a compact ``.metadata``: entries built (and checked) on lookup."""
+
+    def __init__(self, data: bytes, entries: list[_Entry], header: dict[str, Any], arrays: _Arrays) -> None:
+        self._data = data
+        self._entries = entries
+        self._by_fqn = {e.fqn: e for e in entries}
+        self._pos_entry = np.array([e.start for e in entries], dtype=np.int64)
+        self.count = _int(_get(header, "count", int, "storage"), "storage count")
+        if self.count != sum(e.count for e in entries):
+            raise _bad(f"storage holds {self.count} entries, its state-dict entries {sum(e.count for e in entries)}")
+        self.objects = _get(header, "objects", list, "storage")
+        for name in self.objects:
+            check_object_name(name)
+        self.transforms = [untag(t) for t in _get(header, "transforms", list, "storage")]
+        for t in self.transforms:
+            if type(t) not in (list, tuple) or len(t) > 16 or any(type(x) is not str for x in t):
+                raise _bad(f"transform descriptors {describe(t)}")
+        columns = _get(header, "columns", dict, "storage")
+        self.cols = {c: Column(columns.get(c), self.count, arrays, c) for c in STORAGE_COLUMNS}
+        fr = _get(header, "frames", dict, "storage")
+        self.nframes = _int(_get(fr, "count", int, "frames"), "frame count")
+        self.codecs = _get(fr, "codecs", list, "frames")
+        fcols = _get(fr, "columns", dict, "frames")
+        self.fcols = {c: Column(fcols.get(c), self.nframes, arrays, f"frames {c}") for c in FRAME_COLUMNS}
+        self.fends = arrays.get(fr.get("ends"))
+        self.fcrcs = arrays.get(fr.get("crcs"))
+        self.fraw = arrays.get(fr.get("raw"))
+        limits = {"kind": (0, 1), "object": (0, len(self.objects) - 1), "transform": (-1, len(self.transforms) - 1),
+                  "frame": (-1, self.nframes - 1), "offset": (0, MAX_OFFSET), "length": (0, MAX_OFFSET),
+                  "payload": (-1, MAX_OFFSET), "crc": (-1, 0xFFFFFFFF), "hint": (-1, MAX_OFFSET)}
+        for name, (lo, hi) in limits.items():
+            have = self.cols[name].bounds()
+            if have[0] < lo or have[1] > hi:
+                raise _bad(f"storage column {name} holds values in [{have[0]}, {have[1]}], outside [{lo}, {hi}]")
+        for name in FRAME_COLUMNS:
+            if self.fcols[name].bounds()[0] < 0:
+                raise _bad(f"frame column {name} holds a negative value")
+        if self.fcols["codec"].bounds()[1] >= max(1, len(self.codecs)) or any(type(c) is not str for c in self.codecs):
+            raise _bad("frame column codec names an unknown codec")
+        self._frame_at: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._cache: dict[int, _StorageInfo] = {}
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _position(self, key: MetadataIndex) -> tuple[_Entry, int, int] | None:
+        entry = self._by_fqn.get(key.fqn) if isinstance(key, MetadataIndex) else None
+        if entry is None or entry.count == 0:
+            return None
+        if entry.chunks is None:
+            return (entry, entry.start, 0) if key.offset is None else None
+        if key.offset is None:
+            return None
+        c = entry.chunks.find(key.offset)  # type: ignore[attr-defined]
+        if c is None:
+            return None
+        if entry.stored is None:
+            return entry, entry.start + c, c
+        k = int(np.searchsorted(entry.stored, c))
+        return (entry, entry.start + k, c) if k < entry.count and int(entry.stored[k]) == c else None
+
+    def __getitem__(self, key: MetadataIndex) -> _StorageInfo:
+        found = self._position(key)
+        if found is None:
+            raise KeyError(key)
+        return self._info(*found)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, MetadataIndex) and self._position(key) is not None
+
+    def _chunk_of(self, entry: _Entry, k: int) -> int:
+        return k if entry.stored is None else int(entry.stored[k])
+
+    def _pairs(self) -> Iterator[tuple[MetadataIndex, _StorageInfo]]:
+        for entry in self._entries:
+            for k in range(entry.count):
+                c = self._chunk_of(entry, k)
+                yield self._index(entry, entry.start + k, c), self._info(entry, entry.start + k, c)
+
+    def _index(self, entry: _Entry, p: int, c: int) -> MetadataIndex:
+        hint = self.cols["hint"][p]
+        offset = entry.chunks[c].offsets if entry.chunks is not None else None
+        return MetadataIndex(entry.fqn, offset, None if hint == -1 else hint)
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        for entry in self._entries:
+            for k in range(entry.count):
+                yield self._index(entry, entry.start + k, self._chunk_of(entry, k))
+
+    def items(self) -> ItemsView[MetadataIndex, _StorageInfo]:
+        return _Items(self)
+
+    def values(self) -> ValuesView[_StorageInfo]:
+        return _Values(self)
+
+    def _info(self, entry: _Entry, p: int, c: int) -> _StorageInfo:
+        info = self._cache.get(p)
+        if info is not None:
+            return info
+        from .layout import ItemLocation
+
+        col = self.cols
+        t = col["transform"][p]
+        args = (self.objects[col["object"][p]], col["offset"][p], col["length"][p],
+                None if t == -1 else self.transforms[t])
+        if col["kind"][p] == KIND_ITEM_LOCATION:
+            payload, crc, f = col["payload"][p], col["crc"][p], col["frame"][p]
+            frames, frame_crcs = self._frames(f) if f != -1 else (None, None)
+            info = ItemLocation(*args, payload_offset=None if payload == -1 else payload,
+                                crc32c=None if crc == -1 else crc, frames=frames, frame_crc32c=frame_crcs)
+        else:
+            info = _StorageInfo(*args)
+        nbytes = None
+        if entry.chunks is not None:
+            nbytes = math.prod(entry.chunks[c].sizes) * entry.elem
+            if nbytes > MAX_OFFSET:
+                raise _bad(f"tensor {entry.fqn[:200]}: chunk {c} is too large")
+        check_location(MetadataIndex(entry.fqn, entry.chunks[c].offsets if entry.chunks is not None else None),
+                       info, nbytes)
+        self._cache[p] = info
+        return info
+
+    def _frame_positions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where each frame index's ends, CRCs and raw bits start (computed on first use)."""
+        if self._frame_at is None:
+            n = self.fcols["frames"].array()
+            has = self.fcols["crcs"].array()
+            at = tuple(np.concatenate(([0], np.cumsum(x))) for x in (n, n * (has != 0), (n + 7) // 8))
+            if (at[0][-1], at[1][-1], at[2][-1]) != (len(self.fends), len(self.fcrcs), len(self.fraw)):
+                raise _bad("frame arrays do not hold what the frame columns count")
+            self._frame_at = at  # type: ignore[assignment]
+        assert self._frame_at is not None
+        return self._frame_at
+
+    def _frames(self, f: int) -> tuple[FrameIndex, tuple[int, ...] | None]:
+        fc = self.fcols
+        ends_at, crcs_at, raw_at = self._frame_positions()
+        ends = tuple(self.fends[ends_at[f]: ends_at[f + 1]].tolist())
+        raw = int.from_bytes(self.fraw[raw_at[f]: raw_at[f + 1]].tobytes(), "little")
+        try:
+            frames = FrameIndex(self.codecs[fc["codec"][f]], fc["version"][f], fc["element_size"][f],
+                                fc["grouping"][f], fc["raw_length"][f], fc["frame_size"][f], ends, raw)
+        except TypeError:
+            raise _bad(f"frame index {f} is malformed") from None
+        crcs = tuple(self.fcrcs[crcs_at[f]: crcs_at[f + 1]].tolist()) if fc["crcs"][f] else None
+        return frames, crcs
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping) or len(other) != len(self):
+            return False
+        return all(other.get(k) == v for k, v in self._pairs())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_storage_from_bytes, (bytes(self._data),))
+
+    def __repr__(self) -> str:
+        return f"CompactStorage({self.count} entries in {len(self.objects)} objects)"
+
+
+class _Items(ItemsView[MetadataIndex, _StorageInfo]):
+    _mapping: CompactStorage
+
+    def __iter__(self) -> Iterator[tuple[MetadataIndex, _StorageInfo]]:
+        return self._mapping._pairs()
+
+
+class _Values(ValuesView[_StorageInfo]):
+    _mapping: CompactStorage
+
+    def __iter__(self) -> Iterator[_StorageInfo]:
+        return (info for _, info in self._mapping._pairs())
+
+
+def _storage_from_bytes(data: bytes) -> Any:
+    return load_compact(data).storage_data
+
+
+def _properties(e: dict[str, Any], where: str) -> TensorProperties:
+    dtype = DTYPES.get(_get(e, "dtype", str, where))
+    layout = LAYOUTS.get(_get(e, "layout", str, where))
+    memory_format = MEMORY_FORMATS.get(_get(e, "memory_format", str, where))
+    if dtype is None or layout is None or memory_format is None:
+        raise _bad(f"{where}: unknown dtype, layout or memory format")
+    return TensorProperties(dtype=dtype, layout=layout, requires_grad=_get(e, "requires_grad", bool, where),
+                            memory_format=memory_format, pin_memory=_get(e, "pin_memory", bool, where))
+
+
+def _chunks(e: dict[str, Any], size: torch.Size, elem: int, explicit: list[np.ndarray], pos: list[int],
+            where: str) -> Sequence[ChunkStorageMetadata]:
+    if "rule" in e:
+        rule = _get(e, "rule", dict, where)
+        dim = _int(_get(rule, "dim", int, where), f"{where}: rule dim", -1, len(size) - 1)
+        n = _int(_get(rule, "n", int, where), f"{where}: rule n", 1, 1 << 40)
+        if dim < 0 and (size or n != 1):
+            raise _bad(f"{where}: a whole-tensor rule on a tensor of {len(size)} dimensions")
+        chunks: Sequence[ChunkStorageMetadata] = RuleChunks(size, dim, n)
+        if dim >= 0:
+            first = math.prod(chunks[0].sizes) * elem
+            if first > MAX_OFFSET:
+                raise _bad(f"{where}: chunks of {list(chunks[0].sizes)} are too large")
+        return chunks
+    n = _int(_get(e, "chunks", int, where), f"{where}: chunk count", 0, 1 << 40)
+    ndim = len(size)
+    lo, hi = pos[0], pos[0] + n * ndim
+    if hi > len(explicit[0]):
+        raise _bad(f"{where}: {n} chunks run past the chunk arrays")
+    pos[0] = hi
+    offsets = explicit[0][lo:hi].astype(np.int64).reshape(n, ndim) if ndim else np.zeros((n, 0), np.int64)
+    sizes = explicit[1][lo:hi].astype(np.int64).reshape(n, ndim) if ndim else np.zeros((n, 0), np.int64)
+    if ndim:
+        dims = np.asarray(size, dtype=np.int64)
+        if (offsets < 0).any() or (sizes < 0).any() or (offsets > dims).any() or (sizes > dims - offsets).any():
+            raise _bad(f"{where}: a chunk lies outside the tensor's {list(size)}")
+        if float(np.prod(sizes.astype(np.float64), axis=1).max(initial=0.0)) * elem >= float(MAX_OFFSET):
+            raise _bad(f"{where}: a chunk is too large")
+    return ExplicitChunks(size, offsets, sizes)
+
+
+def load_compact(data: bytes) -> Metadata:
+    """Decode a compact ``.metadata``; ``CheckpointFormatError`` for anything malformed."""
+    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
+        raise _bad("bad magic or truncated header")
+    (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
+    start = len(MAGIC) + 8
+    if head_len > MAX_HEADER or start + head_len > len(data):
+        raise _bad(f"header of {head_len} bytes does not fit in {len(data)} bytes (at most {MAX_HEADER})")
+    try:
+        header = json.loads(data[start:start + head_len].decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise _bad(f"header is not JSON ({type(exc).__name__})") from None
+    if type(header) is not dict or header.get("format") != "dcp_s3.compact":
+        raise _bad("header does not describe dcp_s3 compact metadata")
+    if header.get("version") != FORMAT_VERSION:
+        raise _bad(f"format version {describe(header.get('version'))}: this dcp_s3 reads version {FORMAT_VERSION}")
+    arrays = _Arrays(data, start + head_len + (-head_len % 8), header.get("arrays"))
+    explicit = [arrays.get(header.get("chunk_offsets")), arrays.get(header.get("chunk_sizes"))]
+    if len(explicit[0]) != len(explicit[1]):
+        raise _bad("chunk offset and size arrays differ in length")
+    stored_all = arrays.get(header.get("stored_chunks"))
+    pos, stored_pos, start_pos = [0], 0, 0
+    state: dict[str, Any] = {}
+    entries: list[_Entry] = []
+    for i, e in enumerate(_get(header, "entries", list, "header")):
+        fqn = _get(e, "fqn", str, f"entry {i}")
+        where = f"tensor {fqn[:200]}"
+        if fqn in state:
+            raise _bad(f"{where} appears twice")
+        if "bytes" in e:
+            state[fqn] = BytesStorageMetadata()
+            count = _int(_get(e, "bytes", int, where), f"{where}: stored count", 0, 1)
+            entries.append(_Entry(fqn, start_pos, count, None, None, 0))
+            start_pos += count
+            continue
+        size_list = _get(e, "size", list, where)
+        if len(size_list) > MAX_NDIM:
+            raise _bad(f"{where}: {len(size_list)} dimensions")
+        size = torch.Size([_int(d, f"{where}: size") for d in size_list])
+        props = _properties(e, where)
+        try:
+            elem = element_size(props.dtype)
+        except TypeError:
+            raise _bad(f"{where}: dtype {props.dtype} has no element size") from None
+        chunks = _chunks(e, size, elem, explicit, pos, where)
+        state[fqn] = TensorStorageMetadata(properties=props, size=size, chunks=chunks)  # type: ignore[arg-type]
+        stored_spec = _get(e, "stored", (str, int), where)
+        stored = None
+        if stored_spec == "all":
+            count = len(chunks)
+        else:
+            count = _int(stored_spec, f"{where}: stored count", 0, len(chunks))
+            stored = stored_all[stored_pos: stored_pos + count]
+            stored_pos += count
+            if len(stored) != count or (count and int(stored[-1]) >= len(chunks)) or \
+                    (count > 1 and bool((np.diff(stored.astype(np.int64)) <= 0).any())):
+                raise _bad(f"{where}: its stored chunk numbers are out of range or not increasing")
+        entries.append(_Entry(fqn, start_pos, count, chunks, stored, elem))
+        start_pos += count
+    if pos[0] != len(explicit[0]) or stored_pos != len(stored_all):
+        raise _bad("the chunk arrays hold more values than the entries use")
+    storage = None
+    if "storage" in header:
+        storage = CompactStorage(data, entries, _get(header, "storage", dict, "header"), arrays)
+    elif start_pos:
+        raise _bad("entries are stored but the storage section is missing")
+    meta = header.get("storage_meta")
+    storage_meta = None
+    if meta is not None:
+        storage_meta = StorageMeta()
+        for name in ("checkpoint_id", "save_id", "load_id", "modules"):
+            setattr(storage_meta, name, untag(_get(meta, name, (str, dict, type(None)), "storage_meta")))
+        if type(storage_meta.modules) is not list or any(type(m) is not str for m in storage_meta.modules):
+            raise _bad("storage_meta modules is not a list of strings")
+    version = header.get("metadata_version")
+    if version is not None and type(version) is not str:
+        raise _bad(f"metadata version is {describe(version)}")
+    metadata = Metadata(state_dict_metadata=state, planner_data=untag(header.get("planner_data")),
+                        storage_data=storage, storage_meta=storage_meta)
+    metadata.version = version
+    return metadata
+
+
+def materialize(metadata: Metadata) -> Metadata:
+    """A copy of ``metadata`` with plain lists and dicts in place of lazy parts (for pickling)."""
+    state = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata) and type(md.chunks) is not list:
+            md = TensorStorageMetadata(properties=md.properties, size=md.size, chunks=list(md.chunks))
+        state[fqn] = md
+    storage = metadata.storage_data
+    if storage is not None and type(storage) is not dict:
+        storage = dict(storage.items())
+    out = Metadata(state_dict_metadata=state, planner_data=metadata.planner_data, storage_data=storage,
+                   storage_meta=metadata.storage_meta)
+    out.version = getattr(metadata, "version", None)
+    return out
