@@ -40,6 +40,7 @@ from .metadata_pickle import budget_for, describe, unpickle_metadata
 __all__ = [
     "METADATA_KEY", "PROBE_PREFIX", "ItemLocation", "new_token", "data_object_name", "referenced_objects", "replaceable_objects", "rank_prefix",
     "check_key_prefixes", "is_key_prefix_dir", "dump_metadata", "load_metadata", "check_object_name", "checksum_error",
+    "METADATA_FORMATS", "metadata_format_option",
 ]
 
 METADATA_KEY = ".metadata"
@@ -152,15 +153,22 @@ def checksum_error(info: _StorageInfo, payload: bytes | memoryview) -> str | Non
 
 #: ``metadata_format`` values of ``dump_metadata`` (and ``S3StorageWriter``).
 METADATA_FORMATS = ("dcp", "compact", "auto")
-#: ``"auto"`` writes the compact format above this many chunks + storage entries (see the README).
-AUTO_COMPACT_CHUNKS = 100_000
+#: ``"auto"`` writes the compact format above this many tensor chunks: a stock pickle of that many is
+#: ~8 MB, ~2 s of restricted unpickling on every rank (README "Compact metadata").
+AUTO_COMPACT_CHUNKS = 50_000
+
+
+def metadata_format_option(metadata_format: object) -> str:
+    """``metadata_format`` if it is one of ``METADATA_FORMATS``, else a ``ConfigError`` naming it."""
+    if metadata_format not in METADATA_FORMATS:
+        raise ConfigError(f"metadata_format={metadata_format!r}: expected one of {', '.join(METADATA_FORMATS)}")
+    return str(metadata_format)
 
 
 def dump_metadata(metadata: Metadata, metadata_format: str = "dcp") -> bytes:
     """``.metadata`` bytes: ``"dcp"`` torch's pickle (any reader), ``"compact"`` dcp_s3's compact
     format (``metadata_compact``), ``"auto"`` compact above ``AUTO_COMPACT_CHUNKS`` when it can be."""
-    if metadata_format not in METADATA_FORMATS:
-        raise ConfigError(f"metadata_format={metadata_format!r}: expected one of {', '.join(METADATA_FORMATS)}")
+    metadata_format_option(metadata_format)
     if metadata_format == "compact" or (metadata_format == "auto" and chunk_count(metadata) > AUTO_COMPACT_CHUNKS):
         try:
             return dump_compact(metadata)

@@ -80,10 +80,8 @@ def rule_chunk(size: Sequence[int], dim: int, n: int, i: int) -> tuple[list[int]
 
 
 def chunk_count(metadata: Metadata) -> int:
-    """Chunks plus storage entries of ``metadata`` (what a stock ``.metadata``'s size grows with)."""
-    chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata))
-    storage = metadata.storage_data
-    return chunks + (len(storage) if hasattr(storage, "__len__") else 0)
+    """Stored chunks of ``metadata``'s tensors: what a stock ``.metadata``'s size grows with."""
+    return sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata))
 
 
 def _unsupported(what: str) -> ConfigError:

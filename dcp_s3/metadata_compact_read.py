@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from ._torch_compat import _StorageInfo, element_size
 from .codec import FrameIndex
 from .errors import CheckpointFormatError
-from .metadata_check import MAX_OFFSET, check_location, check_object_name
+from .metadata_check import MAX_OFFSET, check_location, check_object_name, offsets_key
 from .metadata_compact import (
     DTYPES,
     FORMAT_VERSION,
@@ -51,12 +51,17 @@ from .metadata_compact import (
 )
 from .metadata_pickle import MAX_NDIM, describe
 
-__all__ = ["load_compact", "RuleChunks", "ExplicitChunks", "CompactStorage", "materialize"]
+__all__ = ["load_compact", "RuleChunks", "ExplicitChunks", "CompactStorage", "ChunkLookup", "materialize"]
 
 #: Largest JSON header accepted, and deepest nesting of a tagged value.
 MAX_HEADER = 64 << 20
 MAX_DEPTH = 64
 _MAX_INT_KEY = (1 << 61) - 2
+#: Chunks + storage entries a compact file may describe per byte of it (plus a floor): rules and
+#: constant columns describe many in few bytes; this bounds what iterating them all can cost.
+#: (16,384-rank FSDP Llama-70B: ~0.3 per byte.)
+EXPANSION_PER_BYTE = 64
+EXPANSION_FLOOR = 1 << 20
 _INT_TYPES = ("<u1", "<u2", "<u4", "<u8", "<i1", "<i2", "<i4", "<i8")
 
 
@@ -227,7 +232,9 @@ class RuleChunks(Sequence[ChunkStorageMetadata]):
         if len(offsets) != len(self.size) or any(o != 0 for k, o in enumerate(offsets) if k != self.dim):
             return None
         lo, d = offsets[self.dim], self.size[self.dim]
-        if self._step == 0:
+        if lo > d:
+            i = None
+        elif self._step == 0:
             i = 0 if lo == 0 else None
         elif lo == d:
             i = -(-d // self._step)
@@ -596,6 +603,9 @@ def load_compact(data: bytes) -> Metadata:
         start_pos += count
     if pos[0] != len(explicit[0]) or stored_pos != len(stored_all):
         raise _bad("the chunk arrays hold more values than the entries use")
+    described = start_pos + sum(len(e.chunks) for e in entries if e.chunks is not None)
+    if described > EXPANSION_FLOOR + EXPANSION_PER_BYTE * len(data):
+        raise _bad(f"{described} chunks and storage entries from {len(data)} bytes: refusing to expand that far")
     storage = None
     if "storage" in header:
         storage = CompactStorage(data, entries, _get(header, "storage", dict, "header"), arrays)
@@ -632,3 +642,34 @@ def materialize(metadata: Metadata) -> Metadata:
                    storage_meta=metadata.storage_meta)
     out.version = getattr(metadata, "version", None)
     return out
+
+
+class ChunkLookup:
+    """``(fqn, offsets_key) -> (sizes, dtype)`` of a stored chunk, found when asked.
+
+    The reader's index of chunks: a lazy sequence finds a chunk from its offsets directly;
+    a plain list (stock metadata) is indexed per tensor on the tensor's first lookup, so a
+    rank pays for the tensors it reads, not for every chunk of the checkpoint.
+    """
+
+    def __init__(self, metadata: Metadata) -> None:
+        self._state = metadata.state_dict_metadata
+        self._tables: dict[str, dict[str, torch.Size]] = {}
+
+    def get(self, key: tuple[str, str], default: Any = None) -> Any:
+        fqn, okey = key
+        md = self._state.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return default
+        find = getattr(md.chunks, "find", None)
+        if find is not None:
+            try:
+                c = find([int(x) for x in okey.split(",")] if okey else [])
+            except ValueError:
+                return default
+            return default if c is None else (md.chunks[c].sizes, md.properties.dtype)
+        table = self._tables.get(fqn)
+        if table is None:
+            table = self._tables[fqn] = {offsets_key(chunk.offsets): chunk.sizes for chunk in md.chunks}
+        sizes = table.get(okey)
+        return default if sizes is None else (sizes, md.properties.dtype)
