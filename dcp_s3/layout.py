@@ -187,7 +187,7 @@ def load_metadata(data: bytes, where: str) -> Metadata:
     """
     try:
         if data[: len(COMPACT_MAGIC)] == COMPACT_MAGIC:
-            return load_compact(data)
+            return load_compact(data, where)
         return check_metadata(unpickle_metadata(data, (ItemLocation,)), budget_for(len(data)))
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"{where}: {exc}") from None

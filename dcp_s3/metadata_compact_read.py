@@ -324,8 +324,9 @@ class _Entry:
 class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
     """``Metadata.storage_data`` of a compact ``.metadata``: entries built (and checked) on lookup."""
 
-    def __init__(self, data: bytes, entries: list[_Entry], header: dict[str, Any], arrays: _Arrays) -> None:
+    def __init__(self, data: bytes, entries: list[_Entry], header: dict[str, Any], arrays: _Arrays, where: str) -> None:
         self._data = data
+        self._where = where  # named by errors found when an entry is built
         self._entries = entries
         self._by_fqn = {e.fqn: e for e in entries}
         self._pos_entry = np.array([e.start for e in entries], dtype=np.int64)
@@ -419,8 +420,14 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
 
     def _info(self, entry: _Entry, p: int, c: int) -> _StorageInfo:
         info = self._cache.get(p)
-        if info is not None:
-            return info
+        if info is None:
+            try:
+                info = self._cache[p] = self._build(entry, p, c)
+            except CheckpointFormatError as exc:
+                raise CheckpointFormatError(f"{self._where}: {exc}") from None
+        return info
+
+    def _build(self, entry: _Entry, p: int, c: int) -> _StorageInfo:
         from .layout import ItemLocation
 
         col = self.cols
@@ -441,7 +448,6 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
                 raise _bad(f"tensor {entry.fqn[:200]}: chunk {c} is too large")
         check_location(MetadataIndex(entry.fqn, entry.chunks[c].offsets if entry.chunks is not None else None),
                        info, nbytes)
-        self._cache[p] = info
         return info
 
     def _frame_positions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -477,7 +483,7 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_storage_from_bytes, (bytes(self._data),))
+        return (_storage_from_bytes, (bytes(self._data), self._where))
 
     def __repr__(self) -> str:
         return f"CompactStorage({self.count} entries in {len(self.objects)} objects)"
@@ -497,8 +503,8 @@ class _Values(ValuesView[_StorageInfo]):
         return (info for _, info in self._mapping._pairs())
 
 
-def _storage_from_bytes(data: bytes) -> Any:
-    return load_compact(data).storage_data
+def _storage_from_bytes(data: bytes, where: str) -> Any:
+    return load_compact(data, where).storage_data
 
 
 def _properties(e: dict[str, Any], where: str) -> TensorProperties:
@@ -542,8 +548,12 @@ def _chunks(e: dict[str, Any], size: torch.Size, elem: int, explicit: list[np.nd
     return ExplicitChunks(size, offsets, sizes)
 
 
-def load_compact(data: bytes) -> Metadata:
-    """Decode a compact ``.metadata``; ``CheckpointFormatError`` for anything malformed."""
+def load_compact(data: bytes, where: str) -> Metadata:
+    """Decode a compact ``.metadata``; ``CheckpointFormatError`` for anything malformed.
+
+    Errors found while decoding are raised without ``where`` (``layout.load_metadata`` adds it);
+    those found later, when a storage entry is built, name ``where`` themselves.
+    """
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
         raise _bad("bad magic or truncated header")
     (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
@@ -568,37 +578,37 @@ def load_compact(data: bytes) -> Metadata:
     entries: list[_Entry] = []
     for i, e in enumerate(_get(header, "entries", list, "header")):
         fqn = _get(e, "fqn", str, f"entry {i}")
-        where = f"tensor {fqn[:200]}"
+        what = f"tensor {fqn[:200]}"
         if fqn in state:
-            raise _bad(f"{where} appears twice")
+            raise _bad(f"{what} appears twice")
         if "bytes" in e:
             state[fqn] = BytesStorageMetadata()
-            count = _int(_get(e, "bytes", int, where), f"{where}: stored count", 0, 1)
+            count = _int(_get(e, "bytes", int, what), f"{what}: stored count", 0, 1)
             entries.append(_Entry(fqn, start_pos, count, None, None, 0))
             start_pos += count
             continue
-        size_list = _get(e, "size", list, where)
+        size_list = _get(e, "size", list, what)
         if len(size_list) > MAX_NDIM:
-            raise _bad(f"{where}: {len(size_list)} dimensions")
-        size = torch.Size([_int(d, f"{where}: size") for d in size_list])
-        props = _properties(e, where)
+            raise _bad(f"{what}: {len(size_list)} dimensions")
+        size = torch.Size([_int(d, f"{what}: size") for d in size_list])
+        props = _properties(e, what)
         try:
             elem = element_size(props.dtype)
         except TypeError:
-            raise _bad(f"{where}: dtype {props.dtype} has no element size") from None
-        chunks = _chunks(e, size, elem, explicit, pos, where)
+            raise _bad(f"{what}: dtype {props.dtype} has no element size") from None
+        chunks = _chunks(e, size, elem, explicit, pos, what)
         state[fqn] = TensorStorageMetadata(properties=props, size=size, chunks=chunks)  # type: ignore[arg-type]
-        stored_spec = _get(e, "stored", (str, int), where)
+        stored_spec = _get(e, "stored", (str, int), what)
         stored = None
         if stored_spec == "all":
             count = len(chunks)
         else:
-            count = _int(stored_spec, f"{where}: stored count", 0, len(chunks))
+            count = _int(stored_spec, f"{what}: stored count", 0, len(chunks))
             stored = stored_all[stored_pos: stored_pos + count]
             stored_pos += count
             if len(stored) != count or (count and int(stored[-1]) >= len(chunks)) or \
                     (count > 1 and bool((np.diff(stored.astype(np.int64)) <= 0).any())):
-                raise _bad(f"{where}: its stored chunk numbers are out of range or not increasing")
+                raise _bad(f"{what}: its stored chunk numbers are out of range or not increasing")
         entries.append(_Entry(fqn, start_pos, count, chunks, stored, elem))
         start_pos += count
     if pos[0] != len(explicit[0]) or stored_pos != len(stored_all):
@@ -608,7 +618,7 @@ def load_compact(data: bytes) -> Metadata:
         raise _bad(f"{described} chunks and storage entries from {len(data)} bytes: refusing to expand that far")
     storage = None
     if "storage" in header:
-        storage = CompactStorage(data, entries, _get(header, "storage", dict, "header"), arrays)
+        storage = CompactStorage(data, entries, _get(header, "storage", dict, "header"), arrays, where)
     elif start_pos:
         raise _bad("entries are stored but the storage section is missing")
     meta = header.get("storage_meta")
