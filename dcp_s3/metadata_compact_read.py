@@ -437,7 +437,7 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
         if col["kind"][p] == KIND_ITEM_LOCATION:
             payload, crc, f = col["payload"][p], col["crc"][p], col["frame"][p]
             frames, frame_crcs = self._frames(f) if f != -1 else (None, None)
-            info = ItemLocation(*args, payload_offset=None if payload == -1 else payload,
+            info: _StorageInfo = ItemLocation(*args, payload_offset=None if payload == -1 else payload,
                                 crc32c=None if crc == -1 else crc, frames=frames, frame_crc32c=frame_crcs)
         else:
             info = _StorageInfo(*args)
