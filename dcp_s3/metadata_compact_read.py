@@ -245,14 +245,15 @@ class RuleChunks(Sequence[ChunkStorageMetadata]):
         return i if i is not None and i < self.n else None
 
     def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[int]:
-        """Indices of the non-empty chunks that may overlap the box ``offsets``/``sizes``, ascending."""
+        """Ascending indices of a superset of the chunks that overlap the box ``offsets``/``sizes``
+        under torch's rule (``_check_shard_metadata_pair_overlap``), which the caller applies."""
         if self.dim < 0:
             yield 0
             return
-        if self._step == 0 or any(s == 0 for s in sizes):
+        if self._step == 0:
             return
         lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
-        yield from range(lo // self._step, min(self.n, -(-min(hi, self.size[self.dim]) // self._step)))
+        yield from range(max(0, lo // self._step), min(self.n, -(-hi // self._step)))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and len(other) == self.n and list(self) == list(other)
@@ -297,11 +298,10 @@ class ExplicitChunks(Sequence[ChunkStorageMetadata]):
         return int(order[k]) if k < len(rows) and rows[k] == key else None
 
     def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> Iterator[int]:
-        if any(s == 0 for s in sizes):
-            return iter(())
+        """Ascending indices of the chunks that overlap the box under torch's rule."""
         lo = np.asarray(offsets, dtype=np.int64)
         hi = lo + np.asarray(sizes, dtype=np.int64)
-        mask = ((self.offsets < hi) & (self.offsets + self.sizes > lo)).all(axis=1) & (self.sizes > 0).all(axis=1)
+        mask = ((lo < self.offsets + self.sizes) & (self.offsets < hi)).all(axis=1)
         return iter(np.flatnonzero(mask).tolist())
 
     def __eq__(self, other: object) -> bool:

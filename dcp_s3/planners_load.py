@@ -85,9 +85,9 @@ def _read_item(fqn: str, mine: ChunkStorageMetadata, local_idx: int, saved: Chun
     """The read of ``saved``'s overlap with ``mine``, or None (torch's overlap rule and region)."""
     storage_offsets, dest_offsets, lengths = [], [], []
     for so, ss, lo, ls in zip(saved.offsets, saved.sizes, mine.offsets, mine.sizes):
-        start, end = max(so, lo), min(so + ss, lo + ls)
-        if start >= end:
+        if so >= lo + ls or lo >= so + ss:  # torch's rule: a box empty in one dim may still "overlap"
             return None
+        start, end = max(so, lo), min(so + ss, lo + ls)
         storage_offsets.append(start - so)
         dest_offsets.append(start - lo)
         lengths.append(end - start)
