@@ -14,8 +14,9 @@ unpickling on every rank. The compact format describes the same ``Metadata``:
 * storage entries sorted by (state-dict entry, chunk): which chunks have one (all of them,
   or an explicit chunk list), then one *column* per field (object index, offset, length,
   payload offset, CRC32C, frame index, the ``MetadataIndex.index`` hint, the entry's
-  class). A column is a constant, an arithmetic sequence, a repeated arithmetic period,
-  runs, or an explicit array of the narrowest integer type that holds it;
+  class). A column is a constant, an arithmetic sequence, a repeated arithmetic period
+  (optionally followed by a tail column: FSDP's rank-periodic object numbers), runs, or an
+  explicit array of the narrowest integer type that holds it;
 * codec frame indexes (``codec.FrameIndex``) as columns plus concatenated frame ends,
   frame CRCs and raw-frame bit masks;
 * ``planner_data``, ``storage_meta`` and transform descriptors as tagged JSON values
@@ -123,7 +124,7 @@ class _Arrays:
         self.size += len(raw) + pad
         return name
 
-    def column(self, name: str, values: np.ndarray) -> dict[str, Any]:
+    def column(self, name: str, values: np.ndarray, *, split: bool = True) -> dict[str, Any]:
         """The smallest description of an int64 column (see the module doc)."""
         n = len(values)
         if n == 0:
@@ -135,12 +136,17 @@ class _Arrays:
         step = int(diff[0])
         if bool((diff == step).all()):
             return {"a": [first, step]}
-        breaks = np.flatnonzero(diff != step)
-        period = int(breaks[0]) + 1
-        if n % period == 0 and period > 1:
+        period = int(np.flatnonzero(diff != step)[0]) + 1
+        if period > 1:
             base = first + step * np.arange(period, dtype=np.int64)
-            if bool((values.reshape(-1, period) == base).all()):
+            rows = values[: n - n % period].reshape(-1, period) == base
+            whole = int(np.argmin(rows.all(axis=1))) if not rows.all() else len(rows)  # leading periods that match
+            if whole * period == n:
                 return {"m": [period, first, step]}
+            if split and whole >= 2 and whole * period * 2 >= n:  # a periodic head (FSDP's ranks) and a tail
+                head = whole * period
+                return {"s": [[{"m": [period, first, step]}, head],
+                              [self.column(f"{name}.t", values[head:], split=False), n - head]]}
         starts = np.concatenate(([0], np.flatnonzero(diff != 0) + 1))
         if len(starts) * 4 <= n:
             lengths = np.diff(np.concatenate((starts, [n])))

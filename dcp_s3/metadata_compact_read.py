@@ -139,8 +139,9 @@ class _Arrays:
 class Column:
     """One integer per storage entry (or frame index), described as in ``metadata_compact``."""
 
-    def __init__(self, spec: Any, n: int, arrays: _Arrays, name: str) -> None:
+    def __init__(self, spec: Any, n: int, arrays: _Arrays, name: str, nested: bool = False) -> None:
         self.n = n
+        self.segments: tuple[int, Column, Column] | None = None
         self.const: int | None = None
         self.values: np.ndarray | None = None
         self.run_ends: np.ndarray | None = None
@@ -170,10 +171,22 @@ class Column:
             self.run_ends = np.cumsum(lengths)
         elif kind == "x":
             self.values = arrays.get(arg, n)
+        elif kind == "s" and not nested:
+            parts = arg if type(arg) is list and len(arg) == 2 else []
+            if len(parts) != 2 or any(type(p) is not list or len(p) != 2 for p in parts):
+                raise _bad(f"column {name} segments are {describe(arg)}")
+            head = _int(parts[0][1], f"column {name} head", 0, n)
+            if parts[1][1] != n - head:
+                raise _bad(f"column {name}: segments do not add up to {n} entries")
+            self.segments = (head, Column(parts[0][0], head, arrays, name, True),
+                             Column(parts[1][0], n - head, arrays, name, True))
         else:
             raise _bad(f"column {name} has unknown encoding {describe(kind)}")
 
     def __getitem__(self, i: int) -> int:
+        if self.segments is not None:
+            head, first, rest = self.segments
+            return first[i] if i < head else rest[i - head]
         if self.const is not None:
             return self.const
         if self.values is None:
@@ -184,6 +197,8 @@ class Column:
 
     def array(self) -> np.ndarray:
         """Every value, as int64."""
+        if self.segments is not None:
+            return np.concatenate((self.segments[1].array(), self.segments[2].array()))
         if self.values is not None:
             if self.run_ends is None:
                 return self.values.astype(np.int64)
@@ -195,6 +210,9 @@ class Column:
         """(smallest, largest) value, computed without expanding the column."""
         if self.n == 0:
             return 0, 0
+        if self.segments is not None:
+            parts = [c.bounds() for c in self.segments[1:] if c.n]
+            return min(p[0] for p in parts), max(p[1] for p in parts)
         if self.values is not None:
             return int(self.values.min()), int(self.values.max())
         last = self.start + self.step * ((self.period or self.n) - 1)
