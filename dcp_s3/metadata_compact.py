@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import pathlib
 import struct
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -323,7 +324,7 @@ def _storage(arrays: _Arrays, ordered: list[tuple[MetadataIndex, _StorageInfo]])
     objects: dict[str, int] = {}
     transforms: list[Any] = []
     framed: list[tuple[FrameIndex, tuple[int, ...] | None]] = []
-    cols: dict[str, list[int]] = {c: [] for c in STORAGE_COLUMNS}
+    cols = {c: array("q") for c in STORAGE_COLUMNS}  # 8 bytes a value: no Python int per entry kept
     for index, info in ordered:
         kind = {_StorageInfo: KIND_STORAGE_INFO, ItemLocation: KIND_ITEM_LOCATION}.get(type(info))
         if kind is None or type(info.relative_path) is not str or type(info.offset) is not int or type(info.length) is not int:
@@ -354,6 +355,6 @@ def _storage(arrays: _Arrays, ordered: list[tuple[MetadataIndex, _StorageInfo]])
             cols[name].append(value)
     return {
         "count": len(ordered), "objects": list(objects), "transforms": transforms,
-        "columns": {c: arrays.column(f"s.{c}", np.array(v, dtype=np.int64)) for c, v in cols.items()},
+        "columns": {c: arrays.column(f"s.{c}", np.frombuffer(v, dtype=np.int64)) for c, v in cols.items()},
         "frames": _frames(arrays, framed, []),
     }

@@ -20,7 +20,7 @@ import math
 import pathlib
 import struct
 from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import numpy as np
 import torch
@@ -220,7 +220,14 @@ class Column:
 
 
 class RuleChunks(Sequence[ChunkStorageMetadata]):
-    """The chunks of ``torch.chunk``'s split of ``size`` into ``n`` along ``dim`` (``-1``: a scalar)."""
+    """The chunks of ``torch.chunk``'s split of ``size`` into ``n`` along ``dim`` (``-1``: a scalar).
+
+    Code that walks every chunk (torch's ``DefaultLoadPlanner`` does, several times per
+    tensor) gets them from a list built on the first walk and kept for the last tensor walked
+    only, so memory stays one tensor's chunks.
+    """
+
+    _last: ClassVar[tuple[RuleChunks, list[ChunkStorageMetadata]] | None] = None
 
     def __init__(self, size: torch.Size, dim: int, n: int) -> None:
         self.size, self.dim, self.n = size, dim, n
@@ -228,6 +235,17 @@ class RuleChunks(Sequence[ChunkStorageMetadata]):
 
     def __len__(self) -> int:
         return self.n
+
+    def _listed(self) -> list[ChunkStorageMetadata] | None:
+        last = RuleChunks._last
+        return last[1] if last is not None and last[0] is self else None
+
+    def __iter__(self) -> Iterator[ChunkStorageMetadata]:
+        listed = self._listed()
+        if listed is None:
+            listed = [self._chunk(i) for i in range(self.n)]
+            RuleChunks._last = (self, listed)
+        return iter(listed)
 
     @overload
     def __getitem__(self, i: int) -> ChunkStorageMetadata: ...
@@ -238,9 +256,13 @@ class RuleChunks(Sequence[ChunkStorageMetadata]):
             return [self[j] for j in range(*i.indices(self.n))]
         if not -self.n <= i < self.n:
             raise IndexError(i)
+        listed = self._listed()
+        return listed[i] if listed is not None else self._chunk(i % self.n)
+
+    def _chunk(self, i: int) -> ChunkStorageMetadata:
         if self.dim < 0:
             return ChunkStorageMetadata(torch.Size([]), torch.Size([]))
-        offsets, sizes = rule_chunk(self.size, self.dim, self.n, i % self.n)
+        offsets, sizes = rule_chunk(self.size, self.dim, self.n, i)
         return ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
 
     def find(self, offsets: Sequence[int]) -> int | None:
