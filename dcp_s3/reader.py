@@ -35,7 +35,7 @@ from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFou
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .metadata_check import offsets_key
-from .metadata_compact_read import ChunkLookup
+from .metadata_compact_chunks import ChunkLookup
 from .replicated import read_replicated
 from .session import S3Location, S3Session
 from .sharing import broadcast_bytes, metadata_source

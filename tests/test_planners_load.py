@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata_compact_read import ExplicitChunks, RuleChunks
+from dcp_s3.metadata_compact_chunks import ExplicitChunks, RuleChunks
 from dcp_s3.planners_load import ScalableLoadPlanner, read_items_for_chunks
 from tests.objects import object_keys
 
