@@ -250,3 +250,32 @@ def test_convert_to_dcp_writes_stock_metadata(bucket: str, s3_env: LocalS3Server
     out = {"w": torch.zeros(33, 8), "v": torch.zeros(10, dtype=torch.int16), "meta": {"epoch": 0}}
     dcp.load(out, storage_reader=FileSystemReader(tmp_path / "plain"), no_dist=True)
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["v"], state["v"]) and out["meta"] == {"epoch": 3}
+
+
+def test_inspect_verify_and_overwrite_on_a_compact_checkpoint(bucket: str, s3_env: LocalS3Server,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI reads compact metadata; a save over a compact checkpoint deletes the objects it replaced."""
+    from dcp_s3 import cli
+
+    state = fsdp_like_state()
+    uri = f"s3://{bucket}/ckpt"
+    dcp.save(state, storage_writer=S3StorageWriter(uri, metadata_format="compact", compression="zstd"), no_dist=True)
+    first = set(object_keys(s3_env.client(), bucket, "ckpt/"))
+    assert cli.main(["verify", uri]) == 0, capsys.readouterr()
+    assert cli.main(["inspect", uri]) == 0
+    out = capsys.readouterr().out
+    assert "model.w" in out and "37" in out
+    # Corrupt one data object: verify (which walks every compact entry) reports it.
+    client = s3_env.client()
+    data = next(k for k in first if k.endswith(".distcp"))
+    body = bytearray(client.get_object(Bucket=bucket, Key=data)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=data, Body=bytes(body))
+    assert cli.main(["verify", uri]) != 0
+    capsys.readouterr()
+    dcp.save(state, storage_writer=S3StorageWriter(uri, metadata_format="compact"), no_dist=True)
+    second = set(object_keys(s3_env.client(), bucket, "ckpt/"))
+    assert not (first - {"ckpt/.metadata"}) & second  # the replaced save's objects are gone
+    out_state = blank(state)
+    dcp.load(out_state, storage_reader=S3StorageReader(uri), planner=ScalableLoadPlanner(), no_dist=True)
+    assert torch.equal(out_state["model"]["w"], state["model"]["w"])
