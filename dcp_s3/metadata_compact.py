@@ -239,42 +239,18 @@ def dump_compact(metadata: Metadata) -> bytes:
     storage = metadata.storage_data
     if storage is not None and not isinstance(storage, dict) and not hasattr(storage, "items"):
         raise _unsupported(f"storage_data of type {type(storage).__name__}")
-    # Storage entries grouped by state-dict entry, each keyed by its chunk number.
-    by_fqn: dict[str, dict[int, tuple[MetadataIndex, _StorageInfo]]] = {fqn: {} for fqn in state}
-    first_chunk: dict[str, dict[tuple[int, ...], int]] = {}
-    for index, info in (storage.items() if storage is not None else ()):
-        md = state.get(index.fqn) if type(index) is MetadataIndex else None
-        if md is None:
-            raise _unsupported(f"storage key {index!r} names no state-dict entry")
-        if type(md) is BytesStorageMetadata:
-            if index.offset is not None:
-                raise _unsupported(f"byte item {index.fqn!r} stored with an offset")
-            c = 0
-        elif type(md) is TensorStorageMetadata:
-            if index.fqn not in first_chunk:
-                seen: dict[tuple[int, ...], int] = {}
-                for i, chunk in enumerate(md.chunks):
-                    seen.setdefault(tuple(chunk.offsets), i)
-                first_chunk[index.fqn] = seen
-            found = first_chunk[index.fqn].get(tuple(index.offset)) if index.offset is not None else None
-            if found is None:
-                raise _unsupported(f"storage entry {index.fqn!r} at {index.offset} matches no chunk")
-            c = found
-        else:
-            raise _unsupported(f"state-dict entry {index.fqn!r} of type {type(md).__name__}")
-        by_fqn[index.fqn][c] = (index, info)
-    entries: list[Any] = []
+    from .metadata_compact_chunks import RuleChunks
+
+    # Each tensor's chunks: a rule (chunk found from its offsets) or explicit arrays (found by a dict).
+    entries: dict[str, dict[str, Any]] = {}
+    finders: dict[str, Any] = {}
     chunk_offsets: list[int] = []
     chunk_sizes: list[int] = []
-    stored_chunks: list[int] = []
-    ordered: list[tuple[MetadataIndex, _StorageInfo]] = []
     for fqn, md in state.items():
         if type(fqn) is not str:
             raise _unsupported(f"state-dict key {fqn!r}")
-        held = by_fqn[fqn]
         if type(md) is BytesStorageMetadata:
-            entries.append({"fqn": fqn, "bytes": len(held)})
-            ordered.extend(held.values())
+            entries[fqn] = {"fqn": fqn, "bytes": 0}
             continue
         if type(md) is not TensorStorageMetadata:
             raise _unsupported(f"state-dict entry {fqn!r} of type {type(md).__name__}")
@@ -282,23 +258,45 @@ def dump_compact(metadata: Metadata) -> bytes:
         rule = _rule(md.size, md.chunks)
         if rule is not None:
             entry["rule"] = rule
+            finders[fqn] = RuleChunks(md.size, rule["dim"], rule["n"]).find
         else:
             entry["chunks"] = len(md.chunks)
-            for chunk in md.chunks:
+            first: dict[tuple[int, ...], int] = {}
+            for i, chunk in enumerate(md.chunks):
                 chunk_offsets.extend(chunk.offsets)
                 chunk_sizes.extend(chunk.sizes)
+                first.setdefault(tuple(chunk.offsets), i)
+            finders[fqn] = lambda offsets, first=first: first.get(tuple(offsets))
+        entries[fqn] = entry
+    # Storage entries grouped by state-dict entry, each keyed by its chunk number.
+    by_fqn: dict[str, dict[int, tuple[MetadataIndex, _StorageInfo]]] = {fqn: {} for fqn in state}
+    for index, info in (storage.items() if storage is not None else ()):
+        held = by_fqn.get(index.fqn) if type(index) is MetadataIndex else None
+        if held is None:
+            raise _unsupported(f"storage key {index!r} names no state-dict entry")
+        find = finders.get(index.fqn)
+        c = 0 if find is None and index.offset is None else (  # a byte item has no offset
+            find(index.offset) if find is not None and index.offset is not None else None)
+        if c is None:
+            raise _unsupported(f"storage entry {index.fqn!r} at {index.offset} matches no chunk of its entry")
+        held[c] = (index, info)
+    stored_chunks: list[int] = []
+    ordered: list[tuple[MetadataIndex, _StorageInfo]] = []
+    for fqn, md in state.items():
+        held = by_fqn[fqn]
         numbers = sorted(held)
-        if numbers == list(range(len(md.chunks))):
-            entry["stored"] = "all"
+        if fqn not in finders:
+            entries[fqn]["bytes"] = len(held)
+        elif numbers == list(range(len(md.chunks))):  # type: ignore[union-attr]
+            entries[fqn]["stored"] = "all"
         else:
-            entry["stored"] = len(numbers)
+            entries[fqn]["stored"] = len(numbers)
             stored_chunks.extend(numbers)
-        entries.append(entry)
         ordered.extend(held[c] for c in numbers)
     header: dict[str, Any] = {
         "format": "dcp_s3.compact", "version": FORMAT_VERSION, "metadata_version": getattr(metadata, "version", None),
         "planner_data": tag(metadata.planner_data), "storage_meta": _storage_meta(metadata),
-        "entries": entries,
+        "entries": list(entries.values()),
         "chunk_offsets": arrays.add("chunk_offsets", np.array(chunk_offsets, dtype=np.uint64)),
         "chunk_sizes": arrays.add("chunk_sizes", np.array(chunk_sizes, dtype=np.uint64)),
         "stored_chunks": arrays.add("stored_chunks", np.array(stored_chunks, dtype=np.uint32)),

@@ -169,10 +169,12 @@ def test_auto_writes_compact_above_the_threshold(monkeypatch: pytest.MonkeyPatch
     md = hand_built()
     monkeypatch.setattr(layout, "AUTO_COMPACT_CHUNKS", 5)
     assert dump_metadata(md, "auto").startswith(MAGIC)
-    odd = hand_built()
-    odd.planner_data = {"fn": object()}
-    with pytest.raises(ConfigError):  # stock pickling of an arbitrary object: only the stock writer's problem
+    odd = hand_built()  # a byte item keyed with an offset: valid stock metadata, not describable compactly
+    odd.storage_data[MetadataIndex("unstored", S([0]))] = ItemLocation("__0_0.distcp", 0, 3)
+    with pytest.raises(ConfigError, match="unstored"):
         dump_compact(odd)
+    stock = dump_metadata(odd, "auto")  # auto falls back to the stock pickle
+    assert not stock.startswith(MAGIC) and load_metadata(stock, "x") == odd
 
 
 def fsdp_like_state() -> dict[str, Any]:
