@@ -44,7 +44,7 @@ __all__ = ["load_compact", "materialize"]
 MAX_HEADER = 64 << 20
 #: Chunks + storage entries a compact file may describe per byte of it (plus a floor): rules and
 #: constant columns describe many in few bytes; this bounds what iterating them all can cost.
-#: (16,384-rank FSDP Llama-70B: ~0.3 per byte.)
+#: (16,384-rank FSDP Llama-70B: ~0.5 per byte.)
 EXPANSION_PER_BYTE = 64
 EXPANSION_FLOOR = 1 << 20
 
@@ -96,6 +96,7 @@ def load_compact(data: bytes, where: str) -> Metadata:
     Errors found while decoding are raised without ``where`` (``layout.load_metadata`` adds it);
     those found later, when a storage entry is built, name ``where`` themselves.
     """
+    data = data if type(data) is bytes else bytes(data)
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
         raise _bad("bad magic or truncated header")
     (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
