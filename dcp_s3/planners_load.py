@@ -54,13 +54,14 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
         chunks = getattr(md, "chunks", None)
         fast = (
             isinstance(md, TensorStorageMetadata) and hasattr(chunks, "overlapping")
-            and isinstance(obj, torch.Tensor) and md.size == obj.size()
+            and (isinstance(obj, DTensor) or type(obj) in (torch.Tensor, torch.nn.Parameter))  # not ShardedTensor
+            and md.size == obj.size()
         )
         if not fast or (isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None):
             # torch's own code: its errors (missing key, size mismatch), byte items, other types
             requests += create_default_local_load_plan({fqn: obj}, metadata, strict).items
             continue
-        local = obj.__create_chunk_list__() if hasattr(obj, "__create_chunk_list__") else [
+        local = obj.__create_chunk_list__() if isinstance(obj, DTensor) else [
             ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())
         ]
         requests += read_items_for_chunks(fqn, chunks, local)
@@ -69,7 +70,7 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
 
 def read_items_for_chunks(fqn: str, chunks: Any, local: list[ChunkStorageMetadata]) -> list[ReadItem]:
     """torch's ``create_read_items_for_chunk_list`` for stored ``chunks`` that can list the chunks
-    overlapping a box (``metadata_compact_read.RuleChunks``/``ExplicitChunks``): the same items,
+    overlapping a box (``metadata_compact_chunks.RuleChunks``/``ExplicitChunks``): the same items,
     ordered by local chunk, then stored chunk."""
     out = []
     for local_idx, mine in enumerate(local):

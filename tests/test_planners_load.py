@@ -143,3 +143,24 @@ def test_resharding_load_is_bit_exact_and_plans_match(bucket: str, s3_env: Local
     assert len(object_keys(s3_env.client(), bucket, "fsdp/")) == 5
     for world in (3, 1):
         assert run_ranks(load_job, world, s3_env.env(), uri) == [["RecordingDefault", "Recording"]] * world
+
+
+def test_local_plan_on_compact_metadata_equals_torchs_and_keeps_its_errors() -> None:
+    import io
+
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+
+    from dcp_s3.layout import dump_metadata, load_metadata
+    from dcp_s3.planners_load import local_load_plan
+    from tests.test_metadata_compact import hand_built
+
+    stock = hand_built()
+    compact = load_metadata(dump_metadata(stock, "compact"), "x")
+    state = {"w": torch.zeros(10, 4), "grid": torch.nn.Parameter(torch.zeros(4, 6)), "scalar": torch.zeros(()),
+             "bytes": io.BytesIO(), "cols": torch.zeros(3, 8, 2, 2, dtype=torch.float16)}
+    assert keys(local_load_plan(state, compact)) == keys(create_default_local_load_plan(state, stock))
+    with pytest.raises(RuntimeError, match="Missing key"):  # torch's own error, as DefaultLoadPlanner
+        local_load_plan({"absent": torch.zeros(1)}, compact)
+    assert local_load_plan({"absent": torch.zeros(1)}, compact, strict=False).items == []
+    with pytest.raises(ValueError, match="Size mismatch"):
+        local_load_plan({"w": torch.zeros(3, 4)}, compact)
