@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         TrainableOnlySavePlanner,
         frozen_parameter_fqns,
     )
+    from .planners_load import ScalableLoadPlanner
     from .planners_scale import ScalableSavePlanner
     from .reader import S3StorageReader
     from .writer import S3StorageWriter
@@ -56,6 +57,7 @@ _LAZY = {
     "MetaRankLoadPlanner": "planners",
     "frozen_parameter_fqns": "planners",
     "ScalableSavePlanner": "planners_scale",
+    "ScalableLoadPlanner": "planners_load",
     "TransferConfig": "config",
     "ClientConfig": "config",
 }
@@ -86,6 +88,7 @@ __all__ = [
     "TrainableOnlyLoadPlanner",
     "MetaRankLoadPlanner",
     "ScalableSavePlanner",
+    "ScalableLoadPlanner",
     "frozen_parameter_fqns",
     "TransferConfig",
     "ClientConfig",

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import _weights_only_unpickler as weights_only_unpickler  # torch's weights-only allowlist
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import _version as dcp_version  # DefaultLoadPlanner's pre-2.4 key handling
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -41,6 +42,7 @@ __all__ = [
     "TORCH_VERSION",
     "narrow_tensor_by_index",
     "flatten_state_dict",
+    "dcp_version",
     "_EmptyStateDictLoadPlanner",
     "_StorageInfo",
     "_StoragePrefix",

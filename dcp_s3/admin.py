@@ -639,7 +639,12 @@ def convert_checkpoint(
     if fmt == "dcp":
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(state, storage_writer=dst_dir.writer("", overwrite=overwrite), no_dist=True)
+        from .writer import S3StorageWriter
+
+        writer = dst_dir.writer("", overwrite=overwrite)
+        if isinstance(writer, S3StorageWriter):  # stock .metadata: a downloaded copy loads with FileSystemReader
+            writer.metadata_format = "dcp"
+        dcp.save(state, storage_writer=writer, no_dist=True)
     else:
         if fmt == "safetensors":
             skipped = [k for k, v in _flatten(state) if not isinstance(v, torch.Tensor)]

@@ -32,11 +32,15 @@ from ._torch_compat import _StorageInfo
 from .codec import CODEC_NAME, CODEC_VERSION, FrameIndex
 from .errors import CheckpointFormatError, ConfigError
 from .metadata_check import check_metadata, check_object_name
+from .metadata_compact import MAGIC as COMPACT_MAGIC
+from .metadata_compact import chunk_count, dump_compact
+from .metadata_compact_read import load_compact, materialize
 from .metadata_pickle import budget_for, describe, unpickle_metadata
 
 __all__ = [
     "METADATA_KEY", "PROBE_PREFIX", "ItemLocation", "new_token", "data_object_name", "referenced_objects", "replaceable_objects", "rank_prefix",
     "check_key_prefixes", "is_key_prefix_dir", "dump_metadata", "load_metadata", "check_object_name", "checksum_error",
+    "METADATA_FORMATS", "metadata_format_option",
 ]
 
 METADATA_KEY = ".metadata"
@@ -147,17 +151,43 @@ def checksum_error(info: _StorageInfo, payload: bytes | memoryview) -> str | Non
     return f"checksum mismatch (crc32c {actual:#010x}, expected {expected:#010x}): the stored bytes are corrupt"
 
 
-def dump_metadata(metadata: Metadata) -> bytes:
-    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+#: ``metadata_format`` values of ``dump_metadata`` (and ``S3StorageWriter``).
+METADATA_FORMATS = ("dcp", "compact", "auto")
+#: ``"auto"`` writes the compact format above this many tensor chunks: a stock pickle of that many is
+#: ~8 MB, ~2 s of restricted unpickling on every rank (README "Compact metadata").
+AUTO_COMPACT_CHUNKS = 50_000
+
+
+def metadata_format_option(metadata_format: object) -> str:
+    """``metadata_format`` if it is one of ``METADATA_FORMATS``, else a ``ConfigError`` naming it."""
+    if metadata_format not in METADATA_FORMATS:
+        raise ConfigError(f"metadata_format={metadata_format!r}: expected one of {', '.join(METADATA_FORMATS)}")
+    return str(metadata_format)
+
+
+def dump_metadata(metadata: Metadata, metadata_format: str = "dcp") -> bytes:
+    """``.metadata`` bytes: ``"dcp"`` torch's pickle (any reader), ``"compact"`` dcp_s3's compact
+    format (``metadata_compact``), ``"auto"`` compact above ``AUTO_COMPACT_CHUNKS`` when it can be."""
+    metadata_format_option(metadata_format)
+    if metadata_format == "compact" or (metadata_format == "auto" and chunk_count(metadata) > AUTO_COMPACT_CHUNKS):
+        try:
+            return dump_compact(metadata)
+        except ConfigError:
+            if metadata_format == "compact":
+                raise
+    return pickle.dumps(materialize(metadata), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def load_metadata(data: bytes, where: str) -> Metadata:
-    """Unpickle ``.metadata`` bytes with the restricted unpickler and validate every field.
+    """Decode ``.metadata`` bytes, compact or pickled (restricted unpickler), and validate every field.
 
     Any failure is a ``CheckpointFormatError`` naming ``where`` (see ``metadata_pickle``
-    for what the unpickler admits and ``metadata_check`` for what is validated).
+    for what the unpickler admits, ``metadata_check`` for what is validated and
+    ``metadata_compact_read`` for the compact format).
     """
     try:
+        if data[: len(COMPACT_MAGIC)] == COMPACT_MAGIC:
+            return load_compact(data, where)
         return check_metadata(unpickle_metadata(data, (ItemLocation,)), budget_for(len(data)))
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"{where}: {exc}") from None

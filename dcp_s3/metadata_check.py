@@ -35,7 +35,7 @@ from .codec import FrameIndex
 from .errors import CheckpointFormatError
 from .metadata_pickle import MAX_NDIM, describe
 
-__all__ = ["check_metadata", "check_object_name", "offsets_key", "MAX_OFFSET"]
+__all__ = ["check_metadata", "check_location", "check_object_name", "offsets_key", "MAX_OFFSET"]
 
 #: Largest byte offset or length accepted from metadata (S3 objects are at most 5 TiB).
 MAX_OFFSET = (1 << 63) - 1
@@ -187,6 +187,11 @@ def _location(index: MetadataIndex, info: _StorageInfo, nbytes: int | None, walk
         )
     for value in frame_crcs:
         _int(value, f"{where}: frame_crc32c", 0, 0xFFFFFFFF)
+
+
+def check_location(index: MetadataIndex, info: _StorageInfo, nbytes: int | None) -> None:
+    """Check one storage entry built from compact metadata (whose size already bounds the work)."""
+    _location(index, info, nbytes, _Walk(MAX_OFFSET))
 
 
 def _generic(value: object, walk: _Walk) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from crc32c import crc32c
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -35,6 +35,7 @@ from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFou
 from .items import raw_bytes_view
 from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
 from .metadata_check import offsets_key
+from .metadata_compact_chunks import ChunkLookup
 from .objstore import RangeRead
 from .replicated import read_replicated
 from .session import Location, Session
@@ -108,7 +109,7 @@ class S3StorageReader(Location, StorageReader):
         self._codec = Codec(threads=transfer.decode_threads)  # decodes compressed checkpoints
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
-        self._chunks: dict[tuple[str, str], tuple[torch.Size, torch.dtype]] = {}  # by (fqn, offsets_key)
+        self._chunks: ChunkLookup | dict[tuple[str, str], Any] = {}  # (fqn, offsets_key) -> (sizes, dtype)
         self._metadata_error: DcpS3Error | None = None  # see read_metadata
 
     def __repr__(self) -> str:
@@ -176,12 +177,8 @@ class S3StorageReader(Location, StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if self._metadata_error is not None:
             raise self._metadata_error
-        self.storage_data = metadata.storage_data
-        self._chunks = {}
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                for chunk in md.chunks:
-                    self._chunks[(fqn, offsets_key(chunk.offsets))] = (chunk.sizes, md.properties.dtype)
+        self.storage_data = metadata.storage_data  # a lazy Mapping for compact metadata
+        self._chunks = ChunkLookup(metadata)  # finds chunks on lookup: no walk over all of them
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -60,6 +60,7 @@ from .layout import (
     data_object_name,
     dump_metadata,
     load_metadata,
+    metadata_format_option,
     new_token,
     rank_prefix,
     referenced_objects,
@@ -137,8 +138,10 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         compression_level: int = 1,
         compression_threads: int = 2,
         key_prefixes: int = 1,
+        metadata_format: str = "auto",
     ) -> None:
         StorageWriter.__init__(self)
+        self.metadata_format = metadata_format_option(metadata_format)  # layout.dump_metadata
         BlockingAsyncStager.__init__(self)
         transfer = (transfer or TransferConfig()).override(
             part_size=part_size, max_concurrency=max_concurrency, files_per_rank=files_per_rank
@@ -283,7 +286,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         ours = referenced_objects(metadata)
         transport = self._session.transport
         key = self._session.key(METADATA_KEY)
-        body = dump_metadata(metadata)
+        body = dump_metadata(metadata, self.metadata_format)
         if self.overwrite:
             replaced = self._committed_objects(key) - ours
             etag = transport.put(key, body)

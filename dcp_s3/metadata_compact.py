@@ -1,0 +1,358 @@
+"""The compact ``.metadata`` format: written by ``dump_compact``, read by ``metadata_compact_read``.
+
+A stock ``.metadata`` is a pickle holding one ``ChunkStorageMetadata`` and one storage entry
+object per chunk: at 16,384 FSDP ranks (Llama-70B-like) that is ~5.4 GB and minutes of
+unpickling on every rank. The compact format describes the same ``Metadata``:
+
+    MAGIC (8 bytes) | header length (u64 LE) | header (JSON, UTF-8) | packed little-endian arrays
+
+* state-dict entries in a JSON list; a tensor's chunks by a **rule** when they are
+  ``torch.chunk``'s split along one dimension (FSDP's sharding: ``n`` chunks of
+  ``ceil(d / n)`` rows, trailing ones possibly empty, every other dimension whole), else
+  explicit offset/size arrays;
+* object names and transform descriptors in tables;
+* storage entries sorted by (state-dict entry, chunk): which chunks have one (all of them,
+  or an explicit chunk list), then one *column* per field (object index, offset, length,
+  payload offset, CRC32C, frame index, the ``MetadataIndex.index`` hint, the entry's
+  class). A column is a constant, an arithmetic sequence, a repeated arithmetic period
+  (optionally followed by a tail column: FSDP's rank-periodic object numbers), runs, or an
+  explicit array of the narrowest integer type that holds it;
+* codec frame indexes (``codec.FrameIndex``) as columns plus concatenated frame ends,
+  frame CRCs and raw-frame bit masks;
+* ``planner_data``, ``storage_meta`` and transform descriptors as tagged JSON values
+  (containers, str, int, float, bool, None, ``torch.Size``, posix paths).
+
+Metadata holding anything else (another ``_StorageInfo`` subclass, a planner_data object)
+cannot be written compactly: ``dump_compact`` raises ``ConfigError`` and the writer's
+``metadata_format="auto"`` falls back to the stock pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ._torch_compat import _StorageInfo
+from .codec import FrameIndex
+from .errors import ConfigError
+
+__all__ = ["MAGIC", "FORMAT_VERSION", "dump_compact", "rule_chunk", "chunk_count", "DTYPES", "LAYOUTS", "MEMORY_FORMATS"]
+
+#: First bytes of a compact ``.metadata`` (a pickle starts with ``\x80``).
+MAGIC = b"\x89DCPS3M\n"
+FORMAT_VERSION = 1
+#: Storage columns, in the order they are written.
+STORAGE_COLUMNS = ("kind", "object", "offset", "length", "transform", "payload", "crc", "frame", "hint")
+FRAME_COLUMNS = ("codec", "version", "element_size", "grouping", "raw_length", "frame_size", "frames", "crcs")
+#: ``kind`` column values.
+KIND_STORAGE_INFO, KIND_ITEM_LOCATION = 0, 1
+
+DTYPES: dict[str, torch.dtype] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+LAYOUTS: dict[str, torch.layout] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.layout)}
+MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+                  "preserve_format": torch.preserve_format}
+_INT_TYPES = ("<u1", "<u2", "<u4", "<u8", "<i1", "<i2", "<i4", "<i8")
+
+
+def rule_chunk(size: Sequence[int], dim: int, n: int, i: int) -> tuple[list[int], list[int]]:
+    """(offsets, sizes) of chunk ``i`` of ``n`` along ``dim`` under ``torch.chunk``'s rule
+    (every chunk ``ceil(d / n)`` rows, the trailing ones short or empty)."""
+    d = size[dim]
+    step = -(-d // n)
+    lo = min(i * step, d)
+    offsets = [0] * len(size)
+    sizes = list(size)
+    offsets[dim], sizes[dim] = lo, min(lo + step, d) - lo
+    return offsets, sizes
+
+
+def chunk_count(metadata: Metadata) -> int:
+    """Stored chunks of ``metadata``'s tensors: what a stock ``.metadata``'s size grows with."""
+    return sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata))
+
+
+def _unsupported(what: str) -> ConfigError:
+    return ConfigError(f"metadata cannot be written in the compact format: {what}")
+
+
+def tag(value: Any) -> Any:
+    """``value`` as JSON with containers tagged so that list/tuple/dict/Size round-trip."""
+    if value is None or type(value) in (bool, int, str, float):
+        return value
+    if type(value) is torch.Size:
+        return {"S": list(value)}
+    if type(value) is list:
+        return {"L": [tag(v) for v in value]}
+    if type(value) is tuple:
+        return {"T": [tag(v) for v in value]}
+    if type(value) is dict:
+        return {"D": [[tag(k), tag(v)] for k, v in value.items()]}
+    if type(value) in (pathlib.PosixPath, pathlib.PurePosixPath):
+        return {"P" if type(value) is pathlib.PosixPath else "PP": str(value)}
+    raise _unsupported(f"a {type(value).__name__} value")
+
+
+class _Arrays:
+    """The packed array section, built while the header is."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.table: dict[str, list[Any]] = {}
+
+    def add(self, name: str, values: np.ndarray) -> str:
+        dtype = f"<{values.dtype.kind}{values.dtype.itemsize}"
+        assert dtype in _INT_TYPES, dtype
+        raw = values.astype(dtype, copy=False).tobytes()
+        self.table[name] = [dtype, self.size, len(values)]
+        pad = -len(raw) % 8
+        self.parts.append(raw + b"\0" * pad)
+        self.size += len(raw) + pad
+        return name
+
+    def column(self, name: str, values: np.ndarray, *, split: bool = True) -> dict[str, Any]:
+        """The smallest description of an int64 column (see the module doc)."""
+        n = len(values)
+        if n == 0:
+            return {"c": 0}
+        first = int(values[0])
+        if n == 1 or bool((values == first).all()):
+            return {"c": first}
+        diff = np.diff(values)
+        step = int(diff[0])
+        if bool((diff == step).all()):
+            return {"a": [first, step]}
+        period = int(np.flatnonzero(diff != step)[0]) + 1
+        if period > 1:
+            base = first + step * np.arange(period, dtype=np.int64)
+            rows = values[: n - n % period].reshape(-1, period) == base
+            whole = int(np.argmin(rows.all(axis=1))) if not rows.all() else len(rows)  # leading periods that match
+            if whole * period == n:
+                return {"m": [period, first, step]}
+            if split and whole >= 2 and whole * period * 2 >= n:  # a periodic head (FSDP's ranks) and a tail
+                head = whole * period
+                return {"s": [[{"m": [period, first, step]}, head],
+                              [self.column(f"{name}.t", values[head:], split=False), n - head]]}
+        starts = np.concatenate(([0], np.flatnonzero(diff != 0) + 1))
+        if len(starts) * 4 <= n:
+            lengths = np.diff(np.concatenate((starts, [n])))
+            return {"r": [self.add(f"{name}.v", _narrow(values[starts])), self.add(f"{name}.n", _narrow(lengths))]}
+        return {"x": self.add(name, _narrow(values))}
+
+
+def _narrow(values: np.ndarray) -> np.ndarray:
+    lo, hi = int(values.min()), int(values.max())
+    kinds = ("<u1", "<u2", "<u4", "<u8") if lo >= 0 else ("<i1", "<i2", "<i4", "<i8")
+    for kind in kinds:
+        info = np.iinfo(np.dtype(kind))
+        if info.min <= lo and hi <= info.max:
+            return values.astype(kind)
+    raise _unsupported("an integer beyond 64 bits")  # pragma: no cover  # int64 input
+
+
+def _properties(props: TensorProperties) -> dict[str, Any]:
+    if type(props) is not TensorProperties:
+        raise _unsupported(f"tensor properties of type {type(props).__name__}")
+    names = {
+        "dtype": next((n for n, v in DTYPES.items() if v == props.dtype), None),
+        "layout": next((n for n, v in LAYOUTS.items() if v == props.layout), None),
+        "memory_format": next((n for n, v in MEMORY_FORMATS.items() if v == props.memory_format), None),
+    }
+    if None in names.values() or type(props.requires_grad) is not bool or type(props.pin_memory) is not bool:
+        raise _unsupported(f"tensor properties {props}")
+    return {**names, "requires_grad": props.requires_grad, "pin_memory": props.pin_memory}
+
+
+def _rule(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> dict[str, int] | None:
+    """``{"dim", "n"}`` if ``chunks`` is exactly torch.chunk's split of ``size`` along one dim."""
+    n = len(chunks)
+    if n == 0:
+        return None
+    if not size:  # a scalar: one whole chunk
+        return {"dim": -1, "n": 1} if n == 1 and not chunks[0].offsets and not chunks[0].sizes else None
+    for dim in range(len(size)):
+        if all(
+            list(c.offsets) == off and list(c.sizes) == sz
+            for i, c in enumerate(chunks)
+            for off, sz in (rule_chunk(size, dim, n, i),)
+        ):
+            return {"dim": dim, "n": n}
+        if n == 1:
+            return None
+        if chunks[0].sizes[dim] == size[dim]:  # whole along this dim: try the next one
+            continue
+        return None
+    return None
+
+
+def _frames(arrays: _Arrays, framed: list[tuple[FrameIndex, tuple[int, ...] | None]], codecs: list[str]
+            ) -> dict[str, Any]:
+    cols: dict[str, list[int]] = {c: [] for c in FRAME_COLUMNS}
+    ends: list[int] = []
+    crcs: list[int] = []
+    bits = bytearray()
+    for frames, frame_crcs in framed:
+        if type(frames) is not FrameIndex or type(frames.codec) is not str:
+            raise _unsupported(f"a frame index of type {type(frames).__name__}")
+        if frames.codec not in codecs:
+            codecs.append(frames.codec)
+        if frame_crcs is not None and (type(frame_crcs) is not tuple or len(frame_crcs) != len(frames.ends)):
+            raise _unsupported("frame checksums that do not match the frame index")
+        values = (codecs.index(frames.codec), frames.version, frames.element_size, frames.grouping,
+                  frames.raw_length, frames.frame_size, len(frames.ends), int(frame_crcs is not None))
+        for name, value in zip(FRAME_COLUMNS, values):
+            cols[name].append(value)
+        ends.extend(frames.ends)
+        crcs.extend(frame_crcs or ())
+        bits += frames.raw_frames.to_bytes(-(-len(frames.ends) // 8), "little")
+    out: dict[str, Any] = {"count": len(framed), "codecs": codecs}
+    out["columns"] = {c: arrays.column(f"f.{c}", np.array(v, dtype=np.int64)) for c, v in cols.items()}
+    out["ends"] = arrays.add("f.ends", _narrow(np.array(ends or [0], dtype=np.int64))[: len(ends)])
+    out["crcs"] = arrays.add("f.crcs", np.array(crcs, dtype="<u4"))
+    out["raw"] = arrays.add("f.raw", np.frombuffer(bytes(bits), dtype="<u1"))
+    return out
+
+
+def _opt(value: int | None) -> int:
+    return -1 if value is None else value
+
+
+def dump_compact(metadata: Metadata) -> bytes:
+    """``metadata`` in the compact format; ``ConfigError`` if it holds what the format cannot describe."""
+    arrays = _Arrays()
+    state = metadata.state_dict_metadata
+    storage = metadata.storage_data
+    if storage is not None and not isinstance(storage, dict) and not hasattr(storage, "items"):
+        raise _unsupported(f"storage_data of type {type(storage).__name__}")
+    from .metadata_compact_chunks import RuleChunks
+
+    # Each tensor's chunks: a rule (chunk found from its offsets) or explicit arrays (found by a dict).
+    entries: dict[str, dict[str, Any]] = {}
+    finders: dict[str, Any] = {}
+    chunk_offsets: list[int] = []
+    chunk_sizes: list[int] = []
+    for fqn, md in state.items():
+        if type(fqn) is not str:
+            raise _unsupported(f"state-dict key {fqn!r}")
+        if type(md) is BytesStorageMetadata:
+            entries[fqn] = {"fqn": fqn, "bytes": 0}
+            continue
+        if type(md) is not TensorStorageMetadata:
+            raise _unsupported(f"state-dict entry {fqn!r} of type {type(md).__name__}")
+        entry: dict[str, Any] = {"fqn": fqn, **_properties(md.properties), "size": list(md.size)}
+        rule = _rule(md.size, md.chunks)
+        if rule is not None:
+            entry["rule"] = rule
+            finders[fqn] = RuleChunks(md.size, rule["dim"], rule["n"]).find
+        else:
+            entry["chunks"] = len(md.chunks)
+            first: dict[tuple[int, ...], int] = {}
+            for i, chunk in enumerate(md.chunks):
+                chunk_offsets.extend(chunk.offsets)
+                chunk_sizes.extend(chunk.sizes)
+                first.setdefault(tuple(chunk.offsets), i)
+            finders[fqn] = lambda offsets, first=first: first.get(tuple(offsets))
+        entries[fqn] = entry
+    # Storage entries grouped by state-dict entry, each keyed by its chunk number.
+    by_fqn: dict[str, dict[int, tuple[MetadataIndex, _StorageInfo]]] = {fqn: {} for fqn in state}
+    for index, info in (storage.items() if storage is not None else ()):
+        held = by_fqn.get(index.fqn) if type(index) is MetadataIndex else None
+        if held is None:
+            raise _unsupported(f"storage key {index!r} names no state-dict entry")
+        find = finders.get(index.fqn)
+        c = 0 if find is None and index.offset is None else (  # a byte item has no offset
+            find(index.offset) if find is not None and index.offset is not None else None)
+        if c is None:
+            raise _unsupported(f"storage entry {index.fqn!r} at {index.offset} matches no chunk of its entry")
+        held[c] = (index, info)
+    stored_chunks: list[int] = []
+    ordered: list[tuple[MetadataIndex, _StorageInfo]] = []
+    for fqn, md in state.items():
+        held = by_fqn[fqn]
+        numbers = sorted(held)
+        if fqn not in finders:
+            entries[fqn]["bytes"] = len(held)
+        elif numbers == list(range(len(md.chunks))):  # type: ignore[union-attr]
+            entries[fqn]["stored"] = "all"
+        else:
+            entries[fqn]["stored"] = len(numbers)
+            stored_chunks.extend(numbers)
+        ordered.extend(held[c] for c in numbers)
+    header: dict[str, Any] = {
+        "format": "dcp_s3.compact", "version": FORMAT_VERSION, "metadata_version": getattr(metadata, "version", None),
+        "planner_data": tag(metadata.planner_data), "storage_meta": _storage_meta(metadata),
+        "entries": list(entries.values()),
+        "chunk_offsets": arrays.add("chunk_offsets", np.array(chunk_offsets, dtype=np.uint64)),
+        "chunk_sizes": arrays.add("chunk_sizes", np.array(chunk_sizes, dtype=np.uint64)),
+        "stored_chunks": arrays.add("stored_chunks", np.array(stored_chunks, dtype=np.uint32)),
+    }
+    if storage is not None:
+        header["storage"] = _storage(arrays, ordered)
+    header["arrays"] = arrays.table
+    head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+    return b"".join([MAGIC, struct.pack("<Q", len(head)), head, b"\0" * (-len(head) % 8), *arrays.parts])
+
+
+def _storage_meta(metadata: Metadata) -> dict[str, Any] | None:
+    meta = metadata.storage_meta
+    if meta is None:
+        return None
+    return {"checkpoint_id": tag(meta.checkpoint_id), "save_id": tag(meta.save_id), "load_id": tag(meta.load_id),
+            "modules": tag(meta.modules)}
+
+
+def _storage(arrays: _Arrays, ordered: list[tuple[MetadataIndex, _StorageInfo]]) -> dict[str, Any]:
+    from .layout import ItemLocation
+
+    objects: dict[str, int] = {}
+    transforms: list[Any] = []
+    framed: list[tuple[FrameIndex, tuple[int, ...] | None]] = []
+    cols = {c: array("q") for c in STORAGE_COLUMNS}  # 8 bytes a value: no Python int per entry kept
+    for index, info in ordered:
+        kind = {_StorageInfo: KIND_STORAGE_INFO, ItemLocation: KIND_ITEM_LOCATION}.get(type(info))
+        if kind is None or type(info.relative_path) is not str or type(info.offset) is not int or type(info.length) is not int:
+            raise _unsupported(f"storage entry {index.fqn!r}: {type(info).__name__} {info!r}"[:300])
+        td = getattr(info, "transform_descriptors", None)
+        t = -1
+        if td is not None:
+            tagged = tag(td)
+            if tagged not in transforms:
+                transforms.append(tagged)
+            t = transforms.index(tagged)
+        frame = -1
+        payload = crc = None
+        if isinstance(info, ItemLocation):
+            payload, crc = info.payload_offset, info.crc32c
+            if info.frames is not None:
+                frame = len(framed)
+                framed.append((info.frames, info.frame_crc32c))
+            elif info.frame_crc32c is not None:
+                raise _unsupported(f"storage entry {index.fqn!r}: frame checksums without frames")
+        if index.index is not None and (type(index.index) is not int or index.index < 0):
+            raise _unsupported(f"storage entry {index.fqn!r}: index hint {index.index!r}")
+        for name, value in zip(STORAGE_COLUMNS, (kind, objects.setdefault(info.relative_path, len(objects)),
+                                                 info.offset, info.length, t, _opt(payload), _opt(crc), frame,
+                                                 _opt(index.index))):
+            if type(value) is not int or not -1 <= value < 1 << 63:
+                raise _unsupported(f"storage entry {index.fqn!r}: {name} {value!r}")
+            cols[name].append(value)
+    return {
+        "count": len(ordered), "objects": list(objects), "transforms": transforms,
+        "columns": {c: arrays.column(f"s.{c}", np.frombuffer(v, dtype=np.int64)) for c, v in cols.items()},
+        "frames": _frames(arrays, framed, []),
+    }
