@@ -35,6 +35,7 @@ from .metadata_check import check_metadata, check_object_name
 from .metadata_compact import MAGIC as COMPACT_MAGIC
 from .metadata_compact import chunk_count, dump_compact
 from .metadata_compact_read import load_compact, materialize
+from .metadata_compact_storage import CompactStorage
 from .metadata_pickle import budget_for, describe, unpickle_metadata
 
 __all__ = [
@@ -73,6 +74,8 @@ def data_object_name(rank_prefix: str, n: int, token: str) -> str:
 
 def referenced_objects(metadata: Metadata) -> set[str]:
     """The object names (relative to the checkpoint) that ``metadata``'s items live in."""
+    if isinstance(metadata.storage_data, CompactStorage):  # millions of entries: read the column, build none
+        return metadata.storage_data.referenced_objects()
     return {info.relative_path for info in metadata.storage_data.values()}
 
 

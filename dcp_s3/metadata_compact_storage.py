@@ -241,6 +241,10 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
     def __len__(self) -> int:
         return self.count
 
+    def referenced_objects(self) -> set[str]:
+        """The object names the entries use, from the object column alone (no entry is built)."""
+        return {self.objects[i] for i in np.unique(self.cols["object"].array()).tolist()}
+
     def _position(self, key: MetadataIndex) -> tuple[_Entry, int, int] | None:
         entry = self._by_fqn.get(key.fqn) if isinstance(key, MetadataIndex) else None
         if entry is None or entry.count == 0:

@@ -124,6 +124,9 @@ def test_hand_built_metadata_round_trips() -> None:
     assert MetadataIndex("partial", S([4])) not in back.storage_data
     assert MetadataIndex("w", S([1, 0])) not in back.storage_data
     assert back.storage_data.get(MetadataIndex("unstored")) is None
+    # What a replacing save deletes comes from the object column alone, and names the same objects.
+    assert layout.referenced_objects(back) == {info.relative_path for info in md.storage_data.values()}
+    assert layout.referenced_objects(back) == layout.referenced_objects(md) != set()
     # Torch pickles it compactly (the lazy parts reduce to the compact bytes), and it round-trips.
     assert pickle.loads(pickle.dumps(back)) == md
     # The stock format from a compact load: plain lists and dicts, readable by the restricted unpickler.
