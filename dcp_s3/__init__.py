@@ -27,8 +27,9 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
+    from .checkpointer import AsyncSave, Checkpointer
     from .config import ClientConfig, TransferConfig
+    from .objects import latest_checkpoint, load_object, save_object
     from .planners import (
         MetaRankLoadPlanner,
         TrainableOnlyLoadPlanner,
@@ -48,9 +49,9 @@ _LAZY = {
     "S3StorageReader": "reader",
     "Checkpointer": "checkpointer",
     "AsyncSave": "checkpointer",
-    "latest_checkpoint": "checkpointer",
-    "save_object": "checkpointer",
-    "load_object": "checkpointer",
+    "latest_checkpoint": "objects",
+    "save_object": "objects",
+    "load_object": "objects",
     "TrainableOnlySavePlanner": "planners",
     "TrainableOnlyLoadPlanner": "planners",
     "MetaRankLoadPlanner": "planners",
