@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -40,7 +40,7 @@ from .cleanup import retain_last
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from .legacy import ALLOW_MISSING_OPTIM_ENV, is_foreign_step_marker, load_legacy
 from .objects import latest_checkpoint, load_object, save_object, torch_load, torch_save_bytes
-from .optim_match import optim_mismatch
+from .optim_match import OptimizerLoadPlanner
 from .planners import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
 from .ranks import Ranks, distributed, rank, world_size
 from .steps import MARKER_FORMAT, MARKER_SUFFIX, find_complete, part_name, scan
@@ -352,19 +352,17 @@ class Checkpointer:
         self, store: Store, step: str, key: str, model: nn.Module, optim: torch.optim.Optimizer | None
     ) -> None:
         name = part_name(step, key, "optim")
-        reader = self._reader(store, step, key, "optim")
-        state: dict[str, Any] = {}
-        problem: str | None = None
-        if optim is not None and not on_meta(model):
-            state = get_optimizer_state_dict(model, optim)  # initializes fresh state, so DTensor state loads
-            problem = optim_mismatch(state, reader.read_metadata())
-        problems = [p for p in self._ranks.gather(problem) if p]
-        if problems:
-            warn(f"optimizer checkpoint {store.url(name)} does not match the optimizer ({problems[0]}); "
+        check = optim is not None and not on_meta(model)
+        # initializes fresh state, so DTensor state loads
+        state: dict[str, Any] = get_optimizer_state_dict(model, optim) if check and optim is not None else {}
+        # The compatibility check runs inside the load, on the .metadata it reads once and shares.
+        planner = OptimizerLoadPlanner(check=check)
+        dcp.load(state, storage_reader=self._reader(store, step, key, "optim"), planner=planner,
+                 no_dist=not distributed())
+        if planner.problem is not None:
+            warn(f"optimizer checkpoint {store.url(name)} does not match the optimizer ({planner.problem}); "
                  "continuing with fresh optimizer state")
             return
-        dcp.load(state, storage_reader=self._reader(store, step, key, "optim"),
-                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=not distributed())
         if state and optim is not None:
             set_optimizer_state_dict(model, optim, state)
 

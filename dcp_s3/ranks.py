@@ -88,11 +88,3 @@ class Ranks:
         if error is not None:
             raise error
         return result  # type: ignore[no-any-return]
-
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order, on every rank."""
-        if not distributed():
-            return [value]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value, group=self.control_group())
-        return out
