@@ -21,9 +21,12 @@ from .errors import (
     ConfigError,
     DcpS3Error,
     InvalidCheckpointIdError,
+    InvalidTypeError,
+    LocalServerError,
     S3AccessDeniedError,
     S3TransferError,
     ServerCapabilityError,
+    TorchCompatibilityError,
 )
 
 if TYPE_CHECKING:
@@ -100,6 +103,9 @@ __all__ = [
     "S3TransferError",
     "CheckpointFormatError",
     "ServerCapabilityError",
+    "InvalidTypeError",
+    "TorchCompatibilityError",
+    "LocalServerError",
 ]
 
 logging.getLogger("dcp_s3").addHandler(logging.NullHandler())

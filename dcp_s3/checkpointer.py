@@ -164,9 +164,9 @@ class Checkpointer:
                 "format": MARKER_FORMAT,
                 "iteration": int(iteration),
                 "parts": [f"{key}_{kind}" for key, kind, _, _ in parts],
-                "scheduler": state_of(scheduler_dict),
-                "grad_scaler": state_of(grad_scaler),
-                "callbacks": state_of(callbacks),
+                "scheduler": state_of(scheduler_dict, "scheduler_dict"),
+                "grad_scaler": state_of(grad_scaler, "grad_scaler"),
+                "callbacks": state_of(callbacks, "callbacks"),
                 "world_size": world_size(),
                 "saved_at": time.time(),
             }

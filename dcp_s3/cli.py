@@ -64,11 +64,12 @@ def human_size(n: int | None) -> str:
     if n is None:
         return "-"
     size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while abs(size) >= 1024 and i < len(units) - 1:
         size /= 1024
-    raise AssertionError("unreachable")
+        i += 1
+    return f"{int(size)} B" if i == 0 else f"{size:.1f} {units[i]}"
 
 
 def parse_duration(text: str) -> float:

@@ -219,7 +219,9 @@ def decoder_for(index: FrameIndex) -> ModuleType:
 def frame_range(index: FrameIndex, raw_start: int, raw_end: int) -> tuple[int, int]:
     """The first and last frame holding raw ``[raw_start, raw_end)``; ``(1, 0)`` for an empty range."""
     if not 0 <= raw_start <= raw_end <= index.raw_length:
-        raise ValueError(f"raw range [{raw_start}, {raw_end}) is outside the item's {index.raw_length} bytes")
+        raise CheckpointFormatError(
+            f"raw range [{raw_start}, {raw_end}) is outside the item's {index.raw_length} bytes (frame index)"
+        )
     if raw_start == raw_end:
         return (1, 0)
     return (raw_start // index.frame_size, (raw_end - 1) // index.frame_size)

@@ -27,6 +27,7 @@ from dcp_s3.codec import (
     frame_range,
 )
 from dcp_s3.codec_v1 import encode_frame
+from dcp_s3.errors import CheckpointFormatError, ConfigError, InvalidTypeError
 
 __all__ = ["Codec", "Chunk"]
 
@@ -51,7 +52,10 @@ class Codec:
         ``(max_in_flight + threads) * frame_size``.
         """
         if threads < 1 or not 1 <= frame_size <= MAX_FRAME_SIZE or (max_in_flight is not None and max_in_flight < 1):
-            raise ValueError(f"threads and max_in_flight must be positive, frame_size in [1, {MAX_FRAME_SIZE}]")
+            raise ConfigError(
+                f"Codec(threads={threads}, frame_size={frame_size}, max_in_flight={max_in_flight}): threads and "
+                f"max_in_flight must be positive, frame_size in [1, {MAX_FRAME_SIZE}]"
+            )
         zstandard.ZstdCompressor(level=level)  # validates the level
         self.level, self.threads, self.frame_size = level, threads, frame_size
         self.max_in_flight = max_in_flight or 2 * threads
@@ -107,7 +111,7 @@ class Codec:
         element size of 2, 4 or 8 selects byte grouping. Returns the item's index.
         """
         if element_size < 1:
-            raise ValueError(f"element_size must be positive, got {element_size}")
+            raise ConfigError(f"encode: element_size must be positive, got {element_size}")
         es = element_size
         grouping = GROUP_FLOAT if floating and es in UINT else GROUP_NONE
         fs = self.frame_size_for(es)
@@ -147,7 +151,7 @@ class Codec:
                 for chunk in data:  # type: ignore[union-attr,unused-ignore]
                     view = as_bytes_view(chunk)
                     if view is None:
-                        raise TypeError(f"encode needs buffers, got a chunk of type {type(chunk).__name__}")
+                        raise InvalidTypeError(f"encode: data must be buffers, got a chunk of type {type(chunk).__name__}")
                     pos = 0
                     if partial is not None:
                         pos = min(fs - fill, len(view))
@@ -203,17 +207,17 @@ class Codec:
         src = as_bytes_view(stored)
         dst = as_bytes_view(out)
         if src is None or dst is None or dst.readonly:
-            raise TypeError("stored must be a buffer and out a writable buffer")
+            raise InvalidTypeError("decode_into: stored must be a buffer and out a writable buffer")
         if len(dst) != raw_end - raw_start:
-            raise ValueError(
-                f"out has {len(dst)} bytes, the range [{raw_start}, {raw_end}) needs {raw_end - raw_start}")
+            raise ConfigError(
+                f"decode_into: out has {len(dst)} bytes, the range [{raw_start}, {raw_end}) needs {raw_end - raw_start}")
         first, last = frame_range(index, raw_start, raw_end)
         if first > last:
             return
         span = (index.stored_range(first)[0], index.ends[last])
         if stored_start > span[0] or stored_start + len(src) < span[1]:
-            raise ValueError(
-                f"stored bytes [{stored_start}, {stored_start + len(src)}) do not cover the "
+            raise CheckpointFormatError(
+                f"decode_into: stored bytes [{stored_start}, {stored_start + len(src)}) do not cover the "
                 f"needed span [{span[0]}, {span[1]})"
             )
         tasks = []
@@ -248,5 +252,5 @@ def as_bytes_view(obj: Any) -> memoryview | None:
     except TypeError:
         return None
     if not view.c_contiguous:
-        raise ValueError("buffers must be C-contiguous")
+        raise ConfigError("buffers must be C-contiguous")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")

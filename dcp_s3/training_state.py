@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, ConfigError, InvalidTypeError
 
 __all__ = ["check_dicts", "state_of", "restore", "on_meta", "sharded", "warn"]
 
@@ -26,15 +26,15 @@ def warn(message: str) -> None:
 def check_dicts(model_dict: Mapping[str, Any], optimizer_dict: Mapping[str, Any] | None) -> None:
     """``model_dict`` maps part names (no ``.`` or ``/``) to modules; ``optimizer_dict`` uses the same names."""
     if not isinstance(model_dict, Mapping) or not model_dict:
-        raise TypeError("model_dict must be a non-empty dict of name -> nn.Module")
+        raise InvalidTypeError(f"model_dict must be a non-empty dict of name -> nn.Module, got {_what(model_dict)}")
     for key, model in model_dict.items():
         if not isinstance(key, str) or not key or "." in key or "/" in key:
-            raise ValueError(f"model_dict key {key!r} must be a non-empty string without '.' or '/'")
+            raise ConfigError(f"model_dict key {key!r} must be a non-empty string without '.' or '/'")
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model_dict[{key!r}] is a {type(model).__name__}, not an nn.Module")
+            raise InvalidTypeError(f"model_dict[{key!r}] is a {type(model).__name__}, not an nn.Module")
     extra = sorted(set(optimizer_dict or {}) - set(model_dict))
     if extra:
-        raise ValueError(f"optimizer_dict keys {extra} are not in model_dict (it maps the same names)")
+        raise ConfigError(f"optimizer_dict keys {extra} are not in model_dict (it maps the same names)")
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -50,17 +50,17 @@ def sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def state_of(obj: Any) -> Any:
-    """``state_dict()`` of an object, or of each value of a dict / item of a list."""
+def state_of(obj: Any, what: str) -> Any:
+    """``state_dict()`` of an object, or of each value of a dict / item of a list (``what`` names it in errors)."""
     if obj is None:
         return None
     if hasattr(obj, "state_dict"):
         return obj.state_dict()
     if isinstance(obj, Mapping):
-        return {k: state_of(v) for k, v in obj.items()}
+        return {k: state_of(v, f"{what}[{k!r}]") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [state_of(v) for v in obj]
-    raise TypeError(f"cannot save a {type(obj).__name__}: it has no state_dict()")
+        return [state_of(v, f"{what}[{i}]") for i, v in enumerate(obj)]
+    raise InvalidTypeError(f"{what}: cannot save a {type(obj).__name__}: it has no state_dict()")
 
 
 def restore(obj: Any, state: Any, what: str) -> None:
@@ -84,4 +84,8 @@ def restore(obj: Any, state: Any, what: str) -> None:
         for i, (value, sub) in enumerate(zip(obj, state)):
             restore(value, sub, f"{what}[{i}]")
     else:
-        raise TypeError(f"cannot restore a {type(obj).__name__}: it has no load_state_dict()")
+        raise InvalidTypeError(f"{what}: cannot restore a {type(obj).__name__}: it has no load_state_dict()")
+
+
+def _what(obj: Any) -> str:
+    return f"an empty {type(obj).__name__}" if isinstance(obj, Mapping) else f"a {type(obj).__name__}"
