@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import copyreg
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import MappingProxyType, ModuleType
 from typing import TYPE_CHECKING, Any, Final
@@ -66,6 +66,7 @@ __all__ = [
     "grouping_for_dtype",
     "supported",
     "decoder_for",
+    "accepts",
 ]
 
 CODEC_NAME: Final = "dcp_s3.zstd-frames"
@@ -204,6 +205,13 @@ def grouping_for_dtype(dtype: Any) -> tuple[int, bool]:
 def supported() -> str:
     """The codecs this dcp_s3 reads, for error messages."""
     return ", ".join(f"{name!r} version {v}" for name, v in sorted(DECODERS))
+
+
+def accepts(descriptors: Sequence[str], index: FrameIndex) -> bool:
+    """Whether a reader decodes an item stored with ``transform_descriptors`` ``descriptors`` and
+    frame index ``index``: the descriptors name exactly the index's codec (``<codec>/<version>``)
+    and :data:`DECODERS` has it."""
+    return list(descriptors) == [f"{index.codec}/{index.version}"] and (index.codec, index.version) in DECODERS
 
 
 def decoder_for(index: FrameIndex) -> ModuleType:

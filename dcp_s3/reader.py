@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from ._torch_compat import element_size, narrow_tensor_by_index, placeholder_metadata
 from .byte_items import check_byte_item
-from .codec import Codec, FrameIndex, stored_span
+from .codec import Codec, FrameIndex, accepts, stored_span
 from .config import ClientConfig, TransferConfig, client_config
 from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from .items import raw_bytes_view
@@ -224,7 +224,7 @@ class S3StorageReader(S3Location, StorageReader):
             raise CheckpointFormatError(f"{self.checkpoint_id}: no storage entry for {req.storage_index.fqn}")
         key = self._session.key(info.relative_path)
         frames = getattr(info, "frames", None)
-        if info.transform_descriptors and (frames is None or list(info.transform_descriptors) != [CODEC_DESCRIPTOR]):
+        if info.transform_descriptors and (frames is None or not accepts(info.transform_descriptors, frames)):
             raise CheckpointFormatError(
                 f"{req.storage_index.fqn} in {self.checkpoint_id} uses transforms {list(info.transform_descriptors)} "
                 f"that this reader does not support (it reads {CODEC_DESCRIPTOR})"
