@@ -13,6 +13,12 @@ Every rank of the job calls ``save``/``load`` with the same arguments (a single 
 without ``torch.distributed`` works too). The layout is described in :mod:`dcp_s3.steps`:
 one DCP checkpoint per model and per optimizer, and a small ``<step>.pth`` marker that
 rank 0 writes last. Works the same on ``s3://bucket/prefix`` and on a local directory.
+
+This module holds the manager; its parts live beside it: :mod:`~dcp_s3.objects` (single
+objects, ``latest_checkpoint``), :mod:`~dcp_s3.ranks` (run on rank 0, share the outcome),
+:mod:`~dcp_s3.training_state` (argument checks, scheduler/scaler/callback state),
+:mod:`~dcp_s3.optim_match` (optimizer compatibility, checked inside the load),
+:mod:`~dcp_s3.legacy` (single-file checkpoints) and ``cleanup.retain_last`` (``keep_last``).
 """
 
 from __future__ import annotations
@@ -269,7 +275,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         if plan["legacy"]:
             iteration = load_legacy(marker, store.url(plan["marker"]), model_dict, optimizer_dict,
-                                          allow_missing_optim)
+                                    allow_missing_optim)
         else:
             for key, model in model_dict.items():
                 self._load_model(store, step, key, model)
@@ -352,11 +358,12 @@ class Checkpointer:
         self, store: Store, step: str, key: str, model: nn.Module, optim: torch.optim.Optimizer | None
     ) -> None:
         name = part_name(step, key, "optim")
-        check = optim is not None and not on_meta(model)
-        # initializes fresh state, so DTensor state loads
-        state: dict[str, Any] = get_optimizer_state_dict(model, optim) if check and optim is not None else {}
-        # The compatibility check runs inside the load, on the .metadata it reads once and shares.
-        planner = OptimizerLoadPlanner(check=check)
+        state: dict[str, Any] = {}
+        if optim is not None and not on_meta(model):
+            state = get_optimizer_state_dict(model, optim)  # initializes fresh state, so DTensor state loads
+        # The compatibility check runs inside the load, on the .metadata it reads once and shares
+        # (a meta rank, with nothing to load into, plans no reads and never objects).
+        planner = OptimizerLoadPlanner(check=bool(state))
         dcp.load(state, storage_reader=self._reader(store, step, key, "optim"), planner=planner,
                  no_dist=not distributed())
         if planner.problem is not None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ._torch_compat import default_group_has_cpu
 from .errors import DcpS3Error
 
-__all__ = ["Ranks", "distributed", "rank", "picklable"]
+__all__ = ["Ranks", "distributed", "rank", "world_size", "picklable"]
 
 T = TypeVar("T")
 
