@@ -21,14 +21,18 @@ from .errors import (
     ConfigError,
     DcpS3Error,
     InvalidCheckpointIdError,
+    InvalidTypeError,
+    LocalServerError,
     S3AccessDeniedError,
     S3TransferError,
     ServerCapabilityError,
+    TorchCompatibilityError,
 )
 
 if TYPE_CHECKING:
-    from .checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
+    from .checkpointer import AsyncSave, Checkpointer
     from .config import ClientConfig, TransferConfig
+    from .objects import latest_checkpoint, load_object, save_object
     from .planners import (
         MetaRankLoadPlanner,
         TrainableOnlyLoadPlanner,
@@ -49,9 +53,9 @@ _LAZY = {
     "S3StorageReader": "reader",
     "Checkpointer": "checkpointer",
     "AsyncSave": "checkpointer",
-    "latest_checkpoint": "checkpointer",
-    "save_object": "checkpointer",
-    "load_object": "checkpointer",
+    "latest_checkpoint": "objects",
+    "save_object": "objects",
+    "load_object": "objects",
     "TrainableOnlySavePlanner": "planners",
     "TrainableOnlyLoadPlanner": "planners",
     "MetaRankLoadPlanner": "planners",
@@ -102,6 +106,9 @@ __all__ = [
     "S3TransferError",
     "CheckpointFormatError",
     "ServerCapabilityError",
+    "InvalidTypeError",
+    "TorchCompatibilityError",
+    "LocalServerError",
 ]
 
 logging.getLogger("dcp_s3").addHandler(logging.NullHandler())

@@ -13,92 +13,53 @@ Every rank of the job calls ``save``/``load`` with the same arguments (a single 
 without ``torch.distributed`` works too). The layout is described in :mod:`dcp_s3.steps`:
 one DCP checkpoint per model and per optimizer, and a small ``<step>.pth`` marker that
 rank 0 writes last. Works the same on ``s3://bucket/prefix`` and on a local directory.
+
+This module holds the manager; its parts live beside it: :mod:`~dcp_s3.objects` (single
+objects, ``latest_checkpoint``), :mod:`~dcp_s3.ranks` (run on rank 0, share the outcome),
+:mod:`~dcp_s3.training_state` (argument checks, scheduler/scaler/callback state),
+:mod:`~dcp_s3.optim_match` (optimizer compatibility, checked inside the load),
+:mod:`~dcp_s3.legacy` (single-file checkpoints) and ``cleanup.retain_last`` (``keep_last``).
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
-import pickle
 import time
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from ._torch_compat import async_save, default_group_has_cpu, flatten_state_dict
-from .cleanup import delete_step
+from ._torch_compat import async_save
+from .cleanup import retain_last
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
+from .legacy import ALLOW_MISSING_OPTIM_ENV, is_foreign_step_marker, load_legacy
+from .objects import latest_checkpoint, load_object, save_object, torch_load, torch_save_bytes
+from .optim_match import OptimizerLoadPlanner
 from .planners import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
+from .ranks import Ranks, distributed, rank, world_size
 from .steps import MARKER_FORMAT, MARKER_SUFFIX, find_complete, part_name, scan
 from .store import open_object, open_store
 from .store_local import LocalStore
 from .store_s3 import S3Store
+from .training_state import check_dicts, on_meta, restore, state_of, warn
 
 __all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object"]
 
 log = logging.getLogger("dcp_s3")
 
-ALLOW_MISSING_OPTIM_ENV = "DCP_S3_ALLOW_MISSING_OPTIM"
 Store = S3Store | LocalStore
-T = TypeVar("T")
-
-
-# -- small objects ----------------------------------------------------------------------------
-def save_object(obj: Any, uri: str | os.PathLike[str], **storage_options: Any) -> None:
-    """``torch.save`` ``obj`` to ``s3://bucket/key`` or a local file, in one atomic write."""
-    store, name = open_object(uri, **storage_options)
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    store.write(name, buf.getvalue())
-
-
-def load_object(
-    uri: str | os.PathLike[str], *, weights_only: bool = True, map_location: Any = "cpu", **storage_options: Any
-) -> Any:
-    """``torch.load`` an object written by :func:`save_object` (``weights_only=True`` by default)."""
-    store, name = open_object(uri, **storage_options)
-    return _torch_load(store.read(name), store.url(name), weights_only=weights_only, map_location=map_location)
-
-
-def _torch_load(data: bytes, where: str, *, weights_only: bool = True, map_location: Any = "cpu") -> Any:
-    try:
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointFormatError(
-            f"{where}: weights_only loading refused it ({first}); if you trust the file, register its classes "
-            "with torch.serialization.add_safe_globals([...])"
-        ) from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointFormatError(f"{where} is not a readable torch.save file ({exc})") from exc
-
-
-# -- finding and deleting steps -------------------------------------------------------------------
-def latest_checkpoint(uri_or_dir: str | os.PathLike[str], **storage_options: Any) -> str | None:
-    """The location of the newest complete step under ``uri_or_dir`` (None if there is none).
-
-    A step is complete once its ``<step>.pth`` marker exists (written last, after every
-    part committed); steps without a marker (a crash, a save in progress) are never returned.
-    """
-    store = open_store(uri_or_dir, **storage_options)
-    found = find_complete(store)
-    return store.url(found[-1].name) if found else None
 
 
 # -- the manager ------------------------------------------------------------------------------------
@@ -164,9 +125,7 @@ class Checkpointer:
         self._stores: dict[str, Store] = {self.save_dir: self.store}
         self._pending: AsyncSave | None = None
         self._finisher: ThreadPoolExecutor | None = None
-        self._control: Any = None
-        self._control_ready = False
-        self._groups: dict[str, Any] = {}
+        self._ranks = Ranks()
         # Writers/readers are reused across steps (``reset`` retargets them): each S3 one owns a
         # client and an I/O pool, which are costly to create. One per part, so that the
         # concurrent parts of an async save never share one.
@@ -198,7 +157,7 @@ class Checkpointer:
         ``async_save=True`` returns an :class:`AsyncSave` handle instead.
         """
         self.wait()
-        _check_dicts(model_dict, optimizer_dict)
+        check_dicts(model_dict, optimizer_dict)
         store, step = self._locate(path, iteration)
         parts: list[tuple[str, str, dict[str, Any], Any]] = []
         for key, model in model_dict.items():
@@ -206,15 +165,15 @@ class Checkpointer:
             if optimizer_dict is not None and key in optimizer_dict:
                 osd = get_optimizer_state_dict(model, optimizer_dict[key])
                 parts.append((key, "optim", osd, DefaultSavePlanner()))
-        marker = _marker_bytes(
+        marker = torch_save_bytes(
             {
                 "format": MARKER_FORMAT,
                 "iteration": int(iteration),
                 "parts": [f"{key}_{kind}" for key, kind, _, _ in parts],
-                "scheduler": _state_of(scheduler_dict),
-                "grad_scaler": _state_of(grad_scaler),
-                "callbacks": _state_of(callbacks),
-                "world_size": dist.get_world_size() if _distributed() else 1,
+                "scheduler": state_of(scheduler_dict, "scheduler_dict"),
+                "grad_scaler": state_of(grad_scaler, "grad_scaler"),
+                "callbacks": state_of(callbacks, "callbacks"),
+                "world_size": world_size(),
                 "saved_at": time.time(),
             }
         )
@@ -223,20 +182,20 @@ class Checkpointer:
             t0 = time.perf_counter()
             for key, kind, state, planner in parts:
                 writer, url = self._writer(store, step, key, kind)
-                dcp.save(state, checkpoint_id=url, storage_writer=writer, planner=planner, no_dist=not _distributed())
-            self._run_on_rank0(lambda: self._commit(store, step, marker))
+                dcp.save(state, checkpoint_id=url, storage_writer=writer, planner=planner, no_dist=not distributed())
+            self._ranks.run_on_rank0(lambda: self._commit(store, step, marker))
             log.info("saved step %s in %.1fs", location, time.perf_counter() - t0)
             return location
 
-        groups = [self._group_for(f"{key}_{kind}") for key, kind, _, _ in parts]  # before any part starts
+        groups = [self._ranks.group_for(f"{key}_{kind}") for key, kind, _, _ in parts]  # before any part starts
         futures = []
         for (key, kind, state, planner), group in zip(parts, groups):
             writer, url = self._writer(store, step, key, kind)
             futures.append(async_save(
                 state, checkpoint_id=url, storage_writer=writer, planner=planner, process_group=group,
-                no_dist=not _distributed(),
+                no_dist=not distributed(),
             ))
-        rank0 = _rank() == 0
+        rank0 = rank() == 0
 
         def finish() -> str:
             for fut in futures:
@@ -276,23 +235,10 @@ class Checkpointer:
         if self.keep_last is None:
             return
         try:
-            self._retain(keep=store.url(step))
+            retain_last(self.store, self.keep_last, keep=store.url(step))
         except (DcpS3Error, OSError) as exc:
             # The step is saved; storage growing unseen is what must not happen.
-            _warn(f"keep_last={self.keep_last}: could not delete old steps under {self.save_dir}: {exc}")
-
-    def _retain(self, keep: str) -> None:
-        assert self.keep_last is not None
-        # Single-file checkpoints (no parts) may be the user's own files: never deleted.
-        complete = [s for s in find_complete(self.store, None) if s.parts]
-        kept = {s.name for s in complete[-self.keep_last :]}
-        for old in complete:
-            if old.name in kept or self.store.url(old.name) == keep:
-                continue
-            # Only now its objects: a listing of this step's prefix, not of the whole root.
-            (listed,) = [s for s in scan(self.store.list_objects(f"{old.name}.")) if s.name == old.name] or [old]
-            n = delete_step(self.store, listed)
-            log.info("keep_last=%d: deleted step %s (%d objects)", self.keep_last, self.store.url(old.name), n)
+            warn(f"keep_last={self.keep_last}: could not delete old steps under {self.save_dir}: {exc}")
 
     # -- load ---------------------------------------------------------------------------------------
     def load(
@@ -316,33 +262,33 @@ class Checkpointer:
         the optimizer is skipped with a warning. Either way the optimizer keeps fresh state.
         """
         self.wait()
-        _check_dicts(model_dict, optimizer_dict)
+        check_dicts(model_dict, optimizer_dict)
         allow_missing_optim = allow_missing_optim or os.environ.get(ALLOW_MISSING_OPTIM_ENV, "") in ("1", "true", "yes")
         optim_keys = sorted(optimizer_dict or {})
-        plan = self._run_on_rank0(lambda: self._plan_load(path, list(model_dict), optim_keys, allow_missing_optim))
+        plan = self._ranks.run_on_rank0(lambda: self._plan_load(path, list(model_dict), optim_keys, allow_missing_optim))
         if plan is None:
             log.info("no complete checkpoint under %s: starting from scratch", self.save_dir)
             return 0
         store = self._store(plan["root"])
         step: str = plan["step"]
-        marker = _torch_load(store.read(plan["marker"]), store.url(plan["marker"]))
+        marker = torch_load(store.read(plan["marker"]), store.url(plan["marker"]))
         t0 = time.perf_counter()
         if plan["legacy"]:
-            iteration = self._load_legacy(marker, store.url(plan["marker"]), model_dict, optimizer_dict,
-                                          allow_missing_optim)
+            iteration = load_legacy(marker, store.url(plan["marker"]), model_dict, optimizer_dict,
+                                    allow_missing_optim)
         else:
             for key, model in model_dict.items():
                 self._load_model(store, step, key, model)
             for key, status in plan["optim"].items():
                 if status == "missing":
                     name = part_name(step, key, "optim")
-                    _warn(f"optimizer checkpoint {store.url(name)} is missing; {key!r} continues with fresh state")
+                    warn(f"optimizer checkpoint {store.url(name)} is missing; {key!r} continues with fresh state")
                     continue
                 self._load_optim(store, step, key, model_dict[key], (optimizer_dict or {}).get(key))
             iteration = int(marker.get("iteration", 0))
-        _restore(scheduler_dict, marker.get("scheduler"), "scheduler_dict")
-        _restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")
-        _restore(callbacks, marker.get("callbacks"), "callbacks")
+        restore(scheduler_dict, marker.get("scheduler"), "scheduler_dict")
+        restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")
+        restore(callbacks, marker.get("callbacks"), "callbacks")
         log.info("loaded step %s (iteration %d) in %.1fs", store.url(step), iteration, time.perf_counter() - t0)
         return iteration
 
@@ -367,10 +313,10 @@ class Checkpointer:
             partial = [s for s in scan(store.list_objects(f"{step}.")) if s.name == step]
             why = "the save did not complete (no marker)" if partial else "nothing is saved there"
             raise CheckpointNotFoundError(f"no complete checkpoint at {store.url(step)}: {why}")
-        marker = _torch_load(store.read(marker_name), store.url(marker_name))
+        marker = torch_load(store.read(marker_name), store.url(marker_name))
         if not isinstance(marker, dict):
             raise CheckpointFormatError(f"{store.url(marker_name)} holds a {type(marker).__name__}, not a checkpoint")
-        legacy = marker.get("format") != MARKER_FORMAT and not _is_foreign_step_marker(marker)
+        legacy = marker.get("format") != MARKER_FORMAT and not is_foreign_step_marker(marker)
         plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {}}
         if legacy:
             if "model" not in marker:
@@ -399,78 +345,35 @@ class Checkpointer:
 
     def _load_model(self, store: Store, step: str, key: str, model: nn.Module) -> None:
         reader = self._reader(store, step, key, "model")
-        if _on_meta(model):
+        if on_meta(model):
             # All collectives, no reads: the planner gives this rank an empty plan.
             dcp.load(model.state_dict(), storage_reader=reader, planner=TrainableOnlyLoadPlanner(model),
-                     no_dist=not _distributed())
+                     no_dist=not distributed())
             return
         state = get_model_state_dict(model)
-        dcp.load(state, storage_reader=reader, planner=TrainableOnlyLoadPlanner(model), no_dist=not _distributed())
+        dcp.load(state, storage_reader=reader, planner=TrainableOnlyLoadPlanner(model), no_dist=not distributed())
         set_model_state_dict(model, state)
 
     def _load_optim(
         self, store: Store, step: str, key: str, model: nn.Module, optim: torch.optim.Optimizer | None
     ) -> None:
         name = part_name(step, key, "optim")
-        reader = self._reader(store, step, key, "optim")
         state: dict[str, Any] = {}
-        problem: str | None = None
-        if optim is not None and not _on_meta(model):
+        if optim is not None and not on_meta(model):
             state = get_optimizer_state_dict(model, optim)  # initializes fresh state, so DTensor state loads
-            problem = _optim_mismatch(state, reader.read_metadata())
-        problems = [p for p in self._gather(problem) if p]
-        if problems:
-            _warn(f"optimizer checkpoint {store.url(name)} does not match the optimizer ({problems[0]}); "
-                  "continuing with fresh optimizer state")
+        # The compatibility check runs inside the load, on the .metadata it reads once and shares
+        # (a meta rank, with nothing to load into, plans no reads and never objects).
+        planner = OptimizerLoadPlanner(check=bool(state))
+        dcp.load(state, storage_reader=self._reader(store, step, key, "optim"), planner=planner,
+                 no_dist=not distributed())
+        if planner.problem is not None:
+            warn(f"optimizer checkpoint {store.url(name)} does not match the optimizer ({planner.problem}); "
+                 "continuing with fresh optimizer state")
             return
-        dcp.load(state, storage_reader=self._reader(store, step, key, "optim"),
-                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=not _distributed())
         if state and optim is not None:
             set_optimizer_state_dict(model, optim, state)
 
-    def _load_legacy(
-        self,
-        marker: dict[str, Any],
-        where: str,
-        model_dict: Mapping[str, nn.Module],
-        optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
-        allow_missing_optim: bool,
-    ) -> int:
-        """A single-file ``{"model": ..., "optimizer": ..., "iteration": ...}`` checkpoint (every rank reads it)."""
-        models, optims = marker["model"], marker.get("optimizer")
-        single = len(model_dict) == 1
-        for key, model in model_dict.items():
-            msd = models if single else models.get(key)
-            if msd is None:
-                raise CheckpointFormatError(f"legacy checkpoint {where} has no model state for {key!r}")
-            if not _on_meta(model):
-                result = set_model_state_dict(model, msd, options=StateDictOptions(full_state_dict=True, strict=False))
-                if result is not None and (result.missing_keys or result.unexpected_keys):
-                    log.warning("legacy checkpoint %s: %d missing, %d unexpected model keys (loaded non-strict)",
-                                where, len(result.missing_keys), len(result.unexpected_keys))
-            optim = (optimizer_dict or {}).get(key)
-            if optim is None or _on_meta(model):
-                continue
-            osd = optims if single or optims is None else optims.get(key)
-            if osd is None:
-                if not allow_missing_optim:
-                    raise CheckpointNotFoundError(
-                        f"legacy checkpoint {where} has no optimizer state; pass allow_missing_optim=True "
-                        f"(or set {ALLOW_MISSING_OPTIM_ENV}=1) to continue with fresh optimizer state"
-                    )
-                _warn(f"legacy checkpoint {where} has no optimizer state; {key!r} continues with fresh state")
-                continue
-            try:
-                if all(isinstance(k, int) for k in osd.get("state", {})) and not _sharded(model):
-                    optim.load_state_dict(osd)
-                else:
-                    set_optimizer_state_dict(model, optim, osd, options=StateDictOptions(full_state_dict=True))
-            except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-                _warn(f"legacy checkpoint {where}: optimizer state does not match ({exc}); "
-                      "continuing with fresh optimizer state")
-        return int(marker.get("iteration", 0))
-
-    # -- locations and rank coordination -------------------------------------------------------------
+    # -- locations ------------------------------------------------------------------------------------
     def _store(self, root: str) -> Store:
         if root not in self._stores:
             self._stores[root] = open_store(root, **self.storage_options)
@@ -508,170 +411,6 @@ class Checkpointer:
         reader.reset(store.url(name))
         return reader
 
-    def _control_group(self) -> Any:
-        """The group for small object collectives: the default one if it has a CPU backend, else gloo."""
-        if not self._control_ready:
-            if not default_group_has_cpu():
-                self._control = dist.new_group(backend="gloo")
-            self._control_ready = True
-        return self._control
-
-    def _group_for(self, part: str) -> Any:
-        """A gloo group per part name for ``async_save`` (concurrent saves must not share a group)."""
-        if not _distributed():
-            return None
-        key = part.split(".", 1)[1] if "." in part else part
-        if key not in self._groups:
-            self._groups[key] = dist.new_group(backend="gloo")
-        return self._groups[key]
-
-    def _run_on_rank0(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on rank 0 and hand its result, or its error, to every rank."""
-        result: Any = None
-        error: BaseException | None = None
-        if _rank() == 0:
-            try:
-                result = fn()
-            except Exception as exc:
-                error = exc
-        if _distributed():
-            box = [(result, _picklable(error))]
-            dist.broadcast_object_list(box, src=0, group=self._control_group())
-            result, error = box[0]
-        if error is not None:
-            raise error
-        return result  # type: ignore[no-any-return]
-
-    def _gather(self, value: Any) -> list[Any]:
-        if not _distributed():
-            return [value]
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value, group=self._control_group())
-        return out
-
-
-# -- helpers ----------------------------------------------------------------------------------------
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _picklable(error: BaseException | None) -> BaseException | None:
-    if error is None:
-        return None
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return DcpS3Error(f"on rank 0: {type(error).__name__}: {error}")
-
-
-def _warn(message: str) -> None:
-    log.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def _check_dicts(model_dict: Mapping[str, Any], optimizer_dict: Mapping[str, Any] | None) -> None:
-    if not isinstance(model_dict, Mapping) or not model_dict:
-        raise TypeError("model_dict must be a non-empty dict of name -> nn.Module")
-    for key, model in model_dict.items():
-        if not isinstance(key, str) or not key or "." in key or "/" in key:
-            raise ValueError(f"model_dict key {key!r} must be a non-empty string without '.' or '/'")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model_dict[{key!r}] is a {type(model).__name__}, not an nn.Module")
-    extra = sorted(set(optimizer_dict or {}) - set(model_dict))
-    if extra:
-        raise ValueError(f"optimizer_dict keys {extra} are not in model_dict (it maps the same names)")
-
 
 def _committed(store: Store, part: str) -> bool:
     return store.size(f"{part}/.metadata") is not None
-
-
-def _on_meta(model: nn.Module) -> bool:
-    tensors = [*model.parameters(), *model.buffers()]
-    return bool(tensors) and all(t.is_meta for t in tensors)
-
-
-def _sharded(model: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _is_foreign_step_marker(marker: dict[str, Any]) -> bool:
-    """A step marker written by another checkpointer with this layout: ``torch.save`` of
-    ``{"iteration", "scheduler", "grad_scaler", "callbacks"}``, no ``format``, no model state.
-    Whether its ``<step>.<key>_model`` parts exist is checked like for dcp_s3's own markers."""
-    return "format" not in marker and "model" not in marker and isinstance(marker.get("iteration"), int)
-
-
-def _marker_bytes(obj: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _state_of(obj: Any) -> Any:
-    """``state_dict()`` of an object, or of each value of a dict / item of a list."""
-    if obj is None:
-        return None
-    if hasattr(obj, "state_dict"):
-        return obj.state_dict()
-    if isinstance(obj, Mapping):
-        return {k: _state_of(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_state_of(v) for v in obj]
-    raise TypeError(f"cannot save a {type(obj).__name__}: it has no state_dict()")
-
-
-def _restore(obj: Any, state: Any, what: str) -> None:
-    if obj is None:
-        return
-    if state is None:
-        _warn(f"the checkpoint has no {what} state; {what} keeps its current state")
-        return
-    if hasattr(obj, "load_state_dict"):
-        obj.load_state_dict(state)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            if isinstance(state, Mapping) and key in state:
-                _restore(value, state[key], f"{what}[{key!r}]")
-            else:
-                _warn(f"the checkpoint has no {what}[{key!r}] state; it keeps its current state")
-    elif isinstance(obj, (list, tuple)):
-        if not isinstance(state, (list, tuple)) or len(state) != len(obj):
-            raise CheckpointFormatError(f"the checkpoint's {what} state does not match: expected {len(obj)} entries")
-        for i, (value, sub) in enumerate(zip(obj, state)):
-            _restore(value, sub, f"{what}[{i}]")
-    else:
-        raise TypeError(f"cannot restore a {type(obj).__name__}: it has no load_state_dict()")
-
-
-def _optim_mismatch(state: dict[str, Any], metadata: Metadata) -> str | None:
-    """Why the optimizer's ``state.*`` entries do not fit the checkpoint's, or None if they do.
-
-    Hyper-parameter entries (``param_groups.*``) are not compared: a torch release that adds
-    an option must not make old checkpoints unloadable; missing ones keep their current values.
-    """
-    flat, _ = flatten_state_dict(state)
-    stored = metadata.state_dict_metadata
-    mine = {k for k in flat if k.startswith("state.")}
-    theirs = {k for k in stored if k.startswith("state.")}
-    if mine - theirs:
-        return f"{len(mine - theirs)} entries missing from the checkpoint, e.g. {min(mine - theirs)!r}"
-    if theirs - mine:
-        return f"{len(theirs - mine)} unexpected entries in the checkpoint, e.g. {min(theirs - mine)!r}"
-    for key in sorted(mine):
-        value, md = flat[key], stored[key]
-        if isinstance(value, torch.Tensor):
-            if not isinstance(md, TensorStorageMetadata):
-                return f"{key!r} is a tensor but the checkpoint stores an object"
-            if tuple(value.shape) != tuple(md.size):
-                return f"{key!r} has shape {tuple(value.shape)}, the checkpoint {tuple(md.size)}"
-        elif not isinstance(md, BytesStorageMetadata):
-            return f"{key!r} is an object but the checkpoint stores a tensor"
-    return None

@@ -14,10 +14,12 @@ multipart uploads of checkpoint objects that have received nothing for that long
 checkpoint with a younger upload in progress is left alone. ``rm`` removes the checkpoint
 objects of the steps it names (``recursive`` at a prefix: every object under it). Both
 return every name before anything is deleted, so a dry run lists exactly what would go.
+``retain_last`` is the Checkpointer's ``keep_last``: older complete steps go.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Iterable
@@ -27,13 +29,15 @@ from typing import Any
 from .errors import DcpS3Error
 from .layout import DATA_SUFFIX, METADATA_KEY, is_key_prefix_dir
 from .locations import Store, is_root, read_metadata, resolve
-from .steps import MARKER_SUFFIX, Part, Step, scan
+from .steps import MARKER_SUFFIX, Part, Step, find_complete, scan
 from .store import Entry, Upload, open_store
 
 __all__ = [
     "Garbage", "Removal", "delete_step", "find_garbage", "collect_garbage", "remove_checkpoint", "is_checkpoint_object",
-    "PROBE_PATTERN",
+    "PROBE_PATTERN", "retain_last",
 ]
+
+log = logging.getLogger("dcp_s3")
 
 #: Name of the writer's capability probe (``.dcp_s3-probe.<token>``); one left by a crash is garbage.
 PROBE_PATTERN = re.compile(r"\.dcp_s3-probe\.[0-9a-f]+")
@@ -111,6 +115,23 @@ def delete_step(store: Store, step: Step, uploads: bool = True) -> int:
             store.abort(upload)
     return len(mine)
 
+
+def retain_last(store: Store, keep_last: int, keep: str) -> list[str]:
+    """Delete complete steps under ``store`` older than the newest ``keep_last``, never the step at
+    URL ``keep``; steps without parts (single-file checkpoints, maybe the user's own files) and
+    incomplete steps are never touched. Returns the URLs of the deleted steps."""
+    complete = [s for s in find_complete(store, None) if s.parts]
+    kept = {s.name for s in complete[-keep_last:]}
+    deleted = []
+    for old in complete:
+        if old.name in kept or store.url(old.name) == keep:
+            continue
+        # Only now its objects: a listing of this step's prefix, not of the whole root.
+        (listed,) = [s for s in scan(store.list_objects(f"{old.name}.")) if s.name == old.name] or [old]
+        n = delete_step(store, listed)
+        log.info("keep_last=%d: deleted step %s (%d objects)", keep_last, store.url(old.name), n)
+        deleted.append(store.url(old.name))
+    return deleted
 
 @dataclass
 class Garbage:

@@ -21,6 +21,9 @@ __all__ = [
     "S3TransferError",
     "CheckpointFormatError",
     "ServerCapabilityError",
+    "InvalidTypeError",
+    "TorchCompatibilityError",
+    "LocalServerError",
 ]
 
 
@@ -33,7 +36,11 @@ class InvalidCheckpointIdError(DcpS3Error, ValueError):
 
 
 class ConfigError(DcpS3Error, ValueError):
-    """A writer/reader option, credential file or client setting is invalid."""
+    """An argument, a writer/reader option, a credential file or a client setting is invalid."""
+
+
+class InvalidTypeError(DcpS3Error, TypeError):
+    """An argument is of a type dcp_s3 cannot use (e.g. ``model_dict`` values that are not modules)."""
 
 
 class CheckpointNotFoundError(DcpS3Error, FileNotFoundError):
@@ -62,3 +69,11 @@ class CheckpointFormatError(DcpS3Error, ValueError):
 
 class ServerCapabilityError(ConfigError):
     """The S3 server lacks a feature the requested guarantee needs (e.g. conditional writes)."""
+
+
+class TorchCompatibilityError(DcpS3Error, RuntimeError):
+    """The installed torch behaves differently from what dcp_s3 relies on (e.g. ``torch.save``'s layout)."""
+
+
+class LocalServerError(DcpS3Error, RuntimeError):
+    """A local test server (:mod:`dcp_s3.local_server`) is not installed or did not start."""

@@ -17,6 +17,9 @@ from typing import IO, cast
 
 import torch
 
+from ._torch_compat import TORCH_VERSION
+from .errors import TorchCompatibilityError
+
 __all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view", "streamable", "compact", "payload_chunks"]
 
 #: Largest device-to-host copy made at once for non-CPU tensors.
@@ -134,7 +137,9 @@ def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
     if not gaps and tensor.nbytes == 0:
         return TensorBlob(b"".join(d for _, d in writes), tensor, b"")
     if len(gaps) != 1 or gaps[0][1] - gaps[0][0] != tensor.nbytes:
-        raise RuntimeError("unexpected torch.save layout: storage bytes are not one contiguous record")
+        raise TorchCompatibilityError(
+            f"torch {TORCH_VERSION}: unexpected torch.save layout: storage bytes are not one contiguous record"
+        )
     hole_start = gaps[0][0]
     header = b"".join(d for pos, d in writes if pos < hole_start)
     trailer = b"".join(d for pos, d in writes if pos > hole_start)

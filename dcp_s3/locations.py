@@ -8,6 +8,7 @@ A location may be a run directory holding several steps, one step of
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -20,9 +21,11 @@ from .store import open_object, open_store
 from .store_local import LocalStore
 from .store_s3 import S3Store
 
-__all__ = ["Store", "resolve", "is_root", "read_metadata", "single"]
+__all__ = ["Store", "Progress", "resolve", "is_root", "read_metadata", "single"]
 
 Store = S3Store | LocalStore
+#: ``progress(done, total)`` in bytes, called by the ``verify`` and ``cp`` commands.
+Progress = Callable[[int, int], None]
 
 
 def resolve(uri: str, *, follow_symlinks: bool = False, **storage_options: Any) -> tuple[Store, list[Step]]:

@@ -167,16 +167,17 @@ class S3ObjectStore(ObjectStore):
         return supported
 
     def get(self, key: str) -> bytes:
-        for attempt in range(self.max_attempts):
+        attempt = 0
+        while True:
             try:
                 # A cut error response (e.g. a 404's body) surfaces from the call itself.
                 return bytes(self.call("get_object", key, Key=key)["Body"].read())
             except BODY_ERRORS as exc:
-                if attempt + 1 == self.max_attempts:
+                if attempt + 1 >= self.max_attempts:
                     raise translate_error(exc, "GET", self.bucket, key) from exc
                 log.debug("GET s3://%s/%s: body failed (%s), retrying", self.bucket, key, exc)
                 self._backoff(attempt)
-        raise AssertionError("unreachable")
+                attempt += 1
 
     def head(self, key: str) -> ObjectInfo | None:
         try:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 from torch.distributed.tensor import DTensor
 
 from dcp_s3._torch_compat import flatten_state_dict
-from dcp_s3.errors import CheckpointFormatError
+from dcp_s3.errors import CheckpointFormatError, ConfigError, InvalidTypeError
 
 __all__ = [
     "TrainableOnlySavePlanner",
@@ -68,7 +68,7 @@ def frozen_parameter_fqns(module_or_modules: ModuleOrModules) -> frozenset[str]:
     frozen = set()
     for prefix, module in modules.items():
         if not isinstance(module, nn.Module):
-            raise TypeError(f"expected an nn.Module for key {prefix!r}, got {type(module).__name__}")
+            raise InvalidTypeError(f"frozen_parameter_fqns: expected an nn.Module for key {prefix!r}, got {type(module).__name__}")
         for name, param in module.named_parameters(remove_duplicate=False):
             if not param.requires_grad:
                 frozen.add(_clean_fqn(f"{prefix}.{name}" if prefix else name))
@@ -146,14 +146,14 @@ class TrainableOnlySavePlanner(DefaultSavePlanner):
 
 
 def _check_same_left_out(left_out_by_rank: dict[int, frozenset[str]]) -> None:
-    """Raise ``ValueError`` naming a key that some ranks leave out and others save."""
+    """Raise ``ConfigError`` naming a key that some ranks leave out and others save."""
     if len(set(left_out_by_rank.values())) <= 1:
         return
     disputed = set.union(*map(set, left_out_by_rank.values())) - frozenset.intersection(*left_out_by_rank.values())
     key = min(disputed)
     frozen_on = [r for r, keys in left_out_by_rank.items() if key in keys]
     saved_on = [r for r, keys in left_out_by_rank.items() if key not in keys]
-    raise ValueError(
+    raise ConfigError(
         f"TrainableOnlySavePlanner: ranks disagree on frozen parameters ({len(disputed)} keys): "
         f"{key!r} is frozen (requires_grad=False) on ranks {frozen_on} but saved on ranks {saved_on}; "
         "every rank must freeze the same parameters"
@@ -161,13 +161,13 @@ def _check_same_left_out(left_out_by_rank: dict[int, frozenset[str]]) -> None:
 
 
 def _is_meta_rank(state_dict: STATE_DICT_TYPE) -> bool:
-    """True if every tensor is on the meta device; ``ValueError`` if only some are."""
+    """True if every tensor is on the meta device; ``ConfigError`` if only some are."""
     flat, _ = flatten_state_dict(state_dict)
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
     meta = [k for k, v in tensors.items() if v.is_meta]
     if meta and len(meta) < len(tensors):
         real = next(k for k, v in tensors.items() if not v.is_meta)
-        raise ValueError(
+        raise ConfigError(
             f"state dict is partly on the meta device: {meta[0]!r} is meta but {real!r} is not "
             f"({len(meta)} of {len(tensors)} tensors are meta); a rank must load all of its tensors "
             "or have all of them on the meta device"

@@ -29,11 +29,11 @@ from torch.futures import Future
 
 from ._torch_compat import decode_torch_transforms, element_size, narrow_tensor_by_index, placeholder_metadata
 from .byte_items import check_byte_item
-from .codec import Codec, FrameIndex, stored_span
+from .codec import Codec, FrameIndex, accepts, stored_span, supported
 from .config import ClientConfig, TransferConfig, client_config
 from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from .items import raw_bytes_view
-from .layout import CODEC_DESCRIPTOR, METADATA_KEY, checksum_error, load_metadata
+from .layout import METADATA_KEY, checksum_error, load_metadata
 from .metadata_check import offsets_key
 from .metadata_compact_chunks import ChunkLookup
 from .objstore import RangeRead
@@ -223,10 +223,10 @@ class S3StorageReader(Location, StorageReader):
         key = self._session.key(info.relative_path)
         frames = getattr(info, "frames", None)
         transforms = list(info.transform_descriptors or ())
-        if frames is not None and transforms != [CODEC_DESCRIPTOR]:
+        if frames is not None and not accepts(transforms, frames):
             raise CheckpointFormatError(
                 f"{req.storage_index.fqn} in {self.checkpoint_id} uses transforms {transforms} "
-                f"that this reader does not support (it reads {CODEC_DESCRIPTOR})"
+                f"that this reader does not support (it reads {supported()})"
             )
         # Transforms of torch's own writer (FileSystemWriter(_extensions=...)): undone as torch does.
         foreign = transforms if frames is None else []

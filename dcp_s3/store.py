@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
-
 from .buffers import BufferPool
 from .config import TransferConfig, client_config, parse_s3_uri
 from .errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
@@ -202,14 +200,14 @@ class Store:
         """Delete objects (missing ones are ignored)."""
         self.objects.delete([self.key(n) for n in names])
 
-    def writer(self, name: str, *, overwrite: bool | None = None) -> StorageWriter:
+    def writer(self, name: str, *, overwrite: bool | None = None) -> S3StorageWriter:
         """A DCP storage writer for the checkpoint at ``name`` (``overwrite``: the writer's, if given)."""
         options = dict(self._writer_options)
         if overwrite is not None:
             options["overwrite"] = overwrite
         return S3StorageWriter(self.url(name), **options)
 
-    def reader(self, name: str) -> StorageReader:
+    def reader(self, name: str) -> S3StorageReader:
         """A DCP storage reader for the checkpoint at ``name``."""
         return S3StorageReader(self.url(name), **self._reader_options)
 

@@ -448,3 +448,21 @@ def test_reader_accepts_a_frame_made_of_several_zstd_frames(codec: Codec) -> Non
     index = FrameIndex(CODEC_NAME, CODEC_VERSION, 1, GROUP_NONE, len(a + b), 1 << 20, (len(stored),))
     assert decode(codec, index, stored) == a + b
     assert decode(codec, index, stored, 3000, 3500) == (a + b)[3000:3500]
+
+
+def test_the_registry_decides_what_a_reader_accepts(encoded_items: dict[str, Any],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcp_s3 import codec as codec_module
+
+    _, index, _ = encoded_items["int"]
+    descriptor = f"{CODEC_NAME}/{CODEC_VERSION}"
+    assert codec_module.accepts([descriptor], index)
+    assert not codec_module.accepts([descriptor, descriptor], index)  # exactly the one transform
+    assert not codec_module.accepts(["torch.ZStandard"], index)
+    newer = dataclasses.replace(index, version=2)
+    assert not codec_module.accepts([f"{CODEC_NAME}/2"], newer)  # not in the registry
+    assert not codec_module.accepts([descriptor], newer)  # descriptors must name the index's codec
+    # A decoder registered for version 2 is accepted with no other change (no second list).
+    monkeypatch.setattr(codec_module, "DECODERS", {**codec_module.DECODERS, (CODEC_NAME, 2): "dcp_s3.codec_v1"})
+    assert codec_module.accepts([f"{CODEC_NAME}/2"], newer)
+    assert f"{CODEC_NAME!r} version 2" in codec_module.supported()

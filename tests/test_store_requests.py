@@ -18,6 +18,7 @@ from torch import nn
 
 from dcp_s3 import cli, config, objstore_s3, s3_multipart
 from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
+from dcp_s3.cleanup import retain_last
 from dcp_s3.errors import CheckpointNotFoundError
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.steps import complete_steps, find_complete, scan
@@ -195,7 +196,7 @@ def test_latest_resume_retention_list_steps_not_objects(
         listed[0] = 0
         assert latest_checkpoint(root) == f"{root}/0000020"
         assert ckpt.load({"m": model}) == 20
-        ckpt._retain(keep=f"{root}/0000020")  # as after a save; keep_last=100 deletes nothing
+        retain_last(ckpt.store, 100, keep=f"{root}/0000020")  # as after a save; keep_last=100 deletes nothing
         ops = [op for op, _ in sent]
         costs[objects] = (ops.count("ListObjectsV2"), listed[0], ops.count("HeadObject"))
     print("costs (LIST requests, keys listed, HEADs) by objects per step:", costs)
