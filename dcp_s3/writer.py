@@ -19,27 +19,24 @@ mix. Objects of a save that failed or was killed are left for ``dcp-s3 gc``.
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
 import threading
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ._torch_compat import _StoragePrefix, element_size, require_transform_descriptors
+from ._torch_compat import _StoragePrefix, require_transform_descriptors
 from .buffers import BufferPool
-from .codec import Codec, grouping_for_dtype
+from .codec import Codec
 from .config import ClientConfig, TransferConfig, client_config, int_option
 from .errors import (
     CheckpointExistsError,
@@ -49,13 +46,11 @@ from .errors import (
     DcpS3Error,
     ServerCapabilityError,
 )
-from .items import compact, payload_chunks, streamable, tensor_blob
+from .item_writer import planned_size, split_items, write_item
 from .layout import (
-    CODEC_DESCRIPTOR,
     FORMAT_TAG,
     METADATA_KEY,
     PROBE_PREFIX,
-    ItemLocation,
     check_key_prefixes,
     data_object_name,
     dump_metadata,
@@ -66,7 +61,7 @@ from .layout import (
     referenced_objects,
     replaceable_objects,
 )
-from .objstore import ObjectWriter, wait_all
+from .objstore import wait_all
 from .session import Location, Session
 
 __all__ = ["S3StorageWriter"]
@@ -240,7 +235,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         prefix: _StoragePrefix = plan.storage_data
         token = new_token()  # fresh for every write: even a reused writer never names an object twice
         transfer = self._session.transfer
-        buckets = [b for b in _split_items(plan.items, transfer.files_per_rank) if b]
+        buckets = [b for b in split_items(plan.items, transfer.files_per_rank) if b]
         transport, executor = self._session.transport, self._session.executor
         pool = BufferPool(transfer.max_concurrency + len(buckets), transfer.part_size)
         failed = threading.Event()
@@ -248,10 +243,10 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         def write_object(n: int, items: list[WriteItem]) -> list[WriteResult]:
             name = data_object_name(prefix.prefix, n, token)
             writer = transport.open_writer(
-                self._session.key(name), pool=pool, executor=executor, expected_size=_planned_size(items)
+                self._session.key(name), pool=pool, executor=executor, expected_size=planned_size(items)
             )
             try:
-                results = [_write_item(writer, name, item, planner, failed, self._codec) for item in items]
+                results = [write_item(writer, name, item, planner, failed, self._codec) for item in items]
                 writer.close()
             except BaseException:
                 failed.set()
@@ -356,103 +351,3 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
                 "`dcp-s3 gc` removes them later",
                 RuntimeWarning, stacklevel=2,
             )
-
-
-def _item_size(item: WriteItem) -> int:
-    if item.tensor_data is None:
-        return 0
-    return item.tensor_data.size.numel() * element_size(item.tensor_data.properties.dtype)
-
-
-def _planned_size(items: list[WriteItem]) -> int:
-    # Tensor bytes plus headroom for torch.save headers; byte items have no planned size.
-    return sum(_item_size(i) + 4096 for i in items)
-
-
-def _split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Balance items over ``bins`` objects by size (largest first into the emptiest)."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    sizes = [0] * bins
-    for item in sorted(items, key=_item_size, reverse=True):
-        i = sizes.index(min(sizes))
-        buckets[i].append(item)
-        sizes[i] += _item_size(item) or 1
-    return buckets
-
-
-def _write_item(
-    writer: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner, failed: threading.Event,
-    codec: Codec | None,
-) -> WriteResult:
-    if failed.is_set():
-        raise DcpS3Error(f"not writing {item.index.fqn}: another object of this save failed")
-    offset = writer.tell()
-    data = planner.resolve_data(item)
-    if item.type == WriteItemType.BYTE_IO:
-        if not isinstance(data, io.BytesIO):
-            raise CheckpointFormatError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO")
-        writer.write(data.getbuffer())
-        location = ItemLocation(name, offset, writer.tell() - offset, crc32c=crc32c(data.getbuffer()))
-    else:
-        if not isinstance(data, torch.Tensor):
-            raise CheckpointFormatError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
-        if not streamable(data):
-            raise CheckpointFormatError(f"{item.index.fqn}: cannot save a {data.layout} tensor on {data.device}")
-        location = _write_tensor(writer, name, data, codec)
-    return WriteResult(index=item.index, size_in_bytes=location.length, storage_data=location)
-
-
-def _write_tensor(writer: ObjectWriter, name: str, tensor: torch.Tensor, codec: Codec | None) -> ItemLocation:
-    """Stream one tensor: a ``torch.save`` file, or the codec's frames of its raw bytes."""
-    offset = writer.tell()
-    if codec is None:
-        blob = tensor_blob(tensor)
-        writer.write(blob.header)
-        checksum = 0
-        for chunk in blob.payload_chunks():
-            writer.write(chunk)
-            checksum = crc32c(chunk, checksum)
-        writer.write(blob.trailer)
-        return ItemLocation(
-            name, offset, writer.tell() - offset, payload_offset=blob.payload_offset, crc32c=checksum
-        )
-    # Compressed: one CRC per frame covers every byte, and lets partial reads be checked too.
-    tensor = compact(tensor)
-    element_size, floating = grouping_for_dtype(tensor.dtype)
-    block_crcs = _BlockChecksums(codec.frame_size_for(element_size))
-    # Chunks are fresh views or host copies, never reused: no need to drain frames between them.
-    frames = codec.encode(
-        block_crcs.feed(payload_chunks(tensor)), element_size, floating, writer.write, stable_chunks=True
-    )
-    return ItemLocation(
-        name, offset, writer.tell() - offset, transform_descriptors=[CODEC_DESCRIPTOR],
-        frames=frames, frame_crc32c=block_crcs.finish(),
-    )
-
-
-class _BlockChecksums:
-    """CRC32C of each ``block``-byte slice of a stream that arrives in chunks of any size."""
-
-    def __init__(self, block: int) -> None:
-        self.block = block
-        self.crcs: list[int] = []
-        self._crc = 0
-        self._filled = 0
-
-    def feed(self, chunks: Iterable[memoryview]) -> Iterator[memoryview]:
-        for chunk in chunks:
-            view = memoryview(chunk).cast("B")
-            while view:
-                n = min(len(view), self.block - self._filled)
-                self._crc = crc32c(view[:n], self._crc)
-                self._filled += n
-                view = view[n:]
-                if self._filled == self.block:
-                    self.crcs.append(self._crc)
-                    self._crc, self._filled = 0, 0
-            yield chunk
-
-    def finish(self) -> tuple[int, ...]:
-        if self._filled:
-            self.crcs.append(self._crc)
-        return tuple(self.crcs)
