@@ -29,18 +29,24 @@ import logging
 import math
 import sys
 from bisect import bisect_right, insort
-from collections import ChainMap
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex
+import numpy as np
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from .errors import CheckpointFormatError
+from .planners_save import dedup_save_plans, global_save_plan, merged_planner_data
 
 __all__ = ["ScalableSavePlanner", "validate_global_plan"]
 
 log = logging.getLogger("dcp_s3")
+_OFFSETS = attrgetter("offsets")
+_SIZES = attrgetter("sizes")
 
 
 class ScalableSavePlanner(DefaultSavePlanner):
@@ -51,24 +57,16 @@ class ScalableSavePlanner(DefaultSavePlanner):
         super().__init__(**kwargs)
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        """torch's dedup (an index set per plan, a plan set per index: ~10 us per item), only when
-        some item is planned by two ranks; FSDP-style plans have none and pass through unchanged."""
-        seen: set[MetadataIndex] = set()
-        for plan in all_plans:
-            for item in plan.items:
-                if item.index in seen:
-                    return super()._dedup_save_plans(all_plans)
-                seen.add(item.index)
-        return all_plans
+        """torch's deduplication in linear time (``planners_save.dedup_save_plans``)."""
+        return dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
 
     # torch's DefaultSavePlanner._create_global_plan (2.13) with validate_global_plan instead of
     # its quadratic sweep; plan caching and create_global_plan call it as they call torch's.
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         deduped = self._dedup_save_plans(all_plans)
-        global_plan, metadata = create_default_global_save_plan(deduped)
+        global_plan, metadata = global_save_plan(deduped)
         if self.flatten_state_dict:
-            merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
-            metadata = dataclasses.replace(metadata, planner_data=merged)
+            metadata = dataclasses.replace(metadata, planner_data=merged_planner_data(global_plan))
         errors = validate_global_plan(metadata, ranks=len(global_plan))
         if errors:
             summary = "; ".join(errors)
@@ -89,18 +87,49 @@ def validate_global_plan(metadata: Metadata, ranks: int) -> list[str]:
     for key, value in metadata.state_dict_metadata.items():
         if isinstance(value, BytesStorageMetadata) or len(value.size) == 0:
             continue
-        size = tuple(value.size)
-        chunks = value.chunks
-        volume = 0
-        for chunk in chunks:
-            if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size)) or len(
-                chunk.offsets
-            ) != len(size):
-                errors.append(f"key:{key} has out of bounds chunk: tensor-size:{value.size} chunk: {chunk}")
-            volume += math.prod(chunk.sizes)
-        errors.extend(_overlaps(key, size, chunks))
-        if ranks > 1 and volume != math.prod(size):
-            errors.append(f"key:{key} invalid fill tensor-volume: {math.prod(size)} chunks-volume: {volume}")
+        if not _tiles_as_slabs(value.size, value.chunks, ranks):
+            errors.extend(_problems(key, tuple(value.size), value.chunks, ranks))
+    return errors
+
+
+def _tiles_as_slabs(size: Any, chunks: list[ChunkStorageMetadata], ranks: int) -> bool:
+    """True when the chunks are in bounds, cover the tensor once (with several ranks) and are
+    slabs along one dimension (every other dimension whole) that do not overlap: FSDP's case,
+    decided with arrays. False means "look closer" (``_problems``), not "invalid"."""
+    dims, n = len(size), len(chunks)
+    try:
+        offsets = np.fromiter(chain.from_iterable(map(_OFFSETS, chunks)), np.int64, n * dims).reshape(n, dims)
+        sizes = np.fromiter(chain.from_iterable(map(_SIZES, chunks)), np.int64, n * dims).reshape(n, dims)
+    except ValueError:  # a chunk of another rank than the tensor
+        return False
+    bound = np.array(size, dtype=np.int64)
+    if (offsets < 0).any() or (sizes < 0).any() or (offsets + sizes > bound).any():
+        return False
+    if ranks > 1 and int(sizes.prod(axis=1, dtype=np.int64).sum()) != math.prod(size):
+        return False
+    nonempty = (sizes > 0).all(axis=1)
+    offsets, sizes = offsets[nonempty], sizes[nonempty]
+    whole = (offsets == 0) & (sizes == bound)
+    for d in range(dims):
+        if whole[:, [e for e in range(dims) if e != d]].all():
+            order = np.argsort(offsets[:, d], kind="stable")
+            starts, ends = offsets[order, d], offsets[order, d] + sizes[order, d]
+            return bool((starts[1:] >= ends[:-1]).all())
+    return False
+
+
+def _problems(key: str, size: tuple[int, ...], chunks: list[ChunkStorageMetadata], ranks: int) -> list[str]:
+    errors = []
+    volume = 0
+    for chunk in chunks:
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size)) or len(
+            chunk.offsets
+        ) != len(size):
+            errors.append(f"key:{key} has out of bounds chunk: tensor-size:{torch.Size(size)} chunk: {chunk}")
+        volume += math.prod(chunk.sizes)
+    errors.extend(_overlaps(key, size, chunks))
+    if ranks > 1 and volume != math.prod(size):
+        errors.append(f"key:{key} invalid fill tensor-volume: {math.prod(size)} chunks-volume: {volume}")
     return errors
 
 
