@@ -46,10 +46,12 @@ from benchmarks import common  # noqa: E402
 from benchmarks.scale import MODELS, ModelShape, measure_metadata, shard_rows, sharded_tensors  # noqa: E402
 
 HSDP_SHARD = 8
+MEASURED = (1024, 2048)  # planning is always timed at these (when <= --plan-max-ranks): the growth exponent
 
 
-def plans(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int) -> list[Any]:
-    """Per-rank ``SavePlan``s: rank r writes chunk ``r % shard`` of every tensor (dim 0, torch.chunk rule)."""
+def plans(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int, only: int | None = None) -> list[Any]:
+    """Per-rank ``SavePlan``s: rank r writes chunk ``r % shard`` of every tensor (dim 0, torch.chunk rule);
+    with ``only``, just that rank's plan."""
     import torch
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -58,6 +60,9 @@ def plans(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int) ->
     mappings = {fqn: tuple(fqn.split(".")) for fqn, _ in tensors}
     items_of_shard = []
     for s in range(shard):
+        if only is not None and s != only % shard:
+            items_of_shard.append([])
+            continue
         items = []
         for fqn, shape in tensors:
             off, rows = shard_rows(shape[0], shard, s)
@@ -66,7 +71,8 @@ def plans(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int) ->
             items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                                    tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(shape))))
         items_of_shard.append(items)
-    return [SavePlan(list(items_of_shard[r % shard]), planner_data=mappings) for r in range(ranks)]
+    ranks_wanted = range(ranks) if only is None else [only]
+    return [SavePlan(list(items_of_shard[r % shard]), planner_data=mappings) for r in ranks_wanted]
 
 
 def _fresh(planner_cls: type) -> Any:
@@ -78,12 +84,11 @@ def _fresh(planner_cls: type) -> Any:
 
 
 def time_first(planner_cls: type, tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int,
-               repeat: int = 2) -> tuple[float, int]:
-    """Best-of seconds of a first save's ``create_global_plan``; pickled bytes of one rank's plan."""
-    best, size = math.inf, 0
+               repeat: int = 1) -> float:
+    """Best-of seconds of a first save's ``create_global_plan``."""
+    best = math.inf
     for _ in range(repeat):
         all_plans = plans(tensors, ranks, shard)
-        size = len(pickle.dumps(all_plans[0], protocol=pickle.HIGHEST_PROTOCOL))
         planner = _fresh(planner_cls)
         gc.collect()
         gc.disable()
@@ -95,7 +100,41 @@ def time_first(planner_cls: type, tensors: list[tuple[str, tuple[int, ...]]], ra
             gc.enable()
         del all_plans, planner
         gc.collect()
-    return best, size
+    return best
+
+
+def gathered(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int) -> dict[str, float]:
+    """What travels to the coordinator besides the planning itself, per rank (unchanged by this work:
+    torch's pickled ``SavePlan`` and dcp_s3's ``WriteResult`` list): pickled bytes and the
+    coordinator's unpickle seconds, for one full rank (rank ``ranks // 2``: a middle shard)."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from dcp_s3.layout import ItemLocation
+
+    plan = plans(tensors, ranks, shard, only=ranks // 2)[0]
+    results, offset = [], 0
+    for item in plan.items:
+        assert item.type == WriteItemType.SHARD and item.tensor_data is not None
+        length = math.prod(item.tensor_data.chunk.sizes) * 4 + 1100  # raw bytes + torch.save envelope
+        where = ItemLocation(relative_path="p-3f/__5_0_0123456789abcdef.distcp", offset=offset, length=length,
+                             payload_offset=1088, crc32c=0x12345678)
+        results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=where))
+        offset += length
+    out: dict[str, float] = {}
+    for key, obj in (("plan", plan), ("results", results)):
+        blob = pickle.dumps(obj)  # gather_object pickles with the default protocol
+        best = math.inf
+        gc.disable()
+        try:
+            for _ in range(3):
+                t0 = time.perf_counter()
+                pickle.loads(blob)
+                best = min(best, time.perf_counter() - t0)
+        finally:
+            gc.enable()
+        out[f"{key}_bytes"], out[f"{key}_unpickle_s"] = len(blob), best
+    return out
 
 
 def time_repeat(ranks: int) -> tuple[float, int]:
@@ -112,8 +151,8 @@ def time_repeat(ranks: int) -> tuple[float, int]:
     return time.perf_counter() - t0, len(pickle.dumps(empty[0], protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def planning(model: ModelShape, ranks_list: list[int], max_ranks: int, per_shape: int, hsdp: bool
-             ) -> dict[int, dict[str, Any]]:
+def planning(model: ModelShape, ranks_list: list[int], max_ranks: int, per_shape: int, hsdp: bool,
+             repeat: int = 1) -> dict[int, dict[str, Any]]:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from dcp_s3.planners_scale import ScalableSavePlanner
@@ -121,17 +160,14 @@ def planning(model: ModelShape, ranks_list: list[int], max_ranks: int, per_shape
     tensors = sharded_tensors(model)
     shapes = Counter(shape for _, shape in tensors)
     measured: dict[str, dict[int, dict[tuple[int, ...], float]]] = {"before": {}, "after": {}}
-    plan_bytes: dict[int, float] = {}
-    for n in (r for r in ranks_list if r <= max_ranks):
+    measure = sorted({*(r for r in ranks_list if r <= max_ranks), *(r for r in MEASURED if r <= max_ranks)})
+    for n in measure:
         shard = HSDP_SHARD if hsdp else n
         for key, cls in (("before", DefaultSavePlanner), ("after", ScalableSavePlanner)):
             measured[key][n] = {}
-            total_bytes = 0.0
-            for shape, count in shapes.items():
-                secs, size = time_first(cls, [(f"t{i}", shape) for i in range(per_shape)], n, shard)
+            for shape in shapes:
+                secs = time_first(cls, [(f"t{i}", shape) for i in range(per_shape)], n, shard, repeat)
                 measured[key][n][shape] = secs / per_shape
-                total_bytes += size / per_shape * count
-            plan_bytes[n] = total_bytes
         print(f"  {'HSDP' if hsdp else 'FSDP'} {n:,} ranks: before {_sum(measured['before'][n], shapes):.1f} s, "
               f"after {_sum(measured['after'][n], shapes):.1f} s", flush=True)
     out = {}
@@ -141,9 +177,7 @@ def planning(model: ModelShape, ranks_list: list[int], max_ranks: int, per_shape
             per, approx = _per_shape(measured[key], shapes, n)
             row[key] = _sum(per, shapes)
             row[f"{key}_extrapolated"] = approx
-        done = sorted(plan_bytes)
-        # one rank's plan has as many items whatever the rank count
-        row["plan_bytes"] = plan_bytes[n] if n in plan_bytes else plan_bytes[done[-1]]
+        row |= gathered(tensors, n, HSDP_SHARD if hsdp else n)
         row["repeat_s"], row["empty_plan_bytes"] = time_repeat(n)
         out[n] = row
     return out
@@ -179,7 +213,7 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
     unpickle_per_entry = {n: meta[n]["load_s"] / meta[n]["entries"] for n in meta}
     sections, records = [], {}
     for layout, hsdp in (("FSDP", False), (f"HSDP {HSDP_SHARD}-way shard", True)):
-        plan = planning(model, ranks_list, args.plan_max_ranks, args.plan_per_shape, hsdp)
+        plan = planning(model, ranks_list, args.plan_max_ranks, args.plan_per_shape, hsdp, args.plan_repeat)
         rows, recs = [], []
         for n in ranks_list:
             if hsdp:  # chunks: every tensor in HSDP_SHARD pieces, whatever the rank count
@@ -196,6 +230,8 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
                    "plan_first_extrapolated": p["after_extrapolated"] or p["before_extrapolated"],
                    "plan_repeat_s_before": p["before"], "plan_repeat_s_after": p["repeat_s"],
                    "gathered_bytes_first": p["plan_bytes"] * n, "gathered_bytes_repeat_after": p["empty_plan_bytes"] * n,
+                   "gathered_unpickle_s_first": p["plan_unpickle_s"] * n,
+                   "results_bytes": p["results_bytes"] * n, "results_unpickle_s": p["results_unpickle_s"] * n,
                    "load_s3_bytes_before": total * replicas, "load_s3_bytes_after": total}
             recs.append(rec)
             tb = "~" if p["before_extrapolated"] else ""
@@ -205,7 +241,9 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
                 f"{md_tilde}{md_bytes * n / 1e9:,.1f} → {md_bytes / 1e9:,.3f}",
                 f"{tb}{p['before']:,.1f} → {ta}{p['after']:,.1f}",
                 f"{tb}{p['before']:,.1f} → {p['repeat_s']:.4f}",
-                f"{p['plan_bytes'] * n / 1e6:,.0f} → {p['empty_plan_bytes'] * n / 1e6:,.2f}",
+                f"{p['plan_bytes'] * n / 1e9:,.2f} GB, {p['plan_unpickle_s'] * n:,.0f} s → "
+                f"{p['empty_plan_bytes'] * n / 1e6:,.2f} MB",
+                f"{p['results_bytes'] * n / 1e9:,.2f} GB, {p['results_unpickle_s'] * n:,.0f} s",
                 f"{total * replicas / 1e9:,.0f} → {total / 1e9:,.0f}",
             ])
         growth = ["growth exponent (last two)"] + [
@@ -219,20 +257,25 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
             f"{exponent(ranks_list, [r['plan_repeat_s_after'] for r in recs])}",
             f"{exponent(ranks_list, [r['gathered_bytes_first'] for r in recs])} → "
             f"{exponent(ranks_list, [r['gathered_bytes_repeat_after'] for r in recs])}",
+            exponent(ranks_list, [r["results_bytes"] for r in recs]),
             f"{exponent(ranks_list, [r['load_s3_bytes_before'] for r in recs])} → "
             f"{exponent(ranks_list, [r['load_s3_bytes_after'] for r in recs])}",
         ]
         rows.append(growth)
         table = common.markdown_table(
             ["ranks", ".metadata MB", "unpickle s (each rank)", "GB of .metadata GET on one load",
-             "coordinator plan s, first save", "coordinator plan s, repeated save", "plans gathered, MB (repeated)",
+             "coordinator plan s, first save", "coordinator plan s, repeated save",
+             "plans gathered to rank 0: size, rank 0 unpickles (first save → repeated)",
+             "WriteResults gathered: size, rank 0 unpickles",
              "GB read from S3 by one load"], rows)
         sections.append(f"**{layout}** ({model.name}, {total / 1e9:,.0f} GB; before → after):\n\n{table}")
         records[layout] = recs
     text = "\n\n".join(sections) + (
-        "\n\n~ = extrapolated (see the module doc). 'plans gathered' = first save → repeated save with plan "
-        "caching. Repeated-save planning before = the first-save work, which the default planner redoes; "
-        "after = ScalableSavePlanner with plan caching, timed at every rank count."
+        "\n\n~ = extrapolated (see the module doc). Repeated-save planning before = the first-save work, which "
+        "the default planner redoes; after = ScalableSavePlanner with plan caching, timed at every rank count. "
+        "Gathered plans and WriteResults: one full rank's pickled list x ranks, unpickled once and scaled "
+        "(torch's and dcp_s3's formats, unchanged by the planner; the coordinator unpickles them on top of "
+        "its planning, serially, inside gather_object)."
     )
     return text, records
 
@@ -245,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metadata-max-entries", type=int, default=300_000)
     ap.add_argument("--plan-max-ranks", type=int, default=4096)
     ap.add_argument("--plan-per-shape", type=int, default=1)
+    ap.add_argument("--plan-repeat", type=int, default=1, help="best of this many timed planning runs")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "scale_ranks.json")
     args = ap.parse_args(argv)
     ranks_list = sorted({int(x) for x in args.ranks.split(",")})
