@@ -1,0 +1,120 @@
+"""planners_save: torch's deduplication and global save plan, in linear time, with torch's results."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as torch_dedup
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from dcp_s3 import CheckpointFormatError
+from dcp_s3.planners_save import dedup_save_plans, global_save_plan, merged_planner_data
+from dcp_s3.planners_scale import ScalableSavePlanner
+
+
+def shard(fqn: str, shape: tuple[int, ...], offset: int, rows: int, dtype: torch.dtype = torch.float32) -> WriteItem:
+    offsets = torch.Size([offset] + [0] * (len(shape) - 1))
+    chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *shape[1:]]))
+    return WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype),
+                                                 size=torch.Size(shape)))
+
+
+def byte_item(fqn: str) -> WriteItem:
+    return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(nbytes=0))
+
+
+def layout(ranks: int, shards: int, tensors: list[tuple[str, tuple[int, ...]]], extras: int = 0) -> list[SavePlan]:
+    """Rank r holds chunk r % shards of each tensor (torch.chunk rule: trailing chunks empty, sharing
+    an offset), plus ``extras`` byte items every rank plans (a replicated step counter, param groups)."""
+    plans = []
+    for r in range(ranks):
+        s = r % shards
+        items = []
+        for fqn, shape in tensors:
+            c = -(-shape[0] // shards)
+            lo = min(s * c, shape[0])
+            items.append(shard(fqn, shape, lo, min(lo + c, shape[0]) - lo))
+        items += [byte_item(f"extra{i}") for i in range(extras)]
+        plans.append(SavePlan(items, planner_data={fqn: (fqn,) for fqn, _ in tensors}))
+    return plans
+
+
+def written(plans: list[SavePlan]) -> list[list[tuple[str, tuple[int, ...] | None, int | None]]]:
+    return [[(i.index.fqn, None if i.index.offset is None else tuple(i.index.offset), i.index.index)
+             for i in p.items] for p in plans]
+
+
+def shapes(n: int, seed: int) -> list[tuple[str, tuple[int, ...]]]:
+    rng = random.Random(seed)
+    return [(f"t{i}", (rng.choice([1, 3, 5, 16, 64]), rng.choice([1, 7]))) for i in range(n)]
+
+
+LAYOUTS = {
+    "FSDP, 8 ranks, empty trailing shards": lambda: layout(8, 8, shapes(12, 1)),
+    "HSDP 2-way shard x 4 replicas": lambda: layout(8, 2, shapes(12, 2)),
+    "HSDP 3-way shard x 2 replicas, byte items": lambda: layout(6, 3, shapes(9, 3), extras=3),
+    "replicated everywhere (DDP)": lambda: layout(5, 1, shapes(7, 4), extras=1),
+    "FSDP, odd sizes, byte items": lambda: layout(7, 7, shapes(15, 5), extras=2),
+    "one rank": lambda: layout(1, 1, shapes(4, 6), extras=1),
+    "empty plans among others": lambda: layout(4, 2, shapes(3, 7)) + [SavePlan([]), SavePlan([])],
+}
+
+
+@pytest.mark.parametrize("lowest", [False, True], ids=["balanced", "lowest rank"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_dedup_and_global_plan_equal_torch(name: str, lowest: bool) -> None:
+    plans = LAYOUTS[name]()
+    ours, theirs = dedup_save_plans(plans, lowest), torch_dedup(plans, lowest)
+    assert written(ours) == written(theirs)
+    # each index in exactly one plan
+    indices = [(fqn, off) for p in written(ours) for fqn, off, _ in p]
+    assert len(indices) == len(set(indices))
+    (g_ours, md_ours), (g_theirs, md_theirs) = global_save_plan(ours), create_default_global_save_plan(theirs)
+    assert written(g_ours) == written(g_theirs)  # index hints included
+    assert md_ours == md_theirs
+    assert [i.tensor_data for p in g_ours for i in p.items] == [i.tensor_data for p in g_theirs for i in p.items]
+
+
+def test_planner_matches_default_planner_on_hsdp() -> None:
+    plans = layout(8, 2, shapes(20, 8), extras=2)
+    ours = ScalableSavePlanner(enable_plan_caching=False).create_global_plan(plans)
+    theirs = DefaultSavePlanner().create_global_plan(plans)
+    assert written(ours[0]) == written(theirs[0])
+    assert ours[1] == theirs[1]  # Metadata, planner_data included
+
+
+def test_balance_by_bytes_on_replicas() -> None:
+    """Four replicas of 16 equal tensors: each writes four (torch's greedy balance), none twice."""
+    plans = layout(4, 1, [(f"t{i}", (8, 8)) for i in range(16)])
+    counts = [len(p.items) for p in dedup_save_plans(plans)]
+    assert counts == [4, 4, 4, 4]
+
+
+def test_a_plan_listing_an_index_twice_keeps_both_as_torch_does() -> None:
+    twice = [shard("t", (4, 2), 0, 4), shard("t", (4, 2), 0, 4)]
+    plans = [SavePlan(list(twice)), SavePlan(list(twice))]
+    assert written(dedup_save_plans(plans)) == written(torch_dedup(plans))
+    with pytest.raises(CheckpointFormatError, match="overlapping"):
+        ScalableSavePlanner(flatten_state_dict=False).create_global_plan(plans)
+
+
+def test_global_plan_refuses_what_torch_refuses() -> None:
+    tensor_and_bytes = [SavePlan([shard("x", (2, 2), 0, 2)]), SavePlan([byte_item("x")])]
+    with pytest.raises(CheckpointFormatError, match="'x'"):
+        global_save_plan(tensor_and_bytes)
+    with pytest.raises(AssertionError):
+        create_default_global_save_plan(tensor_and_bytes)
+    bytes_twice = [SavePlan([byte_item("y")]), SavePlan([byte_item("y")])]
+    with pytest.raises(CheckpointFormatError, match="more than once"):
+        global_save_plan(bytes_twice)
+
+
+def test_merged_planner_data_first_plan_wins() -> None:
+    plans = [SavePlan([], planner_data={"a": ("a",), "b": ("b0",)}), SavePlan([], planner_data={"b": ("b1",), "c": ("c",)}),
+             SavePlan([], planner_data=None)]
+    assert merged_planner_data(plans) == {"a": ("a",), "b": ("b0",), "c": ("c",)}
