@@ -27,7 +27,7 @@ import heapq
 import math
 from collections import defaultdict
 from operator import attrgetter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from .errors import CheckpointFormatError
 
-__all__ = ["dedup_save_plans", "global_save_plan", "merged_planner_data"]
+__all__ = ["dedup_save_plans", "global_save_plan", "kept_positions", "merged_planner_data"]
 
 _KEY = attrgetter("index.fqn", "index.offset")
 Key = tuple[str, Any]
@@ -48,18 +48,28 @@ Key = tuple[str, Any]
 
 def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = False) -> list[SavePlan]:
     """Each index in exactly one plan (see the module doc); plans that lose nothing are returned as they are."""
+    keys = [tuple(map(_KEY, plan.items)) for plan in all_plans]
+    kept = kept_positions(keys, lambda rank, pos: _storage_size(all_plans[rank].items[pos]), save_to_lowest_rank)
+    return [plan if mine is None else dataclasses.replace(plan, items=[plan.items[p] for p in mine])
+            for plan, mine in zip(all_plans, kept)]
+
+
+def kept_positions(keys: list[tuple[Key, ...]], size_of: Callable[[int, int], int], save_to_lowest_rank: bool
+                   ) -> list[list[int] | None]:
+    """The deduplication on each rank's ``(fqn, offset)`` list: per rank, the positions it keeps
+    (ascending), or None when it keeps all. ``size_of(rank, position)``: torch's size of that item."""
     # Group the ranks whose plans list the same indices in the same order: one entry per group.
     groups: dict[tuple[Key, ...], list[int]] = {}
-    for rank, plan in enumerate(all_plans):
-        groups.setdefault(tuple(map(_KEY, plan.items)), []).append(rank)
-    if len(groups) == len(all_plans):
+    for rank, listed in enumerate(keys):
+        groups.setdefault(listed, []).append(rank)
+    if len(groups) == len(keys):
         seen: set[Key] = set()
         total = 0
-        for keys in groups:
-            seen.update(keys)
-            total += len(keys)
+        for listed in groups:
+            seen.update(listed)
+            total += len(listed)
         if len(seen) == total:
-            return all_plans  # no index planned twice: FSDP without empty shards
+            return [None] * len(keys)  # no index planned twice: FSDP without empty shards
     group_keys = list(groups)
     group_ranks = list(groups.values())
     # holders: index -> [group, its position there, group, position, ...] in order of first appearance
@@ -67,13 +77,13 @@ def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = Fals
     holders: dict[Key, list[int]] = {}
     fqn_bytes: dict[str, int] = {}
     doubled: set[int] = set()  # groups whose plans list an index twice (kept or dropped together)
-    for g, keys in enumerate(group_keys):
-        for pos, key in enumerate(keys):
+    for g, listed in enumerate(group_keys):
+        for pos, key in enumerate(listed):
             found = holders.get(key)
             if found is None:
                 holders[key] = [g, pos]
                 if key[0] not in fqn_bytes:
-                    fqn_bytes[key[0]] = _storage_size(all_plans[group_ranks[g][0]].items[pos])
+                    fqn_bytes[key[0]] = size_of(group_ranks[g][0], pos)
             elif found[-2] != g:
                 found += (g, pos)
             else:
@@ -97,19 +107,15 @@ def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = Fals
         else:
             heapq.heapreplace(heap, (planned + fqn_bytes[key[0]], rank))
         kept[rank].append(pos)
-    out: list[SavePlan] = [None] * len(all_plans)  # type: ignore[list-item]
-    for g, keys in enumerate(group_keys):
+    out: list[list[int] | None] = [None] * len(keys)
+    for g, listed in enumerate(group_keys):
         for rank in group_ranks[g]:
-            plan = all_plans[rank]
             mine = kept.get(rank, [])
             if g in doubled:  # rare: keep every copy of a kept index, as torch does
-                names = {keys[p] for p in mine}
-                out[rank] = dataclasses.replace(plan, items=[i for i, k in zip(plan.items, keys) if k in names])
-            elif len(mine) == len(keys):
-                out[rank] = plan
-            else:
-                items = plan.items
-                out[rank] = dataclasses.replace(plan, items=[items[p] for p in sorted(mine)])
+                names = {listed[p] for p in mine}
+                out[rank] = [p for p, k in enumerate(listed) if k in names]
+            elif len(mine) != len(listed):
+                out[rank] = sorted(mine)
     return out
 
 
