@@ -27,11 +27,13 @@ import heapq
 import math
 from collections import defaultdict
 from operator import attrgetter
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
@@ -39,19 +41,33 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from .errors import CheckpointFormatError
+from .planners_packed import PackedItems, PackedMapping
 
-__all__ = ["dedup_save_plans", "global_save_plan", "kept_positions", "merged_planner_data"]
+__all__ = ["as_items", "dedup_save_plans", "global_save_plan", "kept_positions", "merged_planner_data"]
 
 _KEY = attrgetter("index.fqn", "index.offset")
+_TYPE_CODES = {t: i for i, t in enumerate(WriteItemType)}
+_new = object.__new__
 Key = tuple[str, Any]
 
 
 def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = False) -> list[SavePlan]:
     """Each index in exactly one plan (see the module doc); plans that lose nothing are returned as they are."""
-    keys = [tuple(map(_KEY, plan.items)) for plan in all_plans]
-    kept = kept_positions(keys, lambda rank, pos: _storage_size(all_plans[rank].items[pos]), save_to_lowest_rank)
-    return [plan if mine is None else dataclasses.replace(plan, items=[plan.items[p] for p in mine])
-            for plan, mine in zip(all_plans, kept)]
+    keys = [tuple(p.items.keys() if isinstance(p.items, PackedItems) else map(_KEY, p.items)) for p in all_plans]
+
+    def size_of(rank: int, pos: int) -> int:
+        items = all_plans[rank].items
+        return items.storage_size(pos) if isinstance(items, PackedItems) else _storage_size(items[pos])
+
+    kept = kept_positions(keys, size_of, save_to_lowest_rank)
+    out = []
+    for plan, mine in zip(all_plans, kept):
+        if mine is not None:
+            items = plan.items
+            plan = dataclasses.replace(
+                plan, items=as_items(items.subset(mine)) if isinstance(items, PackedItems) else [items[p] for p in mine])
+        out.append(plan)
+    return out
 
 
 def kept_positions(keys: list[tuple[Key, ...]], size_of: Callable[[int, int], int], save_to_lowest_rank: bool
@@ -132,50 +148,115 @@ def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadat
     md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     chunk_lists: dict[str, list[Any]] = {}
     new_plans = []
-    shard = WriteItemType.SHARD
-    new = object.__new__
     for plan in all_plans:
+        if isinstance(plan.items, PackedItems):
+            new_plans.append(_packed_global_plan(plan, md, chunk_lists))
+            continue
         new_items = []
         for item in plan.items:
-            index = item.index
-            fqn = index.fqn
-            if item.type != shard and fqn in md:
-                raise CheckpointFormatError(f"the save plans write {fqn!r} more than once (not as a shard)")
-            if item.type == WriteItemType.BYTE_IO:
-                md[fqn] = BytesStorageMetadata()
-                new_items.append(item)
-                continue
-            td = item.tensor_data
-            if td is None or td.chunk is None:
-                raise CheckpointFormatError(f"the save plan's tensor item {fqn!r} has no chunk bounds")
-            chunks = chunk_lists.get(fqn)
-            if chunks is None:
-                existing = md.get(fqn)
-                if isinstance(existing, BytesStorageMetadata):
-                    raise CheckpointFormatError(f"the save plans write {fqn!r} both as bytes and as a tensor")
-                chunks = chunk_lists[fqn] = []
-                md[fqn] = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=chunks)
-            # A frozen dataclass's __init__ sets each field through object.__setattr__ (~1 us an object);
-            # filling __dict__ gives the same objects (compared, hashed, pickled alike) for a fraction.
-            new_index = new(MetadataIndex)
-            new_index.__dict__.update(fqn=fqn, offset=index.offset, index=len(chunks))
-            new_item = new(WriteItem)
-            fields = new_item.__dict__
-            fields.update(item.__dict__)
-            fields["index"] = new_index
-            new_items.append(new_item)
-            chunks.append(td.chunk)
+            new_items.append(_add_item(md, chunk_lists, item))
         new_plans.append(dataclasses.replace(plan, items=new_items))
     return new_plans, Metadata(md)
 
 
+def _add_item(md: dict[str, Any], chunk_lists: dict[str, list[Any]], item: WriteItem) -> WriteItem:
+    """One item into the metadata; the item with its index hint (torch's rules and checks)."""
+    index = item.index
+    fqn = index.fqn
+    if item.type != WriteItemType.SHARD and fqn in md:
+        raise CheckpointFormatError(f"the save plans write {fqn!r} more than once (not as a shard)")
+    if item.type == WriteItemType.BYTE_IO:
+        md[fqn] = BytesStorageMetadata()
+        return item
+    td = item.tensor_data
+    if td is None or td.chunk is None:
+        raise CheckpointFormatError(f"the save plan's tensor item {fqn!r} has no chunk bounds")
+    chunks = _chunks_of(md, chunk_lists, fqn, td.properties, td.size)
+    # A frozen dataclass's __init__ sets each field through object.__setattr__ (~1 us an object);
+    # filling __dict__ gives the same objects (compared, hashed, pickled alike) for a fraction.
+    new_index = _new(MetadataIndex)
+    new_index.__dict__.update(fqn=fqn, offset=index.offset, index=len(chunks))
+    new_item = _new(WriteItem)
+    fields = new_item.__dict__
+    fields.update(item.__dict__)
+    fields["index"] = new_index
+    chunks.append(td.chunk)
+    return new_item
+
+
+def _chunks_of(md: dict[str, Any], chunk_lists: dict[str, list[Any]], fqn: str, properties: Any, size: Any
+               ) -> list[Any]:
+    chunks = chunk_lists.get(fqn)
+    if chunks is None:
+        if isinstance(md.get(fqn), BytesStorageMetadata):
+            raise CheckpointFormatError(f"the save plans write {fqn!r} both as bytes and as a tensor")
+        chunks = chunk_lists[fqn] = []
+        md[fqn] = TensorStorageMetadata(properties=properties, size=size, chunks=chunks)
+    return chunks
+
+
+def _packed_global_plan(plan: SavePlan, md: dict[str, Any], chunk_lists: dict[str, list[Any]]) -> SavePlan:
+    """``_add_item`` for every item of a packed plan, reading its arrays: no WriteItem is built, the
+    chunks are (the metadata needs them), and the plan goes back packed with its new hints."""
+    packed = cast(PackedItems, plan.items)
+    extras = dict(packed.extras)
+    shard = _TYPE_CODES[WriteItemType.SHARD]
+    fqns, ndim = packed.fqns, packed.ndim.tolist()
+    props = [packed.props[p] for p in packed.prop_of.tolist()]
+    sizes = [torch.Size(row[:d]) for row, d in zip(packed.size_of.tolist(), ndim)]
+    local: list[list[Any] | None] = [None] * len(fqns)  # this plan's tensor -> its chunk list
+    hints: list[int] = []
+    new_extras: list[tuple[int, WriteItem]] = []
+    row = 0
+    ids, types = packed.ids.tolist(), packed.types.tolist()
+    offsets, chunk_sizes = packed.offsets.tolist(), packed.sizes.tolist()
+    new, size_type, chunk_type = _new, torch.Size, ChunkStorageMetadata
+    for pos in range(len(packed)):
+        extra = extras.get(pos) if extras else None
+        if extra is not None:
+            new_extras.append((pos, _add_item(md, chunk_lists, extra)))
+            local = [None] * len(fqns)  # an object item may have added a tensor: look names up again
+            continue
+        fid = ids[row]
+        chunks = local[fid]
+        if chunks is None or types[row] != shard:
+            fqn = fqns[fid]
+            if types[row] != shard and fqn in md:
+                raise CheckpointFormatError(f"the save plans write {fqn!r} more than once (not as a shard)")
+            chunks = local[fid] = _chunks_of(md, chunk_lists, fqn, props[fid], sizes[fid])
+        d = ndim[fid]
+        chunk = new(chunk_type)
+        chunk.__dict__.update(offsets=size_type(offsets[row][:d]), sizes=size_type(chunk_sizes[row][:d]))
+        hints.append(len(chunks))
+        chunks.append(chunk)
+        row += 1
+    everything = np.arange(len(ids))
+    return dataclasses.replace(plan, items=as_items(packed.select(everything, new_extras, np.array(hints, np.int64))))
+
+
+def as_items(packed: PackedItems) -> list[WriteItem]:
+    """``SavePlan.items`` is typed as a list; every DCP code path reads it as a sequence, as PackedItems is."""
+    return cast(list[WriteItem], packed)
+
+
 def merged_planner_data(plans: list[SavePlan]) -> dict[Any, Any]:
-    """``dict(ChainMap(*planner_data))`` (the first plan's entry wins) at C speed."""
-    merged: dict[Any, Any] = {}
+    """``dict(ChainMap(*planner_data))`` (the first plan's entry wins) at C speed; packed mappings
+    equal to an earlier plan's (the same digest) add nothing and are not unpacked."""
+    distinct: list[Any] = []
+    digests: set[bytes] = set()
     previous = None
-    for plan in reversed(plans):
+    for plan in plans:
         data = plan.planner_data
-        if data is not None and data is not previous:
-            merged.update(data)
-            previous = data
+        if data is None or data is previous:
+            continue
+        previous = data
+        if isinstance(data, PackedMapping):
+            if data.digest in digests:
+                continue
+            digests.add(data.digest)
+            data = data.mapping()
+        distinct.append(data)
+    merged: dict[Any, Any] = {}
+    for data in reversed(distinct):
+        merged.update(data)
     return merged

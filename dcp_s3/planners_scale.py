@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkSto
 from torch.distributed.checkpoint.planner import SavePlan
 
 from .errors import CheckpointFormatError
-from .planners_save import dedup_save_plans, global_save_plan, merged_planner_data
+from .planners_packed import PackedItems, PackedMapping
+from .planners_save import as_items, dedup_save_plans, global_save_plan, merged_planner_data
 
 __all__ = ["ScalableSavePlanner", "validate_global_plan"]
 
@@ -52,9 +53,24 @@ _SIZES = attrgetter("sizes")
 class ScalableSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` whose global step stays linear in ranks (see the module doc)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, packed_plans: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("enable_plan_caching", True)
         super().__init__(**kwargs)
+        self.packed_plans = packed_plans
+
+    def create_local_plan(self) -> SavePlan:
+        """torch's local plan, its items and flatten mapping packed for the trip to the coordinator
+        (``planners_packed``; with ``packed_plans=False``, as torch sends them)."""
+        plan = super().create_local_plan()
+        if not self.packed_plans or not plan.usable:
+            return plan
+        packed = PackedItems.pack(plan.items)
+        data = plan.planner_data
+        return dataclasses.replace(
+            plan,
+            items=plan.items if packed is None else as_items(packed),
+            planner_data=PackedMapping.pack(data) if isinstance(data, dict) and data else data,
+        )
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         """torch's deduplication in linear time (``planners_save.dedup_save_plans``)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import random
 
 import pytest
@@ -12,6 +14,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_s3 import CheckpointFormatError
+from dcp_s3.planners_packed import PackedItems, PackedMapping
 from dcp_s3.planners_save import dedup_save_plans, global_save_plan, merged_planner_data
 from dcp_s3.planners_scale import ScalableSavePlanner
 
@@ -61,7 +64,7 @@ LAYOUTS = {
     "replicated everywhere (DDP)": lambda: layout(5, 1, shapes(7, 4), extras=1),
     "FSDP, odd sizes, byte items": lambda: layout(7, 7, shapes(15, 5), extras=2),
     "one rank": lambda: layout(1, 1, shapes(4, 6), extras=1),
-    "empty plans among others": lambda: layout(4, 2, shapes(3, 7)) + [SavePlan([]), SavePlan([])],
+    "empty plans among others": lambda: layout(4, 2, shapes(3, 7)) + [SavePlan([], planner_data={})] * 2,
 }
 
 
@@ -118,3 +121,49 @@ def test_merged_planner_data_first_plan_wins() -> None:
     plans = [SavePlan([], planner_data={"a": ("a",), "b": ("b0",)}), SavePlan([], planner_data={"b": ("b1",), "c": ("c",)}),
              SavePlan([], planner_data=None)]
     assert merged_planner_data(plans) == {"a": ("a",), "b": ("b0",), "c": ("c",)}
+
+
+def packed(plans: list[SavePlan]) -> list[SavePlan]:
+    """Each plan as ScalableSavePlanner sends it, after the trip through pickle."""
+    out = []
+    for plan in plans:
+        items = PackedItems.pack(plan.items)
+        data = PackedMapping.pack(plan.planner_data) if plan.planner_data else plan.planner_data
+        out.append(pickle.loads(pickle.dumps(dataclasses.replace(plan, items=plan.items if items is None else items,
+                                                                 planner_data=data))))
+    return out
+
+
+@pytest.mark.parametrize("lowest", [False, True], ids=["balanced", "lowest rank"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_packed_plans_give_torchs_global_plan(name: str, lowest: bool) -> None:
+    plans = LAYOUTS[name]()
+    wire = packed(plans)
+    assert all(isinstance(p.items, PackedItems) for p in wire if p.items)
+    ours = ScalableSavePlanner(enable_plan_caching=False, dedup_save_to_lowest_rank=lowest).create_global_plan(wire)
+    theirs = DefaultSavePlanner(dedup_save_to_lowest_rank=lowest).create_global_plan(plans)
+    assert written(ours[0]) == written(theirs[0])
+    assert ours[1] == theirs[1]
+    # the global plans travel back packed; each rank's items come out equal to torch's, hints included
+    back = pickle.loads(pickle.dumps(ours[0]))
+    assert written(back) == written(theirs[0])
+    assert [list(p.items) for p in back] == [p.items for p in theirs[0]]
+
+
+def test_packed_items_are_the_items() -> None:
+    """Irregular items (a chunk whose index names another offset, a byte item, a 0-d tensor) ride along as objects."""
+    odd = shard("odd", (4, 2), 2, 2)
+    odd = dataclasses.replace(odd, index=MetadataIndex("odd", torch.Size([0, 0])))
+    scalar = WriteItem(index=MetadataIndex("s", torch.Size([])), type=WriteItemType.TENSOR,
+                       tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([]), torch.Size([])),
+                                                   properties=TensorProperties(dtype=torch.int64), size=torch.Size([])))
+    items = [shard("a", (8, 3), 4, 4), byte_item("b"), odd, scalar, shard("c", (5,), 0, 3, torch.bfloat16),
+             shard("a", (8, 3), 0, 4)]
+    wire = pickle.loads(pickle.dumps(PackedItems.pack(items)))
+    assert len(wire) == len(items) and list(wire) == items and wire == items
+    assert [i.index.index for i in wire] == [None] * len(items)
+    assert len(wire.extras) == 2  # byte item and the irregular chunk
+    assert wire.keys() == [(i.index.fqn, i.index.offset) for i in items]
+    assert [wire.storage_size(p) for p in range(len(items))] == [i.tensor_storage_size() or 1 for i in items]
+    assert list(wire.subset([1, 2, 5])) == [items[1], items[2], items[5]]
+    assert PackedItems.pack([byte_item("x"), byte_item("y")]) is None  # nothing to pack

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import dcp_s3.planners_scale as ps
 from dcp_s3 import CheckpointFormatError, CheckpointNotFoundError, S3StorageReader, S3StorageWriter
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.planners_packed import PackedItems
 from dcp_s3.planners_scale import ScalableSavePlanner, validate_global_plan
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
@@ -96,9 +97,11 @@ def test_linear_sweep_on_wide_slabs() -> None:
 
 class Recording(ScalableSavePlanner):
     usable: list[list[bool]] = []
+    packed: list[bool] = []
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> Any:
         Recording.usable.append([p.usable for p in all_plans])
+        Recording.packed.append(all(isinstance(p.items, PackedItems) for p in all_plans if p.usable))
         return super().create_global_plan(all_plans)
 
 
@@ -263,6 +266,7 @@ def caching_job(rank: int, world: int, env: dict[str, str], uri: str) -> list[li
         for key in SHAPES:
             assert torch.equal(out[key].to_local(), sd[key].to_local()), (step, key)
         assert out["step"] == sd["step"] and ("added" not in sd or torch.equal(out["added"], sd["added"])), step
+    assert Recording.packed == ([True] * 4 if rank == 0 else [])  # the plans reached the coordinator as arrays
     return Recording.usable
 
 
