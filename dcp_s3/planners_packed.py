@@ -39,15 +39,15 @@ class PackedItems(Sequence[WriteItem]):
     """A rank's write items as arrays (see the module doc); equal, as a sequence, to the items."""
 
     def __init__(self, state: tuple[Any, ...]) -> None:
-        # per tensor: fqns, prop_of (into props), size_of (padded), ndim; per packed row: ids (into fqns),
-        # types, offsets, sizes (padded), hints (-1: None); extras: (position, WriteItem) in order
-        (self.fqns, self.props, self.prop_of, self.size_of, self.ndim, self.ids, self.types, self.offsets,
-         self.sizes, self.hints, self.extras) = state
+        # per tensor: fqns (and their digest), prop_of (into props), size_of (padded), ndim; per packed row:
+        # ids (into fqns), types, offsets, sizes (padded), hints (-1: None); extras: (position, WriteItem)
+        (self.fqns, self.digest, self.props, self.prop_of, self.size_of, self.ndim, self.ids, self.types,
+         self.offsets, self.sizes, self.hints, self.extras) = state
         self._items: list[WriteItem] | None = None
 
     def _state(self) -> tuple[Any, ...]:
-        return (self.fqns, self.props, self.prop_of, self.size_of, self.ndim, self.ids, self.types, self.offsets,
-                self.sizes, self.hints, self.extras)
+        return (self.fqns, self.digest, self.props, self.prop_of, self.size_of, self.ndim, self.ids, self.types,
+                self.offsets, self.sizes, self.hints, self.extras)
 
     @classmethod
     def pack(cls, items: Sequence[WriteItem]) -> PackedItems | None:
@@ -79,8 +79,10 @@ class PackedItems(Sequence[WriteItem]):
         if len(rows) < len(extras) or not rows:
             return None
         width = max(len(s) for s in size_of)
+        names = list(fqns)
+        digest = hashlib.blake2b("\0".join(names).encode(), digest_size=16).digest()
         packed = cls((
-            list(fqns), props, np.array(prop_of, np.int32), _matrix(size_of, width),
+            names, digest, props, np.array(prop_of, np.int32), _matrix(size_of, width),
             np.array([len(s) for s in size_of], np.int64), np.array([r[0] for r in rows], np.int32), np.array([r[1] for r in rows], np.uint8),
             _matrix([r[2] for r in rows], width), _matrix([r[3] for r in rows], width),
             np.array([r[4] for r in rows], np.int64), extras,
@@ -100,8 +102,7 @@ class PackedItems(Sequence[WriteItem]):
             order = np.empty(len(kept), np.int64)
             order[np.argsort(kept, kind="stable")] = np.arange(len(kept))
             new_extras = [(int(order[len(rows) + j]), item) for j, (_, item) in enumerate(extras)]
-        (fqns, props, prop_of, size_of, ndim) = self._state()[:5]
-        return PackedItems((fqns, props, prop_of, size_of, ndim, self.ids[rows], self.types[rows], self.offsets[rows],
+        return PackedItems((*self._state()[:6], self.ids[rows], self.types[rows], self.offsets[rows],
                             self.sizes[rows], hints, new_extras))
 
     def subset(self, positions: list[int]) -> PackedItems:

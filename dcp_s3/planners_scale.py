@@ -36,12 +36,18 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, Metadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan
 
 from .errors import CheckpointFormatError
 from .planners_packed import PackedItems, PackedMapping
 from .planners_save import as_items, dedup_save_plans, global_save_plan, merged_planner_data
+from .planners_vector import vector_global_plan
 
 __all__ = ["ScalableSavePlanner", "validate_global_plan"]
 
@@ -79,11 +85,20 @@ class ScalableSavePlanner(DefaultSavePlanner):
     # torch's DefaultSavePlanner._create_global_plan (2.13) with validate_global_plan instead of
     # its quadratic sweep; plan caching and create_global_plan call it as they call torch's.
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        deduped = self._dedup_save_plans(all_plans)
-        global_plan, metadata = global_save_plan(deduped)
+        vector = vector_global_plan(all_plans, self.dedup_save_to_lowest_rank)
+        if vector is None:  # some plan is not packed: item by item
+            global_plan, metadata = global_save_plan(self._dedup_save_plans(all_plans))
+            errors = validate_global_plan(metadata, ranks=len(global_plan))
+        else:
+            global_plan, metadata, tiles = vector
+            errors = []
+            for fqn, offsets, sizes in tiles:
+                value = metadata.state_dict_metadata[fqn]
+                assert isinstance(value, TensorStorageMetadata)
+                if len(value.size) and not tiles_as_slabs(value.size, offsets, sizes, len(global_plan)):
+                    errors.extend(_problems(fqn, tuple(value.size), value.chunks, len(global_plan)))
         if self.flatten_state_dict:
             metadata = dataclasses.replace(metadata, planner_data=merged_planner_data(global_plan))
-        errors = validate_global_plan(metadata, ranks=len(global_plan))
         if errors:
             summary = "; ".join(errors)
             raise CheckpointFormatError(
@@ -103,21 +118,23 @@ def validate_global_plan(metadata: Metadata, ranks: int) -> list[str]:
     for key, value in metadata.state_dict_metadata.items():
         if isinstance(value, BytesStorageMetadata) or len(value.size) == 0:
             continue
-        if not _tiles_as_slabs(value.size, value.chunks, ranks):
+        dims, n = len(value.size), len(value.chunks)
+        try:
+            offsets = np.fromiter(chain.from_iterable(map(_OFFSETS, value.chunks)), np.int64, n * dims)
+            sizes = np.fromiter(chain.from_iterable(map(_SIZES, value.chunks)), np.int64, n * dims)
+            slabs = tiles_as_slabs(value.size, offsets.reshape(n, dims), sizes.reshape(n, dims), ranks)
+        except ValueError:  # a chunk of another rank than the tensor
+            slabs = False
+        if not slabs:
             errors.extend(_problems(key, tuple(value.size), value.chunks, ranks))
     return errors
 
 
-def _tiles_as_slabs(size: Any, chunks: list[ChunkStorageMetadata], ranks: int) -> bool:
-    """True when the chunks are in bounds, cover the tensor once (with several ranks) and are
-    slabs along one dimension (every other dimension whole) that do not overlap: FSDP's case,
-    decided with arrays. False means "look closer" (``_problems``), not "invalid"."""
-    dims, n = len(size), len(chunks)
-    try:
-        offsets = np.fromiter(chain.from_iterable(map(_OFFSETS, chunks)), np.int64, n * dims).reshape(n, dims)
-        sizes = np.fromiter(chain.from_iterable(map(_SIZES, chunks)), np.int64, n * dims).reshape(n, dims)
-    except ValueError:  # a chunk of another rank than the tensor
-        return False
+def tiles_as_slabs(size: Any, offsets: np.ndarray, sizes: np.ndarray, ranks: int) -> bool:
+    """True when the chunks (rows of ``offsets`` and ``sizes``) are in bounds, cover the tensor once
+    (with several ranks) and are slabs along one dimension (every other dimension whole) that do not
+    overlap: FSDP's case, decided with arrays. False means "look closer" (``_problems``), not "invalid"."""
+    dims = len(size)
     bound = np.array(size, dtype=np.int64)
     if (offsets < 0).any() or (sizes < 0).any() or (offsets + sizes > bound).any():
         return False

@@ -17,6 +17,7 @@ from dcp_s3 import CheckpointFormatError
 from dcp_s3.planners_packed import PackedItems, PackedMapping
 from dcp_s3.planners_save import dedup_save_plans, global_save_plan, merged_planner_data
 from dcp_s3.planners_scale import ScalableSavePlanner
+from dcp_s3.planners_vector import vector_global_plan
 
 
 def shard(fqn: str, shape: tuple[int, ...], offset: int, rows: int, dtype: torch.dtype = torch.float32) -> WriteItem:
@@ -140,6 +141,7 @@ def test_packed_plans_give_torchs_global_plan(name: str, lowest: bool) -> None:
     plans = LAYOUTS[name]()
     wire = packed(plans)
     assert all(isinstance(p.items, PackedItems) for p in wire if p.items)
+    assert vector_global_plan(wire, lowest) is not None  # the array path, not item by item
     ours = ScalableSavePlanner(enable_plan_caching=False, dedup_save_to_lowest_rank=lowest).create_global_plan(wire)
     theirs = DefaultSavePlanner(dedup_save_to_lowest_rank=lowest).create_global_plan(plans)
     assert written(ours[0]) == written(theirs[0])
