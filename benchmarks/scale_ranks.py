@@ -113,6 +113,7 @@ def gathered(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int)
     from dcp_s3.layout import ItemLocation
 
     plan = plans(tensors, ranks, shard, only=ranks // 2)[0]
+    out: dict[str, float] = {}
     results, offset = [], 0
     for item in plan.items:
         assert item.type == WriteItemType.SHARD and item.tensor_data is not None
@@ -122,6 +123,9 @@ def gathered(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int)
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=where))
         offset += length
     out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    pickle.dumps(plan)
+    out["plan_pickle_s"] = time.perf_counter() - t0  # ~ the scatter's pickling of its global plan
     for key, obj in (("plan", plan), ("results", results)):
         blob = pickle.dumps(obj)  # gather_object pickles with the default protocol
         best = math.inf
@@ -134,6 +138,40 @@ def gathered(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int)
         finally:
             gc.enable()
         out[f"{key}_bytes"], out[f"{key}_unpickle_s"] = len(blob), best
+    return out
+
+
+def time_after(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int) -> dict[str, float]:
+    """A first save's coordinator with ``ScalableSavePlanner`` on the whole model: every rank's plan
+    packed and pickled as ``create_local_plan`` sends it (rank-local work, not timed), then, timed as
+    the coordinator runs them: unpickling the gathered plans, ``create_global_plan``, pickling the
+    global plans for the scatter."""
+    from dcp_s3.planners_scale import ScalableSavePlanner, packed_plan
+
+    per_shard: dict[int, bytes] = {}
+    blobs = []
+    for r in range(ranks):
+        s = r % shard
+        if s not in per_shard or shard == ranks:
+            per_shard = {s: pickle.dumps(packed_plan(plans(tensors, ranks, shard, only=r)[0]))}
+        blobs.append(per_shard[s])
+    planner = _fresh(ScalableSavePlanner)
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        wire = [pickle.loads(b) for b in blobs]
+        t1 = time.perf_counter()
+        global_plans, _ = planner.create_global_plan(wire)
+        t2 = time.perf_counter()
+        scatter = sum(len(pickle.dumps(p)) for p in global_plans)
+        t3 = time.perf_counter()
+    finally:
+        gc.enable()
+    out = {"unpickle_s": t1 - t0, "plan_s": t2 - t1, "scatter_s": t3 - t2, "gathered_bytes": float(sum(map(len, blobs))),
+           "scatter_bytes": float(scatter)}
+    del wire, global_plans, blobs, planner
+    gc.collect()
     return out
 
 
@@ -151,35 +189,48 @@ def time_repeat(ranks: int) -> tuple[float, int]:
     return time.perf_counter() - t0, len(pickle.dumps(empty[0], protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def planning(model: ModelShape, ranks_list: list[int], max_ranks: int, per_shape: int, hsdp: bool,
-             repeat: int = 1) -> dict[int, dict[str, Any]]:
+def planning(model: ModelShape, ranks_list: list[int], max_ranks: int, after_max_ranks: int, per_shape: int,
+             hsdp: bool, repeat: int = 1) -> dict[int, dict[str, Any]]:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    from dcp_s3.planners_scale import ScalableSavePlanner
 
     tensors = sharded_tensors(model)
     shapes = Counter(shape for _, shape in tensors)
-    measured: dict[str, dict[int, dict[tuple[int, ...], float]]] = {"before": {}, "after": {}}
-    measure = sorted({*(r for r in ranks_list if r <= max_ranks), *(r for r in MEASURED if r <= max_ranks)})
-    for n in measure:
+    before: dict[int, dict[tuple[int, ...], float]] = {}
+    after: dict[int, dict[str, float]] = {}
+    for n in sorted({*(r for r in ranks_list if r <= max_ranks), *(r for r in MEASURED if r <= max_ranks)}):
         shard = HSDP_SHARD if hsdp else n
-        for key, cls in (("before", DefaultSavePlanner), ("after", ScalableSavePlanner)):
-            measured[key][n] = {}
-            for shape in shapes:
-                secs = time_first(cls, [(f"t{i}", shape) for i in range(per_shape)], n, shard, repeat)
-                measured[key][n][shape] = secs / per_shape
-        print(f"  {'HSDP' if hsdp else 'FSDP'} {n:,} ranks: before {_sum(measured['before'][n], shapes):.1f} s, "
-              f"after {_sum(measured['after'][n], shapes):.1f} s", flush=True)
+        before[n] = {shape: time_first(DefaultSavePlanner, [(f"t{i}", shape) for i in range(per_shape)], n, shard,
+                                       repeat) / per_shape for shape in shapes}
+        print(f"  {'HSDP' if hsdp else 'FSDP'} {n:,} ranks: before {_sum(before[n], shapes):.1f} s", flush=True)
+    for n in sorted({*(r for r in ranks_list if r <= after_max_ranks), *(r for r in MEASURED if r <= after_max_ranks)}):
+        after[n] = time_after(tensors, n, HSDP_SHARD if hsdp else n)
+        print(f"  {'HSDP' if hsdp else 'FSDP'} {n:,} ranks: after {after[n]}", flush=True)
     out = {}
     for n in ranks_list:
         row: dict[str, Any] = {}
-        for key in ("before", "after"):
-            per, approx = _per_shape(measured[key], shapes, n)
-            row[key] = _sum(per, shapes)
-            row[f"{key}_extrapolated"] = approx
+        per, row["before_extrapolated"] = _per_shape(before, shapes, n)
+        row["before"] = _sum(per, shapes)
+        row["after_extrapolated"] = n not in after
+        for key, value in _extrapolate(after, n).items():
+            row[f"after_{key}"] = value
+        row["after"] = row["after_plan_s"]
         row |= gathered(tensors, n, HSDP_SHARD if hsdp else n)
         row["repeat_s"], row["empty_plan_bytes"] = time_repeat(n)
         out[n] = row
+    return out
+
+
+def _extrapolate(measured: dict[int, dict[str, float]], n: int) -> dict[str, float]:
+    """Measured figures at ``n``, or the last measured ones grown with the exponent of the last two
+    measured counts (at least 1: linear)."""
+    if n in measured:
+        return measured[n]
+    a, b = sorted(measured)[-2:]
+    out = {}
+    for key, tb in measured[b].items():
+        ta = measured[a][key]
+        k = math.log(max(tb, 1e-9) / max(ta, 1e-9)) / math.log(b / a)
+        out[key] = tb * (n / b) ** max(k, 1.0)
     return out
 
 
@@ -213,7 +264,8 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
     unpickle_per_entry = {n: meta[n]["load_s"] / meta[n]["entries"] for n in meta}
     sections, records = [], {}
     for layout, hsdp in (("FSDP", False), (f"HSDP {HSDP_SHARD}-way shard", True)):
-        plan = planning(model, ranks_list, args.plan_max_ranks, args.plan_per_shape, hsdp, args.plan_repeat)
+        plan = planning(model, ranks_list, args.plan_max_ranks, args.after_max_ranks, args.plan_per_shape, hsdp,
+                        args.plan_repeat)
         rows, recs = [], []
         for n in ranks_list:
             if hsdp:  # chunks: every tensor in HSDP_SHARD pieces, whatever the rank count
@@ -224,13 +276,21 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
                 md_tilde = "" if meta[n]["measured"] else "~"
             p = plan[n]
             replicas = n // HSDP_SHARD if hsdp else 1
+            before_total = p["before"] + (p["plan_unpickle_s"] + p["plan_pickle_s"]) * n
+            after_total = p["after_unpickle_s"] + p["after_plan_s"] + p["after_scatter_s"]
             rec = {"ranks": n, "metadata_bytes": md_bytes, "unpickle_s": md_s,
                    "metadata_get_bytes_before": md_bytes * n, "metadata_get_bytes_after": md_bytes,
                    "plan_first_s_before": p["before"], "plan_first_s_after": p["after"],
-                   "plan_first_extrapolated": p["after_extrapolated"] or p["before_extrapolated"],
+                   "plan_first_extrapolated_before": p["before_extrapolated"],
+                   "plan_first_extrapolated_after": p["after_extrapolated"],
+                   "gathered_bytes_before": p["plan_bytes"] * n, "gathered_bytes_after": p["after_gathered_bytes"],
+                   "gathered_unpickle_s_before": p["plan_unpickle_s"] * n,
+                   "gathered_unpickle_s_after": p["after_unpickle_s"],
+                   "scatter_pickle_s_before": p["plan_pickle_s"] * n, "scatter_pickle_s_after": p["after_scatter_s"],
+                   "scatter_bytes_after": p["after_scatter_bytes"],
+                   "first_save_rank0_s_before": before_total, "first_save_rank0_s_after": after_total,
                    "plan_repeat_s_before": p["before"], "plan_repeat_s_after": p["repeat_s"],
-                   "gathered_bytes_first": p["plan_bytes"] * n, "gathered_bytes_repeat_after": p["empty_plan_bytes"] * n,
-                   "gathered_unpickle_s_first": p["plan_unpickle_s"] * n,
+                   "gathered_bytes_repeat_after": p["empty_plan_bytes"] * n,
                    "results_bytes": p["results_bytes"] * n, "results_unpickle_s": p["results_unpickle_s"] * n,
                    "load_s3_bytes_before": total * replicas, "load_s3_bytes_after": total}
             recs.append(rec)
@@ -240,23 +300,20 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
                 f"{n:,}", f"{md_tilde}{md_bytes / 1e6:,.1f}", f"{md_tilde}{md_s:,.2f}",
                 f"{md_tilde}{md_bytes * n / 1e9:,.1f} → {md_bytes / 1e9:,.3f}",
                 f"{tb}{p['before']:,.1f} → {ta}{p['after']:,.1f}",
+                f"{p['plan_bytes'] * n / 1e9:,.2f} → {ta}{p['after_gathered_bytes'] / 1e9:,.2f}",
+                f"{p['plan_unpickle_s'] * n:,.1f} → {ta}{p['after_unpickle_s']:,.1f}",
+                f"{tb}{before_total:,.0f} → {ta}{after_total:,.1f}",
                 f"{tb}{p['before']:,.1f} → {p['repeat_s']:.4f}",
-                f"{p['plan_bytes'] * n / 1e9:,.2f} GB, {p['plan_unpickle_s'] * n:,.0f} s → "
-                f"{p['empty_plan_bytes'] * n / 1e6:,.2f} MB",
-                f"{p['results_bytes'] * n / 1e9:,.2f} GB, {p['results_unpickle_s'] * n:,.0f} s",
+                f"{p['results_bytes'] * n / 1e9:,.2f} GB, {p['results_unpickle_s'] * n:,.1f} s",
                 f"{total * replicas / 1e9:,.0f} → {total / 1e9:,.0f}",
             ])
         growth = ["growth exponent (last two)"] + [
             exponent(ranks_list, [r[k] for r in recs]) for k in ("metadata_bytes", "unpickle_s")
         ] + [
-            f"{exponent(ranks_list, [r['metadata_get_bytes_before'] for r in recs])} → "
-            f"{exponent(ranks_list, [r['metadata_get_bytes_after'] for r in recs])}",
-            f"{exponent(ranks_list, [r['plan_first_s_before'] for r in recs])} → "
-            f"{exponent(ranks_list, [r['plan_first_s_after'] for r in recs])}",
-            f"{exponent(ranks_list, [r['plan_repeat_s_before'] for r in recs])} → "
-            f"{exponent(ranks_list, [r['plan_repeat_s_after'] for r in recs])}",
-            f"{exponent(ranks_list, [r['gathered_bytes_first'] for r in recs])} → "
-            f"{exponent(ranks_list, [r['gathered_bytes_repeat_after'] for r in recs])}",
+            f"{exponent(ranks_list, [r[k + '_before'] for r in recs])} → {exponent(ranks_list, [r[k + '_after'] for r in recs])}"
+            for k in ("metadata_get_bytes", "plan_first_s", "gathered_bytes", "gathered_unpickle_s", "first_save_rank0_s",
+                      "plan_repeat_s")
+        ] + [
             exponent(ranks_list, [r["results_bytes"] for r in recs]),
             f"{exponent(ranks_list, [r['load_s3_bytes_before'] for r in recs])} → "
             f"{exponent(ranks_list, [r['load_s3_bytes_after'] for r in recs])}",
@@ -264,18 +321,19 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
         rows.append(growth)
         table = common.markdown_table(
             ["ranks", ".metadata MB", "unpickle s (each rank)", "GB of .metadata GET on one load",
-             "coordinator plan s, first save", "coordinator plan s, repeated save",
-             "plans gathered to rank 0: size, rank 0 unpickles (first save → repeated)",
-             "WriteResults gathered: size, rank 0 unpickles",
-             "GB read from S3 by one load"], rows)
+             "coordinator plan s, first save", "plans gathered to rank 0, GB", "rank 0 unpickles them, s",
+             "first save at rank 0, s (unpickle + plan + scatter)", "coordinator plan s, repeated save",
+             "WriteResults gathered (same before/after)", "GB read from S3 by one load"], rows)
         sections.append(f"**{layout}** ({model.name}, {total / 1e9:,.0f} GB; before → after):\n\n{table}")
         records[layout] = recs
     text = "\n\n".join(sections) + (
-        "\n\n~ = extrapolated (see the module doc). Repeated-save planning before = the first-save work, which "
-        "the default planner redoes; after = ScalableSavePlanner with plan caching, timed at every rank count. "
-        "Gathered plans and WriteResults: one full rank's pickled list x ranks, unpickled once and scaled "
-        "(torch's and dcp_s3's formats, unchanged by the planner; the coordinator unpickles them on top of "
-        "its planning, serially, inside gather_object)."
+        "\n\n~ = extrapolated (see the module doc). Before = torch's DefaultSavePlanner (plans as torch pickles "
+        "them: one full rank's plan pickled and unpickled, x ranks); after = ScalableSavePlanner on the whole "
+        "model (packed plans, every rank's unpickled by the coordinator). 'First save at rank 0' = unpickling the "
+        "gathered plans + create_global_plan + pickling the global plans for the scatter: what the coordinator "
+        "does serially before any rank writes. Repeated-save planning before = the first-save work, which the "
+        "default planner redoes; after = plan caching, timed at every rank count. WriteResults gathered for "
+        "finish: dcp_s3's per-item results, one full rank's list x ranks (not changed here)."
     )
     return text, records
 
@@ -289,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan-max-ranks", type=int, default=4096)
     ap.add_argument("--plan-per-shape", type=int, default=1)
     ap.add_argument("--plan-repeat", type=int, default=1, help="best of this many timed planning runs")
+    ap.add_argument("--after-max-ranks", type=int, default=2048,
+                    help="largest rank count at which ScalableSavePlanner's coordinator runs on the whole model")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "scale_ranks.json")
     args = ap.parse_args(argv)
     ranks_list = sorted({int(x) for x in args.ranks.split(",")})

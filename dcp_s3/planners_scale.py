@@ -9,12 +9,18 @@ pairwise: O(ranks^2) per tensor, minutes at 4,096 ranks (``benchmarks/scale.py``
 
 ``ScalableSavePlanner`` is ``DefaultSavePlanner`` with
 
-* torch's deduplication of items planned by several ranks skipped when no item is (the
-  FSDP case), after one pass over the items;
-* the same checks (bounds, no overlap, chunk volumes add up to the tensor), swept along
-  the dimension on which the chunks' offsets differ most, which for slab and grid
-  shardings keeps the active set at one chunk (slabs) or one row of the grid: linear
-  in ranks for FSDP;
+* packed plans (``planners_packed``): each rank sends its items as arrays against a table
+  of its tensors, and its flatten mapping pickled once with a digest; the coordinator
+  unpickles them in ~0.2 ms a rank instead of ~7 us an item, and scatters the global plans
+  back packed (each rank builds its ``WriteItem`` objects on first access);
+* the coordinator's step on those arrays (``planners_vector``): torch's deduplication
+  (replicated tensors, HSDP's replicas, FSDP's empty trailing shards) with torch's
+  balance by bytes, the index hints, and the metadata, building only the metadata's chunks
+  per item; plans that are not packed go item by item (``planners_save``), still linear;
+* the same checks as torch (bounds, no overlap, chunk volumes add up to the tensor), decided
+  on arrays for slab shardings and otherwise swept along the dimension on which the chunks'
+  offsets differ most, which for grid shardings keeps the active set at one row of the
+  grid: linear in ranks for FSDP;
 * torch's plan caching on by default (``enable_plan_caching=True``): when no rank's
   local plan changed since the previous save, ranks send empty plans and the
   coordinator reuses the previous global plan and metadata.
@@ -49,7 +55,7 @@ from .planners_packed import PackedItems, PackedMapping
 from .planners_save import as_items, dedup_save_plans, global_save_plan, merged_planner_data
 from .planners_vector import vector_global_plan
 
-__all__ = ["ScalableSavePlanner", "validate_global_plan"]
+__all__ = ["ScalableSavePlanner", "packed_plan", "validate_global_plan"]
 
 log = logging.getLogger("dcp_s3")
 _OFFSETS = attrgetter("offsets")
@@ -68,15 +74,7 @@ class ScalableSavePlanner(DefaultSavePlanner):
         """torch's local plan, its items and flatten mapping packed for the trip to the coordinator
         (``planners_packed``; with ``packed_plans=False``, as torch sends them)."""
         plan = super().create_local_plan()
-        if not self.packed_plans or not plan.usable:
-            return plan
-        packed = PackedItems.pack(plan.items)
-        data = plan.planner_data
-        return dataclasses.replace(
-            plan,
-            items=plan.items if packed is None else as_items(packed),
-            planner_data=PackedMapping.pack(data) if isinstance(data, dict) and data else data,
-        )
+        return packed_plan(plan) if self.packed_plans and plan.usable else plan
 
     def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
         """torch's deduplication in linear time (``planners_save.dedup_save_plans``)."""
@@ -106,6 +104,17 @@ class ScalableSavePlanner(DefaultSavePlanner):
                 + (summary[:500] + "... (truncated)" if len(summary) > 500 else summary)
             )
         return global_plan, metadata
+
+
+def packed_plan(plan: SavePlan) -> SavePlan:
+    """``plan`` with its items as ``PackedItems`` and its flatten mapping as ``PackedMapping`` (where they pack)."""
+    packed = PackedItems.pack(plan.items)
+    data = plan.planner_data
+    return dataclasses.replace(
+        plan,
+        items=plan.items if packed is None else as_items(packed),
+        planner_data=PackedMapping.pack(data) if isinstance(data, dict) and data else data,
+    )
 
 
 def validate_global_plan(metadata: Metadata, ranks: int) -> list[str]:
