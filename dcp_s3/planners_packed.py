@@ -17,6 +17,7 @@ table (byte items, irregular tensors) ride along as objects.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import pickle
@@ -32,6 +33,8 @@ __all__ = ["PackedItems", "PackedMapping"]
 
 Key = tuple[str, Any]
 _element_size = torch._utils._element_size
+# WriteItem.bytes_io_data exists from torch 2.8 on
+_NO_BYTES = {"bytes_io_data": None} if "bytes_io_data" in {f.name for f in dataclasses.fields(WriteItem)} else {}
 _TYPES = list(WriteItemType)
 
 
@@ -60,7 +63,7 @@ class PackedItems(Sequence[WriteItem]):
         extras: list[tuple[int, WriteItem]] = []
         for pos, item in enumerate(items):
             td = item.tensor_data
-            if (td is None or item.bytes_io_data is not None or td.chunk is None
+            if (td is None or getattr(item, "bytes_io_data", None) is not None or td.chunk is None
                     or tuple(td.chunk.offsets) != tuple(item.index.offset or ())
                     or not len(td.chunk.offsets) == len(td.chunk.sizes) == len(td.size)
                     or min((*td.chunk.offsets, *td.chunk.sizes, *td.size), default=0) < 0):
@@ -184,7 +187,7 @@ class PackedItems(Sequence[WriteItem]):
             index = new(MetadataIndex)
             index.__dict__.update(fqn=self.fqns[fid], offset=offsets, index=None if hint < 0 else hint)
             item = new(WriteItem)
-            item.__dict__.update(index=index, type=_TYPES[kind], bytes_io_data=None, tensor_data=data)
+            item.__dict__.update(index=index, type=_TYPES[kind], tensor_data=data, **_NO_BYTES)
             out.append(item)
         for pos, extra in self.extras:
             out.insert(pos, extra)

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as torch_dedup
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_s3 import CheckpointFormatError
 from dcp_s3.planners_packed import PackedItems, PackedMapping
@@ -29,7 +29,7 @@ def shard(fqn: str, shape: tuple[int, ...], offset: int, rows: int, dtype: torch
 
 
 def byte_item(fqn: str) -> WriteItem:
-    return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO, bytes_io_data=BytesIOWriteData(nbytes=0))
+    return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
 
 
 def layout(ranks: int, shards: int, tensors: list[tuple[str, tuple[int, ...]]], extras: int = 0) -> list[SavePlan]:
