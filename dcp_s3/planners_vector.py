@@ -117,21 +117,25 @@ def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
     hints[order] = np.arange(len(order)) - bounds[g_sorted]
     entries: list[tuple[int, str, Any]] = []  # (first kept item, fqn, storage metadata): torch's order
     tiles: list[tuple[str, np.ndarray, np.ndarray]] = []
-    # A dataclass's __init__ costs more than the object: fill __dict__ (the same object, compared and pickled alike).
+    # A dataclass's __init__ costs more than the object: fill __dict__ (the same object, compared and pickled
+    # alike). torch.Size(...) costs ~1 us; equal offsets and sizes repeat across tensors (every tensor with the
+    # same rows has the same chunk offsets on a rank), so equal ones share one immutable torch.Size.
     chunk_type, size_type, new = ChunkStorageMetadata, torch.Size, object.__new__
-    shared = size_type([])
+    known: dict[tuple[int, ...], torch.Size] = {}
     for t, fqn in enumerate(fqn_of):
         lo, hi = int(bounds[t]), int(bounds[t + 1])
         dims = len(sizes[t])
         rows = order[lo:hi]
         offs, lens = off_all[rows, :dims], len_all[rows, :dims]
         chunks = []
-        last: list[int] | None = None
-        for o, s in zip(offs.tolist(), lens.tolist()):
-            if s != last:  # a tensor's chunks mostly share one size: share the torch.Size
-                last, shared = s, size_type(s)
+        for o, s in zip(map(tuple, offs.tolist()), map(tuple, lens.tolist())):
+            offsets, sizes_ = known.get(o), known.get(s)
+            if offsets is None:
+                offsets = known[o] = size_type(o)
+            if sizes_ is None:
+                sizes_ = known[s] = size_type(s)
             chunk = new(chunk_type)
-            chunk.__dict__ = {"offsets": size_type(o), "sizes": shared}
+            chunk.__dict__ = {"offsets": offsets, "sizes": sizes_}
             chunks.append(chunk)
         entries.append((int(rows[0]), fqn, TensorStorageMetadata(properties=props[t], size=sizes[t], chunks=chunks)))
         tiles.append((fqn, offs, lens))
