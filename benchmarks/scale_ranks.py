@@ -1,7 +1,7 @@
 """Issue 14's table, before and after, for FSDP and HSDP layouts (used by ``benchmarks.scale``).
 
     python -m benchmarks.scale_ranks                       # Llama-70B-like, 1,024 / 4,096 / 16,384 ranks
-    python -m benchmarks.scale_ranks --plan-max-ranks 1024 # quicker: extrapolate from 512 and 1,024
+    python -m benchmarks.scale_ranks --plan-max-ranks 2048 --after-max-ranks 2048  # quicker
 
 Layouts: **FSDP** (every tensor sharded on dim 0 over all ranks) and **HSDP** (8-way shard
 x ranks/8 replicas: rank r holds shard r % 8). Every figure is computed with the real code:
@@ -11,17 +11,23 @@ x ranks/8 replicas: rank r holds shard r % 8). Every figure is computed with the
   above ``--metadata-max-entries``, marked ~). Unchanged by this work (same format).
 * ``.metadata`` bytes GET from S3 on one load: before, every rank GETs it; after
   (``S3StorageReader(share_metadata=True)``, the default), one GET, broadcast in the job.
-* coordinator planning, first save: ``create_global_plan`` of torch's ``DefaultSavePlanner``
-  (before) and dcp_s3's ``ScalableSavePlanner`` (after) on synthetic per-rank plans, timed
-  per distinct tensor shape (``--plan-per-shape`` tensors of it, every rank's items) and
-  summed over the model; above ``--plan-max-ranks`` extrapolated per shape with the growth
-  exponent of the last two measured counts (at least 1; marked ~).
+* coordinator planning, first save, before: ``create_global_plan`` of torch's
+  ``DefaultSavePlanner`` on synthetic per-rank plans, timed per distinct tensor shape
+  (``--plan-per-shape`` tensors of it, every rank's items) and summed over the model;
+  above ``--plan-max-ranks`` extrapolated per shape with the growth exponent of the last
+  two measured counts (at least 1; marked ~). Plus the plans gathered to rank 0 as torch
+  pickles them: one full rank's plan pickled and unpickled, x ranks.
+* the same, after: ``ScalableSavePlanner`` on the whole model (``time_after``): every rank's
+  plan packed and pickled as its ``create_local_plan`` sends it, then timed as the
+  coordinator runs them: unpickling the gathered plans, ``create_global_plan``, pickling
+  the global plans for the scatter. Measured up to ``--after-max-ranks``, above it
+  extrapolated from the last two measured counts (exponent at least 1; marked ~).
 * coordinator planning, repeated save (same structure): before, the default planner
   redoes the first-save work; after, plan caching: every rank sends an empty plan and the
   coordinator reuses the cached global plan and metadata. Timed at every rank count
   (real ``create_global_plan`` call, no extrapolation).
-* plans gathered to rank 0: pickled size of one rank's plan x ranks (first save), of the
-  empty plan x ranks (repeated save with caching).
+* WriteResults gathered for ``finish``: one full rank's dcp_s3 results pickled and
+  unpickled, x ranks (not changed by the planner).
 * HSDP load bytes from S3: before, every replica reads its shard: replicas x stored; after
   (``S3StorageReader(replica_group=...)``), the stored bytes once (the real-process test
   measures <= 1.1x including coalescing gaps).
