@@ -169,3 +169,19 @@ def test_packed_items_are_the_items() -> None:
     assert [wire.storage_size(p) for p in range(len(items))] == [i.tensor_storage_size() or 1 for i in items]
     assert list(wire.subset([1, 2, 5])) == [items[1], items[2], items[5]]
     assert PackedItems.pack([byte_item("x"), byte_item("y")]) is None  # nothing to pack
+
+
+def test_packed_plans_with_object_tensor_items_go_item_by_item() -> None:
+    """A tensor item that does not fit the table (its index names another offset than its chunk) is
+    carried as an object; the coordinator then works item by item on the packed plans, same result."""
+    plans = layout(4, 2, shapes(6, 9), extras=1)
+    odd = shard("odd", (3, 2), 0, 3)
+    odd = dataclasses.replace(odd, index=MetadataIndex("odd", torch.Size([1, 1])))
+    plans = [dataclasses.replace(p, items=[*p.items, odd]) for p in plans]  # replicated on every rank
+    wire = packed(plans)
+    assert all(p.items.extras for p in wire)
+    assert vector_global_plan(wire, False) is None
+    ours = ScalableSavePlanner(enable_plan_caching=False).create_global_plan(wire)
+    theirs = DefaultSavePlanner().create_global_plan(plans)
+    assert written(ours[0]) == written(theirs[0]) and ours[1] == theirs[1]
+    assert [list(p.items) for p in pickle.loads(pickle.dumps(ours[0]))] == [p.items for p in theirs[0]]
