@@ -139,9 +139,11 @@ def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
             chunks.append(chunk)
         entries.append((int(rows[0]), fqn, TensorStorageMetadata(properties=props[t], size=sizes[t], chunks=chunks)))
         tiles.append((fqn, offs, lens))
-    for fqn, b in byte_keys.items():
-        first = int(np.flatnonzero(kept & (key == -1 - b))[0])
-        entries.append((first, fqn, BytesStorageMetadata()))
+    byte_rows = np.flatnonzero(kept & (key < 0))
+    byte_ids, first = np.unique(-1 - key[byte_rows], return_index=True)
+    names = list(byte_keys)
+    for b, i in zip(byte_ids.tolist(), first.tolist()):
+        entries.append((int(byte_rows[i]), names[b], BytesStorageMetadata()))
     md = {fqn: value for _, fqn, value in sorted(entries, key=lambda e: e[0])}
 
     new_plans = []
