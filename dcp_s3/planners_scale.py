@@ -37,7 +37,7 @@ import sys
 from bisect import bisect_right, insort
 from itertools import chain
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -80,8 +80,10 @@ class ScalableSavePlanner(DefaultSavePlanner):
         """torch's deduplication in linear time (``planners_save.dedup_save_plans``)."""
         return dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
 
-    # torch's DefaultSavePlanner._create_global_plan (2.13) with validate_global_plan instead of
-    # its quadratic sweep; plan caching and create_global_plan call it as they call torch's.
+    # torch's DefaultSavePlanner._create_global_plan (2.13): on packed plans with arrays
+    # (planners_vector, which deduplicates itself: _dedup_save_plans serves the item-by-item path
+    # only), otherwise item by item; the checks without torch's quadratic sweep. Plan caching and
+    # create_global_plan call it as they call torch's.
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         vector = vector_global_plan(all_plans, self.dedup_save_to_lowest_rank)
         if vector is None:  # some plan is not packed: item by item
@@ -91,8 +93,7 @@ class ScalableSavePlanner(DefaultSavePlanner):
             global_plan, metadata, tiles = vector
             errors = []
             for fqn, offsets, sizes in tiles:
-                value = metadata.state_dict_metadata[fqn]
-                assert isinstance(value, TensorStorageMetadata)
+                value = cast(TensorStorageMetadata, metadata.state_dict_metadata[fqn])
                 if len(value.size) and not tiles_as_slabs(value.size, offsets, sizes, len(global_plan)):
                     errors.extend(_problems(fqn, tuple(value.size), value.chunks, len(global_plan)))
         if self.flatten_state_dict:
