@@ -18,6 +18,9 @@ the same results, built with fewer and cheaper objects:
 * :func:`global_save_plan` — torch's ``create_default_global_save_plan``: the index hint of
   every tensor item rewritten to its chunk's position in the metadata, one
   ``TensorStorageMetadata`` per tensor.
+
+``ScalableSavePlanner`` uses these when ``planners_vector`` cannot (some plan not packed, or
+holding tensor items outside its table); packed plans are read through their arrays here too.
 """
 
 from __future__ import annotations
