@@ -512,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print("\nissue 14's table, before and after ...", flush=True)
         ba_args = argparse.Namespace(bytes_per_param=args.bytes_per_param, metadata_max_entries=args.metadata_max_entries,
-                                     plan_max_ranks=args.plan_max_ranks, plan_per_shape=1)
+                                     plan_max_ranks=args.plan_max_ranks, plan_per_shape=1,
+                                     after_max_ranks=min(args.plan_max_ranks, 4096), plan_repeat=1)
         ba_text, _ = scale_ranks.report(model, [n for n in ranks_list if n >= 1024] or ranks_list, ba_args)
         print(ba_text)
         text += "\n\nBefore and after (benchmarks.scale_ranks):\n\n" + ba_text
