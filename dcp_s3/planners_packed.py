@@ -29,10 +29,11 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from ._torch_compat import element_size
+
 __all__ = ["PackedItems", "PackedMapping"]
 
 Key = tuple[str, Any]
-_element_size = torch._utils._element_size
 # WriteItem.bytes_io_data exists from torch 2.8 on
 _NO_BYTES = {"bytes_io_data": None} if "bytes_io_data" in {f.name for f in dataclasses.fields(WriteItem)} else {}
 _TYPES = list(WriteItemType)
@@ -126,10 +127,10 @@ class PackedItems(Sequence[WriteItem]):
         if row == len(rows) or rows[row] != pos:
             item = dict(self.extras)[pos]
             td = item.tensor_data
-            return 1 if td is None else (math.prod(td.size) * _element_size(td.properties.dtype) or 1)
+            return 1 if td is None else (math.prod(td.size) * element_size(td.properties.dtype) or 1)
         fid = int(self.ids[row])
         numel = math.prod(self.size_of[fid, : self.ndim[fid]].tolist())
-        return numel * _element_size(self.props[int(self.prop_of[fid])].dtype) or 1
+        return numel * element_size(self.props[int(self.prop_of[fid])].dtype) or 1
 
     def row_positions(self) -> np.ndarray:
         """Position in the item list of each packed row."""

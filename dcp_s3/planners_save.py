@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
+from ._torch_compat import element_size
 from .errors import CheckpointFormatError
 from .planners_packed import PackedItems, PackedMapping
 
@@ -143,7 +144,7 @@ def _storage_size(item: WriteItem) -> int:
     td = item.tensor_data
     if td is None:
         return 1
-    return math.prod(td.size) * torch._utils._element_size(td.properties.dtype) or 1
+    return math.prod(td.size) * element_size(td.properties.dtype) or 1
 
 
 def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
+from ._torch_compat import element_size
 from .errors import CheckpointFormatError
 from .planners_packed import PackedItems
 from .planners_save import as_items
@@ -175,7 +176,7 @@ def _table(pk: PackedItems, gid: dict[str, int], props: list[Any], sizes: list[t
         numel = math.prod(shape[:dims])
         if numel >= _LINEAR_LIMIT:
             return None
-        row_bytes.append(numel * torch._utils._element_size(pk.props[int(pk.prop_of[f])].dtype) or 1)
+        row_bytes.append(numel * element_size(pk.props[int(pk.prop_of[f])].dtype) or 1)
         step = 1
         for d in range(dims - 1, -1, -1):
             strides[f, d] = step
