@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_s3 import S3StorageReader, S3StorageWriter, layout
+from dcp_s3 import S3StorageReader, S3StorageWriter, ScalableSavePlanner, layout
 from dcp_s3._torch_compat import _StorageInfo
 from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
 from dcp_s3.errors import ConfigError
@@ -202,7 +202,10 @@ def test_real_checkpoint_round_trips_and_loads(bucket: str, s3_env: LocalS3Serve
     client = s3_env.client()
     for fmt in ("dcp", "compact"):
         uri = f"s3://{bucket}/{fmt}"
-        dcp.save(state, storage_writer=S3StorageWriter(uri, metadata_format=fmt, compression=compression), no_dist=True)
+        # The compact save goes through ScalableSavePlanner (packed plans, the array-based global step).
+        planner = ScalableSavePlanner() if fmt == "compact" else None
+        dcp.save(state, storage_writer=S3StorageWriter(uri, metadata_format=fmt, compression=compression),
+                 planner=planner, no_dist=True)
         body = client.get_object(Bucket=bucket, Key=f"{fmt}/.metadata")["Body"].read()
         assert body.startswith(MAGIC) == (fmt == "compact")
         md = load_metadata(body, uri)
