@@ -29,6 +29,7 @@ cannot be written compactly: ``dump_compact`` raises ``ConfigError`` and the wri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import struct
@@ -175,7 +176,15 @@ def _properties(props: TensorProperties) -> dict[str, Any]:
     }
     if None in names.values() or type(props.requires_grad) is not bool or type(props.pin_memory) is not bool:
         raise _unsupported(f"tensor properties {props}")
-    return {**names, "requires_grad": props.requires_grad, "pin_memory": props.pin_memory}
+    out: dict[str, Any] = {**names, "requires_grad": props.requires_grad, "pin_memory": props.pin_memory}
+    for field in dataclasses.fields(props):  # fields newer torch releases add (2.15: strides)
+        value = getattr(props, field.name)
+        if field.name in out or value is None:
+            continue
+        if field.name != "strides" or type(value) not in (tuple, list) or any(type(x) is not int for x in value):
+            raise _unsupported(f"tensor property {field.name}={value!r}")
+        out["strides"] = list(value)
+    return out
 
 
 def _rule(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> dict[str, int] | None:

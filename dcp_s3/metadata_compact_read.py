@@ -14,6 +14,7 @@ Any violation is a ``CheckpointFormatError``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -49,14 +50,26 @@ EXPANSION_PER_BYTE = 64
 EXPANSION_FLOOR = 1 << 20
 
 
-def _properties(e: dict[str, Any], where: str) -> TensorProperties:
+#: Fields of this torch's ``TensorProperties`` (2.15 adds ``strides``).
+_PROPERTY_FIELDS = {field.name for field in dataclasses.fields(TensorProperties)}
+
+
+def _properties(e: dict[str, Any], ndim: int, where: str) -> TensorProperties:
     dtype = DTYPES.get(_get(e, "dtype", str, where))
     layout = LAYOUTS.get(_get(e, "layout", str, where))
     memory_format = MEMORY_FORMATS.get(_get(e, "memory_format", str, where))
     if dtype is None or layout is None or memory_format is None:
         raise _bad(f"{where}: unknown dtype, layout or memory format")
+    extra: dict[str, Any] = {}
+    if "strides" in e:  # written by a torch that records strides; a torch without the field ignores them
+        strides = _get(e, "strides", list, where)
+        if len(strides) != ndim:
+            raise _bad(f"{where}: {len(strides)} strides for {ndim} dimensions")
+        values = tuple(_int(x, f"{where}: stride") for x in strides)
+        if "strides" in _PROPERTY_FIELDS:
+            extra["strides"] = values
     return TensorProperties(dtype=dtype, layout=layout, requires_grad=_get(e, "requires_grad", bool, where),
-                            memory_format=memory_format, pin_memory=_get(e, "pin_memory", bool, where))
+                            memory_format=memory_format, pin_memory=_get(e, "pin_memory", bool, where), **extra)
 
 
 def _chunks(e: dict[str, Any], size: torch.Size, elem: int, explicit: list[np.ndarray], pos: list[int],
@@ -134,7 +147,7 @@ def load_compact(data: bytes, where: str) -> Metadata:
         if len(size_list) > MAX_NDIM:
             raise _bad(f"{what}: {len(size_list)} dimensions")
         size = torch.Size([_int(d, f"{what}: size") for d in size_list])
-        props = _properties(e, what)
+        props = _properties(e, len(size), what)
         try:
             elem = element_size(props.dtype)
         except TypeError:

@@ -3,6 +3,7 @@ naming the object, found in bounded time and memory (at decode, or when the entr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import time
@@ -123,6 +124,10 @@ CASES: dict[str, Callable[[dict[str, Any]], None]] = {
     "dtype via attribute path": _entry("w", "dtype", "nn.Module"),
     "unknown layout": _entry("w", "layout", "os"),
     "requires_grad not bool": _entry("w", "requires_grad", 1),
+    "strides for too few dims": _entry("w", "strides", [4]),
+    "negative stride": _entry("w", "strides", [-4, 1]),
+    "stride not an int": _entry("w", "strides", ["4", 1]),
+    "strides not a list": _entry("w", "strides", 4),
     "huge dim": _entry("w", "size", [1 << 70, 4]),
     "negative dim": _entry("w", "size", [-10, 4]),
     "too many dims": _entry("scalar", "size", [1] * 100),
@@ -230,3 +235,17 @@ def test_huge_claims_cost_nothing_until_refused() -> None:
     start = time.perf_counter()
     refused(join(header, arrays), "refusing to expand")
     assert time.perf_counter() - start < 60  # a hang guard, not a benchmark
+
+
+def test_strides_torch_2_15_records_round_trip_where_torch_has_them() -> None:
+    """torch 2.15 records ``TensorProperties.strides``; the compact format keeps them, and a torch
+    without the field reads such a file too (ignoring them, as its stock reader would)."""
+    header, arrays = genuine()
+    entry(header, "w")["strides"] = [4, 1]
+    md = load_metadata(join(header, arrays), WHERE)
+    props = md.state_dict_metadata["w"].properties
+    if "strides" in {f.name for f in dataclasses.fields(props)}:
+        assert props.strides == (4, 1)
+        assert load_metadata(dump_metadata(md, "compact"), WHERE).state_dict_metadata["w"].properties == props
+    else:
+        assert not hasattr(props, "strides")
