@@ -13,11 +13,11 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
 from ._torch_compat import flatten_state_dict
+from .planners_load import ScalableLoadPlanner
 
 __all__ = ["optim_mismatch", "OptimizerLoadPlanner"]
 
@@ -48,8 +48,8 @@ def optim_mismatch(state: dict[str, Any], metadata: Metadata) -> str | None:
     return None
 
 
-class OptimizerLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner(allow_partial_load=True)`` that loads nothing on any rank if, on some
+class OptimizerLoadPlanner(ScalableLoadPlanner):
+    """``ScalableLoadPlanner(allow_partial_load=True)`` that loads nothing on any rank if, on some
     rank, the optimizer's state does not fit the checkpoint (:func:`optim_mismatch`).
 
     ``check=False`` (a rank whose model is on the meta device) plans no reads and never objects.

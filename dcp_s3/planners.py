@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 from torch.distributed.tensor import DTensor
 
 from dcp_s3._torch_compat import flatten_state_dict
 from dcp_s3.errors import CheckpointFormatError, ConfigError, InvalidTypeError
+from dcp_s3.planners_load import ScalableLoadPlanner
 
 __all__ = [
     "TrainableOnlySavePlanner",
@@ -175,8 +176,9 @@ def _is_meta_rank(state_dict: STATE_DICT_TYPE) -> bool:
     return bool(meta)
 
 
-class MetaRankLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that gives a rank whose tensors are all meta an empty plan.
+class MetaRankLoadPlanner(ScalableLoadPlanner):
+    """``DefaultLoadPlanner`` (as ``ScalableLoadPlanner``: its local plan visits only the chunks a rank
+    needs) that gives a rank whose tensors are all meta an empty plan.
 
     Such a rank takes part in the collectives of ``dcp.load`` (it still reads the
     small ``.metadata``) but allocates and reads nothing: its tensors stay on

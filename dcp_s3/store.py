@@ -61,6 +61,7 @@ _CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "requ
 LOCAL_OPTIONS = frozenset({
     "compression", "compression_level", "compression_threads", "key_prefixes", "files_per_rank", "max_concurrency",
     "max_range_size", "transfer", "overwrite", "share_metadata", "replica_group", "allow_unsafe_byte_items",
+    "metadata_format",
 })
 #: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
 CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode")

@@ -164,3 +164,37 @@ def test_local_plan_on_compact_metadata_equals_torchs_and_keeps_its_errors() -> 
     assert local_load_plan({"absent": torch.zeros(1)}, compact, strict=False).items == []
     with pytest.raises(ValueError, match="Size mismatch"):
         local_load_plan({"w": torch.zeros(3, 4)}, compact)
+
+
+def test_checkpointer_loads_compact_metadata_through_the_scalable_planner(tmp_path: Path) -> None:
+    """The Checkpointer's load planners are ScalableLoadPlanners: a step saved with compact
+    metadata (model with a frozen layer, AdamW state) resumes bit-exact, frozen weights untouched."""
+    from dcp_s3 import Checkpointer, TrainableOnlyLoadPlanner
+    from dcp_s3.metadata_compact import MAGIC
+    from dcp_s3.optim_match import OptimizerLoadPlanner
+
+    assert issubclass(TrainableOnlyLoadPlanner, ScalableLoadPlanner)
+    assert issubclass(OptimizerLoadPlanner, ScalableLoadPlanner)
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        model[0].weight.requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    torch.manual_seed(0)
+    model, optim = build()
+    model(torch.randn(3, 8)).sum().backward()
+    optim.step()
+    Checkpointer(tmp_path, metadata_format="compact").save({"m": model}, {"m": optim}, iteration=3)
+    metadata_files = sorted(tmp_path.rglob(".metadata"))
+    assert len(metadata_files) == 2 and all(p.read_bytes().startswith(MAGIC) for p in metadata_files)
+
+    torch.manual_seed(1)
+    fresh, fresh_optim = build()
+    frozen = fresh[0].weight.detach().clone()
+    assert Checkpointer(tmp_path).load({"m": fresh}, {"m": fresh_optim}) == 3
+    assert torch.equal(fresh[0].weight, frozen)  # frozen: neither saved nor overwritten
+    for name in ("0.bias", "1.weight", "1.bias"):
+        assert torch.equal(fresh.state_dict()[name], model.state_dict()[name]), name
+    for mine, theirs in zip(fresh_optim.state.values(), optim.state.values()):
+        assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq"))
