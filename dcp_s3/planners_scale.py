@@ -54,6 +54,7 @@ from .errors import CheckpointFormatError
 from .planners_packed import PackedItems, PackedMapping
 from .planners_save import as_items, dedup_save_plans, global_save_plan, merged_planner_data
 from .planners_vector import vector_global_plan
+from .sharing import group_ranks, running_dcp_group
 
 __all__ = ["ScalableSavePlanner", "packed_plan", "validate_global_plan"]
 
@@ -69,6 +70,19 @@ class ScalableSavePlanner(DefaultSavePlanner):
         kwargs.setdefault("enable_plan_caching", True)
         super().__init__(**kwargs)
         self.packed_plans = packed_plans
+
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        """torch's set-up, and a plan-cache key naming the group this save runs on.
+
+        torch keys its plan cache by the planner's class name alone, process-wide: a save on
+        another group (a sub-group, a different world) would have its plans merged with the
+        cached plans of a save with other ranks (torch 2.7 then fails; later releases build the
+        global plan from a mix). Every rank of one save computes the same key.
+        """
+        super().set_up_planner(*args, **kwargs)
+        running = running_dcp_group()
+        scope = "local" if running is None else ",".join(map(str, group_ranks(running.group)))
+        self._cached_plans_key = f"{type(self).__name__}@{scope}"
 
     def create_local_plan(self) -> SavePlan:
         """torch's local plan, its items and flatten mapping packed for the trip to the coordinator
