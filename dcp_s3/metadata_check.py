@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import posixpath
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -96,7 +97,7 @@ def _name(fqn: str) -> str:
     return fqn if len(fqn) <= 200 else fqn[:197] + "..."
 
 
-def offsets_key(offsets: tuple[int, ...] | torch.Size) -> str:
+def offsets_key(offsets: Sequence[int]) -> str:
     """A dict key for chunk offsets: tuples of ints can be chosen so that their hashes collide
     (every insertion would then scan all the others); a str's hash is randomized per process."""
     return ",".join(map(str, offsets))

@@ -155,7 +155,7 @@ class ExplicitChunks(Sequence[ChunkStorageMetadata]):
         return (ExplicitChunks, (self.size, self.offsets, self.sizes))
 
 class ChunkLookup:
-    """``(fqn, offsets_key) -> (sizes, dtype)`` of a stored chunk, found when asked.
+    """``(sizes, dtype)`` of the stored chunk of a tensor at given offsets, found when asked.
 
     The reader's index of chunks: a lazy sequence finds a chunk from its offsets directly;
     a plain list (stock metadata) is indexed per tensor on the tensor's first lookup, so a
@@ -166,20 +166,17 @@ class ChunkLookup:
         self._state = metadata.state_dict_metadata
         self._tables: dict[str, dict[str, torch.Size]] = {}
 
-    def get(self, key: tuple[str, str], default: Any = None) -> Any:
-        fqn, okey = key
+    def find(self, fqn: str, offsets: Sequence[int]) -> tuple[torch.Size, torch.dtype] | None:
+        """The chunk of tensor ``fqn`` stored at ``offsets``, or None if there is none."""
         md = self._state.get(fqn)
         if not isinstance(md, TensorStorageMetadata):
-            return default
+            return None
         find = getattr(md.chunks, "find", None)
         if find is not None:
-            try:
-                c = find([int(x) for x in okey.split(",")] if okey else [])
-            except ValueError:
-                return default
-            return default if c is None else (md.chunks[c].sizes, md.properties.dtype)
+            c = find(list(offsets))
+            return None if c is None else (md.chunks[c].sizes, md.properties.dtype)
         table = self._tables.get(fqn)
         if table is None:
             table = self._tables[fqn] = {offsets_key(chunk.offsets): chunk.sizes for chunk in md.chunks}
-        sizes = table.get(okey)
-        return default if sizes is None else (sizes, md.properties.dtype)
+        sizes = table.get(offsets_key(offsets))
+        return None if sizes is None else (sizes, md.properties.dtype)

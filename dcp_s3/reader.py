@@ -34,7 +34,6 @@ from .config import ClientConfig, TransferConfig, client_config
 from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from .items import raw_bytes_view
 from .layout import METADATA_KEY, checksum_error, load_metadata
-from .metadata_check import offsets_key
 from .metadata_compact_chunks import ChunkLookup
 from .objstore import RangeRead
 from .replicated import read_replicated
@@ -109,7 +108,7 @@ class S3StorageReader(Location, StorageReader):
         self._codec = Codec(threads=transfer.decode_threads)  # decodes compressed checkpoints
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
-        self._chunks: ChunkLookup | dict[tuple[str, str], Any] = {}  # (fqn, offsets_key) -> (sizes, dtype)
+        self._chunks: ChunkLookup | None = None  # set up from the load's metadata
         self._metadata_error: DcpS3Error | None = None  # see read_metadata
 
     def __repr__(self) -> str:
@@ -122,13 +121,13 @@ class S3StorageReader(Location, StorageReader):
                 "share_metadata": self.share_metadata is True, "allow_unsafe_byte_items": self.allow_unsafe_byte_items}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, storage_data={}, _chunks={}, replica_group=None, _metadata_error=None)
+        self.__dict__.update(state, storage_data={}, _chunks=None, replica_group=None, _metadata_error=None)
 
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._reset_location(checkpoint_id)
         self.storage_data = {}
-        self._chunks = {}
+        self._chunks = None
         self._metadata_error = None
         self.load_id = str(uuid.uuid4())
 
@@ -318,9 +317,10 @@ class S3StorageReader(Location, StorageReader):
         Returns whether ``dest`` then holds the whole stored payload (so its checksum can be checked).
         """
         fqn = req.storage_index.fqn
-        sizes, dtype = self._chunks.get((fqn, offsets_key(req.storage_index.offset or ())), (None, None))
-        if sizes is None or dtype is None:
+        found = self._chunks.find(fqn, req.storage_index.offset or ()) if self._chunks is not None else None
+        if found is None:
             raise CheckpointFormatError(f"{self.checkpoint_id}: no chunk metadata for {req.storage_index}")
+        sizes, dtype = found
         if len(req.lengths) != len(sizes) or any(
             o < 0 or n < 0 or o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, sizes)
         ):
