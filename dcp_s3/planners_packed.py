@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ._torch_compat import element_size
 
-__all__ = ["PackedItems", "PackedMapping"]
+__all__ = ["PackedItems", "PackedMapping", "storage_size"]
 
 Key = tuple[str, Any]
 # WriteItem.bytes_io_data exists from torch 2.8 on
@@ -125,9 +125,7 @@ class PackedItems(Sequence[WriteItem]):
         rows = self.row_positions()
         row = int(np.searchsorted(rows, pos))
         if row == len(rows) or rows[row] != pos:
-            item = dict(self.extras)[pos]
-            td = item.tensor_data
-            return 1 if td is None else (math.prod(td.size) * element_size(td.properties.dtype) or 1)
+            return storage_size(dict(self.extras)[pos])
         fid = int(self.ids[row])
         numel = math.prod(self.size_of[fid, : self.ndim[fid]].tolist())
         return numel * element_size(self.props[int(self.prop_of[fid])].dtype) or 1
@@ -230,3 +228,11 @@ def _matrix(rows: list[Any], width: int) -> np.ndarray:
     for i, row in enumerate(rows):
         out[i, : len(row)] = row
     return out
+
+
+def storage_size(item: WriteItem) -> int:
+    """torch's ``WriteItem.tensor_storage_size() or 1``: the global tensor's bytes."""
+    td = item.tensor_data
+    if td is None:
+        return 1
+    return math.prod(td.size) * element_size(td.properties.dtype) or 1

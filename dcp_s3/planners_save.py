@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import math
 from collections import defaultdict
 from operator import attrgetter
 from typing import Any, Callable, cast
@@ -43,9 +42,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from ._torch_compat import element_size
 from .errors import CheckpointFormatError
-from .planners_packed import PackedItems, PackedMapping
+from .planners_packed import PackedItems, PackedMapping, storage_size
 
 __all__ = ["as_items", "dedup_save_plans", "global_save_plan", "kept_positions", "merged_planner_data"]
 
@@ -61,7 +59,7 @@ def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = Fals
 
     def size_of(rank: int, pos: int) -> int:
         items = all_plans[rank].items
-        return items.storage_size(pos) if isinstance(items, PackedItems) else _storage_size(items[pos])
+        return items.storage_size(pos) if isinstance(items, PackedItems) else storage_size(items[pos])
 
     kept = kept_positions(keys, size_of, save_to_lowest_rank)
     out = []
@@ -137,14 +135,6 @@ def kept_positions(keys: list[tuple[Key, ...]], size_of: Callable[[int, int], in
             elif len(mine) != len(listed):
                 out[rank] = sorted(mine)
     return out
-
-
-def _storage_size(item: WriteItem) -> int:
-    """torch's ``WriteItem.tensor_storage_size() or 1``: the global tensor's bytes."""
-    td = item.tensor_data
-    if td is None:
-        return 1
-    return math.prod(td.size) * element_size(td.properties.dtype) or 1
 
 
 def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
