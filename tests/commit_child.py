@@ -124,11 +124,12 @@ def main(argv: list[str]) -> int:
         ckpt.save({"m": m}, {"m": optim}, iteration=start)
         return 0
     if kind == "local":
-        directory, seed = args
+        directory, seed, *fmt = args  # optional: the writer's metadata_format
         wait = hold(phase, held, release)
         _hold_locally(phase, lambda: wait({"PartNumber": 2, "Key": "/.metadata"}, _Op(phase)))
         planner = _HoldingPlanner(lambda: wait({"PartNumber": 2}, _Op("upload")))
-        dcp.save(state(int(seed)), storage_writer=S3StorageWriter(directory), planner=planner, no_dist=True)
+        writer = S3StorageWriter(directory, metadata_format=fmt[0] if fmt else "auto")
+        dcp.save(state(int(seed)), storage_writer=writer, planner=planner, no_dist=True)
         return 0
     raise SystemExit(f"unknown kind {kind!r}")
 

@@ -32,6 +32,7 @@ from dcp_s3 import (
 )
 from dcp_s3.layout import METADATA_KEY, dump_metadata, load_metadata, referenced_objects
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.metadata_compact import MAGIC as COMPACT_MAGIC
 from tests.commit_child import model, sgd, state, train_a_bit
 from tests.fault_proxy import FaultProxy, Rule
 from tests.objects import data_keys, object_keys
@@ -146,6 +147,29 @@ def test_killed_local_overwrite_leaves_old_or_new_checkpoint(tmp_path: Path, pha
 
 
 # -- two saves to one path, one held at each phase while the other runs through -----------------------------
+@pytest.mark.parametrize(("phase", "expected"), [("upload", 1), ("commit", 1), ("cleanup", 2)])
+def test_killed_compact_overwrite_leaves_old_or_new_checkpoint(tmp_path: Path, phase: str, expected: int) -> None:
+    """The same with compact ``.metadata`` (the format jobs of thousands of ranks write): the commit
+    is still the one rename of ``.metadata``, and the replaced objects come from its object column."""
+    directory = tmp_path / "ck"
+    dcp.save(state(1), storage_writer=S3StorageWriter(directory, metadata_format="compact"), no_dist=True)
+    assert (directory / METADATA_KEY).read_bytes().startswith(COMPACT_MAGIC)
+    old = {p.name for p in directory.glob("*.distcp")}
+    child = Child({}, tmp_path, phase, "local", str(directory), "2", "compact")
+    child.wait_held()
+    child.kill()
+    out = _blank()
+    dcp.load(out, storage_reader=S3StorageReader(directory), no_dist=True)
+    ref = state(expected)
+    assert out["meta"]["seed"] == expected and torch.equal(out["a"], ref["a"]) and torch.equal(out["b"], ref["b"])
+    assert (directory / METADATA_KEY).read_bytes().startswith(COMPACT_MAGIC)
+    if expected == 1:
+        assert old <= {p.name for p in directory.glob("*.distcp")}
+    dcp.save(state(3), storage_writer=S3StorageWriter(directory, metadata_format="compact"), no_dist=True)
+    used = referenced_objects(load_metadata((directory / METADATA_KEY).read_bytes(), "local"))
+    assert not used & old and used <= {p.name for p in directory.glob("*.distcp")}
+
+
 @pytest.mark.parametrize(("phase", "winner"), [("upload", "held"), ("commit", "held"), ("cleanup", "other")])
 def test_concurrent_overwrites_commit_exactly_one_save(
     bucket: str, s3_env: LocalS3Server, env: dict[str, str], tmp_path: Path, phase: str, winner: str
