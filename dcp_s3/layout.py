@@ -33,15 +33,16 @@ from .codec import CODEC_NAME, CODEC_VERSION, FrameIndex
 from .errors import CheckpointFormatError, ConfigError
 from .metadata_check import check_metadata, check_object_name
 from .metadata_compact import MAGIC as COMPACT_MAGIC
-from .metadata_compact import chunk_count, dump_compact
+from .metadata_compact import chunk_count
 from .metadata_compact_read import load_compact, materialize
 from .metadata_compact_storage import CompactStorage
+from .metadata_compact_write import dump_compact
 from .metadata_pickle import budget_for, describe, unpickle_metadata
 
 __all__ = [
     "METADATA_KEY", "PROBE_PREFIX", "ItemLocation", "new_token", "data_object_name", "referenced_objects", "replaceable_objects", "rank_prefix",
     "check_key_prefixes", "is_key_prefix_dir", "dump_metadata", "load_metadata", "check_object_name", "checksum_error",
-    "METADATA_FORMATS", "metadata_format_option",
+    "METADATA_FORMATS", "metadata_format_option", "compact_wanted",
 ]
 
 METADATA_KEY = ".metadata"
@@ -168,11 +169,17 @@ def metadata_format_option(metadata_format: object) -> str:
     return str(metadata_format)
 
 
+def compact_wanted(metadata: Metadata, metadata_format: str) -> bool:
+    """Whether ``metadata_format`` asks for the compact format for ``metadata`` (``"auto"``: above
+    ``AUTO_COMPACT_CHUNKS`` chunks; the writer falls back to the pickle where it cannot be)."""
+    metadata_format_option(metadata_format)
+    return metadata_format == "compact" or (metadata_format == "auto" and chunk_count(metadata) > AUTO_COMPACT_CHUNKS)
+
+
 def dump_metadata(metadata: Metadata, metadata_format: str = "dcp") -> bytes:
     """``.metadata`` bytes: ``"dcp"`` torch's pickle (any reader), ``"compact"`` dcp_s3's compact
     format (``metadata_compact``), ``"auto"`` compact above ``AUTO_COMPACT_CHUNKS`` when it can be."""
-    metadata_format_option(metadata_format)
-    if metadata_format == "compact" or (metadata_format == "auto" and chunk_count(metadata) > AUTO_COMPACT_CHUNKS):
+    if compact_wanted(metadata, metadata_format):
         try:
             return dump_compact(metadata)
         except ConfigError:

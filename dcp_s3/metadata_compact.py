@@ -1,4 +1,4 @@
-"""The compact ``.metadata`` format: written by ``dump_compact``, read by ``metadata_compact_read``.
+"""The compact ``.metadata`` format: written by ``metadata_compact_write``, read by ``metadata_compact_read``.
 
 A stock ``.metadata`` is a pickle holding one ``ChunkStorageMetadata`` and one storage entry
 object per chunk: at 16,384 FSDP ranks (Llama-70B-like) that is ~5.4 GB and minutes of
@@ -30,29 +30,22 @@ cannot be written compactly: ``dump_compact`` raises ``ConfigError`` and the wri
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
-import struct
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
 
-from ._torch_compat import _StorageInfo
-from .codec import FrameIndex
 from .errors import ConfigError
 
-__all__ = ["MAGIC", "FORMAT_VERSION", "dump_compact", "rule_chunk", "chunk_count", "DTYPES", "LAYOUTS", "MEMORY_FORMATS"]
+__all__ = ["MAGIC", "FORMAT_VERSION", "rule_chunk", "chunk_count", "DTYPES", "LAYOUTS", "MEMORY_FORMATS"]
 
 #: First bytes of a compact ``.metadata`` (a pickle starts with ``\x80``).
 MAGIC = b"\x89DCPS3M\n"
@@ -189,6 +182,10 @@ def _properties(props: TensorProperties) -> dict[str, Any]:
 
 def _rule(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> dict[str, int] | None:
     """``{"dim", "n"}`` if ``chunks`` is exactly torch.chunk's split of ``size`` along one dim."""
+    from .metadata_compact_chunks import RuleChunks
+
+    if type(chunks) is RuleChunks and chunks.size == size:  # the planner found the rule (planners_vector)
+        return {"dim": chunks.dim, "n": chunks.n}
     n = len(chunks)
     if n == 0:
         return None
@@ -207,161 +204,3 @@ def _rule(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> dict[str,
             continue
         return None
     return None
-
-
-def _frames(arrays: _Arrays, framed: list[tuple[FrameIndex, tuple[int, ...] | None]], codecs: list[str]
-            ) -> dict[str, Any]:
-    cols: dict[str, list[int]] = {c: [] for c in FRAME_COLUMNS}
-    ends: list[int] = []
-    crcs: list[int] = []
-    bits = bytearray()
-    for frames, frame_crcs in framed:
-        if type(frames) is not FrameIndex or type(frames.codec) is not str:
-            raise _unsupported(f"a frame index of type {type(frames).__name__}")
-        if frames.codec not in codecs:
-            codecs.append(frames.codec)
-        if frame_crcs is not None and (type(frame_crcs) is not tuple or len(frame_crcs) != len(frames.ends)):
-            raise _unsupported("frame checksums that do not match the frame index")
-        values = (codecs.index(frames.codec), frames.version, frames.element_size, frames.grouping,
-                  frames.raw_length, frames.frame_size, len(frames.ends), int(frame_crcs is not None))
-        for name, value in zip(FRAME_COLUMNS, values):
-            cols[name].append(value)
-        ends.extend(frames.ends)
-        crcs.extend(frame_crcs or ())
-        bits += frames.raw_frames.to_bytes(-(-len(frames.ends) // 8), "little")
-    out: dict[str, Any] = {"count": len(framed), "codecs": codecs}
-    out["columns"] = {c: arrays.column(f"f.{c}", np.array(v, dtype=np.int64)) for c, v in cols.items()}
-    out["ends"] = arrays.add("f.ends", _narrow(np.array(ends or [0], dtype=np.int64))[: len(ends)])
-    out["crcs"] = arrays.add("f.crcs", np.array(crcs, dtype="<u4"))
-    out["raw"] = arrays.add("f.raw", np.frombuffer(bytes(bits), dtype="<u1"))
-    return out
-
-
-def _opt(value: int | None) -> int:
-    return -1 if value is None else value
-
-
-def dump_compact(metadata: Metadata) -> bytes:
-    """``metadata`` in the compact format; ``ConfigError`` if it holds what the format cannot describe."""
-    arrays = _Arrays()
-    state = metadata.state_dict_metadata
-    storage = metadata.storage_data
-    if storage is not None and not isinstance(storage, dict) and not hasattr(storage, "items"):
-        raise _unsupported(f"storage_data of type {type(storage).__name__}")
-    from .metadata_compact_chunks import RuleChunks
-
-    # Each tensor's chunks: a rule (chunk found from its offsets) or explicit arrays (found by a dict).
-    entries: dict[str, dict[str, Any]] = {}
-    finders: dict[str, Any] = {}
-    chunk_offsets: list[int] = []
-    chunk_sizes: list[int] = []
-    for fqn, md in state.items():
-        if type(fqn) is not str:
-            raise _unsupported(f"state-dict key {fqn!r}")
-        if type(md) is BytesStorageMetadata:
-            entries[fqn] = {"fqn": fqn, "bytes": 0}
-            continue
-        if type(md) is not TensorStorageMetadata:
-            raise _unsupported(f"state-dict entry {fqn!r} of type {type(md).__name__}")
-        entry: dict[str, Any] = {"fqn": fqn, **_properties(md.properties), "size": list(md.size)}
-        rule = _rule(md.size, md.chunks)
-        if rule is not None:
-            entry["rule"] = rule
-            finders[fqn] = RuleChunks(md.size, rule["dim"], rule["n"]).find
-        else:
-            entry["chunks"] = len(md.chunks)
-            first: dict[tuple[int, ...], int] = {}
-            for i, chunk in enumerate(md.chunks):
-                chunk_offsets.extend(chunk.offsets)
-                chunk_sizes.extend(chunk.sizes)
-                first.setdefault(tuple(chunk.offsets), i)
-            finders[fqn] = lambda offsets, first=first: first.get(tuple(offsets))
-        entries[fqn] = entry
-    # Storage entries grouped by state-dict entry, each keyed by its chunk number.
-    by_fqn: dict[str, dict[int, tuple[MetadataIndex, _StorageInfo]]] = {fqn: {} for fqn in state}
-    for index, info in (storage.items() if storage is not None else ()):
-        held = by_fqn.get(index.fqn) if type(index) is MetadataIndex else None
-        if held is None:
-            raise _unsupported(f"storage key {index!r} names no state-dict entry")
-        find = finders.get(index.fqn)
-        c = 0 if find is None and index.offset is None else (  # a byte item has no offset
-            find(index.offset) if find is not None and index.offset is not None else None)
-        if c is None:
-            raise _unsupported(f"storage entry {index.fqn!r} at {index.offset} matches no chunk of its entry")
-        held[c] = (index, info)
-    stored_chunks: list[int] = []
-    ordered: list[tuple[MetadataIndex, _StorageInfo]] = []
-    for fqn, md in state.items():
-        held = by_fqn[fqn]
-        numbers = sorted(held)
-        if fqn not in finders:
-            entries[fqn]["bytes"] = len(held)
-        elif numbers == list(range(len(md.chunks))):  # type: ignore[union-attr]
-            entries[fqn]["stored"] = "all"
-        else:
-            entries[fqn]["stored"] = len(numbers)
-            stored_chunks.extend(numbers)
-        ordered.extend(held[c] for c in numbers)
-    header: dict[str, Any] = {
-        "format": "dcp_s3.compact", "version": FORMAT_VERSION, "metadata_version": getattr(metadata, "version", None),
-        "planner_data": tag(metadata.planner_data), "storage_meta": _storage_meta(metadata),
-        "entries": list(entries.values()),
-        "chunk_offsets": arrays.add("chunk_offsets", np.array(chunk_offsets, dtype=np.uint64)),
-        "chunk_sizes": arrays.add("chunk_sizes", np.array(chunk_sizes, dtype=np.uint64)),
-        "stored_chunks": arrays.add("stored_chunks", np.array(stored_chunks, dtype=np.uint32)),
-    }
-    if storage is not None:
-        header["storage"] = _storage(arrays, ordered)
-    header["arrays"] = arrays.table
-    head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-    return b"".join([MAGIC, struct.pack("<Q", len(head)), head, b"\0" * (-len(head) % 8), *arrays.parts])
-
-
-def _storage_meta(metadata: Metadata) -> dict[str, Any] | None:
-    meta = metadata.storage_meta
-    if meta is None:
-        return None
-    return {"checkpoint_id": tag(meta.checkpoint_id), "save_id": tag(meta.save_id), "load_id": tag(meta.load_id),
-            "modules": tag(meta.modules)}
-
-
-def _storage(arrays: _Arrays, ordered: list[tuple[MetadataIndex, _StorageInfo]]) -> dict[str, Any]:
-    from .layout import ItemLocation
-
-    objects: dict[str, int] = {}
-    transforms: list[Any] = []
-    framed: list[tuple[FrameIndex, tuple[int, ...] | None]] = []
-    cols = {c: array("q") for c in STORAGE_COLUMNS}  # 8 bytes a value: no Python int per entry kept
-    for index, info in ordered:
-        kind = {_StorageInfo: KIND_STORAGE_INFO, ItemLocation: KIND_ITEM_LOCATION}.get(type(info))
-        if kind is None or type(info.relative_path) is not str or type(info.offset) is not int or type(info.length) is not int:
-            raise _unsupported(f"storage entry {index.fqn!r}: {type(info).__name__} {info!r}"[:300])
-        td = getattr(info, "transform_descriptors", None)
-        t = -1
-        if td is not None:
-            tagged = tag(td)
-            if tagged not in transforms:
-                transforms.append(tagged)
-            t = transforms.index(tagged)
-        frame = -1
-        payload = crc = None
-        if isinstance(info, ItemLocation):
-            payload, crc = info.payload_offset, info.crc32c
-            if info.frames is not None:
-                frame = len(framed)
-                framed.append((info.frames, info.frame_crc32c))
-            elif info.frame_crc32c is not None:
-                raise _unsupported(f"storage entry {index.fqn!r}: frame checksums without frames")
-        if index.index is not None and (type(index.index) is not int or index.index < 0):
-            raise _unsupported(f"storage entry {index.fqn!r}: index hint {index.index!r}")
-        for name, value in zip(STORAGE_COLUMNS, (kind, objects.setdefault(info.relative_path, len(objects)),
-                                                 info.offset, info.length, t, _opt(payload), _opt(crc), frame,
-                                                 _opt(index.index))):
-            if type(value) is not int or not -1 <= value < 1 << 63:
-                raise _unsupported(f"storage entry {index.fqn!r}: {name} {value!r}")
-            cols[name].append(value)
-    return {
-        "count": len(ordered), "objects": list(objects), "transforms": transforms,
-        "columns": {c: arrays.column(f"s.{c}", np.frombuffer(v, dtype=np.int64)) for c, v in cols.items()},
-        "frames": _frames(arrays, framed, []),
-    }

@@ -24,7 +24,7 @@ import os
 import threading
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -52,6 +52,7 @@ from .layout import (
     METADATA_KEY,
     PROBE_PREFIX,
     check_key_prefixes,
+    compact_wanted,
     data_object_name,
     dump_metadata,
     load_metadata,
@@ -61,7 +62,9 @@ from .layout import (
     referenced_objects,
     replaceable_objects,
 )
+from .metadata_compact_write import dump_compact
 from .objstore import wait_all
+from .results_packed import PackedResults
 from .session import Location, Session
 
 __all__ = ["S3StorageWriter"]
@@ -221,7 +224,10 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         return CheckpointExistsError(f"Checkpoint already exists at {self.checkpoint_id} and overwrite=False; {advice}")
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Stream this rank's items into ``files_per_rank`` objects; no object for an empty plan."""
+        """Stream this rank's items into ``files_per_rank`` objects; no object for an empty plan.
+
+        The results are a ``PackedResults`` (a read-only sequence of ``WriteResult``): gathered
+        to the coordinator as arrays, not one pickled object per item."""
         fut: Future[list[WriteResult]] = Future()
         try:
             fut.set_result(self._write_all(plan, planner))
@@ -271,17 +277,24 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
                 self._codec.close()
         results = [r for f in futures for r in f.result()]
         log.debug("rank %s wrote %d items in %d objects", self.rank, len(results), len(buckets))
-        return results
+        return PackedResults.pack(results)  # type: ignore[return-value]  # a Sequence, as torch uses it
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator only: PUT ``.metadata`` — the commit point — then delete what it replaced."""
-        metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
+    def finish(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]]) -> None:
+        """Coordinator only: PUT ``.metadata`` — the commit point — then delete what it replaced.
+
+        ``metadata`` becomes the committed metadata (torch broadcasts it to every rank and
+        ``dcp.save`` returns it): for the compact format, a lazy view of the bytes committed,
+        which pickles as those bytes rather than as one object per item.
+        """
         metadata.storage_meta = self.storage_meta()
         metadata.version = "1.0.0"
-        ours = referenced_objects(metadata)
         transport = self._session.transport
         key = self._session.key(METADATA_KEY)
-        body = dump_metadata(metadata, self.metadata_format)
+        body = self._compact_body(metadata, results, transport.url(key))
+        if body is None:
+            metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
+            body = dump_metadata(metadata, "dcp")
+        ours = referenced_objects(metadata)
         if self.overwrite:
             replaced = self._committed_objects(key) - ours
             etag = transport.put(key, body)
@@ -292,6 +305,21 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         else:
             self._commit_once(key, body, ours)
         log.info("committed checkpoint %s (%d items)", self.checkpoint_id, len(metadata.storage_data))
+
+    def _compact_body(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]], where: str) -> bytes | None:
+        """Compact ``.metadata`` bytes encoded straight from the gathered results (and ``metadata``
+        turned into their lazy view), or None where the stock pickle is to be written."""
+        if not compact_wanted(metadata, self.metadata_format):
+            return None
+        try:
+            body = dump_compact(metadata, results)
+        except ConfigError:
+            if self.metadata_format == "compact":
+                raise
+            return None
+        view = load_metadata(body, where)
+        metadata.state_dict_metadata, metadata.storage_data = view.state_dict_metadata, view.storage_data
+        return body
 
     def _commit_once(self, key: str, body: bytes, ours: set[str]) -> None:
         """``overwrite=False``: PUT ``.metadata`` only if no checkpoint is there; else clean up and raise."""

@@ -29,7 +29,8 @@ from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
 from dcp_s3.errors import ConfigError
 from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation, dump_metadata, load_metadata
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata_compact import MAGIC, dump_compact
+from dcp_s3.metadata_compact import MAGIC
+from dcp_s3.metadata_compact_write import dump_compact
 from dcp_s3.metadata_compact_chunks import ExplicitChunks, RuleChunks
 from dcp_s3.metadata_compact_read import materialize
 from dcp_s3.metadata_compact_storage import CompactStorage
