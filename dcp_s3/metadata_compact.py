@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .errors import ConfigError
+from .frame_table import FIELDS as FRAME_FIELDS
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "rule_chunk", "chunk_count", "DTYPES", "LAYOUTS", "MEMORY_FORMATS"]
 
@@ -52,7 +53,7 @@ MAGIC = b"\x89DCPS3M\n"
 FORMAT_VERSION = 1
 #: Storage columns, in the order they are written.
 STORAGE_COLUMNS = ("kind", "object", "offset", "length", "transform", "payload", "crc", "frame", "hint")
-FRAME_COLUMNS = ("codec", "version", "element_size", "grouping", "raw_length", "frame_size", "frames", "crcs")
+FRAME_COLUMNS = FRAME_FIELDS
 #: ``kind`` column values.
 KIND_STORAGE_INFO, KIND_ITEM_LOCATION = 0, 1
 

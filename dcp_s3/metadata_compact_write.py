@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ._torch_compat import _StorageInfo
 from .codec import FrameIndex
+from .frame_table import Framed, FrameTable
 from .metadata_compact import (
     FORMAT_VERSION,
     FRAME_COLUMNS,
@@ -46,7 +47,6 @@ _KIND, _OBJECT, _TRANSFORM = _ROW.index("kind"), _ROW.index("object"), _ROW.inde
 _LIMIT = 1 << 63
 #: Rows of packed results processed at once (see ``_Rows._packed_rows``).
 _BATCH_ROWS = 1 << 16
-Frames = tuple[FrameIndex, "tuple[int, ...] | None"]
 Finder = Callable[[Sequence[int]], "int | None"]
 
 
@@ -199,9 +199,10 @@ class _Rows:
 
     def __init__(self, entries: _Entries) -> None:
         self.entries = entries
-        self.single = array("q")  # rows added from objects: entry, chunk, seq, framed, *_ROW
+        self.single = array("q")  # rows added from objects: entry, chunk, seq, frame (-1 or in framed), *_ROW
         self.packs: list[tuple[Any, int]] = []  # (PackedResults, seq of its first result)
-        self.frames: dict[int, Frames] = {}  # by seq
+        self.framed: list[Framed] = []  # frame indexes of the rows added from objects
+        self.frame_tables: list[FrameTable] = []  # of packed rows: the frames table is framed's, then these
         self.objects: dict[str, int] = {}
         self.transforms: dict[str, int] = {}  # JSON of the tagged descriptors -> id
         self.tagged: list[Any] = []
@@ -233,10 +234,16 @@ class _Rows:
                 type(info.length) is not int:
             raise _unsupported(f"storage entry {index.fqn!r}: {type(info).__name__} {info!r}"[:300])
         payload = crc = None
+        frame = -1
         if isinstance(info, ItemLocation):
             payload, crc = info.payload_offset, info.crc32c
             if info.frames is not None:
-                self.frames[seq] = (info.frames, info.frame_crc32c)
+                if type(info.frames) is not FrameIndex or type(info.frames.codec) is not str:
+                    raise _unsupported(f"storage entry {index.fqn!r}: a frame index of type {type(info.frames).__name__}")
+                if not FrameTable.fits(info.frames, info.frame_crc32c):
+                    raise _unsupported(f"storage entry {index.fqn!r}: frame checksums that do not match its frame index")
+                frame = len(self.framed)
+                self.framed.append((info.frames, info.frame_crc32c))
             elif info.frame_crc32c is not None:
                 raise _unsupported(f"storage entry {index.fqn!r}: frame checksums without frames")
         if index.index is not None and (type(index.index) is not int or index.index < 0):
@@ -247,7 +254,7 @@ class _Rows:
         for name, value in zip(_ROW, values):
             if type(value) is not int or not -1 <= value < _LIMIT:
                 raise _unsupported(f"storage entry {index.fqn!r}: {name} {value!r}")
-        self.single.extend((e, c, seq, int(seq in self.frames), *values))
+        self.single.extend((e, c, seq, frame, *values))
 
     def add_results(self, results: Iterable[Sequence[WriteResult]]) -> None:
         """Every rank's results, in order (a later result for the same chunk replaces an earlier one)."""
@@ -265,7 +272,7 @@ class _Rows:
             seq += len(per_rank)
 
     def _packed_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Every rank's packed rows: entry, chunk, seq, framed, columns (rows x ``_ROW``).
+        """Every rank's packed rows: entry, chunk, seq, frame (-1 or its index), columns (rows x ``_ROW``).
 
         A first pass maps each rank's tables (names, objects, transforms) to global ids with
         a few Python steps per rank; then ranks are taken in batches of about ``_BATCH_ROWS``
@@ -276,7 +283,8 @@ class _Rows:
         ndims: list[int] = []
         objects: list[int] = []
         transforms: list[int] = []
-        ranks: list[tuple[Any, int, int, int, int]] = []  # (packed, seq base, table, objects, transforms) starts
+        ranks: list[tuple[Any, ...]] = []  # (packed, seq base, and where its names, objects, transforms, frames start)
+        frame_base = len(self.framed)
         for pk, base in self.packs:
             key = (pk.digest, pk.ndim.tobytes())
             start = tables.get(key)
@@ -288,7 +296,10 @@ class _Rows:
                 start = tables[key] = len(to_entry)
                 to_entry.extend(self.entries.number[f] for f in fqns)
                 ndims.extend(pk.ndim.tolist())
-            ranks.append((pk, base, start, len(objects), len(transforms)))
+            ranks.append((pk, base, start, len(objects), len(transforms), frame_base))
+            if pk.frames is not None:
+                self.frame_tables.append(pk.frames[1])
+                frame_base += len(pk.frames[1])
             objects.extend(self.objects.setdefault(name, len(self.objects)) for name in pk.objects)
             transforms.extend([*(self.transform(t) for t in pk.transforms), -1])  # the -1: none, at least one
         maps = (np.array(to_entry, np.int64), np.array(ndims, np.int64), np.array(objects, np.int64),
@@ -296,7 +307,7 @@ class _Rows:
         width = max(pk.offsets.shape[1] for pk, _ in self.packs)
         total = sum(len(pk.ids) for pk, _ in self.packs)
         out = (np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total, np.int64),
-               np.zeros(total, bool), np.empty((total, len(_ROW)), np.int64))
+               np.full(total, -1, np.int64), np.empty((total, len(_ROW)), np.int64))
         first = rows = done = 0
         for i, (pk, *_) in enumerate(ranks):
             rows += len(pk.ids)
@@ -305,11 +316,11 @@ class _Rows:
                 first, done, rows = i + 1, done + rows, 0
         return out
 
-    def _batch(self, ranks: list[tuple[Any, int, int, int, int]], maps: tuple[np.ndarray, ...], width: int,
+    def _batch(self, ranks: list[tuple[Any, ...]], maps: tuple[np.ndarray, ...], width: int,
                out: tuple[np.ndarray, ...]) -> None:
-        """Rows of ``ranks`` into ``out`` (entry, chunk, seq, framed, columns: slices of the whole)."""
+        """Rows of ``ranks`` into ``out`` (entry, chunk, seq, frame, columns: slices of the whole)."""
         to_entry, ndims, objects, transforms = maps
-        entry_out, chunk_out, seq, framed, cols = out
+        entry_out, chunk_out, seq, frame, cols = out
         lens = np.array([len(pk.ids) for pk, *_ in ranks], np.int64)
         starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
 
@@ -334,17 +345,16 @@ class _Rows:
         cols[:, 4] = np.where(local < 0, -1, transforms[per_row([r[4] for r in ranks]) + np.maximum(local, 0)])
         cols[:, 5:] = fields[:, 5:]
         seq[:] = per_row([r[1] for r in ranks]) + np.arange(len(fields)) - np.repeat(starts, lens)
-        for (pk, base, *_), at in zip(ranks, starts.tolist()):
+        for (pk, base, *_, frame_base), at in zip(ranks, starts.tolist()):
             if pk.extras:  # its rows are not its first results: their positions
                 seq[at: at + len(pk.ids)] = base + pk.row_positions()
-            for row, frames, crcs in pk.frames:
-                self.frames[int(seq[at + row])] = (frames, crcs)
-                framed[at + row] = True
+            if pk.frames is not None:
+                frame[at + pk.frames[0]] = frame_base + np.arange(len(pk.frames[0]))
 
     def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """entry, chunk, seq, framed and the columns (rows x ``_ROW``) of every row."""
+        """entry, chunk, seq, frame and the columns (rows x ``_ROW``) of every row."""
         single = np.frombuffer(self.single, np.int64).reshape(-1, 4 + len(_ROW))
-        rows = (single[:, 0], single[:, 1], single[:, 2], single[:, 3] != 0, single[:, 4:])
+        rows = (single[:, 0], single[:, 1], single[:, 2], single[:, 3], single[:, 4:])
         if not self.packs:
             return rows
         packed = self._packed_rows()
@@ -353,15 +363,15 @@ class _Rows:
     def section(self, arrays: _Arrays, with_columns: bool) -> dict[str, Any] | None:
         """The storage section of the header (None without columns); fills ``stored`` in each
         entry's header and ``stored_chunks``."""
-        entry, chunk, seq, framed, cols = self._rows()
+        entry, chunk, seq, frame, cols = self._rows()
         order = self.entries.ordered(self.entries.keys(entry, chunk), seq)
-        e, c, framed = entry[order], chunk[order], framed[order]
+        e, c, frame = entry[order], chunk[order], frame[order]
         values = dict(zip(_ROW, cols[order].T))
         objects = _by_name(values["object"], list(self.objects))
         transforms = _by_name(values["transform"], list(self.transforms))
-        framed_seq = seq[order][framed].tolist()
-        frame = np.full(len(e), -1, np.int64)
-        frame[framed] = np.arange(len(framed_seq))
+        framed = frame >= 0
+        frames = FrameTable.concat([FrameTable.of(self.framed), *self.frame_tables]).take(frame[framed])
+        frame[framed] = np.arange(len(frames))
         counts = np.bincount(e, minlength=len(self.entries.fqns))
         bounds = np.concatenate(([0], np.cumsum(counts)))
         stored: list[np.ndarray] = []
@@ -380,7 +390,7 @@ class _Rows:
         return {
             "count": len(e), "objects": objects[1], "transforms": [self.tagged[self.transforms[k]] for k in transforms[1]],
             "columns": {name: arrays.column(f"s.{name}", values[name]) for name in STORAGE_COLUMNS},
-            "frames": _frames(arrays, [self.frames[s] for s in framed_seq]),
+            "frames": _frames(arrays, frames),
         }
 
 
@@ -402,31 +412,12 @@ def _by_name(ids: np.ndarray, names: list[str]) -> tuple[np.ndarray, list[str]]:
     return renumber[ids], [names[i] for i in kept]
 
 
-def _frames(arrays: _Arrays, framed: list[Frames]) -> dict[str, Any]:
-    codecs: list[str] = []
-    cols: dict[str, list[int]] = {c: [] for c in FRAME_COLUMNS}
-    ends: list[int] = []
-    crcs: list[int] = []
-    bits = bytearray()
-    for frames, frame_crcs in framed:
-        if type(frames) is not FrameIndex or type(frames.codec) is not str:
-            raise _unsupported(f"a frame index of type {type(frames).__name__}")
-        if frames.codec not in codecs:
-            codecs.append(frames.codec)
-        if frame_crcs is not None and (type(frame_crcs) is not tuple or len(frame_crcs) != len(frames.ends)):
-            raise _unsupported("frame checksums that do not match the frame index")
-        values = (codecs.index(frames.codec), frames.version, frames.element_size, frames.grouping,
-                  frames.raw_length, frames.frame_size, len(frames.ends), int(frame_crcs is not None))
-        for name, value in zip(FRAME_COLUMNS, values):
-            cols[name].append(value)
-        ends.extend(frames.ends)
-        crcs.extend(frame_crcs or ())
-        bits += frames.raw_frames.to_bytes(-(-len(frames.ends) // 8), "little")
-    out: dict[str, Any] = {"count": len(framed), "codecs": codecs}
-    out["columns"] = {c: arrays.column(f"f.{c}", np.array(v, dtype=np.int64)) for c, v in cols.items()}
-    out["ends"] = arrays.add("f.ends", _narrow(np.array(ends or [0], dtype=np.int64))[: len(ends)])
-    out["crcs"] = arrays.add("f.crcs", np.array(crcs, dtype="<u4"))
-    out["raw"] = arrays.add("f.raw", np.frombuffer(bytes(bits), dtype="<u1"))
+def _frames(arrays: _Arrays, table: FrameTable) -> dict[str, Any]:
+    out: dict[str, Any] = {"count": len(table), "codecs": table.codecs}
+    out["columns"] = {c: arrays.column(f"f.{c}", table.rows[:, i]) for i, c in enumerate(FRAME_COLUMNS)}
+    out["ends"] = arrays.add("f.ends", _narrow(table.ends) if len(table.ends) else table.ends)
+    out["crcs"] = arrays.add("f.crcs", table.crcs.astype("<u4"))
+    out["raw"] = arrays.add("f.raw", table.raw.astype("<u1"))
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .codec import FrameIndex
+from .frame_table import Framed, FrameTable
 from .layout import ItemLocation
 
 __all__ = ["PackedResults", "FIELDS"]
@@ -40,8 +40,8 @@ class PackedResults(Sequence[WriteResult]):
 
     def __init__(self, state: tuple[Any, ...]) -> None:
         # names (b"\0"-joined tensor names) and their digest; ndim per name; objects; transforms;
-        # per row: ids (into names), offsets (padded with -1), fields (rows x FIELDS); frames:
-        # (row, FrameIndex, frame CRCs) of compressed rows; extras: (position, WriteResult).
+        # per row: ids (into names), offsets (padded with -1), fields (rows x FIELDS); frames: None or
+        # (the compressed rows, their frame indexes as a FrameTable); extras: (position, WriteResult).
         (self.names, self.digest, self.ndim, self.objects, self.transforms, self.ids, self.offsets,
          self.fields, self.frames, self.extras) = state
         self._results: list[WriteResult] | None = None
@@ -60,7 +60,8 @@ class PackedResults(Sequence[WriteResult]):
         ids: list[int] = []
         offsets: list[torch.Size] = []
         fields: list[tuple[int, ...]] = []
-        frames: list[tuple[int, FrameIndex, tuple[int, ...] | None]] = []
+        framed_rows: list[int] = []
+        framed: list[Framed] = []
         extras: list[tuple[int, WriteResult]] = []
         for pos, result in enumerate(results):
             row = _row(result, objects, transforms)
@@ -76,7 +77,8 @@ class PackedResults(Sequence[WriteResult]):
                 continue
             info = result.storage_data
             if info.frames is not None:
-                frames.append((len(ids), info.frames, info.frame_crc32c))
+                framed_rows.append(len(ids))
+                framed.append((info.frames, info.frame_crc32c))
             ids.append(fid)
             offsets.append(offset)
             fields.append(row)
@@ -90,7 +92,7 @@ class PackedResults(Sequence[WriteResult]):
         packed = cls((
             blob, hashlib.blake2b(blob, digest_size=16).digest(), np.array(ndim, np.int64), list(objects),
             transforms, np.array(ids, np.int32), padded, np.array(fields, np.int64).reshape(-1, len(FIELDS)),
-            frames, extras,
+            (np.array(framed_rows, np.int64), FrameTable.of(framed)) if framed else None, extras,
         ))
         packed._results = results
         return packed
@@ -134,7 +136,7 @@ class PackedResults(Sequence[WriteResult]):
         if self._results is not None:
             return self._results
         fqns = self.fqns()
-        frames = {row: (index, crcs) for row, index, crcs in self.frames}
+        frames = dict(zip(self.frames[0].tolist(), self.frames[1].framed())) if self.frames is not None else {}
         out: list[WriteResult] = []
         for row, (fid, off, values) in enumerate(zip(self.ids.tolist(), self.offsets.tolist(), self.fields.tolist())):
             obj, offset, length, size, t, payload, crc, hint = values
@@ -166,7 +168,7 @@ def _row(result: WriteResult, objects: dict[str, int], transforms: list[Any]) ->
         if t < 0:
             t = len(transforms)
             transforms.append(td)
-    if info.frames is None and info.frame_crc32c is not None:
+    if (info.frame_crc32c is not None or info.frames is not None) and not FrameTable.fits(info.frames, info.frame_crc32c):
         return None
     values = (objects.setdefault(info.relative_path, len(objects)), info.offset, info.length, result.size_in_bytes,
               t, _opt(info.payload_offset), _opt(info.crc32c), _opt(index.index))

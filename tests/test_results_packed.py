@@ -85,6 +85,7 @@ def test_pack_round_trips_through_pickle() -> None:
     for results in big:
         packed = PackedResults.pack(results)
         assert isinstance(packed, PackedResults) and not packed.extras
+        assert b"FrameIndex" not in pickle.dumps(packed)  # frame indexes travel as arrays too
         again = pickle.loads(pickle.dumps(packed))
         assert list(again) == results
         assert [type(r.storage_data.transform_descriptors) for r in again] == [list] * len(results)
@@ -93,11 +94,14 @@ def test_pack_round_trips_through_pickle() -> None:
 def test_results_that_do_not_fit_ride_along_in_place() -> None:
     rows = [WriteResult(MetadataIndex("w", S([i, 0]), i), 10, ItemLocation("__0_0.distcp", 10 * i, 10, crc32c=i))
             for i in range(4)]
+    frames = FrameIndex(CODEC_NAME, CODEC_VERSION, 4, GROUP_FLOAT, 8, 4, (3, 9), 0b10)
     odd = [WriteResult(MetadataIndex("bytes"), 5, ItemLocation("__0_0.distcp", 40, 5)),  # no offset: a byte item
-           WriteResult(MetadataIndex("t", S([0])), 5, _StorageInfo("__0_0.distcp", 45, 5))]  # not ours
+           WriteResult(MetadataIndex("t", S([0])), 5, _StorageInfo("__0_0.distcp", 45, 5)),  # not ours
+           WriteResult(MetadataIndex("z", S([0])), 9, ItemLocation("__0_0.distcp", 50, 9, frames=frames,
+                                                                   frame_crc32c=(1,)))]  # one CRC for two frames
     results = rows[:2] + odd[:1] + rows[2:] + odd[1:]
     packed = PackedResults.pack(results)
-    assert isinstance(packed, PackedResults) and [p for p, _ in packed.extras] == [2, 5]
+    assert isinstance(packed, PackedResults) and [p for p, _ in packed.extras] == [2, 5, 6]
     assert list(pickle.loads(pickle.dumps(packed))) == results
     assert PackedResults.pack(odd) == odd and type(PackedResults.pack(odd)) is list  # nothing fits: the list
 
