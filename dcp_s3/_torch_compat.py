@@ -49,6 +49,7 @@ __all__ = [
     "_load_state_dict",
     "element_size",
     "default_group_has_cpu",
+    "group_device_types",
     "async_save",
     "require_transform_descriptors",
     "placeholder_metadata",
@@ -78,6 +79,16 @@ HAS_TRANSFORM_DESCRIPTORS = "transform_descriptors" in {f.name for f in dataclas
 def element_size(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return int(torch._utils._element_size(dtype))
+
+
+def group_device_types(group: Any) -> list[str] | None:
+    """The device types ``group``'s backends serve (``["cpu"]`` for gloo, ``["cuda"]`` for NCCL), or
+    None where this torch does not say."""
+    try:
+        types = group._device_types
+    except AttributeError:
+        return None
+    return [d.type if isinstance(d, torch.device) else str(d) for d in types]
 
 
 def default_group_has_cpu() -> bool:

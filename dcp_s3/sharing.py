@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as _dcp
 
-from ._torch_compat import dist_wrapper_class
+from ._torch_compat import dist_wrapper_class, group_device_types
 from .errors import ConfigError, DcpS3Error
 
 __all__ = [
@@ -99,10 +99,8 @@ def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """The device tensors must be on for collectives of ``group``: CPU when the group has a
     CPU backend (gloo), else the current CUDA device (NCCL)."""
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        types = [d.type if isinstance(d, torch.device) else str(d) for d in pg._device_types]  # type: ignore[union-attr]
-    except AttributeError:
+    types = group_device_types(group if group is not None else dist.group.WORLD)
+    if types is None:
         types = ["cuda"] if str(dist.get_backend(group)) == "nccl" else ["cpu"]
     if "cpu" in types or not types:
         return torch.device("cpu")
