@@ -4,6 +4,7 @@ with metadata equal to torch's ``DefaultSavePlanner``'s."""
 from __future__ import annotations
 
 import itertools
+import os
 import pickle
 import random
 import uuid
@@ -11,6 +12,8 @@ import uuid
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from dist_utils import run_ranks
 from test_scale_dedup import packed
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -21,8 +24,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
-from dcp_s3 import CheckpointFormatError
+from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
+from dcp_s3.local_server import LocalS3Server
 from dcp_s3.metadata_compact import _rule, rule_chunk
 from dcp_s3.metadata_compact_chunks import RuleChunks
 from dcp_s3.planners_scale import ScalableSavePlanner
@@ -210,3 +216,49 @@ def test_rule_dim_agrees_with_the_compact_encoder() -> None:
     assert rule_dim((), scalar, scalar) == -1 == _rule(torch.Size([]), [ChunkStorageMetadata(torch.Size([]),
                                                                                           torch.Size([]))])["dim"]
     assert rule_dim((), np.zeros((2, 0), np.int64), np.zeros((2, 0), np.int64)) is None
+
+
+# --- real processes: dcp.save with RuleChunks in the global metadata, stored in the stock format as lists ----
+
+E2E = {"rows": ((7, 3), 0), "cols": ((2, 5), 1), "tiny": ((1, 4), 0)}  # 3 ranks: short and empty trailing shards
+
+
+def e2e_state(mesh: object, rank: int, world: int, zeros: bool = False) -> dict[str, object]:
+    sd: dict[str, object] = {}
+    for name, (shape, dim) in E2E.items():
+        g = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape) / 3 + len(name)
+        pieces = torch.tensor_split(g, [min(i * -(-shape[dim] // world), shape[dim]) for i in range(1, world)], dim)
+        local = torch.zeros_like(pieces[rank]) if zeros else pieces[rank].clone()
+        sd[name] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=g.shape, stride=g.stride())
+    return sd
+
+
+def e2e_job(rank: int, world: int, env: dict[str, str], uri: str) -> list[str]:
+    os.environ.update(env)
+    mesh = init_device_mesh("cpu", (world,))
+    kinds = []
+    for fmt in ("dcp", "compact"):
+        md = dcp.save(e2e_state(mesh, rank, world), planner=ScalableSavePlanner(),
+                      storage_writer=S3StorageWriter(f"{uri}/{fmt}", metadata_format=fmt))
+        kinds += [type(v.chunks).__name__ for v in md.state_dict_metadata.values()]  # as dcp.save hands it out
+        out = e2e_state(mesh, rank, world, zeros=True)
+        dcp.load(out, storage_reader=S3StorageReader(f"{uri}/{fmt}"))
+        want = e2e_state(mesh, rank, world)
+        assert all(torch.equal(out[k].to_local(), want[k].to_local()) for k in E2E), fmt  # type: ignore[attr-defined]
+    return kinds
+
+
+@pytest.mark.multiproc
+def test_save_with_rule_chunks_stores_torchs_metadata(bucket: str, s3_env: LocalS3Server) -> None:
+    uri = f"s3://{bucket}/rule"
+    for kinds in run_ranks(e2e_job, 3, s3_env.env(), uri, timeout=300):
+        assert kinds == ["RuleChunks"] * 6  # on every rank, after torch's broadcast of the metadata
+    stock = pickle.loads(s3_env.client().get_object(Bucket=bucket, Key="rule/dcp/.metadata")["Body"].read())
+    compact = S3StorageReader(f"{uri}/compact").read_metadata()
+    for md in (stock, compact):
+        assert list(md.state_dict_metadata) == list(E2E)
+        for name, (shape, dim) in E2E.items():
+            chunks = md.state_dict_metadata[name].chunks
+            assert list(chunks) == list(RuleChunks(torch.Size(shape), dim, len(chunks)))
+    assert all(type(v.chunks) is list for v in stock.state_dict_metadata.values())  # torch's format, any reader
+    assert [len(v.chunks) for v in stock.state_dict_metadata.values()] == [3, 3, 2]  # tiny: one empty shard kept
