@@ -180,17 +180,22 @@ def rule_dim(size: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> int
         return None
     if dims == 0:
         return -1 if n == 1 else None
-    whole = np.asarray(size, dtype=np.int64)
-    for dim in range(dims):
-        d = int(whole[dim])
+    # The split's chunk 0 is whole along every dim but its own: a dim where it is not is the only candidate.
+    first = sizes[0].tolist()
+    partial = [d for d in range(dims) if first[d] != size[d]]
+    if len(partial) > 1:
+        return None
+    for dim in partial or range(dims):
+        d = int(size[dim])
         step = -(-d // n)
         lo = np.minimum(np.arange(n, dtype=np.int64) * step, d)
-        others = np.arange(dims) != dim
-        if (np.array_equal(offsets[:, dim], lo) and np.array_equal(sizes[:, dim], np.minimum(lo + step, d) - lo)
-                and not offsets[:, others].any() and (sizes[:, others] == whole[others]).all()):
+        if not (np.array_equal(offsets[:, dim], lo) and np.array_equal(sizes[:, dim], np.minimum(lo + step, d) - lo)):
+            continue
+        if dims == 1:
             return dim
-        if n == 1 or sizes[0, dim] != d:  # chunk 0 not whole along this dim: no later dim can be the split's
-            return None
+        others = [e for e in range(dims) if e != dim]
+        if not offsets[:, others].any() and (sizes[:, others] == [size[e] for e in others]).all():
+            return dim
     return None
 
 

@@ -153,7 +153,8 @@ def test_plans_that_do_not_tile_are_still_refused() -> None:
     """Overlaps, gaps and a split along one dim that is not whole along the others are never a rule:
     they are checked (and refused) as before."""
     for boxes in ([([0, 0], [5, 4]), ([4, 0], [4, 4])], [([0, 0], [3, 4]), ([4, 0], [4, 4])],
-                  [([0, 0], [4, 2]), ([4, 0], [4, 2])], [([0, 2], [4, 2]), ([4, 2], [4, 2])]):
+                  [([0, 0], [4, 2]), ([4, 0], [4, 2])], [([0, 2], [4, 2]), ([4, 2], [4, 2])],
+                  [([0, 0], [4, 4]), ([4, 0], [4, 2])], [([0, 0], [4, 4]), ([4, 2], [4, 2])]):
         plans = plans_of({"w": ((8, 4), boxes)}, 2)
         with pytest.raises(CheckpointFormatError, match="do not tile"):
             ScalableSavePlanner(enable_plan_caching=False).create_global_plan(packed(plans))
