@@ -149,7 +149,8 @@ def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
                 chunk.__dict__ = {"offsets": offsets, "sizes": sizes_}
                 listed.append(chunk)
             tiles.append((fqn, offs, lens))
-        entries.append((int(rows[0]), fqn, TensorStorageMetadata(properties=props[t], size=shape, chunks=chunks)))  # type: ignore[arg-type]
+        tensor_md = TensorStorageMetadata(properties=props[t], size=shape, chunks=chunks)  # type: ignore[arg-type]
+        entries.append((int(rows[0]), fqn, tensor_md))
     byte_rows = np.flatnonzero(kept & (key < 0))
     byte_ids, first = np.unique(-1 - key[byte_rows], return_index=True)
     names = list(byte_keys)
