@@ -15,8 +15,9 @@ pairwise: O(ranks^2) per tensor, minutes at 4,096 ranks (``benchmarks/scale.py``
   back packed (each rank builds its ``WriteItem`` objects on first access);
 * the coordinator's step on those arrays (``planners_vector``): torch's deduplication
   (replicated tensors, HSDP's replicas, FSDP's empty trailing shards) with torch's
-  balance by bytes, the index hints, and the metadata, building only the metadata's chunks
-  per item; plans that are not packed go item by item (``planners_save``), still linear;
+  balance by bytes, the index hints, and the metadata: a ``RuleChunks`` for a tensor stored
+  as torch.chunk's split along one dimension (FSDP, HSDP), no object per chunk, otherwise the
+  list of its chunks; plans that are not packed go item by item (``planners_save``), still linear;
 * the same checks as torch (bounds, no overlap, chunk volumes add up to the tensor), decided
   on arrays for slab shardings and otherwise swept along the dimension on which the chunks'
   offsets differ most, which for grid shardings keeps the active set at one row of the

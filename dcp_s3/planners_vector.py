@@ -12,15 +12,20 @@ results as torch's ``dedup_save_plans`` + ``create_default_global_save_plan`` +
   duplicates it already won, plus, for the first holder only, its unique items before that
   position (every other holder's unique items come later in torch's order) — so the loop runs
   once per duplicated index, over an array of its holders;
-* hints are each kept chunk's rank among its tensor's chunks in (rank, position) order; the
-  metadata's ``ChunkStorageMetadata`` are the only per-item objects built;
-* the tiling checks run on the same arrays (``planners_scale.tiles_as_slabs``).
+* hints are each kept chunk's rank among its tensor's chunks in (rank, position) order;
+* a tensor whose kept chunks, in that order, are ``torch.chunk``'s split along one dimension
+  (FSDP's sharding, HSDP's once its replicas are deduplicated) gets them as a
+  ``RuleChunks(size, dim, n)``: equal to the list, pickled as three values, and built with no
+  per-chunk object; it tiles the tensor by construction. Other tensors get the list of
+  ``ChunkStorageMetadata``, the only per-item objects built, and the tiling checks on the same
+  arrays (``planners_scale.tiles_as_slabs``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,10 +40,11 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from ._torch_compat import element_size
 from .errors import CheckpointFormatError
+from .metadata_compact_chunks import RuleChunks
 from .planners_packed import PackedItems
 from .planners_save import as_items
 
-__all__ = ["vector_global_plan"]
+__all__ = ["rule_dim", "vector_global_plan"]
 
 _SHARD = list(WriteItemType).index(WriteItemType.SHARD)
 _LINEAR_LIMIT = 1 << 40  # elements per tensor for which (tensor id, linear offset) fits one int64
@@ -46,8 +52,8 @@ _LINEAR_LIMIT = 1 << 40  # elements per tensor for which (tensor id, linear offs
 
 def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
                        ) -> tuple[list[SavePlan], Metadata, list[tuple[str, np.ndarray, np.ndarray]]] | None:
-    """(global plans, metadata, per tensor (fqn, offsets, sizes) of its chunks) or None when some
-    plan is not packed, holds object items other than byte items, or a tensor is too large to key."""
+    """(global plans, metadata, per tensor with a chunk list (fqn, offsets, sizes) of its chunks) or
+    None when some plan is not packed, holds object items other than byte items, or a tensor is too large to key."""
     packs: list[PackedItems | None] = []
     for plan in all_plans:
         items = plan.items
@@ -125,21 +131,26 @@ def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
     known: dict[tuple[int, ...], torch.Size] = {}
     for t, fqn in enumerate(fqn_of):
         lo, hi = int(bounds[t]), int(bounds[t + 1])
-        dims = len(sizes[t])
+        shape = sizes[t]
         rows = order[lo:hi]
-        offs, lens = off_all[rows, :dims], len_all[rows, :dims]
-        chunks = []
-        for o, s in zip(map(tuple, offs.tolist()), map(tuple, lens.tolist())):
-            offsets, sizes_ = known.get(o), known.get(s)
-            if offsets is None:
-                offsets = known[o] = size_type(o)
-            if sizes_ is None:
-                sizes_ = known[s] = size_type(s)
-            chunk = new(chunk_type)
-            chunk.__dict__ = {"offsets": offsets, "sizes": sizes_}
-            chunks.append(chunk)
-        entries.append((int(rows[0]), fqn, TensorStorageMetadata(properties=props[t], size=sizes[t], chunks=chunks)))
-        tiles.append((fqn, offs, lens))
+        offs, lens = off_all[rows, : len(shape)], len_all[rows, : len(shape)]
+        dim = rule_dim(shape, offs, lens)
+        if dim is not None:  # torch.chunk's split: a valid tiling, nothing to build or check per chunk
+            chunks: Sequence[ChunkStorageMetadata] = RuleChunks(shape, dim, len(rows))
+        else:
+            chunks = listed = []
+            for o, s in zip(map(tuple, offs.tolist()), map(tuple, lens.tolist())):
+                offsets, sizes_ = known.get(o), known.get(s)
+                if offsets is None:
+                    offsets = known[o] = size_type(o)
+                if sizes_ is None:
+                    sizes_ = known[s] = size_type(s)
+                chunk = new(chunk_type)
+                chunk.__dict__ = {"offsets": offsets, "sizes": sizes_}
+                listed.append(chunk)
+            tiles.append((fqn, offs, lens))
+        tensor_md = TensorStorageMetadata(properties=props[t], size=shape, chunks=chunks)  # type: ignore[arg-type]
+        entries.append((int(rows[0]), fqn, tensor_md))
     byte_rows = np.flatnonzero(kept & (key < 0))
     byte_ids, first = np.unique(-1 - key[byte_rows], return_index=True)
     names = list(byte_keys)
@@ -158,6 +169,35 @@ def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
         extras = [(pos, item) for pos, item in pk.extras if mine[pos]]
         new_plans.append(dataclasses.replace(plan, items=as_items(pk.select(rows, extras, hints[lo:hi][mine & (row >= 0)]))))
     return new_plans, Metadata(md), tiles
+
+
+def rule_dim(size: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> int | None:
+    """The dimension along which the chunks (rows of ``offsets`` and ``sizes``, in order) are exactly
+    ``torch.chunk``'s split of ``size`` into as many chunks (``RuleChunks``: every chunk ``ceil(d / n)``
+    rows, the trailing ones short or empty, every other dimension whole), ``-1`` for a scalar's one
+    chunk, or None. The first such dimension, as ``metadata_compact``'s encoder picks it."""
+    n, dims = offsets.shape
+    if n == 0:
+        return None
+    if dims == 0:
+        return -1 if n == 1 else None
+    # The split's chunk 0 is whole along every dim but its own: a dim where it is not is the only candidate.
+    first = sizes[0].tolist()
+    partial = [d for d in range(dims) if first[d] != size[d]]
+    if len(partial) > 1:
+        return None
+    for dim in partial or range(dims):
+        d = int(size[dim])
+        step = -(-d // n)
+        lo = np.minimum(np.arange(n, dtype=np.int64) * step, d)
+        if not (np.array_equal(offsets[:, dim], lo) and np.array_equal(sizes[:, dim], np.minimum(lo + step, d) - lo)):
+            continue
+        if dims == 1:
+            return dim
+        others = [e for e in range(dims) if e != dim]
+        if not offsets[:, others].any() and (sizes[:, others] == [size[e] for e in others]).all():
+            return dim
+    return None
 
 
 def _table(pk: PackedItems, gid: dict[str, int], props: list[Any], sizes: list[torch.Size]
