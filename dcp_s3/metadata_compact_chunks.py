@@ -61,6 +61,26 @@ class RuleChunks(Sequence[ChunkStorageMetadata]):
         listed = self._listed()
         return listed[i] if listed is not None else self._chunk(i % self.n)
 
+    def as_list(self, known: dict[tuple[int, ...], torch.Size]) -> list[ChunkStorageMetadata]:
+        """The chunks as a new list, equal offsets and sizes sharing one ``torch.Size`` from ``known``
+        (which the caller keeps across tensors): a stock pickle then writes each once."""
+        if self.dim < 0:
+            return [self._chunk(0)]
+        size, dim, d = list(self.size), self.dim, self.size[self.dim]
+        lo = np.minimum(np.arange(self.n, dtype=np.int64) * self._step, d)
+        new, out = object.__new__, []
+        for start, rows in zip(lo.tolist(), (np.minimum(lo + self._step, d) - lo).tolist()):
+            offsets, sizes = (0,) * dim + (start,) + (0,) * (len(size) - dim - 1), (*size[:dim], rows, *size[dim + 1:])
+            a, b = known.get(offsets), known.get(sizes)
+            if a is None:
+                a = known[offsets] = torch.Size(offsets)
+            if b is None:
+                b = known[sizes] = torch.Size(sizes)
+            chunk = new(ChunkStorageMetadata)
+            chunk.__dict__ = {"offsets": a, "sizes": b}  # what the dataclass's __init__ sets, at a fraction of it
+            out.append(chunk)
+        return out
+
     def _chunk(self, i: int) -> ChunkStorageMetadata:
         if self.dim < 0:
             return ChunkStorageMetadata(torch.Size([]), torch.Size([]))

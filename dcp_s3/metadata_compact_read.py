@@ -197,9 +197,11 @@ def load_compact(data: bytes, where: str) -> Metadata:
 def materialize(metadata: Metadata) -> Metadata:
     """A copy of ``metadata`` with plain lists and dicts in place of lazy parts (for pickling)."""
     state = {}
+    known: dict[tuple[int, ...], torch.Size] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata) and type(md.chunks) is not list:
-            md = TensorStorageMetadata(properties=md.properties, size=md.size, chunks=list(md.chunks))
+            chunks = md.chunks.as_list(known) if type(md.chunks) is RuleChunks else list(md.chunks)
+            md = TensorStorageMetadata(properties=md.properties, size=md.size, chunks=chunks)
         state[fqn] = md
     storage = metadata.storage_data
     if storage is not None and type(storage) is not dict:

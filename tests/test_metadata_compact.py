@@ -30,10 +30,10 @@ from dcp_s3.errors import ConfigError
 from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation, dump_metadata, load_metadata
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.metadata_compact import MAGIC
-from dcp_s3.metadata_compact_write import dump_compact
 from dcp_s3.metadata_compact_chunks import ExplicitChunks, RuleChunks
 from dcp_s3.metadata_compact_read import materialize
 from dcp_s3.metadata_compact_storage import CompactStorage
+from dcp_s3.metadata_compact_write import dump_compact
 from dcp_s3.planners_load import ScalableLoadPlanner
 from tests.objects import object_keys
 
@@ -288,3 +288,22 @@ def test_inspect_verify_and_overwrite_on_a_compact_checkpoint(bucket: str, s3_en
     out_state = blank(state)
     dcp.load(out_state, storage_reader=S3StorageReader(uri), planner=ScalableLoadPlanner(), no_dist=True)
     assert torch.equal(out_state["model"]["w"], state["model"]["w"])
+
+
+def test_stock_pickle_of_rule_chunks_is_the_pickle_of_their_list() -> None:
+    """The planner's RuleChunks, written in the stock format, give the file the list gives (equal
+    offsets and sizes shared, as torch's planner shares them): not a larger one."""
+    shapes = {"a": ((64, 8), 0, 16), "b": ((5, 64), 1, 16), "c": ((3,), 0, 16), "s": ((), -1, 1)}
+    known: dict[tuple[int, ...], torch.Size] = {}
+    lazy, listed = {}, {}
+    for fqn, (shape, dim, n) in shapes.items():
+        rule = RuleChunks(S(shape), dim, n)
+        lazy[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), S(shape), rule)
+        listed[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), S(shape), rule.as_list(known))
+        assert listed[fqn].chunks == list(rule)
+    a = materialize(Metadata(lazy, {}, {}))
+    b = Metadata(listed, {}, {})
+    assert a == b and type(a.state_dict_metadata["a"].chunks) is list
+    assert len(pickle.dumps(a)) == len(pickle.dumps(b))
+    firsts = [c.offsets for md in a.state_dict_metadata.values() for c in md.chunks[:1] if len(c.offsets) == 2]
+    assert firsts[0] is firsts[1]  # (0, 0) shared across tensors
