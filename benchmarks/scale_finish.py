@@ -158,27 +158,25 @@ def time_after(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = Fal
 
     blobs = [pickle.dumps(packed_results(model, ranks, hsdp, r, compressed)) for r in range(ranks)]
     md = state_metadata(model, ranks, hsdp, lazy=True)
-    with common.PeakRSS() as rss:
-        gc.collect()
-        gc.disable()
-        try:
-            t0 = time.perf_counter()
-            results = [pickle.loads(b) for b in blobs]
-            t1 = time.perf_counter()
-            body = dump_compact(md, results)
-            view = load_metadata(body, "s3://bucket/ckpt/.metadata")
-            md.state_dict_metadata, md.storage_data = view.state_dict_metadata, view.storage_data
-            t2 = time.perf_counter()
-            wire = pickle.dumps(md)
-            t3 = time.perf_counter()
-            pickle.loads(wire)
-            t4 = time.perf_counter()
-        finally:
-            gc.enable()
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        results = [pickle.loads(b) for b in blobs]
+        t1 = time.perf_counter()
+        body = dump_compact(md, results)
+        view = load_metadata(body, "s3://bucket/ckpt/.metadata")
+        md.state_dict_metadata, md.storage_data = view.state_dict_metadata, view.storage_data
+        t2 = time.perf_counter()
+        wire = pickle.dumps(md)
+        t3 = time.perf_counter()
+        pickle.loads(wire)
+        t4 = time.perf_counter()
+    finally:
+        gc.enable()
     return {"entries": float(len(md.storage_data)), "gathered_bytes": float(sum(map(len, blobs))),
             "gathered_unpickle_s": t1 - t0, "encode_s": t2 - t1, "metadata_bytes": float(len(body)),
-            "broadcast_bytes": float(len(wire)), "broadcast_pickle_s": t3 - t2, "broadcast_unpickle_s": t4 - t3,
-            "rank0_peak_rss": float(rss.growth)}
+            "broadcast_bytes": float(len(wire)), "broadcast_pickle_s": t3 - t2, "broadcast_unpickle_s": t4 - t3}
 
 
 def time_before(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = False) -> dict[str, float]:
@@ -188,7 +186,7 @@ def time_before(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = Fa
     lists = [packed_results(model, ranks, hsdp, r, compressed) for r in range(ranks)]
     lists = [list(p) for p in lists]  # the WriteResult objects a rank built
     full = max(lists, key=len)
-    one = pickle.dumps(full)
+    one = pickle.dumps(full)  # per item, what every rank's list costs (all ranks' items: the storage entries)
     gc.collect()
     gc.disable()
     try:
@@ -206,9 +204,9 @@ def time_before(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = Fa
         t4 = time.perf_counter()
     finally:
         gc.enable()
-    senders = sum(1 for rs in lists if rs)
-    return {"entries": float(len(md.storage_data)), "gathered_bytes": float(len(one) * senders),
-            "gathered_unpickle_s": one_unpickle * senders, "encode_s": t2 - t1, "metadata_bytes": float(len(body)),
+    per_item = len(md.storage_data) / len(full)
+    return {"entries": float(len(md.storage_data)), "gathered_bytes": len(one) * per_item,
+            "gathered_unpickle_s": one_unpickle * per_item, "encode_s": t2 - t1, "metadata_bytes": float(len(body)),
             "broadcast_bytes": float(len(wire)), "broadcast_pickle_s": t3 - t2, "broadcast_unpickle_s": t4 - t3}
 
 
@@ -233,8 +231,7 @@ def measure(model: ModelShape, ranks_list: list[int], before_max: int, hsdp: boo
             base_n = max(measured_before)
             base = measured_before[base_n]
             scale = entries(model, n, hsdp) / base["entries"]
-            before = {k: v * (scale if k != "gathered_bytes" and k != "gathered_unpickle_s" else n / base_n)
-                      for k, v in base.items()}
+            before = {k: v * scale for k, v in base.items()}
             extrapolated = True
         gc.collect()
         out.append({"ranks": n, "before": before, "after": after, "before_extrapolated": extrapolated})
@@ -272,19 +269,17 @@ def report(model: ModelShape, ranks_list: list[int], before_max: int, compressed
                 f"{t}{b['broadcast_pickle_s']:,.1f} → {a['broadcast_pickle_s']:,.3f}",
                 f"{t}{b['broadcast_unpickle_s']:,.1f} → {a['broadcast_unpickle_s']:,.3f}",
                 f"{t}{_total(b):,.0f} → {_total(a):,.1f}",
-                f"{a['rank0_peak_rss'] / 2**30:,.2f}",
             ])
         xs = [r["ranks"] for r in recs]
         rows.append(["growth exponent (last two)", "", *(
             f"{exponent(xs, [r['before'][k] for r in recs])} → {exponent(xs, [r['after'][k] for r in recs])}"
             for k in ("gathered_bytes", "gathered_unpickle_s", "encode_s", "broadcast_bytes", "broadcast_pickle_s",
                       "broadcast_unpickle_s")),
-            f"{exponent(xs, [_total(r['before']) for r in recs])} → {exponent(xs, [_total(r['after']) for r in recs])}",
-            ""])
+            f"{exponent(xs, [_total(r['before']) for r in recs])} → {exponent(xs, [_total(r['after']) for r in recs])}"])
         table = common.markdown_table(
             ["ranks", "storage entries", "results gathered to rank 0, GB", "rank 0 unpickles them, s",
              "rank 0 builds + encodes .metadata, s", "metadata broadcast to every rank, MB", "rank 0 pickles it, s",
-             "each rank unpickles it, s", "end of save, serial s", "rank 0 peak RSS growth after, GiB"], rows)
+             "each rank unpickles it, s", "end of save, serial s"], rows)
         sections.append(f"**{name}** ({model.name}; before → after):\n\n{table}")
         records[name] = recs
     text = "\n\n".join(sections) + (

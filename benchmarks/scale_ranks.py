@@ -26,8 +26,8 @@ x ranks/8 replicas: rank r holds shard r % 8). Every figure is computed with the
   redoes the first-save work; after, plan caching: every rank sends an empty plan and the
   coordinator reuses the cached global plan and metadata. Timed at every rank count
   (real ``create_global_plan`` call, no extrapolation).
-* WriteResults gathered for ``finish``: one full rank's dcp_s3 results pickled and
-  unpickled, x ranks (not changed by the planner).
+* the end of the save (write results gathered for ``finish``, ``.metadata`` encoded, the
+  metadata broadcast to every rank): ``benchmarks.scale_finish``.
 * HSDP load bytes from S3: before, every replica reads its shard: replicas x stored; after
   (``S3StorageReader(replica_group=...)``), the stored bytes once (the real-process test
   measures <= 1.1x including coalescing gaps).
@@ -310,7 +310,6 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
                 f"{p['plan_unpickle_s'] * n:,.1f} → {ta}{p['after_unpickle_s']:,.1f}",
                 f"{tb}{before_total:,.0f} → {ta}{after_total:,.1f}",
                 f"{tb}{p['before']:,.1f} → {p['repeat_s']:.4f}",
-                f"{p['results_bytes'] * n / 1e9:,.2f} GB, {p['results_unpickle_s'] * n:,.1f} s",
                 f"{total * replicas / 1e9:,.0f} → {total / 1e9:,.0f}",
             ])
         growth = ["growth exponent (last two)"] + [
@@ -320,7 +319,6 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
             for k in ("metadata_get_bytes", "plan_first_s", "gathered_bytes", "gathered_unpickle_s", "first_save_rank0_s",
                       "plan_repeat_s")
         ] + [
-            exponent(ranks_list, [r["results_bytes"] for r in recs]),
             f"{exponent(ranks_list, [r['load_s3_bytes_before'] for r in recs])} → "
             f"{exponent(ranks_list, [r['load_s3_bytes_after'] for r in recs])}",
         ]
@@ -329,7 +327,7 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
             ["ranks", ".metadata MB", "unpickle s (each rank)", "GB of .metadata GET on one load",
              "coordinator plan s, first save", "plans gathered to rank 0, GB", "rank 0 unpickles them, s",
              "first save at rank 0, s (unpickle + plan + scatter)", "coordinator plan s, repeated save",
-             "WriteResults gathered (same before/after)", "GB read from S3 by one load"], rows)
+             "GB read from S3 by one load"], rows)
         sections.append(f"**{layout}** ({model.name}, {total / 1e9:,.0f} GB; before → after):\n\n{table}")
         records[layout] = recs
     text = "\n\n".join(sections) + (
@@ -338,8 +336,8 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
         "model (packed plans, every rank's unpickled by the coordinator). 'First save at rank 0' = unpickling the "
         "gathered plans + create_global_plan + pickling the global plans for the scatter: what the coordinator "
         "does serially before any rank writes. Repeated-save planning before = the first-save work, which the "
-        "default planner redoes; after = plan caching, timed at every rank count. WriteResults gathered for "
-        "finish: dcp_s3's per-item results, one full rank's list x ranks (not changed here)."
+        "default planner redoes; after = plan caching, timed at every rank count. The end of the save (write "
+        "results gathered, .metadata encoded, metadata broadcast): benchmarks.scale_finish."
     )
     return text, records
 
