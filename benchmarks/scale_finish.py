@@ -42,6 +42,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common  # noqa: E402
 from benchmarks.scale import MODELS, ModelShape, shard_rows, sharded_tensors  # noqa: E402
+from benchmarks.scale_ranks import exponent  # noqa: E402
 
 HSDP_SHARD = 8
 FRAME = 4 << 20
@@ -241,12 +242,6 @@ def measure(model: ModelShape, ranks_list: list[int], before_max: int, hsdp: boo
 def _total(r: dict[str, float]) -> float:
     """Serial seconds from the last rank's results reaching rank 0 to every rank having the metadata."""
     return r["gathered_unpickle_s"] + r["encode_s"] + r["broadcast_pickle_s"] + r["broadcast_unpickle_s"]
-
-
-def exponent(xs: list[int], ys: list[float]) -> str:
-    if len(xs) < 2 or ys[-2] <= 0 or ys[-1] <= 0:
-        return "—"
-    return f"{math.log(ys[-1] / ys[-2]) / math.log(xs[-1] / xs[-2]):.2f}"
 
 
 def report(model: ModelShape, ranks_list: list[int], before_max: int, compressed: bool

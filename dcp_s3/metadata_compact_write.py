@@ -42,9 +42,8 @@ from .metadata_compact_entries import Entries, listed, no_chunk
 
 __all__ = ["dump_compact"]
 
-#: Storage columns a row carries before sorting (``frame`` is numbered after it), and their positions.
+#: Storage columns a row carries before sorting (``frame`` is numbered after it).
 _ROW = tuple(c for c in STORAGE_COLUMNS if c != "frame")
-_KIND, _OBJECT, _TRANSFORM = _ROW.index("kind"), _ROW.index("object"), _ROW.index("transform")
 _LIMIT = 1 << 63
 #: Rows of packed results processed at once (see ``_Rows._packed_rows``).
 _BATCH_ROWS = 1 << 16
@@ -86,8 +85,7 @@ def dump_compact(metadata: Metadata, results: Sequence[Sequence[WriteResult]] | 
             chunk_offsets.extend(chunk.offsets)
             chunk_sizes.extend(chunk.sizes)
             first.setdefault(tuple(chunk.offsets), i)
-        table.add(fqn, entry, (2, len(md.size), 0, len(md.chunks), 0, 0),
-                  listed(first))
+        table.add(fqn, entry, (2, len(md.size), 0, len(md.chunks), 0, 0), listed(first))
     rows = _Rows(table)
     if results is not None:
         rows.add_results(results)
