@@ -25,6 +25,7 @@ class Entries:
         self.headers: list[dict[str, Any]] = []
         self.spec: list[tuple[int, ...]] = []
         self.finders: list[Finder | None] = []
+        self._array: np.ndarray | None = None
 
     def add(self, fqn: str, header: dict[str, Any], spec: tuple[int, ...], find: Finder | None) -> None:
         self.number[fqn] = len(self.fqns)
@@ -32,6 +33,7 @@ class Entries:
         self.headers.append(header)
         self.spec.append(spec)
         self.finders.append(find)
+        self._array = None
 
     def chunk(self, e: int, offset: Sequence[int] | None) -> int | None:
         """The chunk number of entry ``e`` stored at ``offset`` (None: a byte entry's key), or None."""
@@ -41,8 +43,10 @@ class Entries:
         return find(offset)
 
     def array(self) -> np.ndarray:
-        """``spec`` as an (entries, 6) array."""
-        return np.array(self.spec, np.int64).reshape(-1, 6)
+        """``spec`` as an (entries, 6) array (built once: every batch of rows looks into it)."""
+        if self._array is None:
+            self._array = np.array(self.spec, np.int64).reshape(-1, 6)
+        return self._array
 
     def keys(self, entry: np.ndarray, chunk: np.ndarray) -> np.ndarray:
         """Each (entry, chunk)'s place among all chunks of all entries (a byte entry has one)."""

@@ -22,7 +22,7 @@ import hashlib
 import math
 import pickle
 from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from ._torch_compat import element_size
 
-__all__ = ["PackedItems", "PackedMapping", "storage_size"]
+__all__ = ["PackedItems", "PackedMapping", "PackedSequence", "storage_size"]
 
 Key = tuple[str, Any]
 # WriteItem.bytes_io_data exists from torch 2.8 on
@@ -39,7 +39,45 @@ _NO_BYTES = {"bytes_io_data": None} if "bytes_io_data" in {f.name for f in datac
 _TYPES = list(WriteItemType)
 
 
-class PackedItems(Sequence[WriteItem]):
+T = TypeVar("T")
+
+
+class PackedSequence(Sequence[T]):
+    """A read-only sequence of objects kept as arrays (``ids`` rows) plus ``extras`` (position, object)
+    that did not fit them; the objects are built once, on first access (``_objects``)."""
+
+    ids: np.ndarray
+    extras: list[tuple[int, T]]
+
+    def _objects(self) -> list[T]:
+        raise NotImplementedError
+
+    def row_positions(self) -> np.ndarray:
+        """Position in the sequence of each packed row."""
+        taken = np.zeros(len(self), bool)
+        taken[[p for p, _ in self.extras]] = True
+        return np.flatnonzero(~taken)
+
+    def __len__(self) -> int:
+        return len(self.ids) + len(self.extras)
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        return self._objects()[i]
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._objects())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and self._objects() == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class PackedItems(PackedSequence[WriteItem]):
     """A rank's write items as arrays (see the module doc); equal, as a sequence, to the items."""
 
     def __init__(self, state: tuple[Any, ...]) -> None:
@@ -130,12 +168,6 @@ class PackedItems(Sequence[WriteItem]):
         numel = math.prod(self.size_of[fid, : self.ndim[fid]].tolist())
         return numel * element_size(self.props[int(self.prop_of[fid])].dtype) or 1
 
-    def row_positions(self) -> np.ndarray:
-        """Position in the item list of each packed row."""
-        taken = np.zeros(len(self), bool)
-        taken[[p for p, _ in self.extras]] = True
-        return np.flatnonzero(~taken)
-
     def keys(self) -> list[Key]:
         """``(index.fqn, index.offset)`` of every item, in order (offsets as tuples: equal and hashed alike)."""
         names = [self.fqns[i] for i in self.ids.tolist()]
@@ -146,23 +178,8 @@ class PackedItems(Sequence[WriteItem]):
             out.insert(pos, (item.index.fqn, item.index.offset))
         return out
 
-    def __len__(self) -> int:
-        return len(self.ids) + len(self.extras)
-
-    @overload
-    def __getitem__(self, i: int) -> WriteItem: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[WriteItem]: ...
-    def __getitem__(self, i: int | slice) -> WriteItem | list[WriteItem]:
-        return self.items()[i]
-
-    def __iter__(self) -> Iterator[WriteItem]:
-        return iter(self.items())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and self.items() == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
+    def _objects(self) -> list[WriteItem]:
+        return self.items()
 
     def __repr__(self) -> str:
         return f"PackedItems({len(self)} items, {len(self.fqns)} tensors)"

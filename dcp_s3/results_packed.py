@@ -17,8 +17,7 @@ do not fit (byte items, another writer's entries) ride along as objects.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +26,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .frame_table import Framed, FrameTable
 from .layout import ItemLocation
+from .planners_packed import PackedSequence
 
 __all__ = ["PackedResults", "FIELDS"]
 
@@ -35,7 +35,7 @@ FIELDS = ("object", "offset", "length", "size", "transform", "payload", "crc", "
 _LIMIT = 1 << 63
 
 
-class PackedResults(Sequence[WriteResult]):
+class PackedResults(PackedSequence[WriteResult]):
     """One rank's ``WriteResult`` list as arrays (see the module doc); equal, as a sequence, to the list."""
 
     def __init__(self, state: tuple[Any, ...]) -> None:
@@ -104,29 +104,8 @@ class PackedResults(Sequence[WriteResult]):
         """The tensor names the rows' ``ids`` point into."""
         return self.names.decode().split("\0")
 
-    def row_positions(self) -> np.ndarray:
-        """Position in the result list of each packed row."""
-        taken = np.zeros(len(self), bool)
-        taken[[p for p, _ in self.extras]] = True
-        return np.flatnonzero(~taken)
-
-    def __len__(self) -> int:
-        return len(self.ids) + len(self.extras)
-
-    @overload
-    def __getitem__(self, i: int) -> WriteResult: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[WriteResult]: ...
-    def __getitem__(self, i: int | slice) -> WriteResult | list[WriteResult]:
-        return self.results()[i]
-
-    def __iter__(self) -> Iterator[WriteResult]:
-        return iter(self.results())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and self.results() == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
+    def _objects(self) -> list[WriteResult]:
+        return self.results()
 
     def __repr__(self) -> str:
         return f"PackedResults({len(self)} results in {len(self.objects)} objects)"
