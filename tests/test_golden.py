@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -136,6 +137,12 @@ def test_verify_and_inspect(label: str, entry: dict[str, Any], tmp_path: Path,
         assert got[fqn].dtype == str(tensor.dtype).removeprefix("torch."), fqn
 
 
+def _same_keys(got: dict[str, Any], want: dict[str, Any], where: str, required: set[str]) -> None:
+    assert required <= set(got) & set(want), (where, sorted(required - set(got)))
+    for key in set(got) & set(want):
+        golden_state.assert_same(got[key], want[key], f"{where}.{key}")
+
+
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(value, dict):
         out: dict[str, Any] = {}
@@ -160,6 +167,32 @@ def test_checkpointer_step(label: str, entry: dict[str, Any], tmp_path: Path, s3
     want_model, want_opt, want_sched = golden_state.training_objects()
     where = f"{label}/{entry['name']}"
     golden_state.assert_same(dict(model.state_dict()), dict(want_model.state_dict()), f"{where} model")
-    golden_state.assert_same(opt.state_dict(), want_opt.state_dict(), f"{where} optimizer")
-    golden_state.assert_same(sched.state_dict(), want_sched.state_dict(), f"{where} scheduler")
+    got_opt, want_opt_sd = opt.state_dict(), want_opt.state_dict()
+    golden_state.assert_same(got_opt["state"], want_opt_sd["state"], f"{where} optimizer state")
+    # Hyperparameters: those this torch's AdamW/StepLR have (another torch may add or drop a default).
+    assert len(got_opt["param_groups"]) == 1
+    _same_keys(got_opt["param_groups"][0], want_opt_sd["param_groups"][0], f"{where} param_groups",
+               {"lr", "initial_lr", "betas", "eps", "weight_decay", "params"})
+    _same_keys(sched.state_dict(), want_sched.state_dict(), f"{where} scheduler",
+               {"step_size", "gamma", "base_lrs", "last_epoch", "_last_lr"})
+    assert opt.param_groups[0]["lr"] == 0.01 * 0.5  # StepLR(step_size=2, gamma=0.5) after 3 steps
     assert cli_main(["verify", root]) == 0, capsys.readouterr()
+
+
+@pytest.mark.parametrize(("label", "entry"), STEP_CASES)
+def test_step_parts_load_with_torch(label: str, entry: dict[str, Any], tmp_path: Path) -> None:
+    """Each part of a step is a stock DCP checkpoint: torch's FileSystemReader (dcp_to_torch_save) reads it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root = _local_copy(label, entry, tmp_path)
+    want_model, want_opt, _ = golden_state.training_objects()
+    names = {id(p): n for n, p in want_model.named_parameters()}
+    loaded = {}
+    for part in ("model_model", "model_optim"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp_to_torch_save(str(root / f"0000007.{part}"), str(tmp_path / f"{part}.pt"))
+        loaded[part] = torch.load(tmp_path / f"{part}.pt", weights_only=True)
+    golden_state.assert_same(loaded["model_model"], dict(want_model.state_dict()), f"{label}/{entry['name']} model")
+    want_state = {names[id(p)]: s for p, s in want_opt.state.items()}
+    golden_state.assert_same(loaded["model_optim"]["state"], want_state, f"{label}/{entry['name']} optimizer")
