@@ -98,9 +98,8 @@ def pinned() -> Mapping[tuple[str, str], Any]:
         if isinstance(value, torch.dtype):
             table.setdefault(("torch", name), value)
     for value in list(table.values()):
-        module, name = getattr(value, "__module__", ""), getattr(value, "__qualname__", "")
-        if isinstance(value, type) and isinstance(module, str) and module.startswith("torch.") and isinstance(name, str):
-            table.setdefault((module, name), value)
+        if isinstance(value, type) and value.__module__.startswith("torch."):
+            table.setdefault((value.__module__, value.__qualname__), value)
     return MappingProxyType(table)
 
 

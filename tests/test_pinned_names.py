@@ -8,6 +8,7 @@ writing new pickles under names that are not pinned.
 
 from __future__ import annotations
 
+import io
 import pickle
 import pickletools
 import sys
@@ -88,7 +89,7 @@ def test_todays_pickles_name_exactly_the_pinned_paths(tmp_path: Path, compressio
             asked.add((module, name))
             return super().find_class(module, name)
 
-    Recorder(__import__("io").BytesIO(data)).load()
+    Recorder(io.BytesIO(data)).load()
     assert names == asked
     unpinned = sorted(f"{m}.{n}" for m, n in names - set(pinned()))
     assert not unpinned, (

@@ -57,10 +57,10 @@ def _features() -> dict[str, bool]:
     from dcp_s3 import S3StorageWriter
 
     params = inspect.signature(S3StorageWriter.__init__).parameters
-    try:
-        import dcp_s3.objstore_local  # noqa: F401  (S3StorageWriter takes local directories)
+    try:  # does S3StorageWriter take a local directory? (asked by behaviour: modules may move)
+        S3StorageWriter(tempfile.mkdtemp(prefix="golden-probe-"))
         local_s3_writer = True
-    except ImportError:
+    except dcp_s3.DcpS3Error:
         local_s3_writer = False
     try:
         from dcp_s3.local_writer import SafeFileSystemWriter  # noqa: F401
@@ -92,7 +92,9 @@ def _variants(f: dict[str, bool]) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _entry(name: str, where: str, path: str, kind: str, options: dict[str, Any], state: str = "plain") -> dict[str, Any]:
+def _entry(
+    name: str, where: str, path: str, kind: str, options: dict[str, Any], state: str = "plain"
+) -> dict[str, Any]:
     compressed = options.get("compression") is not None
     compact = options.get("metadata_format") == "compact"
     return {
