@@ -57,11 +57,12 @@ def _features() -> dict[str, bool]:
     from dcp_s3 import S3StorageWriter
 
     params = inspect.signature(S3StorageWriter.__init__).parameters
-    try:  # does S3StorageWriter take a local directory? (asked by behaviour: modules may move)
-        S3StorageWriter(tempfile.mkdtemp(prefix="golden-probe-"))
-        local_s3_writer = True
-    except dcp_s3.DcpS3Error:
-        local_s3_writer = False
+    with tempfile.TemporaryDirectory(prefix="golden-probe-") as probe:
+        try:  # does S3StorageWriter take a local directory? (asked by behaviour: modules may move)
+            S3StorageWriter(probe)
+            local_s3_writer = True
+        except dcp_s3.DcpS3Error:
+            local_s3_writer = False
     try:
         from dcp_s3.local_writer import SafeFileSystemWriter  # noqa: F401
         safe_fs_writer = True
