@@ -185,3 +185,19 @@ def test_moved_classes_still_load_a_golden_checkpoint(tmp_path: Path, monkeypatc
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=S3StorageReader(str(tmp_path / "ck")))
     golden_state.assert_same(target, golden_state.plain_state())
+
+
+def test_an_extra_class_must_be_pinned() -> None:
+    """A caller cannot admit a class by its __module__: extra classes must have a pinned stored name."""
+    from dataclasses import dataclass
+
+    from dcp_s3.errors import ConfigError
+
+    @dataclass
+    class Unpinned:
+        x: int = 0
+
+    data = (GOLDEN_ZSTD / ".metadata").read_bytes()
+    with pytest.raises(ConfigError, match="Unpinned"):
+        unpickle_metadata(data, (Unpinned,))
+    assert unpickle_metadata(data, (ItemLocation,)).storage_data
