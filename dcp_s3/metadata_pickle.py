@@ -5,7 +5,9 @@ run by an interpreter that admits only what DCP metadata is made of:
 
 - globals: DCP's metadata dataclasses, dcp_s3's ``ItemLocation``/``FrameIndex``, torch
   dtypes (looked up in a table, never with ``getattr(torch, name)``, which can import
-  modules), ``torch.Size``, layouts, paths, and the builtin containers;
+  modules), ``torch.Size``, layouts, paths, and the builtin containers — each by the name
+  stored pickles give it, pinned in ``metadata_names`` (never a class's current ``__module__``,
+  so moving a class leaves every written checkpoint readable);
 - calls (REDUCE): only the few constructors the pickler emits, each with the argument
   types it emits; a dataclass instance is created without calling anything (NEWOBJ);
 - state (BUILD): only on *instances* of the metadata classes, once each, with plain
@@ -33,25 +35,18 @@ import io
 import pathlib
 import pickle
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
-import torch.serialization
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
 )
 
-from ._torch_compat import _StorageInfo, get_layout
-from .codec import FrameIndex
-from .errors import CheckpointFormatError
+from ._torch_compat import get_layout
+from .errors import CheckpointFormatError, ConfigError
+from .metadata_names import metadata_classes, pinned
 
 __all__ = ["unpickle_metadata", "budget_for", "describe"]
 
@@ -85,31 +80,6 @@ def describe(value: object) -> str:
     if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
         return f"{value.__module__}.{value.__qualname__}"
     return f"a {type(value).__name__}"
-
-
-#: The classes a metadata pickle may instantiate (NEWOBJ) and give state (BUILD).
-_DATACLASSES = (
-    Metadata, TensorStorageMetadata, TensorProperties, ChunkStorageMetadata, BytesStorageMetadata,
-    MetadataIndex, StorageMeta, _StorageInfo, FrameIndex,
-)
-
-
-def _globals(classes: tuple[type, ...]) -> dict[tuple[str, str], Any]:
-    table: dict[tuple[str, str], Any] = {}
-    for cls in (*classes, _MEM_FORMAT_ENCODING):
-        table[(cls.__module__, cls.__name__)] = cls
-    table[("torch", "Size")] = torch.Size
-    table[("torch.serialization", "_get_layout")] = get_layout
-    table[("pathlib", "PosixPath")] = pathlib.PosixPath
-    table[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
-    table[("collections", "OrderedDict")] = collections.OrderedDict
-    for builtin in (set, frozenset, tuple, list, dict):
-        table[("builtins", builtin.__name__)] = builtin
-    # vars(torch) holds only what torch has already set: no lazy submodule import.
-    for name, value in vars(torch).items():
-        if isinstance(value, torch.dtype):
-            table[("torch", name)] = value
-    return table
 
 
 def _size_args(args: tuple[Any, ...]) -> int:
@@ -171,6 +141,9 @@ def _check_args(args: tuple[Any, ...], types: tuple[type, ...], lo: int, hi: int
 class _Unpickler(pickle._Unpickler):
     """See the module docstring."""
 
+    #: Stored (module, name) -> global: pinned names, never a class's ``__module__`` (metadata_names).
+    table: Mapping[tuple[str, str], Any]
+
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
     # Set by pickle._Unpickler (not in typeshed).
     stack: list[Any]
@@ -185,10 +158,13 @@ class _Unpickler(pickle._Unpickler):
 
     def __init__(self, data: bytes, classes: tuple[type, ...]) -> None:
         super().__init__(io.BytesIO(data))
+        self.table = pinned()
         self.budget = budget_for(len(data))
         self.built: dict[int, Any] = {}  # id -> instance (kept alive so that ids stay unique)
-        classes = (*_DATACLASSES, *classes)
-        self.table = _globals(classes)
+        for cls in classes:
+            if cls not in self.table.values():
+                raise ConfigError(f"{describe(cls)} has no pinned stored name (add it to metadata_names._frozen)")
+        classes = (*metadata_classes(), *classes)
         # Looked up by id: hashing an untrusted stack object could itself be the attack.
         self.calls = {id(func): check for func, check in _call_checks(self._keyed_args).items()}
         self.hashes: dict[str, int] = {}  # MetadataIndex key hashes seen (as str: its hash is randomized)
@@ -393,7 +369,8 @@ _setup_dispatch()
 def unpickle_metadata(data: bytes, classes: tuple[type, ...] = ()) -> Any:
     """Unpickle ``.metadata`` bytes under the rules above; ``CheckpointFormatError`` on any breach.
 
-    ``classes``: dataclasses the metadata may hold besides DCP's (dcp_s3's ``ItemLocation``).
+    ``classes``: further pinned classes (``metadata_names.pinned()``) that NEWOBJ/BUILD may create;
+    dcp_s3's ``ItemLocation`` and ``FrameIndex`` are admitted anyway.
     Other failures (a truncated or garbled pickle) propagate as the unpickler raised them.
     """
     return _Unpickler(data, classes).load()
