@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
-from .errors import DcpS3Error, InvalidCheckpointIdError
+from .errors import ConfigError, DcpS3Error, InvalidCheckpointIdError
 from .objstore import ObjectStore
 from .objstore_local import LocalObjectStore
 from .objstore_s3 import S3ObjectStore
 from .s3_requests import check_request_args
 
-__all__ = ["Session", "Location", "LocalDir", "parse_location"]
+__all__ = ["Session", "Location", "LocalDir", "parse_location", "file_url_path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +47,36 @@ def parse_location(path: str | os.PathLike[str]) -> S3Uri | LocalDir:
     text = os.fspath(path)
     if not isinstance(text, str) or not text:
         raise InvalidCheckpointIdError(f"checkpoint id {path!r}: expected s3://bucket/key or a local directory")
-    if text.startswith("file://"):
-        text = text[len("file://"):]
-    elif "://" in text:
+    if text.startswith("file:"):
+        return LocalDir(file_url_path(text))
+    if "://" in text:
         return parse_s3_uri(text)
     return LocalDir(os.path.abspath(text))
+
+
+def file_url_path(url: str) -> str:
+    """The absolute path of a ``file:`` URL (RFC 8089): ``file:///abs/path``, ``file://localhost/abs/path``
+    or ``file:/abs/path``; ``ConfigError`` for anything else (no path, a relative path, another host).
+
+    The path is taken verbatim (no percent-decoding), as the plain path would be.
+    """
+    rest = url[len("file:"):]
+    if rest.startswith("//"):
+        host, slash, path = rest[2:].partition("/")
+        if host not in ("", "localhost"):
+            raise ConfigError(
+                f"checkpoint id {url!r} names host {host!r}; a file: URL must be local: file:///abs/path "
+                "(or file://localhost/abs/path)"
+            )
+        path = slash + path
+    else:
+        path = rest
+    if not path.startswith("/"):
+        raise ConfigError(
+            f"checkpoint id {url!r} has no absolute path; expected file:///abs/path (a relative directory "
+            "is given as a plain path)"
+        )
+    return os.path.abspath(path)
 
 
 class Session:
@@ -105,11 +130,14 @@ class Session:
             self._check_fork()
             if self._transport is None:
                 if isinstance(location, LocalDir):
-                    self._transport = LocalObjectStore(location.path, follow_symlinks=location.follow_symlinks)
+                    self._transport = LocalObjectStore(
+                        location.path, follow_symlinks=location.follow_symlinks,
+                        max_whole_read=self.transfer.max_whole_read,
+                    )
                 else:
                     self._transport = S3ObjectStore(
                         self.client_config.client, location.bucket, max_attempts=self.client_config.retry_attempts,
-                        request_args=self.client_config.request_args,
+                        request_args=self.client_config.request_args, max_whole_read=self.transfer.max_whole_read,
                     )
             return self._transport
 
