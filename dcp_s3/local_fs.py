@@ -73,7 +73,7 @@ def new_temp(dfd: int) -> tuple[int, str]:
             return os.open(name, flags, 0o600, dir_fd=dfd), name
         except FileExistsError:
             continue
-    raise FileExistsError(errno.EEXIST, "no unused temporary file name")
+    raise S3TransferError("could not create a temporary file: 100 random names in a row were taken")
 
 
 def unlink_quietly(name: str, dfd: int) -> None:
