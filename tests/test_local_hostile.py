@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 import dcp_s3
-from dcp_s3 import S3StorageReader, S3StorageWriter, TransferConfig
+from dcp_s3 import S3StorageReader, S3StorageWriter, TransferConfig, cli
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.errors import (
     CheckpointFormatError,
@@ -286,6 +286,23 @@ def test_max_whole_read_caps_metadata_reads_local(tmp_path: Path) -> None:
         store.read(f"ck/{METADATA_KEY}")
     with pytest.raises(ConfigError, match="max_whole_read"):
         TransferConfig(max_whole_read=0)
+
+
+def test_max_whole_read_reaches_the_checkpointer_and_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    Checkpointer(str(run)).save({"net": Net()}, iteration=3)
+    marker = run / "0000003.pth"
+    with pytest.raises(CheckpointFormatError) as info:
+        Checkpointer(str(run), max_whole_read=100).load({"net": Net()})
+    assert str(marker) in str(info.value) and "max_whole_read=100" in str(info.value)
+    assert Checkpointer(str(run)).load({"net": Net()}) == 3
+    part = run / "0000003.net_model"
+    assert cli.main(["inspect", str(part), "--max-whole-read", "100"]) == 1
+    err = capsys.readouterr().err
+    assert str(part / METADATA_KEY) in err and "max_whole_read=100" in err, err
+    assert cli.main(["inspect", str(part)]) == 0
 
 
 def test_max_whole_read_caps_metadata_reads_s3(bucket: str, s3_env: LocalS3Server) -> None:
