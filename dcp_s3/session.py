@@ -29,7 +29,9 @@ __all__ = ["Session", "Location", "LocalDir", "parse_location", "file_url_path"]
 class LocalDir:
     """A checkpoint directory on local disk (an absolute path); object names are relative to it.
 
-    ``follow_symlinks``: listings descend into linked directories (see ``LocalObjectStore``).
+    ``follow_symlinks``: listings descend into linked directories and reads follow links below the
+    directory; writes and deletes never do (see ``LocalObjectStore``). Readers and writers made from
+    a path never follow.
     """
 
     path: str

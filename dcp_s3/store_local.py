@@ -18,8 +18,11 @@ class LocalStore(Store):
     """Files under a local directory (which need not exist yet).
 
     Names from elsewhere (object keys) are checked by ``check_relative_name`` before they
-    become paths. Listing does not descend into symbolically linked directories unless
-    ``follow_symlinks``; :meth:`links_out` tells which paths resolve outside the root.
+    become paths. Below the root no symbolic link is followed (see :mod:`dcp_s3.objstore_local`):
+    reads refuse a link where a directory or an object should be, writes and deletes never act
+    through one. ``follow_symlinks`` (a tree the user trusts, ``dcp-s3 cp --follow-symlinks``):
+    listings descend into linked directories and reads follow links; writes and deletes still
+    never do. :meth:`links_out` tells which paths resolve outside the root.
     Checkpoints here are written and read by ``S3StorageWriter``/``S3StorageReader`` through
     the local object store: same format, checksums, compression and commit protocol as on S3.
     """
