@@ -379,3 +379,46 @@ def test_file_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     save(f"file://localhost{ck}")
     assert same(load(f"file://{ck}"), STATE)
     assert not (tmp_path / "localhost").exists()
+
+
+def test_whole_reads_stop_at_the_limit_whatever_the_size_said() -> None:
+    from dcp_s3.objstore_local import LocalObjectStore
+
+    # /proc files are regular files that report 0 bytes and hold more: as a file growing while read
+    status = LocalObjectStore("/proc/self").get("status")
+    assert b"VmSize" in status and len(status) > 100
+    with pytest.raises(CheckpointFormatError, match=r"/proc/self/status is 101 bytes \(or more\).*max_whole_read=100"):
+        LocalObjectStore("/proc/self", max_whole_read=100).get("status")
+
+
+def test_follow_symlinks_is_for_reads_and_listings_only(tmp_path: Path) -> None:
+    from dcp_s3.objstore_local import LocalObjectStore
+
+    outside, root = tmp_path / "outside", tmp_path / "root"
+    (outside / "d").mkdir(parents=True)
+    (outside / "d" / "obj").write_bytes(b"outside")
+    (outside / "file").write_bytes(b"target")
+    root.mkdir()
+    (root / "d").symlink_to(outside / "d", target_is_directory=True)
+    (root / "link").symlink_to(outside / "file")
+    strict, trusting = LocalObjectStore(root), LocalObjectStore(root, follow_symlinks=True)
+    for key in ("d/obj", "link"):
+        with pytest.raises(CheckpointFormatError, match="symbolic link"):
+            strict.get(key)
+        with pytest.raises(CheckpointFormatError, match="symbolic link"):
+            strict.head(key)
+    assert trusting.get("d/obj") == b"outside" and trusting.get("link") == b"target"
+    assert sorted(o.key for o in trusting.list_objects("")) == ["d/obj", "link"]
+    assert [o.key for o in strict.list_objects("")] == ["link"]  # a linked directory is not walked
+    for store in (strict, trusting):  # writes never go through a link, whatever the option
+        with pytest.raises(CheckpointFormatError, match="symbolic link"):
+            store.put("d/new", b"x")
+        with pytest.raises(CheckpointFormatError, match="symbolic link"):
+            store.put("link", b"x")
+        with pytest.raises(CheckpointFormatError, match="symbolic link"):
+            store.delete(["d/obj"])
+    assert sorted(p.name for p in (outside / "d").iterdir()) == ["obj"]
+    strict.put("real", b"r")
+    strict.delete(["link", "real"])  # a key that is a link: the link goes, its target stays
+    assert not os.path.lexists(root / "link") and not (root / "real").exists()
+    assert (outside / "file").read_bytes() == b"target"
