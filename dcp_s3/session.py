@@ -9,6 +9,7 @@ process uses them, which is what ``dcp.async_save(..., async_checkpointer_type=P
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -36,9 +37,21 @@ class LocalDir:
 
     path: str
     follow_symlinks: bool = False
+    #: A directory above ``path`` that the user chose (a ``Checkpointer``'s run directory, ``path``
+    #: being one part of a step): the store is rooted there, and the rest of ``path`` is walked as
+    #: part of every key, never through a symbolic link. None: rooted at ``path`` itself.
+    anchor: str | None = None
+
+    @property
+    def root(self) -> str:
+        """The directory the local object store is rooted at (opened by path: it may be a link)."""
+        return self.anchor if self.anchor is not None else self.path
 
     def join(self, name: str) -> str:
-        return name
+        if self.anchor is None or self.anchor == self.path:
+            return name
+        rel = os.path.relpath(self.path, self.anchor).replace(os.sep, "/")
+        return f"{rel}/{name}" if name else rel
 
     def __str__(self) -> str:
         return self.path
@@ -104,9 +117,22 @@ class Session:
     def set_path(self, path: str | os.PathLike[str]) -> None:
         location = parse_location(path)
         with self._lock:
+            old = self.location
+            if isinstance(location, LocalDir) and isinstance(old, LocalDir) and old.anchor is not None:
+                if _below(location.path, old.anchor):  # e.g. a reused writer retargeted to the next step
+                    location = dataclasses.replace(location, anchor=old.anchor)
             if _container(location) != _container(self.location):
                 self._transport = None
             self.location = location
+
+    def anchor_local(self, root: str) -> None:
+        """Root a local location's store at ``root``, a directory above it that the user chose, so
+        that the directories between (a step's part directory) are not followed through a link."""
+        with self._lock:
+            location = self.location
+            if isinstance(location, LocalDir) and _below(location.path, root):
+                self.location = dataclasses.replace(location, anchor=root)
+                self._transport = None
 
     def require_location(self) -> S3Uri | LocalDir:
         if self.location is None:
@@ -133,7 +159,7 @@ class Session:
             if self._transport is None:
                 if isinstance(location, LocalDir):
                     self._transport = LocalObjectStore(
-                        location.path, follow_symlinks=location.follow_symlinks,
+                        location.root, follow_symlinks=location.follow_symlinks,
                         max_whole_read=self.transfer.max_whole_read,
                     )
                 else:
@@ -169,7 +195,12 @@ class Session:
 def _container(location: S3Uri | LocalDir | None) -> tuple[str, str] | None:
     if location is None:
         return None
-    return ("local", location.path) if isinstance(location, LocalDir) else ("s3", location.bucket)
+    return ("local", location.root) if isinstance(location, LocalDir) else ("s3", location.bucket)
+
+
+def _below(path: str, root: str) -> bool:
+    """Whether absolute ``path`` is ``root`` or lies below it (by name: no link is resolved)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 class Location:

@@ -422,3 +422,25 @@ def test_follow_symlinks_is_for_reads_and_listings_only(tmp_path: Path) -> None:
     strict.delete(["link", "real"])  # a key that is a link: the link goes, its target stays
     assert not os.path.lexists(root / "link") and not (root / "real").exists()
     assert (outside / "file").read_bytes() == b"target"
+
+
+def test_checkpointer_resave_does_not_follow_a_linked_part_directory(tmp_path: Path) -> None:
+    """The part directories of a step lie below the run directory the user chose: untrusted too."""
+    other, run = tmp_path / "other", tmp_path / "run"
+    save(other, SECRET)
+    before = files(other)
+    net = Net()
+    ckpt = Checkpointer(str(run))
+    ckpt.save({"net": net}, iteration=7)
+    part = run / "0000007.net_model"
+    shutil.rmtree(part)
+    part.symlink_to(other, target_is_directory=True)
+
+    with pytest.raises(BaseException) as info:
+        ckpt.save({"net": net}, iteration=7)
+    assert "symbolic link" in error_text(info.value) and str(part) in error_text(info.value)
+    assert files(other) == before  # neither replaced nor deleted through the link
+    assert same(load(other), SECRET)
+    with pytest.raises(BaseException) as info:
+        Checkpointer(str(run)).load({"net": Net()})  # nor read through it
+    assert "symbolic link" in error_text(info.value)
