@@ -137,8 +137,12 @@ class LocalObjectStore(ObjectStore):
         try:
             with os_errors("copy", f"{source.path(source_key)} to {self.path(key)}"):
                 writer = FileWriter(self, key, 1 << 20)
-                while chunk := os.read(src, 1 << 20):
-                    writer.write(chunk)
+                try:
+                    while chunk := os.read(src, 1 << 20):
+                        writer.write(chunk)
+                except BaseException:
+                    writer.abort()
+                    raise
                 writer.close()
         finally:
             os.close(src)

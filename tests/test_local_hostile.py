@@ -173,6 +173,11 @@ CHILD = textwrap.dedent(
             vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
         limit = vm + int(os.environ["CHILD_HEADROOM"])
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    if os.environ.get("CHILD_FSIZE"):  # files may not grow past this: writes fail with EFBIG, as a full disk would
+        import signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(os.environ["CHILD_FSIZE"]),) * 2)
+        state = {"w": torch.zeros(4096), "b": torch.zeros(5)}
     if os.environ.get("CHILD_UID"):  # root ignores permissions: drop to nobody once everything is imported
         os.setgid(int(os.environ["CHILD_UID"]))
         os.setuid(int(os.environ["CHILD_UID"]))
@@ -203,7 +208,7 @@ CHILD = textwrap.dedent(
 
 
 def child(what: str, target: Path | str, *, headroom: int | None = int(1.5 * 2**30), uid: int | None = None,
-          timeout: float = 120) -> dict[str, Any]:
+          fsize: int | None = None, timeout: float = 120) -> dict[str, Any]:
     """Run ``what`` on ``target`` in a fresh interpreter (under a memory limit), under a hang guard."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                MALLOC_ARENA_MAX="2")
@@ -211,6 +216,8 @@ def child(what: str, target: Path | str, *, headroom: int | None = int(1.5 * 2**
         env["CHILD_HEADROOM"] = str(headroom)
     if uid is not None:
         env["CHILD_UID"] = str(uid)
+    if fsize is not None:
+        env["CHILD_FSIZE"] = str(fsize)
     try:
         proc = subprocess.run([sys.executable, "-c", CHILD, what, str(target)], env=env, capture_output=True,
                               text=True, timeout=timeout, cwd=tempfile.gettempdir())
@@ -342,6 +349,14 @@ def test_read_only_directory_raises_a_wrapped_permission_error(shared_tmp: Path)
         assert str(ck) in result["message"] and "ermission denied" in result["message"], (what, result)
         assert result["errno"] == errno.EACCES
     assert list(ck.iterdir()) == []
+
+
+def test_a_failed_file_write_is_a_wrapped_os_error(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    result = child("save", ck, headroom=None, fsize=4096)  # a 16 KiB tensor in a 4 KiB world
+    assert {"S3TransferError", "OSError"} <= set(result["types"]), result
+    assert result["errno"] == errno.EFBIG and str(ck) in result["message"] and "EFBIG" in result["message"], result
+    assert not (ck / METADATA_KEY).exists() and not [p for p in ck.rglob("*") if p.is_file()]  # nothing left
 
 
 def test_os_errors_keep_their_builtin_and_name_the_path(tmp_path: Path) -> None:
