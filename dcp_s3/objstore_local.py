@@ -246,8 +246,22 @@ class LocalObjectStore(ObjectStore):
             os.close(fd)
 
     # -- listing ---------------------------------------------------------------------------
+    def _through_link(self, base: str) -> bool:
+        """Whether directory ``base`` (a key) is reached through a link below the root, which a
+        listing does not walk unless ``follow_symlinks`` (as ``os.walk`` does not descend into one)."""
+        if self.follow_symlinks or not base:
+            return False
+        path = self.root
+        for name in check_relative_name(base, self.root).split("/"):
+            path = os.path.join(path, name)
+            if os.path.islink(path):
+                return True
+        return False
+
     def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        if self._through_link(base):
+            return
         seen: set[str] = set()  # real paths of the directories walked: a linked loop is walked once
         with os_errors("list", self.path(base)):
             for dirpath, dirnames, filenames in os.walk(self.path(base), followlinks=self.follow_symlinks):
@@ -272,6 +286,8 @@ class LocalObjectStore(ObjectStore):
         """Linked subdirectories are listed only with ``follow_symlinks``."""
         objects: list[ObjectInfo] = []
         dirs: list[str] = []
+        if self._through_link(prefix.rstrip("/")):
+            return [], []
         with os_errors("list", self.path(prefix.rstrip("/"))):
             try:
                 with os.scandir(self.path(prefix.rstrip("/"))) as it:

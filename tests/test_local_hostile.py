@@ -425,6 +425,8 @@ def test_follow_symlinks_is_for_reads_and_listings_only(tmp_path: Path) -> None:
     assert trusting.get("d/obj") == b"outside" and trusting.get("link") == b"target"
     assert sorted(o.key for o in trusting.list_objects("")) == ["d/obj", "link"]
     assert [o.key for o in strict.list_objects("")] == ["link"]  # a linked directory is not walked
+    assert list(strict.list_objects("d/")) == [] and strict.list_dir("d/") == ([], [])  # nor listed by prefix
+    assert [o.key for o in trusting.list_dir("d/")[0]] == ["d/obj"]
     for store in (strict, trusting):  # writes never go through a link, whatever the option
         with pytest.raises(CheckpointFormatError, match="symbolic link"):
             store.put("d/new", b"x")
