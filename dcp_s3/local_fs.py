@@ -107,6 +107,15 @@ class Dirs:
         if stat.S_ISLNK(st.st_mode):
             raise self.link_error(key, sub or key)
 
+    def linked(self, base: str) -> bool:
+        """Whether directory ``base`` (a clean relative name) is reached through a link below the root."""
+        path = self.root
+        for name in base.split("/"):
+            path = os.path.join(path, name)
+            if os.path.islink(path):
+                return True
+        return False
+
     def lexists(self, dfd: int, name: str) -> bool:
         try:
             os.stat(name, dir_fd=dfd, follow_symlinks=False)

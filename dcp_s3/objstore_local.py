@@ -247,16 +247,8 @@ class LocalObjectStore(ObjectStore):
 
     # -- listing ---------------------------------------------------------------------------
     def _through_link(self, base: str) -> bool:
-        """Whether directory ``base`` (a key) is reached through a link below the root, which a
-        listing does not walk unless ``follow_symlinks`` (as ``os.walk`` does not descend into one)."""
-        if self.follow_symlinks or not base:
-            return False
-        path = self.root
-        for name in check_relative_name(base, self.root).split("/"):
-            path = os.path.join(path, name)
-            if os.path.islink(path):
-                return True
-        return False
+        """A listing walks no linked directory unless ``follow_symlinks`` (as ``os.walk``)."""
+        return not self.follow_symlinks and bool(base) and self._dirs.linked(check_relative_name(base, self.root))
 
     def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
