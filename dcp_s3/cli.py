@@ -64,12 +64,16 @@ An existing OUT is never replaced unless --force.""",
 
 # -- commands ----------------------------------------------------------------------------------------
 def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
-    """S3 client options from the command line, for s3:// locations only."""
+    """Storage options from the command line: ``--max-whole-read`` for every location, the S3 client
+    options for s3:// locations only."""
+    options: dict[str, Any] = {}
+    if getattr(args, "max_whole_read", None) is not None:
+        options["max_whole_read"] = args.max_whole_read
     if not uri.startswith("s3://"):
-        return {}
+        return options
     names = ("credential_path", "endpoint_url", "region", "profile", "connect_timeout", "read_timeout",
              "retry_attempts")
-    options = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    options.update({n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
     if getattr(args, "request_args", None):
         options["request_args"] = dict(args.request_args)
     return options
@@ -253,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "SSEKMSKeyId, SSEKMSEncryptionContext, BucketKeyEnabled, StorageClass, "
                          "ExpectedBucketOwner, RequestPayer")
     common.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
+    common.add_argument("--max-whole-read", type=int, metavar="BYTES",
+                        help="largest .metadata or step marker read into memory (default 4 GiB); a larger one "
+                             "is refused before it is read")
 
     parser = argparse.ArgumentParser(
         prog="dcp-s3", description="Look after DCP checkpoints on S3 and on local disk.",

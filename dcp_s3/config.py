@@ -32,6 +32,8 @@ __all__ = ["S3Uri", "ClientConfig", "TransferConfig", "parse_s3_uri", "bucket_na
 log = logging.getLogger("dcp_s3")
 
 MiB = 1 << 20
+#: Default of ``TransferConfig.max_whole_read``: 4 GiB.
+DEFAULT_MAX_WHOLE_READ = 4 << 30
 
 #: Keys a credential file may hold: boto3 client keyword arguments.
 CREDENTIAL_FILE_KEYS = frozenset(
@@ -156,6 +158,11 @@ class TransferConfig:
     #: Threads per reader decoding compressed checkpoints (per process: a node with many ranks
     #: runs this many per rank, so the default stays small).
     decode_threads: int = dataclasses.field(default_factory=lambda: min(4, os.cpu_count() or 1))
+    #: Largest object read whole into memory (``.metadata``, step markers, other small objects);
+    #: a larger one fails with ``CheckpointFormatError`` naming it, its size and this setting,
+    #: before its bytes are read (a compact ``.metadata`` of 16,384 ranks is ~150 MB, a stock one
+    #: of 4,096 ranks ~1.4 GB).
+    max_whole_read: int = DEFAULT_MAX_WHOLE_READ
 
     def override(self, **changes: int | None) -> TransferConfig:
         """A copy with the given fields replaced; ``None`` values are ignored."""
@@ -164,7 +171,8 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         for name, minimum in (("part_size", 1), ("max_concurrency", 1), ("files_per_rank", 1),
-                              ("max_range_size", 64 * 1024), ("coalesce_gap", 0), ("decode_threads", 1)):
+                              ("max_range_size", 64 * 1024), ("coalesce_gap", 0), ("decode_threads", 1),
+                              ("max_whole_read", 1)):
             _check_int(self, name, minimum)
         if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
             raise ConfigError(f"part_size={self.part_size} must be between 5 MiB and 5 GiB (S3 limits)")

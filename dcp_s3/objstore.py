@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .buffers import BufferPool
+from .config import DEFAULT_MAX_WHOLE_READ
 from .errors import CheckpointFormatError, ConfigError
 
 __all__ = [
     "ObjectStore", "ObjectWriter", "ObjectInfo", "PendingUpload", "RangeRead", "coalesce", "wait_all",
-    "open_destination", "check_relative_name",
+    "open_destination", "check_relative_name", "check_whole_size",
 ]
 
 log = logging.getLogger("dcp_s3")
@@ -120,6 +121,16 @@ def open_destination(read: RangeRead, where: str) -> memoryview:
     return dest
 
 
+def check_whole_size(where: str, size: int, limit: int) -> None:
+    """Refuse to read ``where`` whole if its ``size`` (known, or found while reading) exceeds ``limit``."""
+    if size > limit:
+        raise CheckpointFormatError(
+            f"{where} is {size:,} bytes (or more), over max_whole_read={limit:,}, the most read whole into "
+            "memory (.metadata, step markers); refusing to read it. A genuine one this large needs a larger "
+            "max_whole_read (storage option, or TransferConfig(max_whole_read=...))"
+        )
+
+
 def check_relative_name(name: str, origin: str) -> str:
     """``name`` if it is a clean relative object name (no empty, ``.`` or ``..`` segment, no NUL,
     no leading ``/``; on Windows no ``\\``), so the file path or key made from it stays under its root.
@@ -208,6 +219,9 @@ class ObjectStore(ABC):
 
     #: The container's name for messages (bucket name, or directory path).
     container: str
+    #: Largest object :meth:`get` returns (``TransferConfig.max_whole_read``): a larger one is a
+    #: ``CheckpointFormatError`` before its bytes are read, and no more than this + 1 bytes are read.
+    max_whole_read: int = DEFAULT_MAX_WHOLE_READ
 
     @abstractmethod
     def url(self, key: str = "") -> str:
@@ -235,7 +249,8 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def get(self, key: str) -> bytes:
-        """The whole object (for small objects such as ``.metadata``)."""
+        """The whole object (for small objects such as ``.metadata``), at most ``max_whole_read`` bytes
+        (``CheckpointFormatError`` naming it, its size and the setting, if larger)."""
 
     @abstractmethod
     def head(self, key: str) -> ObjectInfo | None:

@@ -29,7 +29,8 @@ from .errors import (
     S3TransferError,
     ServerCapabilityError,
 )
-from .objstore import ObjectInfo, ObjectStore, PendingUpload, RangeRead, open_destination
+from .config import DEFAULT_MAX_WHOLE_READ
+from .objstore import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size, open_destination
 from .s3_multipart import MultipartWriter, copy_multipart
 from .s3_requests import (
     BODY_ERRORS,
@@ -67,8 +68,10 @@ class S3ObjectStore(ObjectStore):
         max_attempts: int = 5,
         request_args: Mapping[str, str] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        max_whole_read: int = DEFAULT_MAX_WHOLE_READ,
     ) -> None:
         self._client_factory = client_factory
+        self.max_whole_read = max_whole_read
         self.bucket = self.container = bucket
         self.max_attempts = max_attempts
         self.request_args = check_request_args(request_args or {})
@@ -168,10 +171,22 @@ class S3ObjectStore(ObjectStore):
 
     def get(self, key: str) -> bytes:
         attempt = 0
+        limit = self.max_whole_read
         while True:
             try:
                 # A cut error response (e.g. a 404's body) surfaces from the call itself.
-                return bytes(self.call("get_object", key, Key=key)["Body"].read())
+                resp = self.call("get_object", key, Key=key)
+                body = resp["Body"]
+                length = resp.get("ContentLength")
+                try:
+                    check_whole_size(self.url(key), int(length or 0), limit)
+                    data = bytes(body.read(limit + 1))  # never more than the limit + 1, whatever it claimed
+                finally:
+                    body.close()
+                check_whole_size(self.url(key), len(data), limit)
+                if length is not None and len(data) != int(length):
+                    raise IncompleteReadError(actual_bytes=len(data), expected_bytes=int(length))
+                return data
             except BODY_ERRORS as exc:
                 if attempt + 1 >= self.max_attempts:
                     raise translate_error(exc, "GET", self.bucket, key) from exc

@@ -51,7 +51,8 @@ class S3StorageReader(Location, StorageReader):
 
     Takes the same location, credential and ``client`` arguments as ``S3StorageWriter``.
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
-    (larger reads are split), which also bounds staging memory per request.
+    (larger reads are split), which also bounds staging memory per request; ``max_whole_read``
+    (``TransferConfig.max_whole_read``, 4 GiB) the largest ``.metadata`` read.
 
     ``share_metadata`` (default True): inside ``dcp.load`` on several ranks, ``.metadata``
     is read by the load's coordinator and broadcast over the load's own process group
@@ -88,6 +89,7 @@ class S3StorageReader(Location, StorageReader):
         replica_group: dist.ProcessGroup | None = None,
         client: ClientConfig | None = None,
         allow_unsafe_byte_items: bool = False,
+        max_whole_read: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(allow_unsafe_byte_items, bool):
@@ -99,7 +101,9 @@ class S3StorageReader(Location, StorageReader):
             raise ConfigError(f"replica_group={replica_group!r}: expected a ProcessGroup or None")
         self.share_metadata = share_metadata
         self.replica_group = replica_group
-        transfer = (transfer or TransferConfig()).override(max_concurrency=max_concurrency, max_range_size=max_range_size)
+        transfer = (transfer or TransferConfig()).override(
+            max_concurrency=max_concurrency, max_range_size=max_range_size, max_whole_read=max_whole_read
+        )
         client = client_config(
             client, transfer.max_concurrency + 2, credential_path=credential_path, endpoint_url=endpoint_url,
             region=region, profile=profile, request_args=request_args,

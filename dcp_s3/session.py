@@ -9,6 +9,7 @@ process uses them, which is what ``dcp.async_save(..., async_checkpointer_type=P
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -16,27 +17,41 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
-from .errors import DcpS3Error, InvalidCheckpointIdError
+from .errors import ConfigError, DcpS3Error, InvalidCheckpointIdError
 from .objstore import ObjectStore
 from .objstore_local import LocalObjectStore
 from .objstore_s3 import S3ObjectStore
 from .s3_requests import check_request_args
 
-__all__ = ["Session", "Location", "LocalDir", "parse_location"]
+__all__ = ["Session", "Location", "LocalDir", "parse_location", "file_url_path"]
 
 
 @dataclass(frozen=True, slots=True)
 class LocalDir:
     """A checkpoint directory on local disk (an absolute path); object names are relative to it.
 
-    ``follow_symlinks``: listings descend into linked directories (see ``LocalObjectStore``).
+    ``follow_symlinks``: listings descend into linked directories and reads follow links below the
+    directory; writes and deletes never do (see ``LocalObjectStore``). Readers and writers made from
+    a path never follow.
     """
 
     path: str
     follow_symlinks: bool = False
+    #: A directory above ``path`` that the user chose (a ``Checkpointer``'s run directory, ``path``
+    #: being one part of a step): the store is rooted there, and the rest of ``path`` is walked as
+    #: part of every key, never through a symbolic link. None: rooted at ``path`` itself.
+    anchor: str | None = None
+
+    @property
+    def root(self) -> str:
+        """The directory the local object store is rooted at (opened by path: it may be a link)."""
+        return self.anchor if self.anchor is not None else self.path
 
     def join(self, name: str) -> str:
-        return name
+        if self.anchor is None or self.anchor == self.path:
+            return name
+        rel = os.path.relpath(self.path, self.anchor).replace(os.sep, "/")
+        return f"{rel}/{name}" if name else rel
 
     def __str__(self) -> str:
         return self.path
@@ -47,11 +62,36 @@ def parse_location(path: str | os.PathLike[str]) -> S3Uri | LocalDir:
     text = os.fspath(path)
     if not isinstance(text, str) or not text:
         raise InvalidCheckpointIdError(f"checkpoint id {path!r}: expected s3://bucket/key or a local directory")
-    if text.startswith("file://"):
-        text = text[len("file://"):]
-    elif "://" in text:
+    if text.startswith("file:"):
+        return LocalDir(file_url_path(text))
+    if "://" in text:
         return parse_s3_uri(text)
     return LocalDir(os.path.abspath(text))
+
+
+def file_url_path(url: str) -> str:
+    """The absolute path of a ``file:`` URL (RFC 8089): ``file:///abs/path``, ``file://localhost/abs/path``
+    or ``file:/abs/path``; ``ConfigError`` for anything else (no path, a relative path, another host).
+
+    The path is taken verbatim (no percent-decoding), as the plain path would be.
+    """
+    rest = url[len("file:"):]
+    if rest.startswith("//"):
+        host, slash, path = rest[2:].partition("/")
+        if host not in ("", "localhost"):
+            raise ConfigError(
+                f"checkpoint id {url!r} names host {host!r}; a file: URL must be local: file:///abs/path "
+                "(or file://localhost/abs/path)"
+            )
+        path = slash + path
+    else:
+        path = rest
+    if not path.startswith("/"):
+        raise ConfigError(
+            f"checkpoint id {url!r} has no absolute path; expected file:///abs/path (a relative directory "
+            "is given as a plain path)"
+        )
+    return os.path.abspath(path)
 
 
 class Session:
@@ -77,9 +117,22 @@ class Session:
     def set_path(self, path: str | os.PathLike[str]) -> None:
         location = parse_location(path)
         with self._lock:
+            old = self.location
+            if isinstance(location, LocalDir) and isinstance(old, LocalDir) and old.anchor is not None:
+                if _below(location.path, old.anchor):  # e.g. a reused writer retargeted to the next step
+                    location = dataclasses.replace(location, anchor=old.anchor)
             if _container(location) != _container(self.location):
                 self._transport = None
             self.location = location
+
+    def anchor_local(self, root: str) -> None:
+        """Root a local location's store at ``root``, a directory above it that the user chose, so
+        that the directories between (a step's part directory) are not followed through a link."""
+        with self._lock:
+            location = self.location
+            if isinstance(location, LocalDir) and _below(location.path, root):
+                self.location = dataclasses.replace(location, anchor=root)
+                self._transport = None
 
     def require_location(self) -> S3Uri | LocalDir:
         if self.location is None:
@@ -105,11 +158,14 @@ class Session:
             self._check_fork()
             if self._transport is None:
                 if isinstance(location, LocalDir):
-                    self._transport = LocalObjectStore(location.path, follow_symlinks=location.follow_symlinks)
+                    self._transport = LocalObjectStore(
+                        location.root, follow_symlinks=location.follow_symlinks,
+                        max_whole_read=self.transfer.max_whole_read,
+                    )
                 else:
                     self._transport = S3ObjectStore(
                         self.client_config.client, location.bucket, max_attempts=self.client_config.retry_attempts,
-                        request_args=self.client_config.request_args,
+                        request_args=self.client_config.request_args, max_whole_read=self.transfer.max_whole_read,
                     )
             return self._transport
 
@@ -139,7 +195,12 @@ class Session:
 def _container(location: S3Uri | LocalDir | None) -> tuple[str, str] | None:
     if location is None:
         return None
-    return ("local", location.path) if isinstance(location, LocalDir) else ("s3", location.bucket)
+    return ("local", location.root) if isinstance(location, LocalDir) else ("s3", location.bucket)
+
+
+def _below(path: str, root: str) -> bool:
+    """Whether absolute ``path`` is ``root`` or lies below it (by name: no link is resolved)."""
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 class Location:

@@ -61,7 +61,7 @@ _CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "requ
 LOCAL_OPTIONS = frozenset({
     "compression", "compression_level", "compression_threads", "key_prefixes", "files_per_rank", "max_concurrency",
     "max_range_size", "transfer", "overwrite", "share_metadata", "replica_group", "allow_unsafe_byte_items",
-    "metadata_format",
+    "metadata_format", "max_whole_read",
 })
 #: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
 CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode")
@@ -101,6 +101,7 @@ def transfer_from(options: Mapping[str, Any]) -> TransferConfig:
     return (options.get("transfer") or TransferConfig()).override(
         part_size=options.get("part_size"), max_concurrency=options.get("max_concurrency"),
         files_per_rank=options.get("files_per_rank"), max_range_size=options.get("max_range_size"),
+        max_whole_read=options.get("max_whole_read"),
     )
 
 

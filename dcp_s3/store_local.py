@@ -8,8 +8,10 @@ from typing import Any
 
 from .config import ClientConfig
 from .errors import ConfigError
+from .reader import S3StorageReader
 from .session import LocalDir, Session
 from .store import LOCAL_OPTIONS, Store, split_storage_options, transfer_from
+from .writer import S3StorageWriter
 
 __all__ = ["LocalStore"]
 
@@ -18,8 +20,11 @@ class LocalStore(Store):
     """Files under a local directory (which need not exist yet).
 
     Names from elsewhere (object keys) are checked by ``check_relative_name`` before they
-    become paths. Listing does not descend into symbolically linked directories unless
-    ``follow_symlinks``; :meth:`links_out` tells which paths resolve outside the root.
+    become paths. Below the root no symbolic link is followed (see :mod:`dcp_s3.objstore_local`):
+    reads refuse a link where a directory or an object should be, writes and deletes never act
+    through one. ``follow_symlinks`` (a tree the user trusts, ``dcp-s3 cp --follow-symlinks``):
+    listings descend into linked directories and reads follow links; writes and deletes still
+    never do. :meth:`links_out` tells which paths resolve outside the root.
     Checkpoints here are written and read by ``S3StorageWriter``/``S3StorageReader`` through
     the local object store: same format, checksums, compression and commit protocol as on S3.
     """
@@ -38,6 +43,19 @@ class LocalStore(Store):
 
     def path(self, name: str) -> str:
         return self.url(name)
+
+    def writer(self, name: str, *, overwrite: bool | None = None) -> S3StorageWriter:
+        """A DCP storage writer for ``name``, its store rooted here: the directories from this root
+        down to the checkpoint (a step's part directory) are never followed through a link either."""
+        writer = super().writer(name, overwrite=overwrite)
+        writer._session.anchor_local(self.root)
+        return writer
+
+    def reader(self, name: str) -> S3StorageReader:
+        """A DCP storage reader for ``name``, rooted here like :meth:`writer`'s."""
+        reader = super().reader(name)
+        reader._session.anchor_local(self.root)
+        return reader
 
     def links_out(self, names: Iterable[str] = ("",)) -> list[tuple[str, str]]:
         """(path, real target) of every symbolic link at or under ``names`` (files or directories,

@@ -103,6 +103,8 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         max_concurrency: parallel part uploads per process.
         files_per_rank: data objects per rank, each serialized by its own thread.
         transfer: full engine settings; the three arguments above override its fields.
+        max_whole_read: largest ``.metadata`` read whole (the one an overwrite replaces), overriding
+            ``transfer.max_whole_read`` (4 GiB).
         compression: ``"zstd"`` stores tensors as byte-grouped, frame-indexed zstd
             (smaller, decoded in parallel, readable by range); ``None`` (default) keeps
             torch's uncompressed format. Readers need no option.
@@ -132,6 +134,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         files_per_rank: int | None = None,
         transfer: TransferConfig | None = None,
         client: ClientConfig | None = None,
+        max_whole_read: int | None = None,
         compression: str | None = None,
         compression_level: int = 1,
         compression_threads: int = 2,
@@ -142,7 +145,8 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         self.metadata_format = metadata_format_option(metadata_format)  # layout.dump_metadata
         BlockingAsyncStager.__init__(self)
         transfer = (transfer or TransferConfig()).override(
-            part_size=part_size, max_concurrency=max_concurrency, files_per_rank=files_per_rank
+            part_size=part_size, max_concurrency=max_concurrency, files_per_rank=files_per_rank,
+            max_whole_read=max_whole_read,
         )
         client = client_config(
             client, transfer.max_concurrency + transfer.files_per_rank + 2, credential_path=credential_path,

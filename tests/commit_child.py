@@ -160,10 +160,10 @@ def _hold_locally(phase: str, wait: Any) -> None:
     if phase == "commit":
         replace = os.replace
 
-        def held_replace(src: Any, dst: Any) -> None:
+        def held_replace(src: Any, dst: Any, **kwargs: Any) -> None:  # dir_fd= keywords: the local store's
             if str(dst).endswith(".metadata"):
                 wait()
-            replace(src, dst)
+            replace(src, dst, **kwargs)
 
         os.replace = held_replace  # type: ignore[assignment]
     elif phase == "cleanup":
