@@ -81,16 +81,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     steps = list_steps(args.uri, **_options(args, args.uri))
     rows = [["STEP", "STATUS", "STORED", "LOGICAL", "RATIO", "OBJECTS", "TIME"]]
     for s in steps:
-        status = ("UNREADABLE" if s.error else "complete" if s.complete else "INCOMPLETE") + (
+        status = ("UNREADABLE" if s.unreadable else "complete" if s.complete else "INCOMPLETE") + (
             " (dcp)" if s.kind == "dcp" else "")
         ratio = f"{s.ratio:.2f}x" if s.ratio is not None else "-"
         rows.append([s.name, status, human_size(s.stored_bytes), human_size(s.logical_bytes), ratio,
                      str(s.objects), _when(s.mtime)])
     print(_table(rows, right={2, 3, 4, 5}))
     for s in steps:
-        if s.error:
-            _say(f"{s.name}: {s.error}")
-    done = sum(s.complete for s in steps)
+        if s.unreadable:
+            _say(f"{s.name}: {s.error or 'unreadable'}")
+    done = sum(s.complete and not s.unreadable for s in steps)
     print(f"{len(steps)} checkpoints ({done} complete, {len(steps) - done} incomplete), "
           f"{human_size(sum(s.stored_bytes for s in steps))} stored")
     return 0
