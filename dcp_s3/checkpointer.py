@@ -12,7 +12,8 @@
 Every rank of the job calls ``save``/``load`` with the same arguments (a single process
 without ``torch.distributed`` works too). The layout is described in :mod:`dcp_s3.steps`:
 one DCP checkpoint per model and per optimizer, and a small ``<step>.pth`` marker that
-rank 0 writes last. Works the same on ``s3://bucket/prefix`` and on a local directory.
+rank 0 writes last; a re-save of a complete step is all or nothing (:mod:`dcp_s3.generations`).
+Works the same on ``s3://bucket/prefix`` and on a local directory.
 
 This module holds the manager; its parts live beside it: :mod:`~dcp_s3.objects` (single
 objects, ``latest_checkpoint``), :mod:`~dcp_s3.ranks` (run on rank 0, share the outcome),

@@ -8,9 +8,10 @@ A checkpoint directory can share its prefix with a user's files (``config.yaml``
 - a step's marker ``<step>.pth`` (see :mod:`dcp_s3.steps`).
 
 ``gc`` removes, among objects last written more than ``older_than`` ago: the checkpoint
-objects of incomplete steps and checkpoints, directories of a complete step that its marker
-does not name (generations of a killed re-save, see :mod:`dcp_s3.generations`), data objects of committed checkpoints that their
-``.metadata`` does not reference (left by a crashed or replaced save), probes anywhere, and
+objects of incomplete steps and checkpoints, of directories of a complete step that its marker
+does not name (generations of a killed re-save, see :mod:`dcp_s3.generations`), data objects of
+committed checkpoints that their ``.metadata`` does not reference (left by a crashed or replaced
+save), probes anywhere, and
 multipart uploads of checkpoint objects that have received nothing for that long. A step or
 checkpoint with a younger upload in progress is left alone. ``rm`` removes the checkpoint
 objects of the steps it names (``recursive`` at a prefix: every object under it). Both

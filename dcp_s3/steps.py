@@ -8,6 +8,10 @@ A *step* saved by :class:`dcp_s3.checkpointer.Checkpointer` under a root is::
     <root>/<step>.pth            torch.save of iteration, scheduler/scaler/callback state:
                                  written by rank 0 LAST, so it marks a complete step
 
+A re-save of a complete step writes its parts to ``<root>/<step>.<key>_<kind>.<16 hex>/``
+instead, named by the rewritten marker's ``part_dirs`` (:mod:`dcp_s3.generations`): a listing
+puts such directories in ``Step.stale`` until :func:`dcp_s3.generations.settle` reads the marker.
+
 Steps are recognized at any depth below the root (``run1/0000100`` when listing a bucket).
 
 ``<step>`` defaults to ``{iteration:07d}``. A lone ``<step>.pth`` without parts is a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -191,7 +192,7 @@ def test_killed_resave_on_s3_loads_entirely_old_or_entirely_new(
 def test_killed_async_resave_loads_old(tmp_path: Path, saves: dict[str, dict[str, Any]]) -> None:
     run = tmp_path / "run"
     first_save(str(run))
-    child = Child(tmp_path, "optim", "resave", str(run), "1")
+    child = Child(tmp_path, "marker", "resave", str(run), "1")  # every part uploaded, the marker not written
     child.wait_held()
     child.kill()
     assert which(load_in_fresh_process(tmp_path, str(run)), saves["old"], saves["new"]) == "old"
@@ -302,9 +303,49 @@ def test_ls_shows_a_failed_read_with_an_empty_message_as_unreadable(
         raise CheckpointFormatError("")
 
     monkeypatch.setattr("dcp_s3.listing._read_metadata", fail)
-    [step] = list_steps(str(run))
-    assert step.unreadable and step.error == "CheckpointFormatError"
     assert cli.main(["ls", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "UNREADABLE" in out and "complete" not in out.splitlines()[1]
+    assert "UNREADABLE" in out.splitlines()[1] and "complete" not in out.splitlines()[1]
     assert "(0 complete, 1 incomplete)" in out
+    [step] = list_steps(str(run))
+    assert step.unreadable and step.error == "CheckpointFormatError"
+
+
+# -- 2 gloo ranks (FSDP2): every rank writes into the same generation, rank 0 commits -------------------
+def resave_job(rank: int, world: int, root: str, async_save: bool) -> list[str]:
+    from test_checkpointer import build as build_sharded
+    from test_checkpointer import same as same_tree
+    from test_checkpointer import snapshot as snapshot_sharded
+    from test_checkpointer import train, trainable
+
+    model, optim, sched = build_sharded(seed=1)
+    train(model, optim, sched, seed=10)
+    ckpt = Checkpointer(root, async_save=async_save)
+    ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=1000)
+    train(model, optim, sched, seed=11)
+    ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=1000)  # the re-save
+    ckpt.wait()
+    ref = snapshot_sharded(model, optim)
+    model2, optim2, sched2 = build_sharded(seed=2)
+    assert ckpt.load({"m": model2}, {"m": optim2}, {"m": sched2}) == 1000
+    got = snapshot_sharded(model2, optim2)
+    same_tree(trainable(ref["model"]), trainable(got["model"]))
+    same_tree(ref["optim"], got["optim"])
+    assert sched2.last_epoch == 2
+    ckpt.close()
+    return sorted(e.name for e in open_store(root).list_objects())
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resave_on_2_fsdp2_ranks(tmp_path: Path, async_save: bool) -> None:
+    from dist_utils import run_ranks
+
+    names = run_ranks(resave_job, 2, str(tmp_path / "run"), async_save)[0]
+    dirs = {n.split("/")[0] for n in names if "/" in n}
+    assert len(dirs) == 2 and all(re.fullmatch(rf"0001000\.m_(model|optim)\.{GENERATION}", d) for d in dirs), dirs
+    assert {d.rpartition(".")[2] for d in dirs} == {torch.load(tmp_path / "run" / "0001000.pth",
+                                                               weights_only=True)["part_dirs"]["m_model"][8:]}
+    # both ranks' data objects are in it
+    ranks = {m[1] for n in names if (m := re.fullmatch(rf"0001000\.m_model\.{GENERATION}/__(\d+)_.*\.distcp", n))}
+    assert ranks == {"0", "1"}, names
