@@ -280,8 +280,10 @@ class Checkpointer:
         store = self._store(plan["root"])
         step: str = plan["step"]
         dirs: dict[str, str] = plan["dirs"]
-        # The marker rank 0 planned with (a re-save committing meanwhile cannot mix into this load).
-        marker = torch_load(plan["marker_data"], store.url(plan["marker"]))
+        # The marker rank 0 planned with (a re-save committing meanwhile cannot mix into this load);
+        # a single-file checkpoint, maybe large, is read by every rank.
+        data = store.read(plan["marker"]) if plan["legacy"] else plan["marker_data"]
+        marker = torch_load(data, store.url(plan["marker"]))
         t0 = time.perf_counter()
         if plan["legacy"]:
             iteration = load_legacy(marker, store.url(plan["marker"]), model_dict, optimizer_dict,
@@ -329,7 +331,7 @@ class Checkpointer:
             raise CheckpointFormatError(f"{store.url(marker_name)} holds a {type(marker).__name__}, not a checkpoint")
         legacy = marker.get("format") != MARKER_FORMAT and not is_foreign_step_marker(marker)
         plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {},
-                                "marker_data": marker_data, "dirs": {}}
+                                "marker_data": None if legacy else marker_data, "dirs": {}}
         if legacy:
             if "model" not in marker:
                 raise CheckpointFormatError(

@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("gc", cmd_gc, "remove incomplete steps and stale uploads",
             "Find, under a prefix, the checkpoint objects of incomplete steps/checkpoints (no marker or no "
-            ".metadata), data objects of complete checkpoints that their .metadata does not reference, leftover "
+            ".metadata), directories of a complete step that its marker does not name (a killed re-save's "
+            "<step>.<part>.<hex>/), data objects of complete checkpoints that their .metadata does not reference, leftover "
             "writer probes and unfinished multipart uploads, all older than --older-than; list every one, and "
             "remove them with --yes (otherwise a dry run).")
     p.add_argument("uri", help="s3://bucket/prefix or a local directory")

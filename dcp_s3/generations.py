@@ -19,19 +19,15 @@ removes them once they are older than its bound, retention removes them with the
 
 from __future__ import annotations
 
-import io
 import logging
-import pickle
 import re
 import secrets
-import zipfile
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from .errors import CheckpointFormatError, DcpS3Error
 from .layout import METADATA_KEY
+from .objects import torch_load
 from .steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, part_name
 from .store import Store
 
@@ -77,9 +73,8 @@ def part_dirs_of(marker: Any, step: str, where: str) -> dict[str, str] | None:
     for suffix, name in dirs.items():
         if not PART_SUFFIX_RE.fullmatch(suffix):
             raise CheckpointFormatError(f"{where}: {suffix!r} is not a part name (<key>_model or <key>_optim)")
-        ok = isinstance(name, str) and (
-            name == suffix or (name.startswith(suffix + ".") and _TOKEN_RE.fullmatch(name[len(suffix) + 1 :]) is not None)
-        )
+        token = name[len(suffix) + 1 :] if isinstance(name, str) and name.startswith(suffix + ".") else None
+        ok = name == suffix or (token is not None and _TOKEN_RE.fullmatch(token) is not None)
         if not ok:
             raise CheckpointFormatError(
                 f"{where}: {PART_DIRS}[{suffix!r}] = {name!r} is not a directory of this step "
@@ -96,12 +91,7 @@ def marker_entry(suffix: str, token: str | None) -> str:
 
 def load_marker_bytes(data: bytes, where: str) -> Any:
     """The marker loaded weights-only; ``CheckpointFormatError`` if it is not a readable torch.save file."""
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointFormatError(f"{where}: weights_only loading refused the marker ({type(exc).__name__})") from exc
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as exc:
-        raise CheckpointFormatError(f"{where} is not a readable torch.save file ({type(exc).__name__})") from exc
+    return torch_load(data, where)
 
 
 def read_marker(store: Store, step: str) -> tuple[bytes, Any] | None:

@@ -15,12 +15,13 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_s3 import cli
 from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
@@ -180,7 +181,10 @@ def test_killed_resave_on_s3_loads_entirely_old_or_entirely_new(
     assert latest_checkpoint(root) == f"{root}/0001000"
     # Both the step in use and what the kill left are listed; gc removes only the leftover.
     client = s3_env.client()
-    keys = lambda: {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/").get("Contents", [])}  # noqa: E731
+
+    def keys() -> set[str]:
+        return {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/").get("Contents", [])}
+
     garbage = find_garbage(root, older_than=0)
     assert garbage.objects and not garbage.skipped
     leftover = {f"run/{o.name}" for o in garbage.objects}
@@ -202,9 +206,6 @@ def test_killed_async_resave_loads_old(tmp_path: Path, saves: dict[str, dict[str
 
 # -- the layout of re-saves -----------------------------------------------------------------------------
 def test_first_save_layout_unchanged_resaves_replace_generations(tmp_path: Path) -> None:
-    from torch.distributed.checkpoint import FileSystemReader
-    import torch.distributed.checkpoint as dcp
-
     run = tmp_path / "run"
     model, optim, sched = first_state()
     ckpt = Checkpointer(run)
@@ -349,3 +350,35 @@ def test_resave_on_2_fsdp2_ranks(tmp_path: Path, async_save: bool) -> None:
     # both ranks' data objects are in it
     ranks = {m[1] for n in names if (m := re.fullmatch(rf"0001000\.m_model\.{GENERATION}/__(\d+)_.*\.distcp", n))}
     assert ranks == {"0", "1"}, names
+
+
+def test_finding_steps_reads_only_markers_of_resaved_steps_and_copies_keep_their_meaning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcp_s3 import store as store_module
+    from dcp_s3.admin import copy_checkpoint
+
+    run = tmp_path / "run"
+    model, optim, _ = first_state()
+    ckpt = Checkpointer(run)
+    for it in (1, 2, 2, 3):  # step 2 re-saved
+        ckpt.save({"m": model}, {"m": optim}, iteration=it)
+    reads: list[str] = []
+    read = store_module.Store.read
+
+    def counting_read(self: Any, name: str) -> bytes:
+        reads.append(name)
+        return read(self, name)
+
+    monkeypatch.setattr(store_module.Store, "read", counting_read)
+    assert [s.name for s in find_complete(open_store(str(run)))] == ["0000003"]
+    assert reads == []  # the newest step has no generation: HEADs only, as before
+    assert [s.name for s in find_complete(open_store(str(run)), None)] == ["0000001", "0000002", "0000003"]
+    assert reads == ["0000002.pth"]
+    monkeypatch.undo()
+    # A copy of the re-saved step under another name loads: part_dirs are relative to the step.
+    copy_checkpoint(str(run / "0000002"), str(tmp_path / "copy" / "0000009"))
+    other, other_optim, _ = build(4)
+    assert Checkpointer(tmp_path / "copy").load({"m": other}, {"m": other_optim}) == 2
+    assert torch.equal(other[0].weight, model[0].weight)
+    assert verify_checkpoint(str(tmp_path / "copy")).ok
