@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ._torch_compat import async_save
 from .cleanup import retain_last
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
-from .generations import PART_DIRS, commit_step, generation_name, marker_entry, new_token, part_dirs_of
+from .generations import PART_DIRS, commit_step, generation_name, marker_entry, new_token, plan_parts
 from .legacy import ALLOW_MISSING_OPTIM_ENV, is_foreign_step_marker, load_legacy
 from .objects import latest_checkpoint, load_object, save_object, torch_load, torch_save_bytes
 from .optim_match import OptimizerLoadPlanner
@@ -340,26 +340,7 @@ class Checkpointer:
                     "a 'model' entry"
                 )
             return plan
-        # A re-saved step's marker names its parts' directories (validated); else <step>.<part>.
-        named = part_dirs_of(marker, step, store.url(marker_name))
-        for suffix in [f"{k}_model" for k in model_keys] + [f"{k}_optim" for k in optim_keys]:
-            plan["dirs"][suffix] = f"{step}.{suffix}" if named is None else named.get(suffix, f"{step}.{suffix}")
-        unnamed = set() if named is None else set(plan["dirs"]) - set(named)  # not in the step: missing
-        for key in model_keys:
-            name = plan["dirs"][f"{key}_model"]
-            if f"{key}_model" in unnamed or not _committed(store, name):
-                raise CheckpointNotFoundError(f"model checkpoint {store.url(name)} is missing or incomplete")
-        for key in optim_keys:
-            name = plan["dirs"][f"{key}_optim"]
-            if f"{key}_optim" not in unnamed and _committed(store, name):
-                plan["optim"][key] = "load"
-            elif allow_missing:
-                plan["optim"][key] = "missing"
-            else:
-                raise CheckpointNotFoundError(
-                    f"optimizer checkpoint {store.url(name)} is missing; pass allow_missing_optim=True "
-                    f"(or set {ALLOW_MISSING_OPTIM_ENV}=1) to continue with fresh optimizer state"
-                )
+        plan["dirs"], plan["optim"] = plan_parts(store, step, marker, marker_name, model_keys, optim_keys, allow_missing)
         return plan
 
     def _load_model(self, store: Store, name: str, key: str, model: nn.Module) -> None:
@@ -427,7 +408,3 @@ class Checkpointer:
         reader = self._readers[cache]
         reader.reset(store.url(name))
         return reader
-
-
-def _committed(store: Store, part: str) -> bool:
-    return store.size(f"{part}/.metadata") is not None

@@ -25,7 +25,8 @@ import secrets
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import CheckpointFormatError, DcpS3Error
+from .errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
+from .legacy import ALLOW_MISSING_OPTIM_ENV
 from .layout import METADATA_KEY
 from .objects import torch_load
 from .steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, part_name
@@ -33,7 +34,7 @@ from .store import Store
 
 __all__ = [
     "PART_DIRS", "new_token", "generation_name", "marker_entry", "part_dirs_of", "load_marker_bytes", "read_marker",
-    "settle", "delete_dirs", "replaced_dirs", "commit_step",
+    "settle", "delete_dirs", "replaced_dirs", "commit_step", "plan_parts",
 ]
 
 log = logging.getLogger("dcp_s3")
@@ -89,6 +90,38 @@ def marker_entry(suffix: str, token: str | None) -> str:
     return suffix if token is None else f"{suffix}.{token}"
 
 
+def plan_parts(
+    store: Store, step: str, marker: Any, marker_name: str, model_keys: list[str], optim_keys: list[str],
+    allow_missing: bool,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """For a load of ``step`` (rank 0): (the directory of each part to load, ``"load"``/``"missing"`` by
+    optimizer key). A re-saved step's marker names the directories (validated); else ``<step>.<part>``.
+    A model part missing or not committed is ``CheckpointNotFoundError``, an optimizer part too unless
+    ``allow_missing``; a part that a marker with ``part_dirs`` does not name is missing."""
+    named = part_dirs_of(marker, step, store.url(marker_name))
+    suffixes = [f"{k}_model" for k in model_keys] + [f"{k}_optim" for k in optim_keys]
+    dirs = {s: f"{step}.{s}" if named is None else named.get(s, f"{step}.{s}") for s in suffixes}
+
+    def present(suffix: str) -> bool:
+        return (named is None or suffix in named) and store.size(f"{dirs[suffix]}/{METADATA_KEY}") is not None
+
+    for key in model_keys:
+        if not present(f"{key}_model"):
+            raise CheckpointNotFoundError(f"model checkpoint {store.url(dirs[f'{key}_model'])} is missing or incomplete")
+    optim: dict[str, str] = {}
+    for key in optim_keys:
+        if present(f"{key}_optim"):
+            optim[key] = "load"
+        elif allow_missing:
+            optim[key] = "missing"
+        else:
+            raise CheckpointNotFoundError(
+                f"optimizer checkpoint {store.url(dirs[f'{key}_optim'])} is missing; pass allow_missing_optim=True "
+                f"(or set {ALLOW_MISSING_OPTIM_ENV}=1) to continue with fresh optimizer state"
+            )
+    return dirs, optim
+
+
 def load_marker_bytes(data: bytes, where: str) -> Any:
     """The marker loaded weights-only; ``CheckpointFormatError`` if it is not a readable torch.save file."""
     return torch_load(data, where)
@@ -122,6 +155,7 @@ def settle(store: Store, steps: Iterable[Step]) -> list[Step]:
                 _follow_marker(store, step)
             except (DcpS3Error, OSError) as exc:
                 step.error = str(exc) or type(exc).__name__
+                log.warning("step %s is not complete: its marker cannot be followed: %s", store.url(step.name), exc)
         out.append(step)
     return out
 

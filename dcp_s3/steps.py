@@ -178,7 +178,8 @@ def ordered(steps: Iterable[Step]) -> list[Step]:
 
 
 def complete_steps(steps: Iterable[Step]) -> list[Step]:
-    """Complete manager steps directly under the root (not nested, not plain DCP checkpoints), oldest first."""
+    """Complete manager steps directly under the root (not nested, not plain DCP checkpoints), oldest first
+    (for re-saved steps, pass steps that :func:`dcp_s3.generations.settle` has seen)."""
     return ordered(s for s in steps if s.kind == "step" and s.complete and "/" not in s.name)
 
 

@@ -382,3 +382,19 @@ def test_finding_steps_reads_only_markers_of_resaved_steps_and_copies_keep_their
     assert Checkpointer(tmp_path / "copy").load({"m": other}, {"m": other_optim}) == 2
     assert torch.equal(other[0].weight, model[0].weight)
     assert verify_checkpoint(str(tmp_path / "copy")).ok
+
+
+def test_resave_without_the_optimizer_drops_its_part(tmp_path: Path) -> None:
+    from dcp_s3.errors import CheckpointNotFoundError
+
+    run = tmp_path / "run"
+    model, optim, _ = first_state()
+    Checkpointer(run).save({"m": model}, {"m": optim}, iteration=5)
+    Checkpointer(run).save({"m": model}, iteration=5)  # re-saved without the optimizer
+    assert [d.rpartition(".")[0] for d in dirs(run)] == ["0000005.m_model"]  # the old optimizer part went too
+    other, other_optim, _ = build(4)
+    with pytest.raises(CheckpointNotFoundError, match=r"optimizer checkpoint .*0000005\.m_optim is missing"):
+        Checkpointer(run).load({"m": other}, {"m": other_optim})
+    with pytest.warns(RuntimeWarning, match="m_optim is missing"):
+        assert Checkpointer(run).load({"m": other}, {"m": other_optim}, allow_missing_optim=True) == 5
+    assert torch.equal(other[0].weight, model[0].weight) and not other_optim.state
