@@ -205,7 +205,9 @@ def test_killed_async_resave_loads_old(tmp_path: Path, saves: dict[str, dict[str
 
 
 # -- the layout of re-saves -----------------------------------------------------------------------------
-def test_first_save_layout_unchanged_resaves_replace_generations(tmp_path: Path) -> None:
+def test_first_save_layout_unchanged_resaves_replace_generations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     model, optim, sched = first_state()
     ckpt = Checkpointer(run)
@@ -235,6 +237,10 @@ def test_first_save_layout_unchanged_resaves_replace_generations(tmp_path: Path)
     assert summary.complete and summary.parts == ["m_model", "m_optim"] and summary.logical_bytes
     assert verify_checkpoint(str(run)).ok
     assert find_complete(open_store(str(run)))[0].parts["m_model"].name == f"0001000.m_model.{generations[1]}"
+    capsys.readouterr()
+    assert cli.main(["ls", str(run)]) == 0 and cli.main(["verify", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "0001000  complete" in out and "(1 complete, 0 incomplete)" in out and "OK: 1 checkpoints" in out
 
 
 def test_retention_and_gc_remove_every_generation(tmp_path: Path) -> None:
