@@ -12,7 +12,8 @@
 Every rank of the job calls ``save``/``load`` with the same arguments (a single process
 without ``torch.distributed`` works too). The layout is described in :mod:`dcp_s3.steps`:
 one DCP checkpoint per model and per optimizer, and a small ``<step>.pth`` marker that
-rank 0 writes last. Works the same on ``s3://bucket/prefix`` and on a local directory.
+rank 0 writes last; a re-save of a complete step is all or nothing (:mod:`dcp_s3.generations`).
+Works the same on ``s3://bucket/prefix`` and on a local directory.
 
 This module holds the manager; its parts live beside it: :mod:`~dcp_s3.objects` (single
 objects, ``latest_checkpoint``), :mod:`~dcp_s3.ranks` (run on rank 0, share the outcome),
@@ -44,12 +45,13 @@ from torch.distributed.checkpoint.state_dict import (
 from ._torch_compat import async_save
 from .cleanup import retain_last
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
+from .generations import PART_DIRS, commit_step, generation_name, marker_entry, new_token, plan_parts
 from .legacy import ALLOW_MISSING_OPTIM_ENV, is_foreign_step_marker, load_legacy
 from .objects import latest_checkpoint, load_object, save_object, torch_load, torch_save_bytes
 from .optim_match import OptimizerLoadPlanner
 from .planners import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
 from .ranks import Ranks, distributed, rank, world_size
-from .steps import MARKER_FORMAT, MARKER_SUFFIX, find_complete, part_name, scan
+from .steps import MARKER_FORMAT, MARKER_SUFFIX, find_complete, scan
 from .store import open_object, open_store
 from .store_local import LocalStore
 from .store_s3 import S3Store
@@ -151,46 +153,51 @@ class Checkpointer:
         For each ``k`` in ``model_dict``: the trainable model state as DCP checkpoint
         ``<step>.<k>_model`` and, if ``optimizer_dict`` has ``k``, the optimizer state as
         ``<step>.<k>_optim``. Then rank 0 writes ``<step>.pth`` (iteration, scheduler, grad
-        scaler and callback state) and applies ``keep_last``. A step already at that location
-        is replaced part by part, each part atomically (see ``S3StorageWriter(overwrite=True)``);
-        nothing of it is deleted before the part replacing it is committed. With
-        ``async_save=True`` returns an :class:`AsyncSave` handle instead.
+        scaler and callback state) and applies ``keep_last``. A complete step already at that
+        location is replaced all or nothing (:mod:`dcp_s3.generations`): the parts go to fresh
+        ``<step>.<k>_<kind>.<hex>`` directories, the rewritten marker names them, and the old
+        parts are deleted only after it. With ``async_save=True`` returns an :class:`AsyncSave`
+        handle instead.
         """
         self.wait()
         check_dicts(model_dict, optimizer_dict)
         store, step = self._locate(path, iteration)
+        # A marker there: a re-save, into a new generation (the same token on every rank).
+        token = self._ranks.run_on_rank0(lambda: new_token() if store.size(step + MARKER_SUFFIX) is not None else None)
         parts: list[tuple[str, str, dict[str, Any], Any]] = []
         for key, model in model_dict.items():
             parts.append((key, "model", get_model_state_dict(model), TrainableOnlySavePlanner(model)))
             if optimizer_dict is not None and key in optimizer_dict:
                 osd = get_optimizer_state_dict(model, optimizer_dict[key])
                 parts.append((key, "optim", osd, DefaultSavePlanner()))
-        marker = torch_save_bytes(
-            {
-                "format": MARKER_FORMAT,
-                "iteration": int(iteration),
-                "parts": [f"{key}_{kind}" for key, kind, _, _ in parts],
-                "scheduler": state_of(scheduler_dict, "scheduler_dict"),
-                "grad_scaler": state_of(grad_scaler, "grad_scaler"),
-                "callbacks": state_of(callbacks, "callbacks"),
-                "world_size": world_size(),
-                "saved_at": time.time(),
-            }
-        )
+        suffixes = [f"{key}_{kind}" for key, kind, _, _ in parts]
+        content: dict[str, Any] = {
+            "format": MARKER_FORMAT,
+            "iteration": int(iteration),
+            "parts": suffixes,
+            "scheduler": state_of(scheduler_dict, "scheduler_dict"),
+            "grad_scaler": state_of(grad_scaler, "grad_scaler"),
+            "callbacks": state_of(callbacks, "callbacks"),
+            "world_size": world_size(),
+            "saved_at": time.time(),
+        }
+        if token is not None:
+            content[PART_DIRS] = {s: marker_entry(s, token) for s in suffixes}
+        marker = torch_save_bytes(content)
         location = store.url(step)
         if not self.async_save:
             t0 = time.perf_counter()
             for key, kind, state, planner in parts:
-                writer, url = self._writer(store, step, key, kind)
+                writer, url = self._writer(store, generation_name(step, key, kind, token), key, kind)
                 dcp.save(state, checkpoint_id=url, storage_writer=writer, planner=planner, no_dist=not distributed())
-            self._ranks.run_on_rank0(lambda: self._commit(store, step, marker))
+            self._ranks.run_on_rank0(lambda: self._commit(store, step, marker, token, suffixes))
             log.info("saved step %s in %.1fs", location, time.perf_counter() - t0)
             return location
 
         groups = [self._ranks.group_for(f"{key}_{kind}") for key, kind, _, _ in parts]  # before any part starts
         futures = []
         for (key, kind, state, planner), group in zip(parts, groups):
-            writer, url = self._writer(store, step, key, kind)
+            writer, url = self._writer(store, generation_name(step, key, kind, token), key, kind)
             futures.append(async_save(
                 state, checkpoint_id=url, storage_writer=writer, planner=planner, process_group=group,
                 no_dist=not distributed(),
@@ -201,7 +208,7 @@ class Checkpointer:
             for fut in futures:
                 fut.result()
             if rank0:  # every part's .metadata is committed once the coordinator's futures resolve
-                self._commit(store, step, marker)
+                self._commit(store, step, marker, token, suffixes)
             return location
 
         if self._finisher is None:
@@ -229,9 +236,10 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _commit(self, store: Store, step: str, marker: bytes) -> None:
-        """Rank 0, after every part committed: write the marker, then apply ``keep_last``."""
-        store.write(step + MARKER_SUFFIX, marker)
+    def _commit(self, store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str]) -> None:
+        """Rank 0, after every part committed: write the marker (and delete the parts it replaced), then
+        apply ``keep_last``."""
+        commit_step(store, step, marker, token, suffixes)
         if self.keep_last is None:
             return
         try:
@@ -271,20 +279,24 @@ class Checkpointer:
             return 0
         store = self._store(plan["root"])
         step: str = plan["step"]
-        marker = torch_load(store.read(plan["marker"]), store.url(plan["marker"]))
+        dirs: dict[str, str] = plan["dirs"]
+        # The marker rank 0 planned with (a re-save committing meanwhile cannot mix into this load);
+        # a single-file checkpoint, maybe large, is read by every rank.
+        data = store.read(plan["marker"]) if plan["legacy"] else plan["marker_data"]
+        marker = torch_load(data, store.url(plan["marker"]))
         t0 = time.perf_counter()
         if plan["legacy"]:
             iteration = load_legacy(marker, store.url(plan["marker"]), model_dict, optimizer_dict,
                                     allow_missing_optim)
         else:
             for key, model in model_dict.items():
-                self._load_model(store, step, key, model)
+                self._load_model(store, dirs[f"{key}_model"], key, model)
             for key, status in plan["optim"].items():
+                name = dirs[f"{key}_optim"]
                 if status == "missing":
-                    name = part_name(step, key, "optim")
                     warn(f"optimizer checkpoint {store.url(name)} is missing; {key!r} continues with fresh state")
                     continue
-                self._load_optim(store, step, key, model_dict[key], (optimizer_dict or {}).get(key))
+                self._load_optim(store, name, key, model_dict[key], (optimizer_dict or {}).get(key))
             iteration = int(marker.get("iteration", 0))
         restore(scheduler_dict, marker.get("scheduler"), "scheduler_dict")
         restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")
@@ -313,11 +325,13 @@ class Checkpointer:
             partial = [s for s in scan(store.list_objects(f"{step}.")) if s.name == step]
             why = "the save did not complete (no marker)" if partial else "nothing is saved there"
             raise CheckpointNotFoundError(f"no complete checkpoint at {store.url(step)}: {why}")
-        marker = torch_load(store.read(marker_name), store.url(marker_name))
+        marker_data = store.read(marker_name)
+        marker = torch_load(marker_data, store.url(marker_name))
         if not isinstance(marker, dict):
             raise CheckpointFormatError(f"{store.url(marker_name)} holds a {type(marker).__name__}, not a checkpoint")
         legacy = marker.get("format") != MARKER_FORMAT and not is_foreign_step_marker(marker)
-        plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {}}
+        plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {},
+                                "marker_data": None if legacy else marker_data, "dirs": {}}
         if legacy:
             if "model" not in marker:
                 raise CheckpointFormatError(
@@ -326,25 +340,11 @@ class Checkpointer:
                     "a 'model' entry"
                 )
             return plan
-        for key in model_keys:
-            name = part_name(step, key, "model")
-            if not _committed(store, name):
-                raise CheckpointNotFoundError(f"model checkpoint {store.url(name)} is missing or incomplete")
-        for key in optim_keys:
-            name = part_name(step, key, "optim")
-            if _committed(store, name):
-                plan["optim"][key] = "load"
-            elif allow_missing:
-                plan["optim"][key] = "missing"
-            else:
-                raise CheckpointNotFoundError(
-                    f"optimizer checkpoint {store.url(name)} is missing; pass allow_missing_optim=True "
-                    f"(or set {ALLOW_MISSING_OPTIM_ENV}=1) to continue with fresh optimizer state"
-                )
+        plan["dirs"], plan["optim"] = plan_parts(store, step, marker, marker_name, model_keys, optim_keys, allow_missing)
         return plan
 
-    def _load_model(self, store: Store, step: str, key: str, model: nn.Module) -> None:
-        reader = self._reader(store, step, key, "model")
+    def _load_model(self, store: Store, name: str, key: str, model: nn.Module) -> None:
+        reader = self._reader(store, name, key, "model")
         if on_meta(model):
             # All collectives, no reads: the planner gives this rank an empty plan.
             dcp.load(model.state_dict(), storage_reader=reader, planner=TrainableOnlyLoadPlanner(model),
@@ -355,16 +355,15 @@ class Checkpointer:
         set_model_state_dict(model, state)
 
     def _load_optim(
-        self, store: Store, step: str, key: str, model: nn.Module, optim: torch.optim.Optimizer | None
+        self, store: Store, name: str, key: str, model: nn.Module, optim: torch.optim.Optimizer | None
     ) -> None:
-        name = part_name(step, key, "optim")
         state: dict[str, Any] = {}
         if optim is not None and not on_meta(model):
             state = get_optimizer_state_dict(model, optim)  # initializes fresh state, so DTensor state loads
         # The compatibility check runs inside the load, on the .metadata it reads once and shares
         # (a meta rank, with nothing to load into, plans no reads and never objects).
         planner = OptimizerLoadPlanner(check=bool(state))
-        dcp.load(state, storage_reader=self._reader(store, step, key, "optim"), planner=planner,
+        dcp.load(state, storage_reader=self._reader(store, name, key, "optim"), planner=planner,
                  no_dist=not distributed())
         if planner.problem is not None:
             warn(f"optimizer checkpoint {store.url(name)} does not match the optimizer ({planner.problem}); "
@@ -393,24 +392,19 @@ class Checkpointer:
             raise ConfigError(f"path={os.fspath(path)!r} names no step")
         return store, name
 
-    def _writer(self, store: Store, step: str, key: str, kind: str) -> tuple[Any, str]:
-        """(the reusable writer of this part, the part's location to pass as ``checkpoint_id``)."""
-        name = part_name(step, key, kind)
+    def _writer(self, store: Store, name: str, key: str, kind: str) -> tuple[Any, str]:
+        """(the reusable writer of part ``key``/``kind``, the location of its directory ``name`` to pass
+        as ``checkpoint_id``)."""
         cache = (store.url(), key, kind)
         if cache not in self._writers:
             self._writers[cache] = store.writer(name)
         return self._writers[cache], store.url(name)
 
-    def _reader(self, store: Store, step: str, key: str, kind: str) -> Any:
-        """The reusable reader of this part, pointed at ``step``."""
-        name = part_name(step, key, kind)
+    def _reader(self, store: Store, name: str, key: str, kind: str) -> Any:
+        """The reusable reader of part ``key``/``kind``, pointed at its directory ``name``."""
         cache = (store.url(), key, kind)
         if cache not in self._readers:
             self._readers[cache] = store.reader(name)
         reader = self._readers[cache]
         reader.reset(store.url(name))
         return reader
-
-
-def _committed(store: Store, part: str) -> bool:
-    return store.size(f"{part}/.metadata") is not None

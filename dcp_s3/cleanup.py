@@ -8,13 +8,16 @@ A checkpoint directory can share its prefix with a user's files (``config.yaml``
 - a step's marker ``<step>.pth`` (see :mod:`dcp_s3.steps`).
 
 ``gc`` removes, among objects last written more than ``older_than`` ago: the checkpoint
-objects of incomplete steps and checkpoints, data objects of committed checkpoints that their
-``.metadata`` does not reference (left by a crashed or replaced save), probes anywhere, and
+objects of incomplete steps and checkpoints, of directories of a complete step that its marker
+does not name (generations of a killed re-save, see :mod:`dcp_s3.generations`), data objects of
+committed checkpoints that their ``.metadata`` does not reference (left by a crashed or replaced
+save), probes anywhere, and
 multipart uploads of checkpoint objects that have received nothing for that long. A step or
 checkpoint with a younger upload in progress is left alone. ``rm`` removes the checkpoint
 objects of the steps it names (``recursive`` at a prefix: every object under it). Both
 return every name before anything is deleted, so a dry run lists exactly what would go.
-``retain_last`` is the Checkpointer's ``keep_last``: older complete steps go.
+``retain_last`` is the Checkpointer's ``keep_last``: older complete steps go, every directory of
+them (generations included).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 from .errors import DcpS3Error
 from .layout import DATA_SUFFIX, METADATA_KEY, is_key_prefix_dir
 from .locations import Store, is_root, read_metadata, resolve
+from .generations import settle
 from .steps import MARKER_SUFFIX, Part, Step, find_complete, scan
 from .store import Entry, Upload, open_store
 
@@ -66,7 +70,7 @@ def _split_step(step: Step) -> tuple[list[Entry], list[Entry]]:
     """(checkpoint objects of ``step``, other objects that share its directories)."""
     mine = [step.marker] if step.marker is not None else []
     other: list[Entry] = []
-    for part in step.parts.values():
+    for part in [*step.parts.values(), *step.stale]:
         for entry in part.objects:
             (mine if is_checkpoint_object(part.name, entry.name) else other).append(entry)
     return mine, other
@@ -167,13 +171,16 @@ def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = No
         if last is not None:
             (stale if last <= cutoff else busy).append(upload)
     garbage = Garbage(store, [], [], [u for u in stale if _is_checkpoint_key(u.name)])
-    steps = scan(entries)
+    steps = settle(store, scan(entries))
     committed = {p.name for s in steps for p in s.parts.values() if p.committed}
     for step in steps:
         in_progress = [u for u in busy if _under(step, u.name)]
         inside = [c for c in committed if step.kind == "dcp" and step.name.startswith(c + "/" if c else "")]
         if in_progress:
             garbage.skipped.append((store.url(step.name), f"an upload is in progress ({store.url(in_progress[0].name)})"))
+        elif step.error:  # which directories are the step's is unknown: touch none
+            garbage.skipped.append((store.url(step.name), f"its marker cannot be followed, so nothing of it is "
+                                                          f"removed: {step.error}"))
         elif inside and not step.complete:  # data a committed checkpoint may reference from a subdirectory
             garbage.skipped.append((store.url(step.name), f"inside the complete checkpoint {store.url(inside[0])}"))
         elif not step.complete:
@@ -185,6 +192,10 @@ def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = No
         else:
             for part in step.parts.values():
                 _unreferenced(store, part, cutoff, garbage)
+            for part in step.stale:  # generations its marker does not name (a killed re-save), old parts
+                if max((o.mtime for o in part.objects), default=0.0) <= cutoff:
+                    garbage.objects.extend(o for o in part.objects if is_checkpoint_object(part.name, o.name))
+                    garbage.kept.extend(o for o in part.objects if not is_checkpoint_object(part.name, o.name))
     listed = {o.name for o in garbage.objects}
     garbage.objects.extend(
         e for e in entries if PROBE_PATTERN.fullmatch(_base(e.name)) and e.mtime <= cutoff and e.name not in listed

@@ -85,16 +85,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     steps = list_steps(args.uri, **_options(args, args.uri))
     rows = [["STEP", "STATUS", "STORED", "LOGICAL", "RATIO", "OBJECTS", "TIME"]]
     for s in steps:
-        status = ("UNREADABLE" if s.error else "complete" if s.complete else "INCOMPLETE") + (
+        status = ("UNREADABLE" if s.unreadable else "complete" if s.complete else "INCOMPLETE") + (
             " (dcp)" if s.kind == "dcp" else "")
         ratio = f"{s.ratio:.2f}x" if s.ratio is not None else "-"
         rows.append([s.name, status, human_size(s.stored_bytes), human_size(s.logical_bytes), ratio,
                      str(s.objects), _when(s.mtime)])
     print(_table(rows, right={2, 3, 4, 5}))
     for s in steps:
-        if s.error:
-            _say(f"{s.name}: {s.error}")
-    done = sum(s.complete for s in steps)
+        if s.unreadable:
+            _say(f"{s.name}: {s.error or 'unreadable'}")
+    done = sum(s.complete and not s.unreadable for s in steps)
     print(f"{len(steps)} checkpoints ({done} complete, {len(steps) - done} incomplete), "
           f"{human_size(sum(s.stored_bytes for s in steps))} stored")
     return 0
@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("gc", cmd_gc, "remove incomplete steps and stale uploads",
             "Find, under a prefix, the checkpoint objects of incomplete steps/checkpoints (no marker or no "
-            ".metadata), data objects of complete checkpoints that their .metadata does not reference, leftover "
+            ".metadata), directories of a complete step that its marker does not name (a killed re-save's "
+            "<step>.<part>.<hex>/), data objects of complete checkpoints that their .metadata does not reference, leftover "
             "writer probes and unfinished multipart uploads, all older than --older-than; list every one, and "
             "remove them with --yes (otherwise a dry run).")
     p.add_argument("uri", help="s3://bucket/prefix or a local directory")

@@ -44,7 +44,9 @@ class StepSummary:
     objects: int
     mtime: float
     parts: list[str] = field(default_factory=list)
-    error: str = ""  # why the metadata could not be read, if it could not
+    error: str = ""  # why the metadata (or a re-saved step's marker) could not be read, if it could not
+    #: True if reading failed: decided by the failure, not by its message (which may be empty).
+    unreadable: bool = False
 
     @property
     def ratio(self) -> float | None:
@@ -61,25 +63,26 @@ def list_steps(uri: str, **storage_options: Any) -> list[StepSummary]:
     for step in steps:
         logical: int | None = 0
         stored_tensors = 0
-        error = ""
-        for part in step.parts.values():
+        error, unreadable = step.error, bool(step.error)
+        for part in [] if unreadable else step.parts.values():
             if not part.committed:
                 logical = None
                 break
             try:
                 part_logical, part_stored = _tensor_sizes(_read_metadata(store, part))
             except (DcpS3Error, OSError) as exc:
-                logical, error = None, str(exc)
+                logical, error, unreadable = None, str(exc) or type(exc).__name__, True
                 break
             logical = (logical or 0) + part_logical
             stored_tensors += part_stored
-        if step.kind == "step" and not step.parts:
+        if step.kind == "step" and not step.parts or unreadable:
             logical = None  # a legacy single-file checkpoint: no metadata to read
         out.append(
             StepSummary(
                 name=step.name or ".", url=store.url(step.name), kind=step.kind, complete=step.complete,
                 stored_bytes=step.stored_bytes, logical_bytes=logical, tensor_stored_bytes=stored_tensors,
                 objects=len(step.objects), mtime=step.mtime, parts=sorted(step.parts), error=error,
+                unreadable=unreadable,
             )
         )
     return out

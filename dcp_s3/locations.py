@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .config import parse_s3_uri
 from .errors import CheckpointNotFoundError, DcpS3Error
+from .generations import settle
 from .layout import METADATA_KEY, load_metadata
 from .steps import MARKER_SUFFIX, Part, Step, scan
 from .store import open_object, open_store
@@ -31,16 +32,18 @@ Progress = Callable[[int, int], None]
 def resolve(uri: str, *, follow_symlinks: bool = False, **storage_options: Any) -> tuple[Store, list[Step]]:
     """(store, steps and DCP checkpoints) that ``uri`` denotes; ``CheckpointNotFoundError`` if none.
 
+    A re-saved step's parts are the directories its marker names (:func:`dcp_s3.generations.settle`).
+
     ``follow_symlinks``: list linked directories of a local location too.
     """
     store = open_store(uri, follow_symlinks=follow_symlinks, **storage_options)
-    steps = scan(store.list_objects())
+    steps = settle(store, scan(store.list_objects()))
     if steps:
         return store, steps
     parent, name = open_object(uri, follow_symlinks=follow_symlinks, **storage_options)
     if name.endswith(MARKER_SUFFIX):
         name = name[: -len(MARKER_SUFFIX)]
-    found = [s for s in scan(parent.list_objects(f"{name}.")) if s.name == name]
+    found = settle(parent, [s for s in scan(parent.list_objects(f"{name}.")) if s.name == name])
     if found:
         return parent, found
     raise CheckpointNotFoundError(f"no checkpoint found at {uri}")

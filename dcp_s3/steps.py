@@ -8,6 +8,10 @@ A *step* saved by :class:`dcp_s3.checkpointer.Checkpointer` under a root is::
     <root>/<step>.pth            torch.save of iteration, scheduler/scaler/callback state:
                                  written by rank 0 LAST, so it marks a complete step
 
+A re-save of a complete step writes its parts to ``<root>/<step>.<key>_<kind>.<16 hex>/``
+instead, named by the rewritten marker's ``part_dirs`` (:mod:`dcp_s3.generations`): a listing
+puts such directories in ``Step.stale`` until :func:`dcp_s3.generations.settle` reads the marker.
+
 Steps are recognized at any depth below the root (``run1/0000100`` when listing a bucket).
 
 ``<step>`` defaults to ``{iteration:07d}``. A lone ``<step>.pth`` without parts is a
@@ -32,13 +36,17 @@ from .store import Entry, Store
 
 __all__ = [
     "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "part_name",
-    "root_steps", "find_complete",
+    "root_steps", "find_complete", "PART_SUFFIX_RE",
 ]
 
 MARKER_SUFFIX = ".pth"
 #: Value of the marker's ``"format"`` entry (a legacy single-file checkpoint has none).
 MARKER_FORMAT = "dcp_s3.checkpointer/1"
-_PART_RE = re.compile(r"^(?P<step>.+)\.(?P<part>[^./]+_(?:model|optim))$")
+#: A part's name within its step: ``<key>_model`` or ``<key>_optim``.
+PART_SUFFIX_RE = re.compile(r"[^./]+_(?:model|optim)")
+#: A part directory: ``<step>.<part>``, or a generation of a re-save ``<step>.<part>.<16 hex>``
+#: (see :mod:`dcp_s3.generations`).
+_PART_RE = re.compile(r"^(?P<step>.+)\.(?P<part>[^./]+_(?:model|optim))(?:\.(?P<gen>[0-9a-f]{16}))?$")
 _DATA_SUFFIX = ".distcp"
 
 
@@ -71,10 +79,17 @@ class Step:
     kind: str
     marker: Entry | None = None
     parts: dict[str, Part] = field(default_factory=dict)  # by part suffix ("model_model") or "" for dcp
+    #: Directories of this step that are not its parts: generation directories (``<step>.<part>.<hex>``)
+    #: until :func:`dcp_s3.generations.settle` has read the marker, then those the marker does not name.
+    stale: list[Part] = field(default_factory=list)
+    #: Why the marker's ``part_dirs`` could not be followed (then the step is not complete).
+    error: str = ""
+    #: True once ``parts`` are the directories the marker's ``part_dirs`` names (each needs its ``.metadata``).
+    named: bool = False
 
     @property
     def objects(self) -> list[Entry]:
-        objs = [o for p in self.parts.values() for o in p.objects]
+        objs = [o for p in [*self.parts.values(), *self.stale] for o in p.objects]
         return objs + ([self.marker] if self.marker is not None else [])
 
     @property
@@ -82,7 +97,7 @@ class Step:
         """Marker present and every part committed (a plain DCP checkpoint: ``.metadata`` present)."""
         if self.kind == "dcp":
             return all(p.committed for p in self.parts.values())
-        return self.marker is not None and all(p.committed for p in self.parts.values())
+        return self.marker is not None and not self.error and all(p.committed for p in self.parts.values())
 
     @property
     def stored_bytes(self) -> int:
@@ -125,6 +140,7 @@ def scan(entries: Iterable[Entry]) -> list[Step]:
     entries = list(entries)
     checkpoints = {e.name.rpartition("/")[0] for e in entries if e.name.rpartition("/")[2] == METADATA_KEY}
     steps: dict[str, Step] = {}
+    generations: dict[str, Part] = {}
     loose: dict[str, list[Entry]] = {}
     for entry in entries:
         directory, _, base = entry.name.rpartition("/")
@@ -134,7 +150,12 @@ def scan(entries: Iterable[Entry]) -> list[Step]:
         if match:
             name = _join(parent, match["step"])
             step = steps.setdefault(name, Step(name, "step"))
-            step.parts.setdefault(match["part"], Part(directory)).objects.append(entry)
+            if match["gen"]:
+                if directory not in generations:
+                    step.stale.append(generations.setdefault(directory, Part(directory)))
+                generations[directory].objects.append(entry)
+            else:
+                step.parts.setdefault(match["part"], Part(directory)).objects.append(entry)
         elif base.endswith(MARKER_SUFFIX) and len(base) > len(MARKER_SUFFIX):
             name = entry.name[: -len(MARKER_SUFFIX)]
             steps.setdefault(name, Step(name, "step")).marker = entry
@@ -157,7 +178,8 @@ def ordered(steps: Iterable[Step]) -> list[Step]:
 
 
 def complete_steps(steps: Iterable[Step]) -> list[Step]:
-    """Complete manager steps directly under the root (not nested, not plain DCP checkpoints), oldest first."""
+    """Complete manager steps directly under the root (not nested, not plain DCP checkpoints), oldest first
+    (for re-saved steps, pass steps that :func:`dcp_s3.generations.settle` has seen)."""
     return ordered(s for s in steps if s.kind == "step" and s.complete and "/" not in s.name)
 
 
@@ -173,15 +195,23 @@ def root_steps(store: Store) -> list[Step]:
     for directory in (d.rstrip("/") for d in dirs):
         match = _PART_RE.match(directory)
         if match:
-            steps.setdefault(match["step"], Step(match["step"], "step")).parts[match["part"]] = Part(directory)
+            step = steps.setdefault(match["step"], Step(match["step"], "step"))
+            if match["gen"]:
+                step.stale.append(Part(directory))
+            else:
+                step.parts[match["part"]] = Part(directory)
     return list(steps.values())
 
 
 def _parts_committed(store: Store, step: Step) -> bool:
     """Whether every part of ``step`` has its ``.metadata``. A part without one counts only if it holds
-    an object: some servers (SeaweedFS) keep listing a directory whose objects were all deleted."""
+    an object: some servers (SeaweedFS) keep listing a directory whose objects were all deleted. A part
+    that the marker's ``part_dirs`` names always needs its ``.metadata``."""
+    if step.error:
+        return False
     return all(
-        store.size(_meta(p.name)) is not None or not store.list_objects(p.name + "/") for p in step.parts.values()
+        store.size(_meta(p.name)) is not None or (not step.named and not store.list_objects(p.name + "/"))
+        for p in step.parts.values()
     )
 
 
@@ -191,16 +221,23 @@ def find_complete(store: Store, count: int | None = 1) -> list[Step]:
     As :func:`complete_steps` over a full listing, at the cost of one delimiter listing of the root
     and a HEAD of each part's ``.metadata`` for the steps with a marker, newest first, until ``count``
     are found (steps named other than by a number are ordered by marker time: then all are checked).
-    The steps' ``parts`` hold no objects.
+    The steps' ``parts`` hold no objects. A step with generation directories (a re-save, see
+    :mod:`dcp_s3.generations`) also costs a GET of its marker, whose ``part_dirs`` names its parts.
     """
+    from .generations import settle
+
+    def complete(step: Step) -> bool:
+        settle(store, [step])  # a GET of the marker if the step has generation directories
+        return _parts_committed(store, step)
+
     candidates = [s for s in root_steps(store) if s.marker is not None]
     if candidates and all(s.iteration is not None for s in candidates):
         found: list[Step] = []
         for step in reversed(ordered(candidates)):
             if count is not None and len(found) >= count:
                 break
-            if _parts_committed(store, step):
+            if complete(step):
                 found.append(step)
         return found[::-1]
-    done = ordered(s for s in candidates if _parts_committed(store, s))
+    done = ordered(s for s in candidates if complete(s))
     return done if count is None else done[len(done) - count :] if count else []

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from ._torch_compat import _StorageInfo, element_size
 from .byte_items import byte_item_problem
 from .errors import CheckpointFormatError, DcpS3Error
+from .generations import part_dirs_of
 from .layout import METADATA_KEY, checksum_error
 from .locations import Progress, Store, resolve
 from .locations import read_metadata as _read_metadata
@@ -121,6 +122,18 @@ def _verify_marker(store: Store, step: Step, report: VerifyReport) -> None:
         marker = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         return  # intact archive holding classes weights_only refuses (callbacks): nothing more to check
+    if step.error:
+        report.problems.append(Problem(url, step.error))
+        return
+    try:
+        named = part_dirs_of(marker, step.name, url)  # validated, also where no generation is listed
+    except CheckpointFormatError as exc:
+        report.problems.append(Problem(url, str(exc)))
+        return
+    if named is not None and any(step.parts.get(k) is None or step.parts[k].name != v for k, v in named.items()):
+        missing = sorted(v for k, v in named.items() if k not in step.parts or step.parts[k].name != v)
+        report.problems.append(Problem(store.url(missing[0]), "missing: the marker names it"))
+        return
     if isinstance(marker, dict) and marker.get("format") == MARKER_FORMAT:
         for name in marker.get("parts", []):
             if name not in step.parts:

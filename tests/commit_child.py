@@ -10,7 +10,7 @@ the test kills it). Phases are real botocore events on the real client, matched 
 - ``upload``: before part 2 of a multipart upload (data half uploaded);
 - ``commit``: before the PUT of ``.metadata`` (all data uploaded, nothing committed);
 - ``cleanup``: before the DeleteObjects that removes the replaced checkpoint's objects;
-- ``commit:<name>``: before the PUT of the object whose key ends with ``<name>``;
+- ``commit:<regex>``: before the PUT of the object whose key matches ``<regex>`` (``re.search``);
 - ``none``: run through.
 
 For ``local`` (``S3StorageWriter`` on a directory: the local object store), the phases are the same
@@ -23,6 +23,7 @@ Exit status: 0 committed, 3 ``CheckpointExistsError``, 1 anything else.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -76,7 +77,7 @@ def hold(phase: str, held: str, release: str) -> Any:
         if phase == "cleanup":
             return op == "DeleteObjects"
         if phase.startswith("commit:"):
-            return op == "PutObject" and str(params.get("Key", "")).endswith(phase.split(":", 1)[1])
+            return op == "PutObject" and re.search(phase.split(":", 1)[1], str(params.get("Key", ""))) is not None
         return False
 
     def handler(params: dict[str, Any], model: Any, **_: Any) -> None:

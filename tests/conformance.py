@@ -369,11 +369,15 @@ class StoreConformance:
         for p, q in zip(model.parameters(), want.parameters()):
             assert torch.equal(optim.state[p]["exp_avg"], trained[400][1].state[q]["exp_avg"])
 
-        # Re-saving the newest step (a job that resumed at 400 saves at 400 again) replaces it in place.
+        # Re-saving the newest step (a job that resumed at 400 saves at 400 again) replaces it all or nothing:
+        # new generation directories that the rewritten marker names; the old parts are gone.
         again, again_optim, _ = _trained(401)
         ckpt.save({"model": again}, {"model": again_optim}, iteration=400)
         assert [s.name for s in list_steps(root, **target.options)] == ["0000300", "0000400"]
-        for part in ("run/0000400.model_model", "run/0000400.model_optim"):
+        dirs = _torch_load(target.raw.read("run/0000400.pth"))["part_dirs"]
+        for suffix in ("model_model", "model_optim"):
+            assert not target.raw.sizes(f"run/0000400.{suffix}/")
+            part = f"run/0000400.{dirs[suffix]}"
             assert set(target.raw.sizes(part + "/")) == referenced(target.raw, part) | {part + "/.metadata"}
         model = _trained(9)[0]
         assert Checkpointer(root, **target.options).load({"model": model}) == 400
@@ -457,3 +461,8 @@ class StoreConformance:
         with pytest.raises(CheckpointExistsError):
             copy_checkpoint(os.fspath(local), target.url("back"), dst_options=target.options)
 
+
+def _torch_load(data: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=True)
