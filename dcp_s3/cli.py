@@ -49,7 +49,8 @@ longer than your longest save.""",
   dcp-s3 cp ./ckpt s3://bucket/run2                       # a whole run to S3
   dcp-s3 cp s3://bucket/run1/0001000.model_model /tmp/m   # one DCP checkpoint
 A key that would land outside DST (e.g. 'ck/../../x') is refused, and so is a symbolic link
-leading out of a local SRC or DST directory unless --follow-symlinks; nothing is copied then.""",
+leading out of a local SRC directory unless --follow-symlinks, and any link in a local DST
+(writes never go through a link); nothing is copied then.""",
     "rm": """examples:
   dcp-s3 rm s3://bucket/run1/0001000 --dry-run   # list every object and upload it would remove
   dcp-s3 rm s3://bucket/run1/0001000         # one step (marker first); other files next to it are kept
@@ -310,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=8, help="concurrent object copies (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace objects that exist at the destination")
     p.add_argument("--follow-symlinks", action="store_true",
-                   help="copy through symbolic links that lead out of a local source or destination directory "
-                        "(refused by default)")
+                   help="read through symbolic links that lead out of a local source directory (refused by "
+                        "default; links in a local destination are always refused)")
 
     p = add("rm", cmd_rm, "remove a step or checkpoint",
             "Remove a step or DCP checkpoint: its marker, .metadata, data objects and their unfinished "

@@ -6,8 +6,6 @@ complete; every destination name is checked before anything is written.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +19,7 @@ from .locations import is_root as _is_root
 from .steps import MARKER_SUFFIX
 from .store import Entry, check_relative_name, open_object, open_store
 from .store_local import LocalStore
+from .store_s3 import S3Store
 
 __all__ = ["CopyReport", "copy_checkpoint"]
 
@@ -124,16 +123,7 @@ def _refuse_links_out(store: Store, names: list[str], role: str) -> None:
 
 
 def _copy_object(src: Store, src_name: str, dst: Store, dst_name: str) -> None:
-    if isinstance(dst, LocalStore):
-        target = dst.path(dst_name)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        src.download(src_name, target)
-    elif isinstance(src, LocalStore):
-        dst.upload(src.path(src_name), dst_name)
-    elif dst.same_server(src):
+    if isinstance(src, S3Store) and isinstance(dst, S3Store) and dst.same_server(src):
         dst.copy_from(src, src_name, dst_name)  # server-side: no bytes through this machine
     else:
-        with tempfile.TemporaryDirectory(prefix="dcp_s3-cp-") as tmp:
-            path = os.path.join(tmp, "object")
-            src.download(src_name, path)
-            dst.upload(path, dst_name)
+        src.stream_to(src_name, dst, dst_name)

@@ -228,28 +228,30 @@ class Store:
         """When ``upload`` last received a part (else when it started); None if it is gone."""
         return self.objects.upload_activity(self._pending(upload))
 
-    def download(self, name: str, path: str) -> None:
-        """Copy object ``name`` to the local file ``path``: ranged reads of ``max_range_size`` bytes,
-        concurrently, each written at its offset as it arrives (memory: ``max_concurrency * max_range_size``)."""
+    def stream_to(self, name: str, dst: Store, dst_name: str) -> None:
+        """Copy object ``name`` to ``dst_name`` of ``dst`` (any backend) through this process, over
+        both object stores (so a local side is read and written without following links and
+        regular files only): ranged reads of ``max_range_size``, ``max_concurrency`` at a time,
+        written in order to ``dst``'s streamed writer (on S3: parts sent concurrently). Memory:
+        about ``max_concurrency * max_range_size`` plus ``dst``'s part buffers."""
         key = self.key(name)
         head = self.objects.head(key)
         if head is None:
             raise CheckpointNotFoundError(f"GET {self.url(name)}: not found")
         step = self.session.transfer.max_range_size
-        with open(path, "wb") as f:
-            f.truncate(head.size)
-            reads = [_file_range(key, f.fileno(), start, min(head.size, start + step)) for start in range(0, head.size, step)]
-            self.objects.read_ranges(reads, executor=self.session.executor, max_gap=0, max_size=step)
-
-    def upload(self, path: str, name: str) -> None:
-        """Copy the local file ``path`` to object ``name``, streamed (on S3: parts sent concurrently)."""
-        writer = self.objects.open_writer(
-            self.key(name), pool=self._buffers, executor=self.session.executor, expected_size=os.path.getsize(path)
+        window = step * max(1, self.session.transfer.max_concurrency)
+        writer = dst.objects.open_writer(
+            dst.key(dst_name), pool=dst._buffers, executor=dst.session.executor, expected_size=head.size
         )
         try:
-            with open(path, "rb") as f:
-                while chunk := f.read(writer.part_size):
-                    writer.write(chunk)
+            for first in range(0, head.size, window):
+                bufs = [bytearray(min(head.size, start + step) - start)
+                        for start in range(first, min(head.size, first + window), step)]
+                reads = [RangeRead(key, first + i * step, first + i * step + len(b), _opener(b))
+                         for i, b in enumerate(bufs)]
+                self.objects.read_ranges(reads, executor=self.session.executor, max_gap=0, max_size=step)
+                for buf in bufs:
+                    writer.write(buf)
         except BaseException:
             writer.abort()
             raise
@@ -263,20 +265,6 @@ class Store:
         if size is None:
             raise CheckpointNotFoundError(f"COPY {source.url(source_name)}: not found")
         self.objects.copy(self.key(name), source.objects, source.key(source_name), size, executor=self.session.executor)
-
-
-def _file_range(key: str, fd: int, start: int, end: int) -> RangeRead:
-    """A read of bytes ``[start, end)`` into a buffer allocated when they arrive, written to ``fd`` at ``start``."""
-    buf: list[bytearray] = []
-
-    def open_() -> memoryview:
-        buf.append(bytearray(end - start))
-        return memoryview(buf[0])
-
-    def done() -> None:
-        os.pwrite(fd, buf.pop(), start)
-
-    return RangeRead(key, start, end, open_, done)
 
 
 def _opener(buf: bytearray) -> Callable[[], memoryview]:

@@ -170,8 +170,10 @@ def test_download_does_not_write_through_a_link_out_of_the_destination(
     code, _, err = run(capsys, "cp", f"s3://{bucket}/run", str(dst))
     assert code == 1 and str(dst / "ck") in err and "symbolic link" in err, err
     assert list(outside.iterdir()) == []
-    code, _, _ = run(capsys, "cp", f"s3://{bucket}/run", str(dst), "--follow-symlinks")
-    assert code == 0 and (outside / ".metadata").is_file()
+    # --follow-symlinks is for reading a source: writes never go through a link.
+    code, _, err = run(capsys, "cp", f"s3://{bucket}/run", str(dst), "--follow-symlinks")
+    assert code == 1 and str(dst / "ck") in err and "symbolic link" in err, err
+    assert list(outside.iterdir()) == []
 
 
 def test_convert_refuses_to_replace_an_existing_output(

@@ -190,6 +190,8 @@ CHILD = textwrap.dedent(
                 dcp.load(state, storage_reader=S3StorageReader(target), no_dist=True)
             elif what == "save":
                 dcp.save(state, storage_writer=S3StorageWriter(target), no_dist=True)
+            elif what == "cp":
+                result["code"] = cli.main(["cp", target, os.environ["CHILD_CP_TO"]])
             elif what == "store-write":
                 dcp_s3.store_local.LocalStore(target).write("x.pth", b"data")
             else:
@@ -248,6 +250,23 @@ def test_fifo_metadata_is_refused_promptly(tmp_path: Path) -> None:
         result = child(what, ck, timeout=60)
         text = result["message"] + result["output"]
         assert "not a regular file" in text and str(ck / METADATA_KEY) in text, (what, result)
+
+
+def test_cp_of_a_fifo_data_object_to_s3_is_refused_promptly(
+    tmp_path: Path, bucket: str, s3_env: LocalS3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dcp-s3 cp`` reads a local source through the local object store, whatever the destination: a
+    FIFO never blocks the copy, and nothing of the copy is committed (no ``.metadata`` in the bucket)."""
+    ck = tmp_path / "ck"
+    save(ck)
+    (obj,) = data_objects(ck)
+    obj.unlink()
+    os.mkfifo(obj)
+    monkeypatch.setenv("CHILD_CP_TO", f"s3://{bucket}/copy")
+    result = child("cp", ck, timeout=60)
+    assert result.get("code") not in (0, None), result
+    assert "not a regular file" in result["output"] and str(obj) in result["output"], result
+    assert "Contents" not in s3_env.client().list_objects_v2(Bucket=bucket, Prefix=f"copy/{METADATA_KEY}")
 
 
 @pytest.fixture
