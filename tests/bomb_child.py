@@ -18,7 +18,7 @@ def _blank(spec: Any) -> Any:
 
 
 def _use(value: Any) -> None:
-    """Touch every tensor loaded (a sparse one is densified, as a consumer would)."""
+    """Touch every tensor loaded (a sparse one is coalesced and densified, as a consumer would)."""
     if isinstance(value, dict):
         for v in value.values():
             _use(v)
@@ -26,7 +26,7 @@ def _use(value: Any) -> None:
         for v in value:
             _use(v)
     elif isinstance(value, torch.Tensor):
-        (value.to_dense() if value.layout != torch.strided else value).sum()
+        (value.coalesce().to_dense() if value.layout == torch.sparse_coo else value).sum()
 
 
 def blank_load(path: str, spec: dict[str, Any]) -> None:
