@@ -191,3 +191,18 @@ def test_convert_refuses_metadata_whose_chunks_do_not_cover_the_tensor(tmp_path:
         causes = root_causes(info.value)
         assert causes and all(isinstance(c, CheckpointFormatError) and match in str(c) for c in causes), causes
         assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("table", ["codecs", "objects", "transforms"])
+def test_compact_metadata_with_an_empty_table_is_a_format_error(table: str) -> None:
+    """An empty codecs table used to raise IndexError when the first compressed entry was built."""
+    from test_metadata_compact_hostile import WHERE, genuine, join
+
+    from dcp_s3.layout import load_metadata
+
+    header, arrays = genuine()
+    section = header["storage"]["frames"] if table == "codecs" else header["storage"]
+    section[table] = []
+    with pytest.raises(CheckpointFormatError, match="out of range|outside") as info:
+        dict(load_metadata(join(header, arrays), WHERE).storage_data.items())
+    assert str(info.value).startswith(WHERE)
