@@ -57,6 +57,7 @@ def load_tensor_archive(
     tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     if not (isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.dtype == dtype
             and tuple(tensor.shape) == tuple(sizes)):
-        got = f"a {list(tensor.shape)} {tensor.dtype} tensor" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        is_tensor = isinstance(tensor, torch.Tensor)
+        got = f"a {list(tensor.shape)} {tensor.dtype} tensor" if is_tensor else type(tensor).__name__
         raise CheckpointFormatError(f"{where}: the archive holds {got}, its chunk is {list(sizes)} {dtype}")
     return tensor

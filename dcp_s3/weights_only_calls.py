@@ -123,7 +123,9 @@ def _view(func: Global, args: list[Any]) -> None:
                           f"{storage.items[0]} elements (a view larger than its stored bytes)")
 
 
-def check_call(func: Global, args: Node, torch_ids: frozenset[int], key: Callable[[object, dict[str, int]], None]) -> None:
+def check_call(
+    func: Global, args: Node, torch_ids: frozenset[int], key: Callable[[object, dict[str, int]], None]
+) -> None:
     """Refuse calling (or creating) ``func`` with ``args`` unless it costs what its stored bytes do.
 
     ``torch_ids``: ids of torch's allowlisted objects; ``key(value, seen)`` checks one dict key or set element.
@@ -139,7 +141,8 @@ def check_call(func: Global, args: Node, torch_ids: frozenset[int], key: Callabl
         raise Refused("it would call bytearray with arguments other than bytes (bytearray(<int>) allocates, "
                       "bytearray(str, encoding) decodes at any cost)")
     if obj is _callable_encode() and not (len(items) == 2 and type(items[0]) is str and items[1] == "latin1"):
-        raise Refused(f"it would call _codecs.encode with encoding {describe(items[1] if len(items) > 1 else None)}: only latin1 (what the pickler "
+        encoding = describe(items[1] if len(items) > 1 else None)
+        raise Refused(f"it would call _codecs.encode with encoding {encoding}: only latin1 (what the pickler "
                       "emits for bytes) is linear in its input")
     if obj in (set, Counter, OrderedDict) and items:  # they hash what they are given
         source = items[0]

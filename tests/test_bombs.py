@@ -22,7 +22,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import zstandard
-from hostile import MiB, global_op, pickle_ops, read_metadata, replace_items, root_causes, torch_saved, unicode_op, with_pickle, write_metadata
+from hostile import (
+    MiB,
+    global_op,
+    pickle_ops,
+    read_metadata,
+    replace_items,
+    root_causes,
+    torch_saved,
+    unicode_op,
+    with_pickle,
+    write_metadata,
+)
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
@@ -148,7 +159,9 @@ def _sparse_out_of_range() -> bytes:
     ("tensor-class", lambda: _archive(_STORAGE), "torch.ByteTensor"),
     ("sparse", _sparse_out_of_range, "_rebuild_sparse_tensor"),
 ])
-def test_byte_item_bombs_the_c_unpickler_would_run_are_refused(tmp_path: Path, name: str, make: Any, match: str) -> None:
+def test_byte_item_bombs_the_c_unpickler_would_run_are_refused(
+    tmp_path: Path, name: str, make: Any, match: str
+) -> None:
     """Payloads weights-only rules allow but whose cost is not linear in their size: a LONG_BINPUT
     of index 2^26 (CPython's memo array: 1 GiB), punycode (quadratic), ``torch.ByteTensor(2^31)``
     (2 GiB no byte backs), a sparse tensor whose indices lie outside it (segfault on first use)."""
