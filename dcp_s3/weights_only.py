@@ -9,8 +9,13 @@ on a class — while calling nothing. A pickle that passes makes ``torch.load`` 
 only operations weights-only loading allows. On top, the work such a load would do is
 bounded by the pickle's size: shared references re-used by constructors, a
 self-referencing value, ``bytearray(<int>)``, dict keys chosen to share one hash and
-storages larger than their records are refused. Legacy (non-zip) files, TorchScript
-archives and raw bytes are refused too.
+storages larger than their records are refused. The interpretation models CPython's C
+unpickler (what ``torch.load(weights_only=False)`` runs): memo indices must be dense (it
+keeps the memo in an array as long as the largest index), and of torch's allowlist only the
+calls ``torch.save``'s pickles make, with the arguments the pickler emits, are allowed
+(:mod:`dcp_s3.weights_only_calls`: no punycode, no allocation no stored byte backs, no
+sparse or nested tensors). Legacy (non-zip) files, TorchScript archives and raw bytes are
+refused too.
 
 Torch's private allowlist and zip reader come from ``dcp_s3._torch_compat``.
 """
