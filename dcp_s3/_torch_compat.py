@@ -58,6 +58,7 @@ __all__ = [
     "get_layout",
     "REBUILD_PREFIX",
     "REBUILD_FROM_TYPE_V2",
+    "rebuild_functions",
     "torch_zip_reader",
     "record_size",
     "dist_wrapper_class",
@@ -148,6 +149,14 @@ get_layout = torch.serialization._get_layout
 #: Names of the functions torch.save's pickles call to rebuild tensors (strings inside pickles).
 REBUILD_PREFIX = "torch._utils._rebuild_"
 REBUILD_FROM_TYPE_V2 = "torch._tensor._rebuild_from_type_v2"
+
+
+def rebuild_functions() -> dict[str, Any]:
+    """torch's tensor rebuild functions (``torch._utils._rebuild_*`` and ``_rebuild_from_type_v2``),
+    by name: the byte-item checker decides which of them a pickle may call."""
+    found = {name: getattr(torch._utils, name) for name in dir(torch._utils) if name.startswith("_rebuild_")}
+    found["_rebuild_from_type_v2"] = torch._tensor._rebuild_from_type_v2
+    return found
 
 
 def torch_zip_reader(blob: bytes) -> Any:

@@ -48,9 +48,6 @@ def load_tensor_archive(
     """The chunk of ``sizes`` and ``dtype`` a ``torch.save`` archive (behind ``transforms``) holds."""
     bound = torch_save_bound(math.prod(sizes) * element_size(dtype), len(sizes))
     blob = decode_torch_transforms(transforms, stored, where, bound) if transforms else stored
-    if len(blob) > bound:
-        raise CheckpointFormatError(f"{where}: a {len(blob)}-byte torch.save archive for a chunk of {list(sizes)} "
-                                    f"{dtype} (at most {bound} bytes)")
     problem = byte_item_problem(blob)
     if problem is not None:
         raise CheckpointFormatError(f"{where}: the torch.save archive of a tensor chunk is refused: {problem}")

@@ -140,12 +140,17 @@ def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[str, int]:
         if nbytes > MAX_OFFSET:
             raise CheckpointFormatError(f"{where}: chunk {i} of {list(sizes)} is too large")
         out[offsets_key(offsets)] = nbytes
-    ndim = len(size)
+    return out
+
+
+def _tiling(fqn: str, md: TensorStorageMetadata) -> None:
+    """After the whole walk (whose budget bounds the chunks of every tensor): chunks cover ``md`` exactly."""
+    size, chunks, ndim = md.size, md.chunks, len(md.size)
     problem = tiling_problem(size, np.array([c.offsets for c in chunks], dtype=np.int64).reshape(len(chunks), ndim),
                              np.array([c.sizes for c in chunks], dtype=np.int64).reshape(len(chunks), ndim))
     if problem is not None:
-        raise CheckpointFormatError(f"{where} of {list(size)}: {problem} (a reader would return bytes it never read)")
-    return out
+        raise CheckpointFormatError(
+            f"tensor {_name(fqn)} of {list(size)}: {problem} (a reader would return bytes it never read)")
 
 
 #: Pairs of chunks the overlap sweep may compare (chunks that are not a grid: rare in practice).
@@ -314,4 +319,7 @@ def check_metadata(metadata: object, budget: int) -> Metadata:
         raise CheckpointFormatError(f"version is {describe(version)}")
     _generic(getattr(metadata, "planner_data", None), walk)
     _generic(storage_meta, walk)
+    for fqn, md in state.items():
+        if type(md) is TensorStorageMetadata:
+            _tiling(fqn, md)
     return metadata

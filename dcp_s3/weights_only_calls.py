@@ -13,6 +13,7 @@ yours to vouch for and may be called as before.
 
 from __future__ import annotations
 
+import _codecs
 import functools
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ._torch_compat import REBUILD_FROM_TYPE_V2, REBUILD_PREFIX
+from ._torch_compat import REBUILD_FROM_TYPE_V2, REBUILD_PREFIX, get_layout, rebuild_functions
 from .metadata_pickle import describe
 
 __all__ = ["Refused", "Global", "Node", "label", "is_bytes", "real", "check_call", "MAX_INT_KEY", "MAX_SAME_HASH"]
@@ -80,22 +81,36 @@ def real(key: object, depth: int = 0) -> object:
     return key
 
 
-_u = torch._utils
 #: Rebuild functions of plain dense tensors: views of a stored storage (checked by :func:`_view`).
-_VIEWS = (_u._rebuild_tensor, _u._rebuild_tensor_v2, _u._rebuild_tensor_v3)
+_VIEW_NAMES = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3")
+#: The others ``torch.save``'s pickles call that cost what their stored bytes do. Not: storage and
+#: tensor classes (``torch.ByteTensor(n)`` allocates n bytes), ``_rebuild_qtensor`` (likewise),
+#: sparse and nested tensors (rebuilt without checking their indices).
+_CALLABLE_NAMES = ("_rebuild_parameter", "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage",
+                   "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_from_type_v2")
+_UNCHECKED = ("_rebuild_sparse_tensor", "_rebuild_sparse_csr", "_rebuild_nested_tensor")
+
+
+@functools.cache
+def _views() -> tuple[Any, ...]:
+    functions = rebuild_functions()
+    return tuple(functions[name] for name in _VIEW_NAMES if name in functions)
+
+
+@functools.cache
+def _unchecked() -> tuple[Any, ...]:
+    functions = rebuild_functions()
+    return tuple(functions[name] for name in _UNCHECKED if name in functions)
 
 
 @functools.cache
 def _callable_ids() -> frozenset[int]:
     """What ``torch.save``'s pickles call among torch's allowlist (by identity)."""
-    import _codecs
-
+    functions = rebuild_functions()
     allowed: list[Any] = [
         OrderedDict, Counter, set, bytearray, complex, _codecs.encode, torch.Size, torch.device,
-        torch.serialization._get_layout, *_VIEWS, _u._rebuild_parameter, _u._rebuild_parameter_with_state,
-        _u._rebuild_meta_tensor_no_storage, _u._rebuild_wrapper_subclass, _u._rebuild_device_tensor_from_cpu_tensor,
-        torch._tensor._rebuild_from_type_v2,
-    ]  # not: storage and tensor classes (allocate n elements), _rebuild_qtensor (likewise), sparse, nested
+        get_layout, *_views(), *(functions[n] for n in _CALLABLE_NAMES if n in functions),
+    ]
     return frozenset(id(obj) for obj in allowed)
 
 
@@ -132,7 +147,7 @@ def check_call(
     """
     obj, items = func.obj, args.items
     if id(obj) in torch_ids and id(obj) not in _callable_ids():
-        if obj in (_u._rebuild_sparse_tensor, _u._rebuild_nested_tensor):
+        if any(obj is f for f in _unchecked()):
             raise Refused(f"it would call {func.name}: torch rebuilds sparse and nested tensors without checking "
                           "their indices (out-of-range ones crash the process on first use)")
         raise Refused(f"it would call {func.name}, which can allocate or cost more than its stored bytes "
@@ -140,7 +155,7 @@ def check_call(
     if obj is bytearray and not (not items or (len(items) == 1 and is_bytes(items[0]))):
         raise Refused("it would call bytearray with arguments other than bytes (bytearray(<int>) allocates, "
                       "bytearray(str, encoding) decodes at any cost)")
-    if obj is _callable_encode() and not (len(items) == 2 and type(items[0]) is str and items[1] == "latin1"):
+    if obj is _codecs.encode and not (len(items) == 2 and type(items[0]) is str and items[1] == "latin1"):
         encoding = describe(items[1] if len(items) > 1 else None)
         raise Refused(f"it would call _codecs.encode with encoding {encoding}: only latin1 (what the pickler "
                       "emits for bytes) is linear in its input")
@@ -153,15 +168,9 @@ def check_call(
                 key(element.items[0] if obj is OrderedDict and pair else element, seen)
         elif not (isinstance(source, Node) and source.kind == "dict"):  # a dict's keys were checked
             raise Refused(f"it would build a {func.name} from {label(source)}")
-    if any(obj is v for v in _VIEWS):
+    if any(obj is v for v in _views()):
         _view(func, items)
     if func.name == REBUILD_FROM_TYPE_V2 and not (
         items and isinstance(items[0], Global) and items[0].name.startswith(REBUILD_PREFIX)
     ):
         raise Refused("it would rebuild a tensor subclass through something other than a tensor rebuild function")
-
-
-def _callable_encode() -> Any:
-    import _codecs
-
-    return _codecs.encode
