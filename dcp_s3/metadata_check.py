@@ -146,6 +146,8 @@ def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[str, int]:
 def _tiling(fqn: str, md: TensorStorageMetadata) -> None:
     """After the whole walk (whose budget bounds the chunks of every tensor): chunks cover ``md`` exactly."""
     size, chunks, ndim = md.size, md.chunks, len(md.size)
+    if len(chunks) == 1 and chunks[0].sizes == size and not any(chunks[0].offsets):
+        return  # one chunk, the whole tensor: the common case, without numpy
     problem = tiling_problem(size, np.array([c.offsets for c in chunks], dtype=np.int64).reshape(len(chunks), ndim),
                              np.array([c.sizes for c in chunks], dtype=np.int64).reshape(len(chunks), ndim))
     if problem is not None:
