@@ -223,3 +223,30 @@ def test_compact_metadata_with_an_empty_table_is_a_format_error(table: str) -> N
     with pytest.raises(CheckpointFormatError, match="out of range|outside") as info:
         dict(load_metadata(join(header, arrays), WHERE).storage_data.items())
     assert str(info.value).startswith(WHERE)
+
+
+def _zstd_raw_frame(payload: bytes, window_log: int) -> bytes:
+    """A zstd frame holding ``payload`` in raw blocks whose header asks for a window of 2^``window_log``."""
+    out = bytearray((0xFD2FB528).to_bytes(4, "little") + bytes([0x00, (window_log - 10) << 3]))
+    blocks = [payload[i:i + (1 << 17)] for i in range(0, len(payload), 1 << 17)] or [b""]
+    for i, block in enumerate(blocks):
+        out += (int(i == len(blocks) - 1) | len(block) << 3).to_bytes(3, "little") + block
+    return bytes(out)
+
+
+def test_stream_zstd_frame_asking_for_a_huge_window_is_refused(tmp_path: Path) -> None:
+    """The decoder's own scratch is bounded too: a frame may ask for at most a 64 MiB window
+    (torch's writer uses zstd's defaults: 2 MiB at level 3). The same bytes with an 8 MiB window load."""
+    sd = torch_zstd_checkpoint(tmp_path / "ck")
+    chunk = torch_saved(sd["w"])
+    for window_log, ok in ((23, True), (27, False)):
+        replace_items(str(tmp_path / "ck"), _zstd_raw_frame(chunk, window_log), lambda fqn, m: fqn == "w")
+        out = {"w": torch.zeros(64, 16), "cfg": {"lr": 0.0, "betas": (0.0, 0.0)}}
+        if ok:
+            dcp.load(out, storage_reader=S3StorageReader(tmp_path / "ck"), no_dist=True)
+            assert torch.equal(out["w"], sd["w"])
+        else:
+            with pytest.raises(BaseException) as info:
+                dcp.load(out, storage_reader=S3StorageReader(tmp_path / "ck"), no_dist=True)
+            causes = root_causes(info.value)
+            assert causes and all(isinstance(c, CheckpointFormatError) and "cannot undo" in str(c) for c in causes)
