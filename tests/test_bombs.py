@@ -38,6 +38,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
 
+import dcp_s3
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
 from dcp_s3.admin import convert_checkpoint
 from dcp_s3.byte_items import byte_item_problem
@@ -72,7 +73,8 @@ _CHILD = textwrap.dedent(
 
 def run_child(ckpt: Path, state: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     """Load ``ckpt`` into the blank ``state`` (tensor shapes as lists, see ``bomb_child``) in a child."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    code = Path(dcp_s3.__file__).resolve().parents[1]  # the child runs the dcp_s3 this process imported
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code), str(ROOT / "tests")]))
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(LIMIT), str(ckpt), json.dumps(state)],
         capture_output=True, text=True, timeout=timeout, env=env,
