@@ -171,13 +171,13 @@ def tiling_problem(size: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) 
     comparing chunks whose rows overlap (at most ``MAX_SWEEP_PAIRS`` comparisons).
     """
     numel = math.prod(size)
-    volumes = [math.prod(row) for row in sizes.tolist()]
-    total = sum(volumes)
+    volumes = np.prod(sizes, axis=1, dtype=np.int64)  # (each chunk's bytes were checked to fit in int64)
+    total = sum(volumes.tolist())
     if total != numel:
         return f"its chunks cover {total} of its {numel} elements" if total < numel else "its chunks overlap"
     if numel == 0 or not len(size):  # (a scalar: exactly one chunk, of volume 1)
         return None
-    keep = np.asarray(volumes, dtype=object) != 0
+    keep = volumes != 0
     offsets, ends = offsets[keep], offsets[keep] + sizes[keep]
     cells = []
     for k in range(len(size)):

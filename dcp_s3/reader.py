@@ -243,7 +243,8 @@ class S3StorageReader(Location, StorageReader):
                 buf = held.pop("buf") if info.length else bytearray()
                 self._verify(req, info, memoryview(buf))
                 if foreign:
-                    buf = decode_byte_item(foreign, buf, self._session.transport.url(key))
+                    where = f"byte item {req.storage_index.fqn} in {self._session.transport.url(key)}"
+                    buf = decode_byte_item(foreign, buf, where)
                 if not self.allow_unsafe_byte_items:
                     check_byte_item(buf, req.storage_index.fqn, self._session.transport.url(key))
                 planner.load_bytes(req, io.BytesIO(buf))
