@@ -143,13 +143,35 @@ def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[str, int]:
     return out
 
 
+#: Up to this many chunks, a tensor's are compared pair by pair in Python (cheaper than numpy's set-up).
+_PAIRWISE = 8
+
+
+def _pairwise(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> str | None:
+    """:func:`tiling_problem` for a few chunks."""
+    numel = math.prod(size)
+    boxes = [(c.offsets, c.sizes) for c in chunks if math.prod(c.sizes)]
+    total = sum(math.prod(s) for _, s in boxes)
+    if total != numel:
+        return f"its chunks cover {total} of its {numel} elements" if total < numel else "its chunks overlap"
+    for i, (oi, si) in enumerate(boxes):
+        for oj, sj in boxes[:i]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oi, si, oj, sj)):
+                return "its chunks overlap"
+    return None
+
+
 def _tiling(fqn: str, md: TensorStorageMetadata) -> None:
     """After the whole walk (whose budget bounds the chunks of every tensor): chunks cover ``md`` exactly."""
     size, chunks, ndim = md.size, md.chunks, len(md.size)
     if len(chunks) == 1 and chunks[0].sizes == size and not any(chunks[0].offsets):
         return  # one chunk, the whole tensor: the common case, without numpy
-    problem = tiling_problem(size, np.array([c.offsets for c in chunks], dtype=np.int64).reshape(len(chunks), ndim),
-                             np.array([c.sizes for c in chunks], dtype=np.int64).reshape(len(chunks), ndim))
+    if len(chunks) <= _PAIRWISE:
+        problem = _pairwise(size, chunks)
+    else:
+        offsets = np.array([c.offsets for c in chunks], dtype=np.int64).reshape(len(chunks), ndim)
+        sizes = np.array([c.sizes for c in chunks], dtype=np.int64).reshape(offsets.shape)
+        problem = tiling_problem(size, offsets, sizes)
     if problem is not None:
         raise CheckpointFormatError(
             f"tensor {_name(fqn)} of {list(size)}: {problem} (a reader would return bytes it never read)")
