@@ -19,6 +19,7 @@ Differences inside the supported range (checked in each release's source):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
 from concurrent.futures import Future
@@ -57,10 +58,13 @@ __all__ = [
     "get_layout",
     "REBUILD_PREFIX",
     "REBUILD_FROM_TYPE_V2",
+    "rebuild_functions",
     "torch_zip_reader",
     "record_size",
     "dist_wrapper_class",
     "decode_torch_transforms",
+    "torch_save_bound",
+    "ZSTD_MAX_WINDOW",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -147,6 +151,14 @@ REBUILD_PREFIX = "torch._utils._rebuild_"
 REBUILD_FROM_TYPE_V2 = "torch._tensor._rebuild_from_type_v2"
 
 
+def rebuild_functions() -> dict[str, Any]:
+    """torch's tensor rebuild functions (``torch._utils._rebuild_*`` and ``_rebuild_from_type_v2``),
+    by name: the byte-item checker decides which of them a pickle may call."""
+    found = {name: getattr(torch._utils, name) for name in dir(torch._utils) if name.startswith("_rebuild_")}
+    found["_rebuild_from_type_v2"] = torch._tensor._rebuild_from_type_v2
+    return found
+
+
 def torch_zip_reader(blob: bytes) -> Any:
     """torch's own zip reader over ``blob`` (so the pickle checked is the one torch.load would run)."""
     import io
@@ -171,16 +183,71 @@ def dist_wrapper_class() -> Any:
     return _DistWrapper
 
 
-def decode_torch_transforms(descriptors: list[str], data: bytes | bytearray, where: str) -> bytes:
-    """Undo torch's own storage transforms (``FileSystemWriter(_extensions=[ZStandard()])``) on one
-    item's stored bytes, as torch's ``FileSystemReader`` does (private: ``_StorageReaderTransforms``)."""
-    try:
-        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+#: Largest zstd window a ``stream.zstd`` item may ask for (torch's writer uses zstd's defaults:
+#: 2 MiB at level 3, 8 MiB at level 19): bounds the decoder's own scratch memory.
+ZSTD_MAX_WINDOW = 64 << 20
+_READ_PIECE = 1 << 20
 
-        stream = _StorageReaderTransforms().transform_load_stream(None, descriptors, io.BytesIO(data))  # type: ignore[arg-type]
-        return bytes(stream.read())
+
+def _transform_streams(descriptors: list[str], raw: io.BufferedIOBase) -> Any:
+    """The stream of decoded bytes, as torch's ``FileSystemReader`` builds it (private:
+    ``_StorageReaderTransforms``), except that torch's own ``stream.zstd`` gets a zstd decoder
+    with a bounded window."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension, ZStandard
+
+    stream: Any = raw
+    for ex in ExtensionRegistry().from_descriptor_list(descriptors):  # ValueError for unknown names
+        if type(ex) is ZStandard:
+            import zstandard
+
+            stream = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(stream)
+        elif isinstance(ex, StreamTransformExtension):
+            stream = ex.transform_from(stream)
+    return stream
+
+
+def decode_torch_transforms(descriptors: list[str], data: bytes | bytearray, where: str, limit: int) -> bytearray:
+    """Undo torch's own storage transforms (``FileSystemWriter(_extensions=[ZStandard()])``) on one
+    item's stored bytes, as torch's ``FileSystemReader`` does, producing at most ``limit`` bytes.
+
+    The output is read in pieces of at most 1 MiB: an item that would decode to more than
+    ``limit`` is a ``CheckpointFormatError`` once ``limit`` is passed, before more is allocated.
+    """
+    out = bytearray()
+    try:
+        stream = _transform_streams(descriptors, io.BytesIO(data))
+        while True:
+            piece = stream.read(min(_READ_PIECE, limit + 1 - len(out)))
+            if not piece:
+                return out
+            out += piece
+            if len(out) > limit:
+                raise CheckpointFormatError(
+                    f"{where}: undoing transforms {descriptors} gives more than the {limit} bytes the "
+                    f"metadata allows for this item (a decompression bomb, or a mislabelled item)"
+                )
+    except CheckpointFormatError:
+        raise
     except Exception as exc:  # ValueError for unknown names, zstd errors for bad bytes, ImportError before 2.7
         raise CheckpointFormatError(
             f"{where}: cannot undo transforms {descriptors} (dcp_s3 reads its own dcp_s3.zstd-frames/1 and "
             f"torch's registered extensions): {type(exc).__name__}: {exc}"
         ) from exc
+
+
+@functools.cache
+def _empty_save_size(ndim: int) -> int:
+    buf = io.BytesIO()
+    torch.save(torch.empty((0,) * ndim), buf)
+    return len(buf.getvalue())
+
+
+def torch_save_bound(nbytes: int, ndim: int) -> int:
+    """Most bytes a ``torch.save`` archive of one ``ndim``-dimensional tensor of ``nbytes`` bytes
+    (storage no larger than the tensor, as torch's ``FileSystemWriter`` saves chunks) can take.
+
+    The container's overhead is measured on this torch (an empty tensor of that rank: ~1.5 KiB
+    in 2.13), plus 20 bytes per dimension (a size and a stride as 8-byte ints instead of the
+    empty tensor's 0), 64 bytes of record alignment and 1 KiB for records other torch versions add.
+    """
+    return nbytes + _empty_save_size(ndim) + 20 * ndim + 64 + 1024

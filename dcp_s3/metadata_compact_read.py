@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ._torch_compat import element_size
-from .metadata_check import MAX_OFFSET
+from .metadata_check import MAX_OFFSET, tiling_problem
 from .metadata_compact import DTYPES, FORMAT_VERSION, LAYOUTS, MAGIC, MEMORY_FORMATS
 from .metadata_compact_chunks import ExplicitChunks, RuleChunks
 from .metadata_compact_storage import CompactStorage, _Arrays, _bad, _Entry, _get, _int, untag
@@ -100,6 +100,9 @@ def _chunks(e: dict[str, Any], size: torch.Size, elem: int, explicit: list[np.nd
             raise _bad(f"{where}: a chunk lies outside the tensor's {list(size)}")
         if float(np.prod(sizes.astype(np.float64), axis=1).max(initial=0.0)) * elem >= float(MAX_OFFSET):
             raise _bad(f"{where}: a chunk is too large")
+    problem = tiling_problem(size, offsets, sizes)
+    if problem is not None:
+        raise _bad(f"{where}: {problem} (a reader would return bytes it never read)")
     return ExplicitChunks(size, offsets, sizes)
 
 

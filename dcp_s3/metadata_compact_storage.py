@@ -226,15 +226,16 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
         limits = {"kind": (0, 1), "object": (0, len(self.objects) - 1), "transform": (-1, len(self.transforms) - 1),
                   "frame": (-1, self.nframes - 1), "offset": (0, MAX_OFFSET), "length": (0, MAX_OFFSET),
                   "payload": (-1, MAX_OFFSET), "crc": (-1, 0xFFFFFFFF), "hint": (-1, MAX_OFFSET)}
-        for name, (lo, hi) in limits.items():
+        for name, (lo, hi) in limits.items():  # (an empty column has no values to check: bounds() says (0, 0))
             have = self.cols[name].bounds()
-            if have[0] < lo or have[1] > hi:
+            if self.count and (have[0] < lo or have[1] > hi):
                 raise _bad(f"storage column {name} holds values in [{have[0]}, {have[1]}], outside [{lo}, {hi}]")
         for name in FRAME_COLUMNS:
             if self.fcols[name].bounds()[0] < 0:
                 raise _bad(f"frame column {name} holds a negative value")
-        if self.fcols["codec"].bounds()[1] >= max(1, len(self.codecs)) or any(type(c) is not str for c in self.codecs):
-            raise _bad("frame column codec names an unknown codec")
+        if (self.nframes and self.fcols["codec"].bounds()[1] >= len(self.codecs)) or any(
+                type(c) is not str for c in self.codecs):  # (an empty codecs table: every index is out of range)
+            raise _bad(f"frame column codec indexes a codecs table of {len(self.codecs)} names out of range")
         self._frame_at: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._cache: dict[int, _StorageInfo] = {}
 

@@ -27,11 +27,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ._torch_compat import decode_torch_transforms, element_size, narrow_tensor_by_index, placeholder_metadata
+from ._torch_compat import element_size, narrow_tensor_by_index, placeholder_metadata
 from .byte_items import check_byte_item
 from .codec import Codec, FrameIndex, accepts, stored_span, supported
 from .config import ClientConfig, TransferConfig, client_config
 from .errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
+from .foreign_items import decode_byte_item, load_tensor_archive
 from .items import raw_bytes_view
 from .layout import METADATA_KEY, checksum_error, load_metadata
 from .metadata_compact_chunks import ChunkLookup
@@ -246,7 +247,8 @@ class S3StorageReader(Location, StorageReader):
                 buf = held.pop("buf") if info.length else bytearray()
                 self._verify(req, info, memoryview(buf))
                 if foreign:
-                    buf = bytearray(decode_torch_transforms(foreign, buf, self._session.transport.url(key)))
+                    where = f"byte item {req.storage_index.fqn} in {self._session.transport.url(key)}"
+                    buf = decode_byte_item(foreign, buf, where)
                 if not self.allow_unsafe_byte_items:
                     check_byte_item(buf, req.storage_index.fqn, self._session.transport.url(key))
                 planner.load_bytes(req, io.BytesIO(buf))
@@ -298,8 +300,12 @@ class S3StorageReader(Location, StorageReader):
     def _plan_torch_load(
         self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead], transforms: list[str]
     ) -> None:
-        """Items written by other writers: fetch the whole ``torch.save`` blob (undoing torch's ``transforms``)
-        and load it."""
+        """Items written by other writers: fetch the whole ``torch.save`` blob, undo torch's ``transforms``
+        (bounded by the chunk's size) and load it (see ``dcp_s3.foreign_items``)."""
+        index = req.storage_index
+        found = self._chunks.find(index.fqn, index.offset or ()) if self._chunks is not None else None
+        if found is None:
+            raise CheckpointFormatError(f"{self.checkpoint_id}: no chunk metadata for {req.storage_index}")
         state: dict[str, bytearray] = {}
 
         def open_buffer() -> memoryview:  # allocated only while the request is in flight
@@ -307,10 +313,8 @@ class S3StorageReader(Location, StorageReader):
             return memoryview(state["buf"])
 
         def done() -> None:
-            blob = state.pop("buf")
-            if transforms:
-                blob = bytearray(decode_torch_transforms(transforms, blob, self._session.transport.url(key)))
-            tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            where = f"{req.storage_index.fqn} in {self._session.transport.url(key)}"
+            tensor = load_tensor_archive(state.pop("buf"), transforms, found[0], found[1], where)
             dest.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
 
         reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer, done))

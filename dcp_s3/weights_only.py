@@ -9,8 +9,13 @@ on a class — while calling nothing. A pickle that passes makes ``torch.load`` 
 only operations weights-only loading allows. On top, the work such a load would do is
 bounded by the pickle's size: shared references re-used by constructors, a
 self-referencing value, ``bytearray(<int>)``, dict keys chosen to share one hash and
-storages larger than their records are refused. Legacy (non-zip) files, TorchScript
-archives and raw bytes are refused too.
+storages larger than their records are refused. The interpretation models CPython's C
+unpickler (what ``torch.load(weights_only=False)`` runs): memo indices must be dense (it
+keeps the memo in an array as long as the largest index), and of torch's allowlist only the
+calls ``torch.save``'s pickles make, with the arguments the pickler emits, are allowed
+(:mod:`dcp_s3.weights_only_calls`: no punycode, no allocation no stored byte backs, no
+sparse or nested tensors). Legacy (non-zip) files, TorchScript archives and raw bytes are
+refused too.
 
 Torch's private allowlist and zip reader come from ``dcp_s3._torch_compat``.
 """
@@ -27,33 +32,14 @@ from typing import Any
 
 import torch
 
-from ._torch_compat import REBUILD_FROM_TYPE_V2, REBUILD_PREFIX, element_size, record_size, torch_zip_reader
+from ._torch_compat import REBUILD_PREFIX, element_size, record_size, torch_zip_reader
 from ._torch_compat import weights_only_unpickler as _wo
 from .metadata_pickle import budget_for, describe
+from .weights_only_calls import MAX_INT_KEY, MAX_SAME_HASH, Global, Node, Refused, check_call, is_bytes, label, real
 
 __all__ = ["byte_item_problem"]
 
 _ZIP_MAGIC = b"PK\x03\x04"  # what torch.serialization._is_zipfile compares
-
-
-class _Refused(Exception):
-    """Why an item is refused (internal; becomes a message)."""
-
-
-class _Global:
-    __slots__ = ("name", "obj")
-
-    def __init__(self, name: str, obj: Any) -> None:
-        self.name, self.obj = name, obj
-
-
-class _Node:
-    """A value the pickle would build: a container, a call's result or a storage."""
-
-    __slots__ = ("kind", "items", "callee")
-
-    def __init__(self, kind: str, items: list[Any] | None = None, callee: _Global | None = None) -> None:
-        self.kind, self.items, self.callee = kind, items if items is not None else [], callee
 
 
 def _leaf_weight(value: object) -> int:
@@ -62,7 +48,7 @@ def _leaf_weight(value: object) -> int:
 
 def _weight(root: object, cap: int) -> int:
     """How many objects ``root`` expands to as a tree (saturating above ``cap``); a cycle is refused."""
-    if not isinstance(root, _Node):
+    if not isinstance(root, Node):
         return _leaf_weight(root)
     done: dict[int, int] = {}
     open_: set[int] = set()
@@ -75,12 +61,12 @@ def _weight(root: object, cap: int) -> int:
         elif key not in open_:
             open_.add(key)
             for child in node.items:
-                if isinstance(child, _Node) and id(child) not in done:
+                if isinstance(child, Node) and id(child) not in done:
                     if id(child) in open_:
-                        raise _Refused("it holds a value that contains itself")
+                        raise Refused("it holds a value that contains itself")
                     stack.append(child)
         else:
-            total = 1 + sum(done[id(c)] if isinstance(c, _Node) else _leaf_weight(c) for c in node.items)
+            total = 1 + sum(done[id(c)] if isinstance(c, Node) else _leaf_weight(c) for c in node.items)
             done[key] = min(total, cap + 1)
             open_.discard(key)
             stack.pop()
@@ -105,36 +91,15 @@ def _torch_allowlist() -> dict[tuple[str, str], Any]:
     return _table(_wo._get_allowed_globals())
 
 
+@functools.cache
+def _torch_ids() -> frozenset[int]:
+    return frozenset(id(obj) for obj in _torch_allowlist().values())
+
+
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     """Torch's weights-only allowlist plus what the user registered with ``add_safe_globals``."""
     user = _wo._get_user_allowed_globals()
     return {**_torch_allowlist(), **_table(user)} if user else _torch_allowlist()
-
-
-#: Largest int whose hash is itself (below the hash modulus): such keys never collide.
-_MAX_INT_KEY = (1 << 61) - 2
-#: Most dict keys / set elements with one hash value in one byte item.
-_MAX_SAME_HASH = 16
-
-
-def _is_bytes(value: object) -> bool:
-    """Protocol 2 pickles bytes as a call of ``_codecs.encode``."""
-    return isinstance(value, _Node) and value.callee is not None and value.callee.name == "_codecs.encode"
-
-
-def _real(key: object, depth: int = 0) -> object:
-    """The value a hashable symbolic key stands for (tuples of atoms); refuses anything else."""
-    if isinstance(key, _Node):
-        if _is_bytes(key):  # bytes hash randomized per process, like str
-            return object()
-        if key.kind != "tuple":
-            raise _Refused(f"it uses {_label(key)} as a dict key or set element")
-        if depth > 16:
-            raise _Refused("it uses a tuple nested more than 16 deep as a dict key or set element")
-        return tuple(_real(item, depth + 1) for item in key.items)
-    if isinstance(key, _Global):
-        return key.name
-    return key
 
 
 class _Checker:
@@ -146,13 +111,13 @@ class _Checker:
         self.metastack: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
         self.budget = budget_for(len(data))
-        self.keys: dict[int, tuple[_Node, dict[str, int]]] = {}  # per dict: hashes of its keys
+        self.keys: dict[int, tuple[Node, dict[str, int]]] = {}  # per dict: hashes of its keys
         self.record_size = record_size
         self.allowed = _allowed_globals()
 
     def read(self, n: int) -> bytes:
         if self.pos + n > len(self.data):
-            raise _Refused("the pickle is truncated")
+            raise Refused("the pickle is truncated")
         out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
@@ -160,7 +125,7 @@ class _Checker:
     def readline(self) -> str:
         end = self.data.find(b"\n", self.pos)
         if end < 0:
-            raise _Refused("the pickle is truncated")
+            raise Refused("the pickle is truncated")
         line = self.data[self.pos : end].decode("utf-8")
         self.pos = end + 1
         return line
@@ -168,18 +133,18 @@ class _Checker:
     def charge(self, value: object) -> None:
         self.budget -= _weight(value, self.budget)
         if self.budget < 0:
-            raise _Refused("it expands far beyond its size (shared references re-used by constructors)")
+            raise Refused("it expands far beyond its size (shared references re-used by constructors)")
 
     def pop_mark(self) -> list[Any]:
         items = self.stack
         if not self.metastack:
-            raise _Refused("the pickle is malformed (no MARK)")
+            raise Refused("the pickle is malformed (no MARK)")
         self.stack = self.metastack.pop()
         return items
 
-    def callee(self, value: object, what: str) -> _Global:
-        if not isinstance(value, _Global):
-            raise _Refused(f"it would {what} {describe(value)}, which weights-only loading does not allow")
+    def callee(self, value: object, what: str) -> Global:
+        if not isinstance(value, Global):
+            raise Refused(f"it would {what} {describe(value)}, which weights-only loading does not allow")
         return value
 
     def run(self) -> object:
@@ -188,7 +153,7 @@ class _Checker:
             op = self.read(1)[0]
             handler = ops.get(op)
             if handler is None:
-                raise _Refused(f"it uses pickle opcode {op:#04x}, which weights-only loading does not allow")
+                raise Refused(f"it uses pickle opcode {op:#04x}, which weights-only loading does not allow")
             result = handler(self)
             if result is not None:
                 return result[0]
@@ -202,39 +167,42 @@ class _Checker:
             renamed = (_compat_pickle.IMPORT_MAPPING[module], name)
         if renamed is not None:
             if self.proto >= 3:
-                raise _Refused(f"it would load {module}.{name}, which weights-only loading does not allow")
+                raise Refused(f"it would load {module}.{name}, which weights-only loading does not allow")
             module, name = renamed
         obj = self.allowed.get((module, name))
         if obj is None:
-            raise _Refused(f"it would load {module}.{name}, which weights-only loading does not allow")
-        self.stack.append(_Global(f"{module}.{name}", obj))
+            raise Refused(f"it would load {module}.{name}, which weights-only loading does not allow")
+        self.stack.append(Global(f"{module}.{name}", obj))
 
     def op_reduce(self) -> None:
         args = self.stack.pop()
         func = self.callee(self.stack[-1], "call")
-        if not isinstance(args, _Node) or args.kind != "tuple":
-            raise _Refused(f"the arguments of {func.name} are not a tuple")
-        self._check_call(func, args)
+        if not isinstance(args, Node) or args.kind != "tuple":
+            raise Refused(f"the arguments of {func.name} are not a tuple")
+        check_call(func, args, _torch_ids(), self.key)
         self.charge(args)
-        self.stack[-1] = _Node("call", [args], func)
+        self.stack[-1] = Node("call", [args], func)
 
     def op_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.callee(self.stack.pop(), "create")
+        if not isinstance(args, Node) or args.kind != "tuple":
+            raise Refused(f"the arguments of {cls.name} are not a tuple")
+        check_call(cls, args, _torch_ids(), self.key)
         self.charge(args)
-        self.stack.append(_Node("call", [args], cls))
+        self.stack.append(Node("call", [args], cls))
 
     def op_build(self) -> None:
         state = self.stack.pop()
         inst = self.stack[-1]
-        if not isinstance(inst, _Node) or inst.kind != "call" or inst.callee is None:
-            raise _Refused(f"it would set state on {_label(inst)}, which weights-only loading does not allow")
+        if not isinstance(inst, Node) or inst.kind != "call" or inst.callee is None:
+            raise Refused(f"it would set state on {label(inst)}, which weights-only loading does not allow")
         # Weights-only loading sets a plain tensor's state with set_(*state); torch.load's
         # Tensor.__setstate__ does the same only for a 4-tuple (else it sets hooks).
         name = inst.callee.name
         if (inst.callee.obj is torch.Tensor or name.startswith(REBUILD_PREFIX)) and "parameter" not in name:
-            if not (isinstance(state, _Node) and state.kind == "tuple" and len(state.items) == 4):
-                raise _Refused(f"it would set the state of the result of {name} other than with set_")
+            if not (isinstance(state, Node) and state.kind == "tuple" and len(state.items) == 4):
+                raise Refused(f"it would set the state of the result of {name} other than with set_")
         self.charge(state)
         inst.items.append(state)
 
@@ -247,40 +215,23 @@ class _Checker:
         of one container with one hash are refused.
         """
         self.charge(key)
-        if isinstance(key, (str, bytes, _Global)) or key is None or _is_bytes(key) or (
-                type(key) in (int, bool) and -_MAX_INT_KEY <= key <= _MAX_INT_KEY):  # type: ignore[operator]
+        if isinstance(key, (str, bytes, Global)) or key is None or is_bytes(key) or (
+                type(key) in (int, bool) and -MAX_INT_KEY <= key <= MAX_INT_KEY):  # type: ignore[operator]
             return
-        h = str(hash(_real(key)))
+        h = str(hash(real(key)))
         seen[h] = seen.get(h, 0) + 1
-        if seen[h] > _MAX_SAME_HASH:
-            raise _Refused(f"more than {_MAX_SAME_HASH} keys of one of its dicts or sets share one hash")
-
-    def _check_call(self, func: _Global, args: _Node) -> None:
-        if func.obj is bytearray and any(isinstance(a, int) for a in args.items):
-            raise _Refused("it would allocate bytearray(<int>)")
-        if func.obj in (set, Counter, OrderedDict) and args.items:  # they hash what they are given
-            source = args.items[0]
-            seen: dict[str, int] = {}
-            if isinstance(source, _Node) and source.kind in ("list", "tuple"):
-                for element in source.items:
-                    pair = isinstance(element, _Node) and element.kind == "tuple" and len(element.items) == 2
-                    self.key(element.items[0] if func.obj is OrderedDict and pair else element, seen)
-            elif not (isinstance(source, _Node) and source.kind == "dict"):  # a dict's keys were checked
-                raise _Refused(f"it would build a {func.name} from {_label(source)}")
-        if func.name == REBUILD_FROM_TYPE_V2 and not (
-            args.items and isinstance(args.items[0], _Global) and args.items[0].name.startswith(REBUILD_PREFIX)
-        ):
-            raise _Refused("it would rebuild a tensor subclass through something other than a tensor rebuild function")
+        if seen[h] > MAX_SAME_HASH:
+            raise Refused(f"more than {MAX_SAME_HASH} keys of one of its dicts or sets share one hash")
 
     def op_persid(self) -> None:
         pid = self.stack.pop()
-        items = pid.items if isinstance(pid, _Node) and pid.kind == "tuple" else None
+        items = pid.items if isinstance(pid, Node) and pid.kind == "tuple" else None
         if not items or len(items) != 5 or items[0] != "storage":
-            raise _Refused("it holds a persistent id that is not a storage")
+            raise Refused("it holds a persistent id that is not a storage")
         storage_type, key, location, numel = items[1:]
-        if not (isinstance(storage_type, _Global) and "Storage" in storage_type.name and type(key) is str
+        if not (isinstance(storage_type, Global) and "Storage" in storage_type.name and type(key) is str
                 and type(location) is str and type(numel) is int and numel >= 0):
-            raise _Refused("it holds a malformed storage reference")
+            raise Refused("it holds a malformed storage reference")
         try:  # how torch.load reads the storage type's name
             dtype = torch.serialization.StorageType(storage_type.name.rpartition(".")[2]).dtype
         except KeyError:  # UntypedStorage: bytes
@@ -289,16 +240,16 @@ class _Checker:
         try:
             size = self.record_size(f"data/{key}")
         except Exception:
-            raise _Refused(f"it refers to storage {describe(key)}, which the archive lacks") from None
+            raise Refused(f"it refers to storage {describe(key)}, which the archive lacks") from None
         if numel * elem > size:
-            raise _Refused(f"storage {describe(key)} claims {numel * elem} bytes, its record holds {size}")
-        self.stack.append(_Node("storage"))
+            raise Refused(f"storage {describe(key)} claims {numel * elem} bytes, its record holds {size}")
+        self.stack.append(Node("storage", [numel]))
 
     def op_setitems(self, items: list[Any]) -> None:
         target = self.stack[-1]
-        if not (isinstance(target, _Node) and (target.kind == "dict" or (
+        if not (isinstance(target, Node) and (target.kind == "dict" or (
                 target.kind == "call" and target.callee is not None and target.callee.obj in (OrderedDict, Counter)))):
-            raise _Refused(f"it would set items on {_label(target)}")
+            raise Refused(f"it would set items on {label(target)}")
         seen = self.keys.setdefault(id(target), (target, {}))[1]  # (target kept alive: its id stays unique)
         for key in items[::2]:
             self.key(key, seen)
@@ -306,33 +257,25 @@ class _Checker:
 
     def op_appends(self, items: list[Any]) -> None:
         target = self.stack[-1]
-        if not isinstance(target, _Node) or target.kind != "list":
-            raise _Refused(f"it would append to {_label(target)}")
+        if not isinstance(target, Node) or target.kind != "list":
+            raise Refused(f"it would append to {label(target)}")
         target.items.extend(items)
-
-
-def _label(value: object) -> str:
-    if isinstance(value, _Global):
-        return value.name
-    if isinstance(value, _Node):
-        return f"the result of {value.callee.name}" if value.callee is not None else f"a {value.kind}"
-    return describe(value)
 
 
 def _tuple(n: int) -> Callable[[_Checker], None]:
     def build(c: _Checker) -> None:
         if len(c.stack) < n:
-            raise _Refused("the pickle is malformed (stack underflow)")
+            raise Refused("the pickle is malformed (stack underflow)")
         items = c.stack[len(c.stack) - n :]
         del c.stack[len(c.stack) - n :]
-        c.stack.append(_Node("tuple", items))
+        c.stack.append(Node("tuple", items))
 
     return build
 
 
 def _tuple_mark(c: _Checker) -> None:
     items = c.pop_mark()  # (replaces c.stack: read it after)
-    c.stack.append(_Node("tuple", items))
+    c.stack.append(Node("tuple", items))
 
 
 def _push(make: Callable[[_Checker], Any]) -> Callable[[_Checker], None]:
@@ -345,14 +288,20 @@ def _mark(c: _Checker) -> None:
 
 
 def _put(c: _Checker, index: int) -> None:
+    """The pickler numbers memo entries 0, 1, 2...; CPython's unpickler keeps the memo in an array
+    it grows to twice the largest index: an index past the entries so far is refused (a crafted
+    ``LONG_BINPUT 2**31`` would cost GiBs), re-using an index is allowed."""
     if not c.stack:
-        raise _Refused("the pickle is malformed (PUT on an empty stack)")
+        raise Refused("the pickle is malformed (PUT on an empty stack)")
+    if index > len(c.memo):
+        raise Refused(f"it stores memo entry {index} after only {len(c.memo)} entries (the pickler numbers them "
+                      "0, 1, 2...; the unpickler would allocate memory for every index up to it)")
     c.memo[index] = c.stack[-1]
 
 
 def _get(c: _Checker, index: int) -> None:
     if index not in c.memo:
-        raise _Refused("the pickle is malformed (unknown memo entry)")
+        raise Refused("the pickle is malformed (unknown memo entry)")
     c.stack.append(c.memo[index])
 
 
@@ -380,10 +329,10 @@ _OPS: dict[int, Callable[[_Checker], Any]] = {
     pickle.TUPLE1[0]: _tuple(1),
     pickle.TUPLE2[0]: _tuple(2),
     pickle.TUPLE3[0]: _tuple(3),
-    pickle.EMPTY_TUPLE[0]: _push(lambda c: _Node("tuple")),
-    pickle.EMPTY_LIST[0]: _push(lambda c: _Node("list")),
-    pickle.EMPTY_DICT[0]: _push(lambda c: _Node("dict")),
-    pickle.EMPTY_SET[0]: _push(lambda c: _Node("set")),
+    pickle.EMPTY_TUPLE[0]: _push(lambda c: Node("tuple")),
+    pickle.EMPTY_LIST[0]: _push(lambda c: Node("list")),
+    pickle.EMPTY_DICT[0]: _push(lambda c: Node("dict")),
+    pickle.EMPTY_SET[0]: _push(lambda c: Node("set")),
     pickle.NONE[0]: _push(lambda c: None),
     pickle.NEWFALSE[0]: _push(lambda c: False),
     pickle.NEWTRUE[0]: _push(lambda c: True),
@@ -416,7 +365,7 @@ def byte_item_problem(data: bytes | bytearray | memoryview) -> str | None:
         return f"it is not a readable torch.save archive ({describe(str(exc))})"
     try:
         _Checker(pkl, record_size(archive)).run()
-    except _Refused as exc:
+    except Refused as exc:
         return str(exc)
     except (IndexError, UnicodeDecodeError, struct.error):
         return "its pickle is malformed"
