@@ -460,8 +460,10 @@ def test_follow_symlinks_is_for_reads_and_listings_only(tmp_path: Path) -> None:
     assert (outside / "file").read_bytes() == b"target"
 
 
-def test_checkpointer_resave_does_not_follow_a_linked_part_directory(tmp_path: Path) -> None:
-    """The part directories of a step lie below the run directory the user chose: untrusted too."""
+def test_checkpointer_does_not_follow_a_linked_part_directory(tmp_path: Path) -> None:
+    """The part directories of a step lie below the run directory the user chose: untrusted too. A load
+    of a step whose part is a link, and a first save into a planted link, are refused; a re-save (into a
+    new generation directory) commits without touching what the link points to."""
     other, run = tmp_path / "other", tmp_path / "run"
     save(other, SECRET)
     before = files(other)
@@ -471,12 +473,22 @@ def test_checkpointer_resave_does_not_follow_a_linked_part_directory(tmp_path: P
     part = run / "0000007.net_model"
     shutil.rmtree(part)
     part.symlink_to(other, target_is_directory=True)
-
     with pytest.raises(BaseException) as info:
-        ckpt.save({"net": net}, iteration=7)
-    assert "symbolic link" in error_text(info.value) and str(part) in error_text(info.value)
+        Checkpointer(str(run)).load({"net": Net()})  # not read through it
+    assert "symbolic link" in error_text(info.value)
+
+    planted = run / "0000008.net_model"  # no marker: a first save would write into it
+    planted.symlink_to(other, target_is_directory=True)
+    with pytest.raises(BaseException) as info:
+        ckpt.save({"net": net}, iteration=8)
+    assert "symbolic link" in error_text(info.value) and str(planted) in error_text(info.value)
+    assert files(other) == before
+
+    with torch.no_grad():
+        net.lin.weight.add_(1)
+    ckpt.save({"net": net}, iteration=7)  # the re-save: a generation directory, then the marker
     assert files(other) == before  # neither replaced nor deleted through the link
     assert same(load(other), SECRET)
-    with pytest.raises(BaseException) as info:
-        Checkpointer(str(run)).load({"net": Net()})  # nor read through it
-    assert "symbolic link" in error_text(info.value)
+    fresh = Net()
+    assert Checkpointer(str(run)).load({"net": fresh}) == 7
+    assert same(fresh.state_dict(), net.state_dict())
