@@ -16,6 +16,7 @@ import torch
 from .errors import CheckpointFormatError
 from .steps import find_complete
 from .store import open_object, open_store
+from .weights_only import byte_item_problem
 
 __all__ = ["save_object", "load_object", "latest_checkpoint", "torch_load", "torch_save_bytes"]
 
@@ -53,7 +54,18 @@ def torch_save_bytes(obj: Any) -> bytes:
 
 
 def torch_load(data: bytes, where: str, *, weights_only: bool = True, map_location: Any = "cpu") -> Any:
-    """``torch.load`` ``data`` read from ``where``; an unreadable or refused file is a ``CheckpointFormatError``."""
+    """``torch.load`` ``data`` read from ``where``; an unreadable or refused file is a ``CheckpointFormatError``.
+
+    With ``weights_only`` the file is first checked as a byte item is (:func:`~dcp_s3.weights_only.byte_item_problem`):
+    besides torch's weights-only rules, its loading costs time and memory linear in its size.
+    """
+    if weights_only:
+        problem = byte_item_problem(data)
+        if problem is not None:
+            raise CheckpointFormatError(
+                f"{where} is refused: {problem}; if you trust the file and it holds other classes, register them "
+                "with torch.serialization.add_safe_globals([...])"
+            )
     try:
         return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as exc:

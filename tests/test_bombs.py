@@ -252,3 +252,23 @@ def test_stream_zstd_frame_asking_for_a_huge_window_is_refused(tmp_path: Path) -
                 dcp.load(out, storage_reader=S3StorageReader(tmp_path / "ck"), no_dist=True)
             causes = root_causes(info.value)
             assert causes and all(isinstance(c, CheckpointFormatError) and "cannot undo" in str(c) for c in causes)
+
+
+def test_step_markers_and_load_object_are_checked_like_byte_items(tmp_path: Path) -> None:
+    """A step marker (``<step>.pth``, which a re-saved step's load follows) and ``load_object`` go
+    through the byte-item checker before ``torch.load(weights_only=True)``: punycode, which torch's
+    weights-only rules allow (12-23 s for this marker before), and a memo bomb are refused at once."""
+    from dcp_s3 import Checkpointer, load_object
+
+    run = tmp_path / "run"
+    net = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(run)
+    ckpt.save({"m": net}, iteration=5)
+    marker = run / "0000005.pth"
+    for payload, match in ((_archive(_PUNY), "encoding 'punycode': only latin1"),
+                           (_archive(_MEMO), "memo entry 67108864 after only 0 entries")):
+        marker.write_bytes(payload)
+        with pytest.raises(CheckpointFormatError, match=match):
+            Checkpointer(run).load({"m": net})
+        with pytest.raises(CheckpointFormatError, match=match):
+            load_object(marker)
