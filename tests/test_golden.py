@@ -187,11 +187,14 @@ def test_step_parts_load_with_torch(label: str, entry: dict[str, Any], tmp_path:
     root = _local_copy(label, entry, tmp_path)
     want_model, want_opt, _ = golden_state.training_objects()
     names = {id(p): n for n, p in want_model.named_parameters()}
+    # A re-saved step's marker names its part directories, relative to the step (dcp_s3.generations).
+    marker = torch.load(root / "0000007.pth", weights_only=True)
+    dirs = marker.get("part_dirs", {"model_model": "model_model", "model_optim": "model_optim"})
     loaded = {}
     for part in ("model_model", "model_optim"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp_to_torch_save(str(root / f"0000007.{part}"), str(tmp_path / f"{part}.pt"))
+            dcp_to_torch_save(str(root / f"0000007.{dirs[part]}"), str(tmp_path / f"{part}.pt"))
         loaded[part] = torch.load(tmp_path / f"{part}.pt", weights_only=True)
     golden_state.assert_same(loaded["model_model"], dict(want_model.state_dict()), f"{label}/{entry['name']} model")
     want_state = {names[id(p)]: s for p, s in want_opt.state.items()}

@@ -122,6 +122,21 @@ def _save_step(root: str) -> None:
         Checkpointer(root).save({"model": model}, {"model": opt}, {"model": sched}, iteration=golden_state.ITERATION)
 
 
+def _save_resaved_step(root: str) -> bool:
+    """The step saved twice at the same iteration (first other values, then the golden ones), as a
+    resumed job re-saves it. True if the version then names the parts from the marker (``part_dirs``:
+    a re-save all or nothing); else nothing new is written (the re-save replaced the parts in place)."""
+    from dcp_s3 import Checkpointer, load_object
+
+    first = golden_state.training_objects(filled=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Checkpointer(root).save({"model": first[0]}, {"model": first[1]}, {"model": first[2]},
+                                iteration=golden_state.ITERATION)
+        _save_step(root)
+    return "part_dirs" in load_object(f"{root}/{golden_state.ITERATION:07d}.pth")
+
+
 def _shard_worker(rank: int, world_size: int, uri: str, options: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -221,6 +236,12 @@ def main() -> None:
         if features["checkpointer"]:
             _save_step(f"s3://{BUCKET}/run")
             entries.append(_entry("step", "s3", "run", "step", {}))
+            if _save_resaved_step(f"s3://{BUCKET}/resaved"):
+                entries.append(_entry("resaved", "s3", "resaved", "step", {}))
+            else:
+                client = server.client()
+                for obj in client.list_objects_v2(Bucket=BUCKET, Prefix="resaved/").get("Contents", []):
+                    client.delete_object(Bucket=BUCKET, Key=obj["Key"])
         n = _download(server.client(), BUCKET, out / "s3")
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -237,6 +258,10 @@ def main() -> None:
     if features["checkpointer"] and (features["local_s3_writer"] or features["safe_fs_writer"]):
         _save_step(str(local / "run"))
         entries.append(_entry("step", "local", "local/run", "step", {}))
+        if _save_resaved_step(str(local / "resaved")):
+            entries.append(_entry("resaved", "local", "local/resaved", "step", {}))
+        else:
+            shutil.rmtree(local / "resaved")
 
     _check_imports(here)
     manifest = {
