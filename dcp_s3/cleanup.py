@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DcpS3Error
+from .generations import settle
 from .layout import DATA_SUFFIX, METADATA_KEY, is_key_prefix_dir
 from .locations import Store, is_root, read_metadata, resolve
-from .generations import settle
 from .steps import MARKER_SUFFIX, Part, Step, find_complete, scan
 from .store import Entry, Upload, open_store
 

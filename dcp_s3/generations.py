@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
-from .legacy import ALLOW_MISSING_OPTIM_ENV
 from .layout import METADATA_KEY
+from .legacy import ALLOW_MISSING_OPTIM_ENV
 from .objects import torch_load
 from .steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, part_name
 from .store import Store

@@ -20,6 +20,7 @@ from typing import Any
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
 from .buffers import BufferPool
+from .config import DEFAULT_MAX_WHOLE_READ
 from .errors import (
     BucketNotFoundError,
     CheckpointExistsError,
@@ -29,7 +30,6 @@ from .errors import (
     S3TransferError,
     ServerCapabilityError,
 )
-from .config import DEFAULT_MAX_WHOLE_READ
 from .objstore import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size, open_destination
 from .s3_multipart import MultipartWriter, copy_multipart
 from .s3_requests import (

@@ -9,11 +9,7 @@ with the new one. Local directories for every phase, the session's SeaweedFS for
 from __future__ import annotations
 
 import io
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,44 +28,24 @@ from dcp_s3.local_server import LocalS3Server
 from dcp_s3.steps import find_complete
 from dcp_s3.store import open_store
 from dcp_s3.verify import verify_checkpoint
+from tests.held_child import HeldChild
 from tests.resave_child import build, first_state, snapshot, train_a_bit
 
 CHILD = str(Path(__file__).with_name("resave_child.py"))
-ROOT = str(Path(__file__).parent.parent)
 GENERATION = r"[0-9a-f]{16}"
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-class Child:
+class Child(HeldChild):
     """``resave_child.py`` in another process, held at ``phase`` until released or killed."""
 
     def __init__(self, tmp: Path, phase: str, *args: str, env: dict[str, str] | None = None) -> None:
-        n = time.monotonic_ns()
-        self.held, self.release_file = tmp / f"held-{n}", tmp / f"go-{n}"
-        self.proc = subprocess.Popen(
-            [sys.executable, CHILD, str(self.held), str(self.release_file), phase, *args],
-            env=dict(os.environ, **(env or {}), PYTHONPATH=ROOT, PYTHONWARNINGS="ignore"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-
-    def wait_held(self, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.held.exists():
-            if self.proc.poll() is not None:
-                out = self.proc.stdout.read() if self.proc.stdout else ""
-                raise AssertionError(f"child exited ({self.proc.returncode}) before its phase:\n{out}")
-            assert time.monotonic() < deadline, "child never reached its phase"
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.communicate(timeout=60)
+        super().__init__(CHILD, tmp, phase, *args, env={**(env or {}), "PYTHONWARNINGS": "ignore"})
 
     def finish(self) -> None:
-        self.release_file.touch()
-        out, _ = self.proc.communicate(timeout=240)
-        assert self.proc.returncode == 0, out
+        code, out = self.release()
+        assert code == 0, out
 
 
 def load_in_fresh_process(tmp: Path, root: str, env: dict[str, str] | None = None) -> dict[str, Any]:

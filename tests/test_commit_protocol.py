@@ -7,10 +7,6 @@ save run to the end and then releases them. Everything runs against the session'
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -35,40 +31,17 @@ from dcp_s3.local_server import LocalS3Server
 from dcp_s3.metadata_compact import MAGIC as COMPACT_MAGIC
 from tests.commit_child import model, sgd, state, train_a_bit
 from tests.fault_proxy import FaultProxy, Rule
+from tests.held_child import HeldChild
 from tests.objects import data_keys, object_keys
 
 CHILD = str(Path(__file__).with_name("commit_child.py"))
-ROOT = str(Path(__file__).parent.parent)
 
 
-class Child:
+class Child(HeldChild):
     """A save in another process, held at ``phase`` until released or killed (see commit_child.py)."""
 
     def __init__(self, env: dict[str, str], tmp: Path, phase: str, *args: str) -> None:
-        n = time.monotonic_ns()
-        self.held, self.release_file = tmp / f"held-{n}", tmp / f"go-{n}"
-        self.proc = subprocess.Popen(
-            [sys.executable, CHILD, str(self.held), str(self.release_file), phase, *args],
-            env=dict(os.environ, **env, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-
-    def wait_held(self, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.held.exists():
-            if self.proc.poll() is not None:
-                out = self.proc.stdout.read() if self.proc.stdout else ""
-                raise AssertionError(f"child exited ({self.proc.returncode}) before its phase:\n{out}")
-            assert time.monotonic() < deadline, "child never reached its phase"
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.communicate(timeout=60)
-
-    def release(self) -> tuple[int, str]:
-        self.release_file.touch()
-        out, _ = self.proc.communicate(timeout=240)
-        return self.proc.returncode, out
+        super().__init__(CHILD, tmp, phase, *args, env=env)
 
 
 def child_save(env: dict[str, str], tmp: Path, uri: str, seed: int, phase: str, overwrite: bool = True) -> Child:
