@@ -23,7 +23,6 @@ them (generations included).
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,35 +30,28 @@ from typing import Any
 
 from .errors import DcpS3Error
 from .generations import settle
-from .layout import DATA_SUFFIX, METADATA_KEY, is_key_prefix_dir
+from .layout import DATA_SUFFIX, METADATA_KEY
 from .locations import Store, is_root, read_metadata, resolve
-from .steps import MARKER_SUFFIX, Part, Step, find_complete, scan
+from .steps import (
+    MARKER_SUFFIX,
+    PROBE_PATTERN,
+    Part,
+    Step,
+    find_complete,
+    is_checkpoint_key,
+    is_checkpoint_object,
+    scan,
+)
 from .store import Entry, Upload, open_store
 
 __all__ = [
-    "Garbage", "Removal", "delete_step", "find_garbage", "collect_garbage", "remove_checkpoint", "is_checkpoint_object",
-    "PROBE_PATTERN", "retain_last",
+    "Garbage", "Removal", "delete_step", "find_garbage", "collect_garbage", "remove_checkpoint", "retain_last",
 ]
 
 log = logging.getLogger("dcp_s3")
 
-#: Name of the writer's capability probe (``.dcp_s3-probe.<token>``); one left by a crash is garbage.
-PROBE_PATTERN = re.compile(r"\.dcp_s3-probe\.[0-9a-f]+")
-
-
 def _base(name: str) -> str:
     return name.rpartition("/")[2]
-
-
-def is_checkpoint_object(part_dir: str, name: str) -> bool:
-    """True if ``name`` (relative to the store root) is an object the DCP checkpoint at ``part_dir`` consists of."""
-    rel = name[len(part_dir) + 1 :] if part_dir else name
-    if part_dir and not name.startswith(part_dir + "/"):
-        return False
-    sub, _, base = rel.rpartition("/")
-    if sub and not ("/" not in sub and is_key_prefix_dir(sub) and base.endswith(DATA_SUFFIX)):
-        return False
-    return _is_checkpoint_key(base)
 
 
 def _is_data_object(part: Part, name: str) -> bool:
@@ -82,12 +74,6 @@ def _under(step: Step, name: str) -> bool:
     if step.kind == "step" and name.startswith(step.name + "."):
         return True
     return any(not p.name or name.startswith(p.name + "/") for p in step.parts.values())
-
-
-def _is_checkpoint_key(name: str) -> bool:
-    """True if ``name``'s last component is named like a checkpoint object (wherever it lies)."""
-    base = _base(name)
-    return base == METADATA_KEY or base.endswith(DATA_SUFFIX) or PROBE_PATTERN.fullmatch(base) is not None
 
 
 def _rank(name: str) -> int:
@@ -170,7 +156,7 @@ def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = No
         last = upload.initiated if upload.initiated > cutoff else store.upload_activity(upload)
         if last is not None:
             (stale if last <= cutoff else busy).append(upload)
-    garbage = Garbage(store, [], [], [u for u in stale if _is_checkpoint_key(u.name)])
+    garbage = Garbage(store, [], [], [u for u in stale if is_checkpoint_key(u.name)])
     steps = settle(store, scan(entries))
     committed = {p.name for s in steps for p in s.parts.values() if p.committed}
     for step in steps:
@@ -264,7 +250,7 @@ def remove_checkpoint(
             mine, other = _split_step(step)
             removal.objects.extend(e.name for e in mine)
             removal.kept.extend(e.name for e in other)
-            removal.uploads.extend(u for u in uploads if _under(step, u.name) and _is_checkpoint_key(u.name))
+            removal.uploads.extend(u for u in uploads if _under(step, u.name) and is_checkpoint_key(u.name))
     removal.objects = _deletion_order(removal.objects)
     if not dry_run:
         _delete(store, removal.objects)

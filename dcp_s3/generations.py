@@ -29,7 +29,7 @@ from .errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from .layout import METADATA_KEY
 from .legacy import ALLOW_MISSING_OPTIM_ENV
 from .objects import torch_load
-from .steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, part_name
+from .steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, is_checkpoint_object, part_name
 from .store import Store
 
 __all__ = [
@@ -188,8 +188,6 @@ def replaced_dirs(previous: Any, step: str, suffixes: Iterable[str], where: str)
 def delete_dirs(store: Store, dirs: Iterable[str]) -> int:
     """Delete the checkpoint objects of part directories (every ``.metadata`` first, so none of them
     looks committed while half deleted); other files in them stay. Returns the number deleted."""
-    from .cleanup import is_checkpoint_object
-
     names: list[str] = []
     for directory in dirs:
         names += [e.name for e in store.list_objects(directory + "/") if is_checkpoint_object(directory, e.name)]

@@ -31,12 +31,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .layout import METADATA_KEY, is_key_prefix_dir
+from .layout import DATA_SUFFIX, METADATA_KEY, is_key_prefix_dir
 from .store import Entry, Store
 
 __all__ = [
     "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "part_name",
-    "root_steps", "find_complete", "PART_SUFFIX_RE",
+    "root_steps", "find_complete", "PART_SUFFIX_RE", "PROBE_PATTERN", "is_checkpoint_key", "is_checkpoint_object",
 ]
 
 MARKER_SUFFIX = ".pth"
@@ -47,7 +47,6 @@ PART_SUFFIX_RE = re.compile(r"[^./]+_(?:model|optim)")
 #: A part directory: ``<step>.<part>``, or a generation of a re-save ``<step>.<part>.<16 hex>``
 #: (see :mod:`dcp_s3.generations`).
 _PART_RE = re.compile(r"^(?P<step>.+)\.(?P<part>[^./]+_(?:model|optim))(?:\.(?P<gen>[0-9a-f]{16}))?$")
-_DATA_SUFFIX = ".distcp"
 
 
 def part_name(step: str, key: str, kind: str) -> str:
@@ -130,7 +129,7 @@ def _checkpoint_dir(directory: str, base: str, checkpoints: set[str]) -> str:
     ``<ckpt>``; a ``p-<hex>`` directory holding its own ``.metadata`` is a checkpoint itself.
     """
     parent, _, last = directory.rpartition("/")
-    if base.endswith(_DATA_SUFFIX) and is_key_prefix_dir(last) and directory not in checkpoints:
+    if base.endswith(DATA_SUFFIX) and is_key_prefix_dir(last) and directory not in checkpoints:
         return parent
     return directory
 
@@ -164,7 +163,7 @@ def scan(entries: Iterable[Entry]) -> list[Step]:
     out = list(steps.values())
     for directory, objs in loose.items():
         names = {o.name.rpartition("/")[2] for o in objs}
-        if METADATA_KEY in names or any(n.endswith(_DATA_SUFFIX) for n in names):
+        if METADATA_KEY in names or any(n.endswith(DATA_SUFFIX) for n in names):
             out.append(Step(directory, "dcp", parts={"": Part(directory, objs)}))
     return ordered(out)
 
@@ -241,3 +240,24 @@ def find_complete(store: Store, count: int | None = 1) -> list[Step]:
         return found[::-1]
     done = ordered(s for s in candidates if complete(s))
     return done if count is None else done[len(done) - count :] if count else []
+
+
+#: Name of the writer's capability probe (``.dcp_s3-probe.<token>``); one left by a crash is garbage.
+PROBE_PATTERN = re.compile(r"\.dcp_s3-probe\.[0-9a-f]+")
+
+
+def is_checkpoint_key(name: str) -> bool:
+    """True if ``name``'s last component is named like a checkpoint object (wherever it lies)."""
+    base = name.rpartition("/")[2]
+    return base == METADATA_KEY or base.endswith(DATA_SUFFIX) or PROBE_PATTERN.fullmatch(base) is not None
+
+
+def is_checkpoint_object(part_dir: str, name: str) -> bool:
+    """True if ``name`` (relative to the store root) is an object the DCP checkpoint at ``part_dir`` consists of."""
+    rel = name[len(part_dir) + 1 :] if part_dir else name
+    if part_dir and not name.startswith(part_dir + "/"):
+        return False
+    sub, _, base = rel.rpartition("/")
+    if sub and not ("/" not in sub and is_key_prefix_dir(sub) and base.endswith(DATA_SUFFIX)):
+        return False
+    return is_checkpoint_key(base)
