@@ -167,7 +167,7 @@ def _follow_marker(store: Store, step: Step) -> None:
     if dirs is None:
         return  # the plain directories are the step's; the generations stay stale
     every = {p.name: p for p in [*step.parts.values(), *step.stale]}
-    step.parts = {suffix: every.pop(name, None) or Part(name) for suffix, name in dirs.items()}
+    step.parts = {suffix: every.pop(name) if name in every else Part(name) for suffix, name in dirs.items()}
     step.stale = sorted(every.values(), key=lambda p: p.name)
     step.named = True
 
