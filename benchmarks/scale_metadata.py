@@ -210,7 +210,7 @@ def measure_compact(model: ModelShape, ranks: int, shards: int) -> dict[str, Any
     def lookups() -> None:
         for item in items:
             reader.storage_data[item.storage_index]
-            reader._chunks.get((item.storage_index.fqn, offsets_key(item.storage_index.offset)))
+            reader._chunks.find(item.storage_index.fqn, item.storage_index.offset or ())
 
     lookup_s, _ = timed(lookups)
     # Before: torch's local plan and the old set-up loop over list chunks, per distinct shape x its tensors.
