@@ -276,3 +276,26 @@ def test_step_markers_and_load_object_are_checked_like_byte_items(tmp_path: Path
             Checkpointer(run).load({"m": net})
         with pytest.raises(CheckpointFormatError, match=match):
             load_object(marker)
+
+
+def test_verify_never_loads_a_marker_the_checker_refuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dcp-s3 verify`` reads a step's marker to check its parts; a refused marker is never handed to
+    ``torch.load`` (which would run the punycode encoding, ~10 s here, or grow the memo array)."""
+    from dcp_s3 import Checkpointer
+    from dcp_s3.verify import verify_checkpoint
+
+    run = tmp_path / "run"
+    Checkpointer(run).save({"m": torch.nn.Linear(2, 2)}, iteration=5)
+    payload = _archive(_PUNY)
+    (run / "0000005.pth").write_bytes(payload)
+    loaded: list[bytes] = []
+    real_load = torch.load
+
+    def spy(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(f, io.BytesIO):
+            loaded.append(f.getvalue())
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    verify_checkpoint(str(run))
+    assert payload not in loaded
