@@ -23,14 +23,14 @@ from __future__ import annotations
 import pickle
 import re
 import secrets
-from dataclasses import dataclass
 
 from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ._torch_compat import _StorageInfo
-from .codec import CODEC_NAME, CODEC_VERSION, FrameIndex
+from .codec import CODEC_NAME, CODEC_VERSION
 from .errors import CheckpointFormatError, ConfigError
+from .item_location import ItemLocation
 from .metadata_check import check_metadata, check_object_name
 from .metadata_compact import MAGIC as COMPACT_MAGIC
 from .metadata_compact import chunk_count
@@ -122,26 +122,6 @@ def replaceable_objects(metadata: Metadata) -> set[str]:
         if base.endswith(DATA_SUFFIX) and (not sub or is_key_prefix_dir(sub)):
             out.add(name)
     return out
-
-
-@dataclass
-class ItemLocation(_StorageInfo):
-    """Where one item lives: object, offset, length; plus where a tensor's raw bytes start.
-
-    ``payload_offset`` is relative to ``offset``; ``None`` for byte items and for
-    items written by other writers (those are read with ``torch.load``).
-    ``crc32c`` covers the payload: a tensor's raw bytes, or a byte item's bytes (for
-    compressed tensors ``frame_crc32c`` covers them instead, frame by frame).
-    ``frames`` is set for compressed tensors: the item is then the codec's frames of
-    the raw bytes (no ``torch.save`` envelope), and ``transform_descriptors`` names
-    the codec so stock readers refuse it instead of misreading it. ``frame_crc32c``
-    holds the CRC32C of each frame's raw bytes, so partial reads are checked too.
-    """
-
-    payload_offset: int | None = None
-    crc32c: int | None = None
-    frames: FrameIndex | None = None
-    frame_crc32c: tuple[int, ...] | None = None
 
 
 def checksum_error(info: _StorageInfo, payload: bytes | memoryview) -> str | None:

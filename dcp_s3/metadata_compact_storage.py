@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from ._torch_compat import _StorageInfo
 from .codec import FrameIndex
 from .errors import CheckpointFormatError
+from .item_location import ItemLocation
 from .metadata_check import MAX_OFFSET, check_location, check_object_name
 from .metadata_compact import FRAME_COLUMNS, KIND_ITEM_LOCATION, STORAGE_COLUMNS
 from .metadata_pickle import MAX_NDIM, describe
@@ -306,8 +307,6 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
         return info
 
     def _build(self, entry: _Entry, p: int, c: int) -> _StorageInfo:
-        from .layout import ItemLocation
-
         col = self.cols
         t = col["transform"][p]
         args = (self.objects[col["object"][p]], col["offset"][p], col["length"][p],

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ._torch_compat import _StorageInfo
 from .codec import FrameIndex
 from .frame_table import Framed, FrameTable
+from .item_location import ItemLocation
 from .metadata_compact import (
     FORMAT_VERSION,
     FRAME_COLUMNS,
@@ -135,8 +136,6 @@ class _Rows:
 
     def add(self, seq: int, index: Any, info: _StorageInfo) -> None:
         """One storage entry from objects, checked as the format requires."""
-        from .layout import ItemLocation
-
         e = self.entries.number.get(index.fqn) if type(index) is MetadataIndex else None
         if e is None:
             raise _unsupported(f"storage key {getattr(index, 'fqn', index)!r} names no state-dict entry")

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ._torch_compat import _StorageInfo, get_layout
 from .codec import FrameIndex
+from .item_location import ItemLocation
 
 __all__ = ["pinned", "metadata_classes", "DCP_S3_NAMES"]
 
@@ -51,9 +52,6 @@ DCP_S3_NAMES = (("dcp_s3.layout", "ItemLocation"), ("dcp_s3.codec", "FrameIndex"
 
 def _frozen() -> dict[tuple[str, str], Any]:
     """Stored (module, name), as a pickle's GLOBAL / STACK_GLOBAL holds it -> the object it means."""
-    # layout imports metadata_pickle, which imports this module: ItemLocation is looked up on first use.
-    from .layout import ItemLocation
-
     return {
         # dcp_s3's storage entries, by the paths they had when 0.1.0 and 0.2.0 wrote them.
         ("dcp_s3.layout", "ItemLocation"): ItemLocation,
