@@ -45,16 +45,17 @@ from torch.distributed.checkpoint.state_dict import (
 from ._torch_compat import async_save
 from .cleanup import retain_last
 from .errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
-from .generations import PART_DIRS, commit_step, generation_name, marker_entry, new_token, plan_parts
+from .generations import PART_DIRS, commit_step, find_complete, generation_name, marker_entry, new_token, plan_parts
 from .legacy import ALLOW_MISSING_OPTIM_ENV, is_foreign_step_marker, load_legacy
-from .objects import latest_checkpoint, load_object, save_object, torch_load, torch_save_bytes
+from .objects import latest_checkpoint, load_object, save_object
 from .optim_match import OptimizerLoadPlanner
 from .planners import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
 from .ranks import Ranks, distributed, rank, world_size
-from .steps import MARKER_FORMAT, MARKER_SUFFIX, find_complete, scan
+from .steps import MARKER_FORMAT, MARKER_SUFFIX, scan
 from .store import open_object, open_store
 from .store_local import LocalStore
 from .store_s3 import S3Store
+from .torch_files import torch_load, torch_save_bytes
 from .training_state import check_dicts, on_meta, restore, state_of, warn
 
 __all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object"]

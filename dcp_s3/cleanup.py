@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DcpS3Error
-from .generations import settle
+from .generations import find_complete, settle
 from .layout import DATA_SUFFIX, METADATA_KEY
 from .locations import Store, is_root, read_metadata, resolve
 from .steps import (
@@ -37,7 +37,6 @@ from .steps import (
     PROBE_PATTERN,
     Part,
     Step,
-    find_complete,
     is_checkpoint_key,
     is_checkpoint_object,
     scan,

@@ -28,13 +28,13 @@ from typing import Any
 from .errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from .layout import METADATA_KEY
 from .legacy import ALLOW_MISSING_OPTIM_ENV
-from .objects import torch_load
-from .steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, is_checkpoint_object, part_name
+from .steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, is_checkpoint_object, ordered, part_name, root_steps
 from .store import Store
+from .torch_files import torch_load
 
 __all__ = [
     "PART_DIRS", "new_token", "generation_name", "marker_entry", "part_dirs_of", "load_marker_bytes", "read_marker",
-    "settle", "delete_dirs", "replaced_dirs", "commit_step", "plan_parts",
+    "settle", "find_complete", "delete_dirs", "replaced_dirs", "commit_step", "plan_parts",
 ]
 
 log = logging.getLogger("dcp_s3")
@@ -226,3 +226,41 @@ def commit_step(store: Store, step: str, marker: bytes, token: str | None, suffi
     except (DcpS3Error, OSError) as exc:  # the step is saved; what is left over is gc's
         log.warning("re-saved step %s, but could not delete the parts it replaced (`dcp-s3 gc` removes them "
                     "later): %s", store.url(step), exc)
+
+
+def _parts_committed(store: Store, step: Step) -> bool:
+    """Whether every part of ``step`` has its ``.metadata``. A part without one counts only if it holds
+    an object: some servers (SeaweedFS) keep listing a directory whose objects were all deleted. A part
+    that the marker's ``part_dirs`` names always needs its ``.metadata``."""
+    if step.error:
+        return False
+    return all(
+        store.size(f"{p.name}/{METADATA_KEY}") is not None or (not step.named and not store.list_objects(p.name + "/"))
+        for p in step.parts.values()
+    )
+
+
+def find_complete(store: Store, count: int | None = 1) -> list[Step]:
+    """The newest ``count`` (None: all) complete manager steps directly under the root, oldest first.
+
+    As :func:`complete_steps` over a full listing, at the cost of one delimiter listing of the root
+    and a HEAD of each part's ``.metadata`` for the steps with a marker, newest first, until ``count``
+    are found (steps named other than by a number are ordered by marker time: then all are checked).
+    The steps' ``parts`` hold no objects. A step with generation directories (a re-save, see
+    :mod:`dcp_s3.generations`) also costs a GET of its marker, whose ``part_dirs`` names its parts.
+    """
+    def complete(step: Step) -> bool:
+        settle(store, [step])  # a GET of the marker if the step has generation directories
+        return _parts_committed(store, step)
+
+    candidates = [s for s in root_steps(store) if s.marker is not None]
+    if candidates and all(s.iteration is not None for s in candidates):
+        found: list[Step] = []
+        for step in reversed(ordered(candidates)):
+            if count is not None and len(found) >= count:
+                break
+            if complete(step):
+                found.append(step)
+        return found[::-1]
+    done = ordered(s for s in candidates if complete(s))
+    return done if count is None else done[len(done) - count :] if count else []

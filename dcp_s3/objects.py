@@ -6,19 +6,14 @@ or a local file; ``latest_checkpoint`` names the newest complete step under a ro
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 from typing import Any
 
-import torch
-
-from .errors import CheckpointFormatError
-from .steps import find_complete
+from .generations import find_complete
 from .store import open_object, open_store
-from .weights_only import byte_item_problem
+from .torch_files import torch_load, torch_save_bytes
 
-__all__ = ["save_object", "load_object", "latest_checkpoint", "torch_load", "torch_save_bytes"]
+__all__ = ["save_object", "load_object", "latest_checkpoint"]
 
 
 def save_object(obj: Any, uri: str | os.PathLike[str], **storage_options: Any) -> None:
@@ -44,35 +39,3 @@ def latest_checkpoint(uri_or_dir: str | os.PathLike[str], **storage_options: Any
     store = open_store(uri_or_dir, **storage_options)
     found = find_complete(store)
     return store.url(found[-1].name) if found else None
-
-
-def torch_save_bytes(obj: Any) -> bytes:
-    """``torch.save`` ``obj`` into bytes."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def torch_load(data: bytes, where: str, *, weights_only: bool = True, map_location: Any = "cpu") -> Any:
-    """``torch.load`` ``data`` read from ``where``; an unreadable or refused file is a ``CheckpointFormatError``.
-
-    With ``weights_only`` the file is first checked as a byte item is (:func:`~dcp_s3.weights_only.byte_item_problem`):
-    besides torch's weights-only rules, its loading costs time and memory linear in its size.
-    """
-    if weights_only:
-        problem = byte_item_problem(data)
-        if problem is not None:
-            raise CheckpointFormatError(
-                f"{where} is refused: {problem}; if you trust the file and it holds other classes, register them "
-                "with torch.serialization.add_safe_globals([...])"
-            )
-    try:
-        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=weights_only)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointFormatError(
-            f"{where}: weights_only loading refused it ({first}); if you trust the file, register its classes "
-            "with torch.serialization.add_safe_globals([...])"
-        ) from exc
-    except (RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointFormatError(f"{where} is not a readable torch.save file ({exc})") from exc

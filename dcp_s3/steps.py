@@ -19,10 +19,10 @@ legacy single-file checkpoint (``{"model": ..., "optimizer": ..., "iteration": .
 Any other directory that directly holds ``.metadata`` or ``*.distcp`` objects is a plain
 DCP checkpoint. ``*.distcp`` objects in a ``p-<hex>`` directory (``S3StorageWriter(key_prefixes=N)``)
 belong to the directory above it, unless that ``p-<hex>`` directory holds a ``.metadata`` itself.
-Nothing here knows about S3 or torch.distributed. :func:`find_complete` finds complete steps from one
-delimiter listing of the root plus a HEAD per part of the steps it examines: its cost grows with the
-number of steps, not of objects (:func:`scan` groups a full recursive listing, for the tools that need
-every object).
+Nothing here knows about S3 or torch.distributed. :func:`root_steps` lists the steps from one
+delimiter listing of the root (``dcp_s3.generations.find_complete`` then checks the newest): its cost
+grows with the number of steps, not of objects (:func:`scan` groups a full recursive listing, for
+the tools that need every object).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .store import Entry, Store
 
 __all__ = [
     "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "part_name",
-    "root_steps", "find_complete", "PART_SUFFIX_RE", "PROBE_PATTERN", "is_checkpoint_key", "is_checkpoint_object",
+    "root_steps", "PART_SUFFIX_RE", "PROBE_PATTERN", "is_checkpoint_key", "is_checkpoint_object",
 ]
 
 MARKER_SUFFIX = ".pth"
@@ -200,46 +200,6 @@ def root_steps(store: Store) -> list[Step]:
             else:
                 step.parts[match["part"]] = Part(directory)
     return list(steps.values())
-
-
-def _parts_committed(store: Store, step: Step) -> bool:
-    """Whether every part of ``step`` has its ``.metadata``. A part without one counts only if it holds
-    an object: some servers (SeaweedFS) keep listing a directory whose objects were all deleted. A part
-    that the marker's ``part_dirs`` names always needs its ``.metadata``."""
-    if step.error:
-        return False
-    return all(
-        store.size(_meta(p.name)) is not None or (not step.named and not store.list_objects(p.name + "/"))
-        for p in step.parts.values()
-    )
-
-
-def find_complete(store: Store, count: int | None = 1) -> list[Step]:
-    """The newest ``count`` (None: all) complete manager steps directly under the root, oldest first.
-
-    As :func:`complete_steps` over a full listing, at the cost of one delimiter listing of the root
-    and a HEAD of each part's ``.metadata`` for the steps with a marker, newest first, until ``count``
-    are found (steps named other than by a number are ordered by marker time: then all are checked).
-    The steps' ``parts`` hold no objects. A step with generation directories (a re-save, see
-    :mod:`dcp_s3.generations`) also costs a GET of its marker, whose ``part_dirs`` names its parts.
-    """
-    from .generations import settle
-
-    def complete(step: Step) -> bool:
-        settle(store, [step])  # a GET of the marker if the step has generation directories
-        return _parts_committed(store, step)
-
-    candidates = [s for s in root_steps(store) if s.marker is not None]
-    if candidates and all(s.iteration is not None for s in candidates):
-        found: list[Step] = []
-        for step in reversed(ordered(candidates)):
-            if count is not None and len(found) >= count:
-                break
-            if complete(step):
-                found.append(step)
-        return found[::-1]
-    done = ordered(s for s in candidates if complete(s))
-    return done if count is None else done[len(done) - count :] if count else []
 
 
 #: Name of the writer's capability probe (``.dcp_s3-probe.<token>``); one left by a crash is garbage.

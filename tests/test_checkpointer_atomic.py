@@ -23,9 +23,9 @@ from dcp_s3 import cli
 from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
 from dcp_s3.cleanup import collect_garbage, find_garbage, retain_last
 from dcp_s3.errors import CheckpointFormatError
+from dcp_s3.generations import find_complete
 from dcp_s3.listing import list_steps
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.steps import find_complete
 from dcp_s3.store import open_store
 from dcp_s3.verify import verify_checkpoint
 from tests.held_child import HeldChild
