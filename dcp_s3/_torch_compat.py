@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import zstandard
 from torch import _weights_only_unpickler as weights_only_unpickler  # torch's weights-only allowlist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import _version as dcp_version  # DefaultLoadPlanner's pre-2.4 key handling
@@ -198,8 +199,6 @@ def _transform_streams(descriptors: list[str], raw: io.BufferedIOBase) -> Any:
     stream: Any = raw
     for ex in ExtensionRegistry().from_descriptor_list(descriptors):  # ValueError for unknown names
         if type(ex) is ZStandard:
-            import zstandard
-
             stream = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(stream)
         elif isinstance(ex, StreamTransformExtension):
             stream = ex.transform_from(stream)
