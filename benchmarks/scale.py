@@ -233,7 +233,7 @@ def chunk_count(model: ModelShape, ranks: int) -> int:
 
 
 def measure_metadata(model: ModelShape, ranks_list: list[int], max_entries: int) -> dict[int, dict[str, Any]]:
-    from dcp_s3.layout import dump_metadata, load_metadata
+    from dcp_s3.metadata.formats import dump_metadata, load_metadata
 
     out: dict[int, dict[str, Any]] = {}
     per_entry: float | None = None

@@ -70,7 +70,7 @@ def state_metadata(model: ModelShape, ranks: int, hsdp: bool, lazy: bool) -> Any
         TensorStorageMetadata,
     )
 
-    from dcp_s3.metadata_compact_chunks import RuleChunks
+    from dcp_s3.metadata.compact_chunks import RuleChunks
 
     tensors, n = layout(model, ranks, hsdp)
     props = TensorProperties(dtype=torch.float32)
@@ -111,9 +111,9 @@ def packed_results(model: ModelShape, ranks: int, hsdp: bool, rank: int, compres
     import numpy as np
 
     from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT
-    from dcp_s3.frame_table import FIELDS as FRAME_FIELDS
-    from dcp_s3.frame_table import FrameTable
-    from dcp_s3.results_packed import FIELDS, PackedResults
+    from dcp_s3.codec.frame_table import FIELDS as FRAME_FIELDS
+    from dcp_s3.codec.frame_table import FrameTable
+    from dcp_s3.packed.results import FIELDS, PackedResults
 
     rows = rank_rows(model, ranks, hsdp, rank)
     if not rows:
@@ -154,8 +154,8 @@ def time_after(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = Fal
     """Every rank's packed results pickled (rank-local, not timed), then the coordinator timed: unpickle
     them all, encode ``.metadata`` from the arrays, turn the metadata into the committed bytes' view; then
     the broadcast: pickle that metadata, and one rank's unpickling of it."""
-    from dcp_s3.layout import load_metadata
-    from dcp_s3.metadata_compact_write import dump_compact
+    from dcp_s3.metadata.formats import load_metadata
+    from dcp_s3.metadata.compact_write import dump_compact
 
     blobs = [pickle.dumps(packed_results(model, ranks, hsdp, r, compressed)) for r in range(ranks)]
     md = state_metadata(model, ranks, hsdp, lazy=True)
@@ -188,7 +188,7 @@ def time_broadcast(md: Any) -> dict[str, float]:
 
 def time_before(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = False) -> dict[str, float]:
     """The same steps on objects, as dcp_s3 ran them before this change."""
-    from dcp_s3.metadata_compact_write import dump_compact
+    from dcp_s3.metadata.compact_write import dump_compact
 
     lists = [packed_results(model, ranks, hsdp, r, compressed) for r in range(ranks)]
     lists = [list(p) for p in lists]  # the WriteResult objects a rank built

@@ -72,7 +72,7 @@ def stock_metadata(model: ModelShape, ranks: int) -> Any:
 
 def compact_fsdp(model: ModelShape, ranks: int) -> bytes:
     """The compact ``.metadata`` of ``stock_metadata(model, ranks)``, built from arrays (no per-chunk objects)."""
-    from dcp_s3.metadata_compact import FORMAT_VERSION, FRAME_COLUMNS, MAGIC, STORAGE_COLUMNS, _Arrays, tag
+    from dcp_s3.metadata.compact import FORMAT_VERSION, FRAME_COLUMNS, MAGIC, STORAGE_COLUMNS, _Arrays, tag
 
     tensors = sharded_tensors(model)
     params = model.params()
@@ -143,7 +143,7 @@ def timed(fn: Any, repeat: int = 1) -> tuple[float, Any]:
 
 def measure_stock(model: ModelShape, ranks_list: list[int]) -> dict[str, float]:
     """Per-chunk bytes and seconds of the stock format (fit through the measured rank counts)."""
-    from dcp_s3.layout import dump_metadata, load_metadata
+    from dcp_s3.metadata.formats import dump_metadata, load_metadata
 
     points = []
     for n in ranks_list:
@@ -186,9 +186,9 @@ def measure_compact(model: ModelShape, ranks: int, shards: int) -> dict[str, Any
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     from dcp_s3 import S3StorageReader
-    from dcp_s3.layout import load_metadata
-    from dcp_s3.metadata_check import offsets_key
-    from dcp_s3.planners_load import read_items_for_chunks
+    from dcp_s3.metadata.formats import load_metadata
+    from dcp_s3.untrusted.metadata_check import offsets_key
+    from dcp_s3.planners.load import read_items_for_chunks
 
     build_s, blob = timed(lambda: compact_fsdp(model, shards))
     decode_s, md = timed(lambda: load_metadata(blob, "s3://sim/.metadata"), repeat=3)
@@ -244,7 +244,7 @@ def measure_compact(model: ModelShape, ranks: int, shards: int) -> dict[str, Any
 
 def check_builder(model: ModelShape, ranks: int) -> None:
     """``compact_fsdp`` describes exactly ``stock_metadata`` (so its sizes and timings are the real ones)."""
-    from dcp_s3.layout import dump_metadata, load_metadata
+    from dcp_s3.metadata.formats import dump_metadata, load_metadata
 
     md = stock_metadata(model, ranks)
     built = load_metadata(compact_fsdp(model, ranks), "built")

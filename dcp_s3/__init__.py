@@ -13,7 +13,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from dcp_s3.errors import (
     BucketNotFoundError,
     CheckpointExistsError,
     CheckpointFormatError,
@@ -30,40 +30,38 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpointer import AsyncSave, Checkpointer
-    from .config import ClientConfig, TransferConfig
-    from .objects import latest_checkpoint, load_object, save_object
-    from .planners import (
+    from dcp_s3.checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
+    from dcp_s3.objstore import ClientConfig, TransferConfig
+    from dcp_s3.planners import (
         MetaRankLoadPlanner,
+        ScalableLoadPlanner,
+        ScalableSavePlanner,
         TrainableOnlyLoadPlanner,
         TrainableOnlySavePlanner,
         frozen_parameter_fqns,
     )
-    from .planners_load import ScalableLoadPlanner
-    from .planners_scale import ScalableSavePlanner
-    from .reader import S3StorageReader
-    from .writer import S3StorageWriter
+    from dcp_s3.storage import S3StorageReader, S3StorageWriter
 
 __version__ = "0.2.0"
 
-# Imported on first use, so that ``import dcp_s3.objstore`` (the torch-free object stores) does not load
+# Imported on first use, so that ``import dcp_s3.objstore.base`` (the torch-free object stores) does not load
 # torch and DCP, and ``import dcp_s3`` stays cheap.
 _LAZY = {
-    "S3StorageWriter": "writer",
-    "S3StorageReader": "reader",
+    "S3StorageWriter": "storage",
+    "S3StorageReader": "storage",
     "Checkpointer": "checkpointer",
     "AsyncSave": "checkpointer",
-    "latest_checkpoint": "objects",
-    "save_object": "objects",
-    "load_object": "objects",
+    "latest_checkpoint": "checkpointer",
+    "save_object": "checkpointer",
+    "load_object": "checkpointer",
     "TrainableOnlySavePlanner": "planners",
     "TrainableOnlyLoadPlanner": "planners",
     "MetaRankLoadPlanner": "planners",
     "frozen_parameter_fqns": "planners",
-    "ScalableSavePlanner": "planners_scale",
-    "ScalableLoadPlanner": "planners_load",
-    "TransferConfig": "config",
-    "ClientConfig": "config",
+    "ScalableSavePlanner": "planners",
+    "ScalableLoadPlanner": "planners",
+    "TransferConfig": "objstore",
+    "ClientConfig": "objstore",
 }
 
 
@@ -71,7 +69,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'dcp_s3' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value
 

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .errors import CheckpointFormatError, ConfigError
+from dcp_s3.errors import CheckpointFormatError, ConfigError
 
 __all__ = [
     "TORCH_VERSION",

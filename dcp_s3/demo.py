@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from .local_server import LocalS3Server
-from .reader import S3StorageReader
-from .writer import S3StorageWriter
+from dcp_s3.local_server import LocalS3Server
+from dcp_s3.storage.reader import S3StorageReader
+from dcp_s3.storage.writer import S3StorageWriter
 
 __all__ = ["main"]
 

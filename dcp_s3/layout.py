@@ -1,4 +1,4 @@
-"""Object keys and the metadata format of a checkpoint.
+"""Object keys of a checkpoint, and ``ItemLocation``: where each item lives in them.
 
 The layout is torch's filesystem layout, so a checkpoint copied to a local
 directory loads with stock ``FileSystemReader``::
@@ -15,34 +15,29 @@ data objects are exactly those its ``.metadata`` names. Checkpoints written by t
 ``Metadata.storage_data`` maps each ``MetadataIndex`` to an ``ItemLocation`` (a
 ``_StorageInfo`` subclass, so stock readers use its path/offset/length) that also
 records where a tensor's raw bytes start inside its blob, letting the reader
-fetch them straight into the destination tensor.
+fetch them straight into the destination tensor. Stored ``.metadata`` pickles name it
+``dcp_s3.layout.ItemLocation`` (every release so far), which is why this module keeps that path
+(``dcp_s3.untrusted.pinned_names``, ``tests/test_pinned_names.py``). The ``.metadata`` formats
+themselves are :mod:`dcp_s3.metadata`.
 """
 
 from __future__ import annotations
 
-import pickle
 import re
 import secrets
+from dataclasses import dataclass
 
 from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._torch_compat import _StorageInfo
-from .codec import CODEC_NAME, CODEC_VERSION
-from .errors import CheckpointFormatError, ConfigError
-from .item_location import ItemLocation
-from .metadata_check import check_metadata, check_object_name
-from .metadata_compact import MAGIC as COMPACT_MAGIC
-from .metadata_compact import chunk_count
-from .metadata_compact_read import load_compact, materialize
-from .metadata_compact_storage import CompactStorage
-from .metadata_compact_write import dump_compact
-from .metadata_pickle import budget_for, describe, unpickle_metadata
+from dcp_s3._torch_compat import _StorageInfo
+from dcp_s3.codec.format import CODEC_NAME, CODEC_VERSION, FrameIndex
+from dcp_s3.errors import ConfigError
 
 __all__ = [
-    "METADATA_KEY", "PROBE_PREFIX", "ItemLocation", "new_token", "data_object_name", "referenced_objects", "replaceable_objects", "rank_prefix",
-    "check_key_prefixes", "is_key_prefix_dir", "dump_metadata", "load_metadata", "check_object_name", "checksum_error",
-    "METADATA_FORMATS", "metadata_format_option", "compact_wanted",
+    "METADATA_KEY", "DATA_SUFFIX", "PROBE_PREFIX", "CODEC_DESCRIPTOR", "FORMAT_TAG", "ItemLocation", "new_token",
+    "data_object_name", "referenced_objects", "replaceable_objects", "rank_prefix", "check_key_prefixes",
+    "is_key_prefix_dir", "checksum_error",
 ]
 
 METADATA_KEY = ".metadata"
@@ -75,8 +70,9 @@ def data_object_name(rank_prefix: str, n: int, token: str) -> str:
 
 def referenced_objects(metadata: Metadata) -> set[str]:
     """The object names (relative to the checkpoint) that ``metadata``'s items live in."""
-    if isinstance(metadata.storage_data, CompactStorage):  # millions of entries: read the column, build none
-        return metadata.storage_data.referenced_objects()
+    column = getattr(metadata.storage_data, "referenced_objects", None)  # compact metadata's CompactStorage:
+    if column is not None:  # millions of entries: it reads the object column and builds none
+        return set(column())
     return {info.relative_path for info in metadata.storage_data.values()}
 
 
@@ -135,53 +131,24 @@ def checksum_error(info: _StorageInfo, payload: bytes | memoryview) -> str | Non
     return f"checksum mismatch (crc32c {actual:#010x}, expected {expected:#010x}): the stored bytes are corrupt"
 
 
-#: ``metadata_format`` values of ``dump_metadata`` (and ``S3StorageWriter``).
-METADATA_FORMATS = ("dcp", "compact", "auto")
-#: ``"auto"`` writes the compact format above this many tensor chunks: a stock pickle of that many is
-#: ~8 MB, ~2 s of restricted unpickling on every rank (README "Compact metadata").
-AUTO_COMPACT_CHUNKS = 50_000
+@dataclass
+class ItemLocation(_StorageInfo):
+    """Where one item lives: object, offset, length; plus where a tensor's raw bytes start.
 
-
-def metadata_format_option(metadata_format: object) -> str:
-    """``metadata_format`` if it is one of ``METADATA_FORMATS``, else a ``ConfigError`` naming it."""
-    if metadata_format not in METADATA_FORMATS:
-        raise ConfigError(f"metadata_format={metadata_format!r}: expected one of {', '.join(METADATA_FORMATS)}")
-    return str(metadata_format)
-
-
-def compact_wanted(metadata: Metadata, metadata_format: str) -> bool:
-    """Whether ``metadata_format`` asks for the compact format for ``metadata`` (``"auto"``: above
-    ``AUTO_COMPACT_CHUNKS`` chunks; the writer falls back to the pickle where it cannot be)."""
-    metadata_format_option(metadata_format)
-    return metadata_format == "compact" or (metadata_format == "auto" and chunk_count(metadata) > AUTO_COMPACT_CHUNKS)
-
-
-def dump_metadata(metadata: Metadata, metadata_format: str = "dcp") -> bytes:
-    """``.metadata`` bytes: ``"dcp"`` torch's pickle (any reader), ``"compact"`` dcp_s3's compact
-    format (``metadata_compact``), ``"auto"`` compact above ``AUTO_COMPACT_CHUNKS`` when it can be."""
-    if compact_wanted(metadata, metadata_format):
-        try:
-            return dump_compact(metadata)
-        except ConfigError:
-            if metadata_format == "compact":
-                raise
-    return pickle.dumps(materialize(metadata), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def load_metadata(data: bytes, where: str) -> Metadata:
-    """Decode ``.metadata`` bytes, compact or pickled (restricted unpickler), and validate every field.
-
-    Any failure is a ``CheckpointFormatError`` naming ``where`` (see ``metadata_pickle``
-    for what the unpickler admits, ``metadata_check`` for what is validated and
-    ``metadata_compact_read`` for the compact format).
+    ``payload_offset`` is relative to ``offset``; ``None`` for byte items and for
+    items written by other writers (those are read with ``torch.load``).
+    ``crc32c`` covers the payload: a tensor's raw bytes, or a byte item's bytes (for
+    compressed tensors ``frame_crc32c`` covers them instead, frame by frame).
+    ``frames`` is set for compressed tensors: the item is then the codec's frames of
+    the raw bytes (no ``torch.save`` envelope), and ``transform_descriptors`` names
+    the codec so stock readers refuse it instead of misreading it. ``frame_crc32c``
+    holds the CRC32C of each frame's raw bytes, so partial reads are checked too.
     """
-    try:
-        if data[: len(COMPACT_MAGIC)] == COMPACT_MAGIC:
-            return load_compact(data, where)
-        return check_metadata(unpickle_metadata(data, (ItemLocation,)), budget_for(len(data)))
-    except CheckpointFormatError as exc:
-        raise CheckpointFormatError(f"{where}: {exc}") from None
-    except Exception as exc:
-        raise CheckpointFormatError(
-            f"{where} is not a DCP metadata file ({type(exc).__name__}: {describe(str(exc))})"
-        ) from None
+
+    payload_offset: int | None = None
+    crc32c: int | None = None
+    frames: FrameIndex | None = None
+    frame_crc32c: tuple[int, ...] | None = None
+
+
+ItemLocation.__module__ = "dcp_s3.layout"  # the pinned stored name (module docstring)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError, LocalServerError
+from dcp_s3.errors import ConfigError, LocalServerError
 
 __all__ = ["LocalS3Server"]
 

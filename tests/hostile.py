@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from dcp_s3.layout import METADATA_KEY
-from dcp_s3.reader import S3StorageReader
+from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.store import open_store
 
 MiB = 1 << 20

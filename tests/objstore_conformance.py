@@ -18,9 +18,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from dcp_s3.buffers import BufferPool
+from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
-from dcp_s3.objstore import ObjectStore, RangeRead
+from dcp_s3.objstore.base import ObjectStore, RangeRead
 
 __all__ = ["ObjectStoreConformance"]
 

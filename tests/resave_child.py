@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dcp_s3 import checkpointer, store
+from dcp_s3.checkpointer import manager as checkpointer
+from dcp_s3.store import base as store
 from dcp_s3.checkpointer import Checkpointer
 
 

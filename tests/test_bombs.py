@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkSto
 import dcp_s3
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
 from dcp_s3.admin import convert_checkpoint
-from dcp_s3.byte_items import byte_item_problem
+from dcp_s3.untrusted.byte_items import byte_item_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Address space the child may map beyond what it holds once torch and dcp_s3 are imported (a CUDA
@@ -56,7 +56,7 @@ _CHILD = textwrap.dedent(
     import json, resource, sys, time
     import psutil, torch
     from bomb_child import blank_load
-    import dcp_s3.reader, dcp_s3.foreign_items, dcp_s3.weights_only  # noqa: F401  (mapped before the limit)
+    import dcp_s3.storage.reader, dcp_s3.untrusted.foreign_items, dcp_s3.untrusted.weights_only  # noqa: F401  (mapped before the limit)
     limit = psutil.Process().memory_info().vms + int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     start = psutil.Process().memory_info().rss
@@ -221,7 +221,7 @@ def test_compact_metadata_with_an_empty_table_is_a_format_error(table: str) -> N
     """An empty codecs table used to raise IndexError when the first compressed entry was built."""
     from test_metadata_compact_hostile import WHERE, genuine, join
 
-    from dcp_s3.layout import load_metadata
+    from dcp_s3.metadata.formats import load_metadata
 
     header, arrays = genuine()
     section = header["storage"]["frames"] if table == "codecs" else header["storage"]
@@ -282,7 +282,7 @@ def test_verify_never_loads_a_marker_the_checker_refuses(tmp_path: Path, monkeyp
     """``dcp-s3 verify`` reads a step's marker to check its parts; a refused marker is never handed to
     ``torch.load`` (which would run the punycode encoding, ~10 s here, or grow the memo array)."""
     from dcp_s3 import Checkpointer
-    from dcp_s3.verify import verify_checkpoint
+    from dcp_s3.admin.verify import verify_checkpoint
 
     run = tmp_path / "run"
     Checkpointer(run).save({"m": torch.nn.Linear(2, 2)}, iteration=5)

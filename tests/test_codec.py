@@ -452,7 +452,7 @@ def test_reader_accepts_a_frame_made_of_several_zstd_frames(codec: Codec) -> Non
 
 def test_the_registry_decides_what_a_reader_accepts(encoded_items: dict[str, Any],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from dcp_s3 import codec as codec_module
+    from dcp_s3.codec import format as codec_module
 
     _, index, _ = encoded_items["int"]
     descriptor = f"{CODEC_NAME}/{CODEC_VERSION}"
@@ -463,6 +463,6 @@ def test_the_registry_decides_what_a_reader_accepts(encoded_items: dict[str, Any
     assert not codec_module.accepts([f"{CODEC_NAME}/2"], newer)  # not in the registry
     assert not codec_module.accepts([descriptor], newer)  # descriptors must name the index's codec
     # A decoder registered for version 2 is accepted with no other change (no second list).
-    monkeypatch.setattr(codec_module, "DECODERS", {**codec_module.DECODERS, (CODEC_NAME, 2): "dcp_s3.codec_v1"})
+    monkeypatch.setattr(codec_module, "DECODERS", {**codec_module.DECODERS, (CODEC_NAME, 2): "dcp_s3.codec.v1"})
     assert codec_module.accepts([f"{CODEC_NAME}/2"], newer)
     assert f"{CODEC_NAME!r} version 2" in codec_module.supported()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_s3.config import ClientConfig, TransferConfig, parse_s3_uri
+from dcp_s3.objstore.config import ClientConfig, TransferConfig, parse_s3_uri
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
 
 
@@ -92,7 +92,7 @@ def test_decode_threads_are_a_small_bounded_setting() -> None:
     import os
 
     from dcp_s3 import S3StorageReader
-    from dcp_s3.config import TransferConfig
+    from dcp_s3.objstore.config import TransferConfig
 
     assert TransferConfig().decode_threads == min(4, os.cpu_count() or 1)
     assert S3StorageReader("s3://bucket/x", transfer=TransferConfig(decode_threads=3))._codec.threads == 3

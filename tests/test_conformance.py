@@ -16,9 +16,9 @@ import pytest
 
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore import ObjectStore
-from dcp_s3.objstore_local import LocalObjectStore
-from dcp_s3.objstore_s3 import S3ObjectStore
+from dcp_s3.objstore.base import ObjectStore
+from dcp_s3.objstore.local import LocalObjectStore
+from dcp_s3.objstore.s3 import S3ObjectStore
 from tests.conformance import LocalRaw, S3Raw, StoreConformance, Target
 from tests.objstore_conformance import ObjectStoreConformance
 

@@ -187,7 +187,7 @@ def test_step_parts_load_with_torch(label: str, entry: dict[str, Any], tmp_path:
     root = _local_copy(label, entry, tmp_path)
     want_model, want_opt, _ = golden_state.training_objects()
     names = {id(p): n for n, p in want_model.named_parameters()}
-    # A re-saved step's marker names its part directories, relative to the step (dcp_s3.generations).
+    # A re-saved step's marker names its part directories, relative to the step (dcp_s3.checkpointer.generations).
     marker = torch.load(root / "0000007.pth", weights_only=True)
     dirs = marker.get("part_dirs", {"model_model": "model_model", "model_optim": "model_optim"})
     loaded = {}

@@ -27,9 +27,10 @@ from torch.distributed.fsdp import fully_shard
 from dcp_s3 import S3StorageReader, S3StorageWriter, cli
 from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
 from dcp_s3.errors import ConfigError
-from dcp_s3.layout import check_object_name, is_key_prefix_dir, rank_prefix
+from dcp_s3.layout import is_key_prefix_dir, rank_prefix
+from dcp_s3.untrusted.metadata_check import check_object_name
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.steps import scan
+from dcp_s3.checkpointer.steps import scan
 from dcp_s3.store import Entry
 from tests.objects import data_key, object_keys, untokened
 

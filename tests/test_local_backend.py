@@ -18,7 +18,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcp_s3 import CheckpointExistsError, S3StorageReader, S3StorageWriter
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.layout import METADATA_KEY, dump_metadata, load_metadata, referenced_objects
+from dcp_s3.layout import METADATA_KEY, referenced_objects
+from dcp_s3.metadata.formats import dump_metadata, load_metadata
 
 
 def state(seed: int) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from dcp_s3.errors import (
 )
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.session import LocalDir, parse_location
+from dcp_s3.storage.session import LocalDir, parse_location
 from dcp_s3.store import open_store
 
 ROOT = Path(dcp_s3.__file__).resolve().parents[1]  # the children import the dcp_s3 under test
@@ -164,7 +164,7 @@ CHILD = textwrap.dedent(
     import torch.distributed.checkpoint as dcp
     import dcp_s3
     from dcp_s3 import S3StorageReader, S3StorageWriter, cli
-    import dcp_s3.admin, dcp_s3.store_local, dcp_s3.store_s3, dcp_s3.checkpointer  # noqa: F401  (before setuid)
+    import dcp_s3.admin, dcp_s3.store.local, dcp_s3.store.s3, dcp_s3.checkpointer  # noqa: F401  (before setuid)
 
     what, target = sys.argv[1], sys.argv[2]
     state = {"w": torch.zeros(3, 4), "b": torch.zeros(5)}
@@ -193,7 +193,7 @@ CHILD = textwrap.dedent(
             elif what == "cp":
                 result["code"] = cli.main(["cp", target, os.environ["CHILD_CP_TO"]])
             elif what == "store-write":
-                dcp_s3.store_local.LocalStore(target).write("x.pth", b"data")
+                dcp_s3.store.local.LocalStore(target).write("x.pth", b"data")
             else:
                 result["code"] = cli.main([what, target] + (["--yes", "--older-than", "0s"] if what == "gc" else []))
     except BaseException as exc:  # MemoryError and DCP's CheckpointException included
@@ -379,7 +379,7 @@ def test_a_failed_file_write_is_a_wrapped_os_error(tmp_path: Path) -> None:
 
 
 def test_os_errors_keep_their_builtin_and_name_the_path(tmp_path: Path) -> None:
-    from dcp_s3.local_fs import wrap_os_error
+    from dcp_s3.objstore.local_fs import wrap_os_error
 
     err = wrap_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "write", "/ckpt/.metadata")
     assert isinstance(err, S3TransferError) and isinstance(err, OSError) and err.errno == errno.ENOSPC
@@ -416,7 +416,7 @@ def test_file_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_whole_reads_stop_at_the_limit_whatever_the_size_said() -> None:
-    from dcp_s3.objstore_local import LocalObjectStore
+    from dcp_s3.objstore.local import LocalObjectStore
 
     # /proc files are regular files that report 0 bytes and hold more: as a file growing while read
     status = LocalObjectStore("/proc/self").get("status")
@@ -426,7 +426,7 @@ def test_whole_reads_stop_at_the_limit_whatever_the_size_said() -> None:
 
 
 def test_follow_symlinks_is_for_reads_and_listings_only(tmp_path: Path) -> None:
-    from dcp_s3.objstore_local import LocalObjectStore
+    from dcp_s3.objstore.local import LocalObjectStore
 
     outside, root = tmp_path / "outside", tmp_path / "root"
     (outside / "d").mkdir(parents=True)

@@ -27,14 +27,15 @@ from dcp_s3 import S3StorageReader, S3StorageWriter, ScalableSavePlanner, layout
 from dcp_s3._torch_compat import _StorageInfo
 from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
 from dcp_s3.errors import ConfigError
-from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation, dump_metadata, load_metadata
+from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
+from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata_compact import MAGIC
-from dcp_s3.metadata_compact_chunks import ExplicitChunks, RuleChunks
-from dcp_s3.metadata_compact_read import materialize
-from dcp_s3.metadata_compact_storage import CompactStorage
-from dcp_s3.metadata_compact_write import dump_compact
-from dcp_s3.planners_load import ScalableLoadPlanner
+from dcp_s3.metadata.compact import MAGIC
+from dcp_s3.metadata.compact_chunks import ExplicitChunks, RuleChunks
+from dcp_s3.metadata.compact_read import materialize
+from dcp_s3.metadata.compact_storage import CompactStorage
+from dcp_s3.metadata.compact_write import dump_compact
+from dcp_s3.planners.load import ScalableLoadPlanner
 from tests.objects import object_keys
 
 S = torch.Size
@@ -264,7 +265,7 @@ def test_convert_to_dcp_writes_stock_metadata(bucket: str, s3_env: LocalS3Server
 def test_inspect_verify_and_overwrite_on_a_compact_checkpoint(bucket: str, s3_env: LocalS3Server,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI reads compact metadata; a save over a compact checkpoint deletes the objects it replaced."""
-    from dcp_s3 import cli
+    from dcp_s3.cli import commands as cli
 
     state = fsdp_like_state()
     uri = f"s3://{bucket}/ckpt"

@@ -16,8 +16,8 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.layout import dump_metadata, load_metadata
-from dcp_s3.metadata_compact import MAGIC
+from dcp_s3.metadata.formats import dump_metadata, load_metadata
+from dcp_s3.metadata.compact import MAGIC
 from tests.test_metadata_compact import hand_built
 
 WHERE = "s3://bucket/run/.metadata"

@@ -23,9 +23,10 @@ import torch.distributed.checkpoint as dcp
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.codec import FrameIndex
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.layout import ItemLocation, load_metadata
-from dcp_s3.metadata_names import DCP_S3_NAMES, pinned
-from dcp_s3.metadata_pickle import unpickle_metadata
+from dcp_s3.layout import ItemLocation
+from dcp_s3.metadata.formats import load_metadata
+from dcp_s3.untrusted.pinned_names import DCP_S3_NAMES, pinned
+from dcp_s3.untrusted.metadata_pickle import unpickle_metadata
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 #: A compressed checkpoint written by 0.2.0: its .metadata names both dcp_s3 classes.

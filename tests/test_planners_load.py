@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata_compact_chunks import ExplicitChunks, RuleChunks
-from dcp_s3.planners_load import ScalableLoadPlanner, read_items_for_chunks
+from dcp_s3.metadata.compact_chunks import ExplicitChunks, RuleChunks
+from dcp_s3.planners.load import ScalableLoadPlanner, read_items_for_chunks
 from tests.objects import object_keys
 
 S = torch.Size
@@ -133,8 +133,8 @@ def test_resharding_load_is_bit_exact_and_plans_match(bucket: str, s3_env: Local
     uri = f"s3://{bucket}/fsdp"
     run_ranks(save_job, 4, s3_env.env(), uri)
     body = s3_env.client().get_object(Bucket=bucket, Key="fsdp/.metadata")["Body"].read()
-    from dcp_s3.layout import load_metadata
-    from dcp_s3.metadata_compact import MAGIC
+    from dcp_s3.metadata.formats import load_metadata
+    from dcp_s3.metadata.compact import MAGIC
 
     assert body.startswith(MAGIC)
     md = load_metadata(body, uri)
@@ -150,8 +150,8 @@ def test_local_plan_on_compact_metadata_equals_torchs_and_keeps_its_errors() -> 
 
     from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
-    from dcp_s3.layout import dump_metadata, load_metadata
-    from dcp_s3.planners_load import local_load_plan
+    from dcp_s3.metadata.formats import dump_metadata, load_metadata
+    from dcp_s3.planners.load import local_load_plan
     from tests.test_metadata_compact import hand_built
 
     stock = hand_built()
@@ -170,8 +170,8 @@ def test_checkpointer_loads_compact_metadata_through_the_scalable_planner(tmp_pa
     """The Checkpointer's load planners are ScalableLoadPlanners: a step saved with compact
     metadata (model with a frozen layer, AdamW state) resumes bit-exact, frozen weights untouched."""
     from dcp_s3 import Checkpointer, TrainableOnlyLoadPlanner
-    from dcp_s3.metadata_compact import MAGIC
-    from dcp_s3.optim_match import OptimizerLoadPlanner
+    from dcp_s3.metadata.compact import MAGIC
+    from dcp_s3.planners.optim_match import OptimizerLoadPlanner
 
     assert issubclass(TrainableOnlyLoadPlanner, ScalableLoadPlanner)
     assert issubclass(OptimizerLoadPlanner, ScalableLoadPlanner)

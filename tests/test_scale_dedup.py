@@ -15,10 +15,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_s3 import CheckpointFormatError
-from dcp_s3.planners_packed import PackedItems, PackedMapping
-from dcp_s3.planners_save import dedup_save_plans, global_save_plan, merged_planner_data
-from dcp_s3.planners_scale import ScalableSavePlanner
-from dcp_s3.planners_vector import vector_global_plan
+from dcp_s3.packed.plans import PackedItems, PackedMapping
+from dcp_s3.planners.save import dedup_save_plans, global_save_plan, merged_planner_data
+from dcp_s3.planners.scale import ScalableSavePlanner
+from dcp_s3.planners.vector import vector_global_plan
 
 
 def shard(fqn: str, shape: tuple[int, ...], offset: int, rows: int, dtype: torch.dtype = torch.float32) -> WriteItem:

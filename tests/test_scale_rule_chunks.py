@@ -29,10 +29,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata_compact import _rule, rule_chunk
-from dcp_s3.metadata_compact_chunks import RuleChunks
-from dcp_s3.planners_scale import ScalableSavePlanner
-from dcp_s3.planners_vector import rule_dim
+from dcp_s3.metadata.compact import _rule, rule_chunk
+from dcp_s3.metadata.compact_chunks import RuleChunks
+from dcp_s3.planners.scale import ScalableSavePlanner
+from dcp_s3.planners.vector import rule_dim
 
 Box = tuple[list[int], list[int]]  # (offsets, sizes)
 

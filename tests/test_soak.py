@@ -52,7 +52,7 @@ def _soak_rank(rank: int, world: int, endpoint: str, bucket: str, cycles: int) -
     import torch.distributed.checkpoint as dcp
 
     from dcp_s3 import S3StorageReader, S3StorageWriter
-    from dcp_s3.config import TransferConfig
+    from dcp_s3.objstore.config import TransferConfig
 
     proc = psutil.Process()
     rss: list[int] = []

@@ -238,7 +238,7 @@ def test_non_s3_uris_rejected(uri: str) -> None:
 @pytest.mark.parametrize("path", ["/tmp/ckpt", "file:///tmp/ckpt", Path("/tmp/ckpt"), "rel/ckpt"])
 def test_local_paths_select_the_local_backend(path: str | Path) -> None:
     """Local paths used to be refused; they now mean the local object store (same format and protocol)."""
-    from dcp_s3.objstore_local import LocalObjectStore
+    from dcp_s3.objstore.local import LocalObjectStore
 
     assert S3StorageWriter.validate_checkpoint_id(path) and S3StorageReader.validate_checkpoint_id(path)
     writer = S3StorageWriter(path)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from dcp_s3.objstore import ObjectStore
-from dcp_s3.objstore_s3 import S3ObjectStore
+from dcp_s3.objstore.s3 import S3ObjectStore
 from tests.conformance import S3Raw, StoreConformance, Target
 from tests.objstore_conformance import ObjectStoreConformance
 

@@ -1,0 +1,119 @@
+"""``dcp-s3 convert``: one DCP checkpoint to a single file of full tensors, or to an uncompressed DCP checkpoint."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dcp_s3._torch_compat import _EmptyStateDictLoadPlanner, _load_state_dict
+from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError, DcpS3Error
+from dcp_s3.layout import METADATA_KEY
+from dcp_s3.admin.locations import Store, resolve
+from dcp_s3.admin.locations import single as _single
+from dcp_s3.checkpointer.steps import Part
+from dcp_s3.store.base import open_object, open_store
+
+__all__ = ["ConvertReport", "convert_checkpoint"]
+
+
+@dataclass
+class ConvertReport:
+    source: str
+    destination: str
+    format: str
+    tensors: int
+    bytes: int
+    skipped: list[str] = field(default_factory=list)
+
+
+def _load_full(store: Store, part: Part) -> dict[str, Any]:
+    """Every entry of a DCP checkpoint as full (unsharded) CPU tensors, in one process."""
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=store.reader(part.name), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state
+
+
+def _flatten(state: Any, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(state, dict):
+        for k, v in state.items():
+            yield from _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from _flatten(v, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, state
+
+
+def convert_checkpoint(
+    uri: str,
+    out: str,
+    *,
+    fmt: str | None = None,
+    overwrite: bool = False,
+    src_options: dict[str, Any] | None = None,
+    dst_options: dict[str, Any] | None = None,
+) -> ConvertReport:
+    """Convert one DCP checkpoint to a single file of full tensors, or to an uncompressed DCP checkpoint.
+
+    ``fmt``: ``"torch"`` (a ``torch.save`` file of the nested state dict), ``"safetensors"``
+    (flat dotted names, tensors only; needs the ``safetensors`` package) or ``"dcp"`` (a new
+    checkpoint at ``out`` written with the default writer). Default: from ``out``'s suffix
+    (``.safetensors``), else ``torch``. A step with exactly one ``*_model`` part converts that
+    part. Everything is loaded into this process's memory. ``src_options``/``dst_options``
+    are the storage options of ``uri`` and ``out``. An existing ``out`` (a file, or for
+    ``"dcp"`` any object under it) is refused with ``CheckpointExistsError`` before anything is
+    loaded, unless ``overwrite``.
+    """
+    fmt = fmt or ("safetensors" if out.endswith(".safetensors") else "torch")
+    if fmt not in ("torch", "safetensors", "dcp"):
+        raise DcpS3Error(f"unknown format {fmt!r}; expected torch, safetensors or dcp")
+    if fmt == "safetensors":
+        try:
+            import safetensors.torch as st
+        except ImportError:
+            raise DcpS3Error("--format safetensors needs the safetensors package (pip install safetensors)") from None
+    if fmt == "dcp":
+        dst_dir = open_store(out, **(dst_options or {}))
+        present = dst_dir.list_objects()
+        if present and not overwrite:
+            raise CheckpointExistsError(
+                f"{dst_dir.url()} already holds {len(present)} objects (e.g. {dst_dir.url(present[0].name)}); "
+                "pass overwrite=True (--force) to write over them"
+            )
+    else:
+        dst_store, name = open_object(out, **(dst_options or {}))
+        if not overwrite and dst_store.size(name) is not None:
+            raise CheckpointExistsError(f"{dst_store.url(name)} already exists; pass overwrite=True (--force) to replace it")
+    store, steps = resolve(uri, **(src_options or {}))
+    step = _single(store, steps, uri)
+    parts = [p for k, p in step.parts.items() if step.kind == "dcp" or k.endswith("_model")]
+    if len(parts) != 1:
+        names = ", ".join(store.url(p.name) for p in step.parts.values()) or "none"
+        raise DcpS3Error(f"{store.url(step.name)} has several checkpoints ({names}); convert one of them")
+    part = parts[0]
+    if not part.committed:
+        raise CheckpointNotFoundError(f"{store.url(part.name)} is incomplete: {METADATA_KEY} is missing")
+    state = _load_full(store, part)
+    tensors = [(k, v) for k, v in _flatten(state) if isinstance(v, torch.Tensor)]
+    nbytes = sum(v.numel() * v.element_size() for _, v in tensors)
+    skipped: list[str] = []
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        writer = dst_dir.writer("", overwrite=overwrite)
+        writer.metadata_format = "dcp"  # stock .metadata: a downloaded copy loads with torch's FileSystemReader
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    else:
+        if fmt == "safetensors":
+            skipped = [k for k, v in _flatten(state) if not isinstance(v, torch.Tensor)]
+            data = st.save({k: v.contiguous().clone() for k, v in tensors})
+        else:
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            data = buf.getvalue()
+        dst_store.write(name, data, overwrite=overwrite)
+    return ConvertReport(store.url(part.name), out, fmt, len(tensors), nbytes, skipped)

@@ -1,0 +1,72 @@
+"""What a location given to the ``dcp-s3`` tools denotes: a store and the checkpoints in it.
+
+A location may be a run directory holding several steps, one step of
+:class:`~dcp_s3.checkpointer.manager.Checkpointer` (``.../0000100``, meaning ``0000100.pth`` and the
+``0000100.*_model|_optim`` checkpoints), or one plain DCP checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from dcp_s3.objstore.config import parse_s3_uri
+from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
+from dcp_s3.checkpointer.generations import settle
+from dcp_s3.layout import METADATA_KEY
+from dcp_s3.metadata.formats import load_metadata
+from dcp_s3.checkpointer.steps import MARKER_SUFFIX, Part, Step, scan
+from dcp_s3.store.base import open_object, open_store
+from dcp_s3.store.local import LocalStore
+from dcp_s3.store.s3 import S3Store
+
+__all__ = ["Store", "Progress", "resolve", "is_root", "read_metadata", "single"]
+
+Store = S3Store | LocalStore
+#: ``progress(done, total)`` in bytes, called by the ``verify`` and ``cp`` commands.
+Progress = Callable[[int, int], None]
+
+
+def resolve(uri: str, *, follow_symlinks: bool = False, **storage_options: Any) -> tuple[Store, list[Step]]:
+    """(store, steps and DCP checkpoints) that ``uri`` denotes; ``CheckpointNotFoundError`` if none.
+
+    A re-saved step's parts are the directories its marker names (:func:`dcp_s3.checkpointer.generations.settle`).
+
+    ``follow_symlinks``: list linked directories of a local location too.
+    """
+    store = open_store(uri, follow_symlinks=follow_symlinks, **storage_options)
+    steps = settle(store, scan(store.list_objects()))
+    if steps:
+        return store, steps
+    parent, name = open_object(uri, follow_symlinks=follow_symlinks, **storage_options)
+    if name.endswith(MARKER_SUFFIX):
+        name = name[: -len(MARKER_SUFFIX)]
+    found = settle(parent, [s for s in scan(parent.list_objects(f"{name}.")) if s.name == name])
+    if found:
+        return parent, found
+    raise CheckpointNotFoundError(f"no checkpoint found at {uri}")
+
+
+def is_root(store: Store, uri: str) -> bool:
+    """True if ``store`` is rooted at ``uri`` itself (not at its parent)."""
+    if uri.startswith("s3://"):
+        return store.url() == str(parse_s3_uri(uri, require_key=False)).rstrip("/")
+    return store.url() == os.path.abspath(uri)
+
+
+def read_metadata(store: Store, part: Part) -> Metadata:
+    """The checkpoint's ``.metadata``, loaded by the restricted unpickler."""
+    name = f"{part.name}/{METADATA_KEY}" if part.name else METADATA_KEY
+    return load_metadata(store.read(name), store.url(name))
+
+
+def single(store: Store, steps: list[Step], uri: str) -> Step:
+    """The one step ``uri`` denotes; an error listing a few if there are several."""
+    if len(steps) != 1:
+        listed = ", ".join(store.url(s.name) for s in steps[:5])
+        more = ", ..." if len(steps) > 5 else ""
+        raise DcpS3Error(f"{uri} holds {len(steps)} checkpoints ({listed}{more}); name one")
+    return steps[0]

@@ -1,0 +1,21 @@
+"""The checkpoint manager: :class:`Checkpointer`, and single objects without one.
+
+:mod:`~dcp_s3.checkpointer.manager` is the :class:`Checkpointer`; :mod:`~dcp_s3.checkpointer.steps`
+the on-store layout of its steps and how to find them in a listing;
+:mod:`~dcp_s3.checkpointer.generations` all-or-nothing re-saves; :mod:`~dcp_s3.checkpointer.retention`
+which steps ``keep_last`` deletes, and how; :mod:`~dcp_s3.checkpointer.training_state` what it
+saves besides DCP parts; :mod:`~dcp_s3.checkpointer.legacy` single-file (Megatron-style)
+checkpoints; :mod:`~dcp_s3.checkpointer.ranks` rank coordination; :mod:`~dcp_s3.checkpointer.objects`
+``save_object``/``load_object``/``latest_checkpoint``.
+"""
+
+from dcp_s3.checkpointer.manager import AsyncSave, Checkpointer
+from dcp_s3.checkpointer.objects import latest_checkpoint, load_object, save_object
+
+__all__ = [
+    "AsyncSave",
+    "Checkpointer",
+    "latest_checkpoint",
+    "load_object",
+    "save_object",
+]

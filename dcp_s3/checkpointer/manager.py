@@ -1,0 +1,411 @@
+"""A checkpoint manager for training loops: save, resume, keep the store tidy.
+
+::
+
+    ckpt = Checkpointer("s3://bucket/run1", keep_last=3)
+    start = ckpt.load({"model": model}, {"model": optim}, {"model": sched})   # 0 if nothing saved yet
+    for it in range(start, steps):
+        ...
+        if it % 1000 == 0:
+            ckpt.save({"model": model}, {"model": optim}, {"model": sched}, iteration=it)
+
+Every rank of the job calls ``save``/``load`` with the same arguments (a single process
+without ``torch.distributed`` works too). The layout is described in :mod:`dcp_s3.checkpointer.steps`:
+one DCP checkpoint per model and per optimizer, and a small ``<step>.pth`` marker that
+rank 0 writes last; a re-save of a complete step is all or nothing (:mod:`dcp_s3.checkpointer.generations`).
+Works the same on ``s3://bucket/prefix`` and on a local directory.
+
+This module holds the manager; its parts live beside it: :mod:`~dcp_s3.checkpointer.objects` (single
+objects, ``latest_checkpoint``), :mod:`~dcp_s3.checkpointer.ranks` (run on rank 0, share the outcome),
+:mod:`~dcp_s3.checkpointer.training_state` (argument checks, scheduler/scaler/callback state),
+:mod:`~dcp_s3.planners.optim_match` (optimizer compatibility, checked inside the load),
+:mod:`~dcp_s3.checkpointer.legacy` (single-file checkpoints) and :mod:`~dcp_s3.checkpointer.retention` (``keep_last``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dcp_s3._torch_compat import async_save
+from dcp_s3.checkpointer.retention import retain_last
+from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
+from dcp_s3.checkpointer.generations import PART_DIRS, commit_step, find_complete, generation_name, marker_entry, new_token, plan_parts
+from dcp_s3.checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV, is_foreign_step_marker, load_legacy
+from dcp_s3.checkpointer.objects import latest_checkpoint, load_object, save_object
+from dcp_s3.planners.optim_match import OptimizerLoadPlanner
+from dcp_s3.planners.trainable import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
+from dcp_s3.checkpointer.ranks import Ranks, distributed, rank, world_size
+from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
+from dcp_s3.store.base import open_object, open_store
+from dcp_s3.store.local import LocalStore
+from dcp_s3.store.s3 import S3Store
+from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
+from dcp_s3.checkpointer.training_state import check_dicts, on_meta, restore, state_of, warn
+
+__all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object"]
+
+log = logging.getLogger("dcp_s3")
+
+Store = S3Store | LocalStore
+
+
+# -- the manager ------------------------------------------------------------------------------------
+class AsyncSave:
+    """Handle of an asynchronous save: ``result()`` waits for it and returns the step location."""
+
+    def __init__(self, path: str, future: Future[str]) -> None:
+        self.path = path
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> str:
+        """Wait until every part is written and (on rank 0) the marker too; re-raise any failure."""
+        return self._future.result(timeout)
+
+    wait = result
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"AsyncSave({self.path!r}, {state})"
+
+
+class Checkpointer:
+    """Save and resume training state under ``save_dir`` (``s3://bucket/prefix`` or a local directory).
+
+    Args:
+        save_dir: where steps are written and looked for.
+        keep_last: after a step completes, rank 0 deletes older complete steps beyond the
+            newest ``keep_last`` (never the one just written); incomplete steps and single-file
+            checkpoints are never touched (see ``dcp-s3 gc``).
+        async_save: ``save`` stages the state on the CPU, starts ``dcp.async_save`` for every
+            part and returns an :class:`AsyncSave` handle; the next ``save``/``load`` first waits
+            for it. Each part gets its own gloo process group so parts upload concurrently
+            without interleaving collectives.
+        storage_options: ``S3StorageWriter``/``S3StorageReader`` keywords (``credential_path``,
+            ``endpoint_url``, ``region``, ``profile``, ``part_size``, ``max_concurrency``,
+            ``key_prefixes``...), given to every writer/reader of every part; rejected for local
+            directories.
+
+    Rank roles: every rank calls ``save``/``load``; rank 0 alone lists, writes the marker and
+    deletes, and tells the other ranks what it found (so all agree on the step to load and on
+    errors). ``model_dict`` maps names (no ``.`` or ``/``) to modules; ``optimizer_dict``,
+    ``scheduler_dict`` map the same names to optimizers and LR schedulers.
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        **storage_options: Any,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError(f"keep_last={keep_last} must be >= 1 (or None to keep every step)")
+        self.storage_options = storage_options
+        self.store = open_store(save_dir, **storage_options)
+        self.save_dir = self.store.url()
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._stores: dict[str, Store] = {self.save_dir: self.store}
+        self._pending: AsyncSave | None = None
+        self._finisher: ThreadPoolExecutor | None = None
+        self._ranks = Ranks()
+        # Writers/readers are reused across steps (``reset`` retargets them): each S3 one owns a
+        # client and an I/O pool, which are costly to create. One per part, so that the
+        # concurrent parts of an async save never share one.
+        self._writers: dict[tuple[str, str, str], Any] = {}
+        self._readers: dict[tuple[str, str, str], Any] = {}
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.save_dir!r}, keep_last={self.keep_last}, async_save={self.async_save})"
+
+    # -- save -----------------------------------------------------------------------------------
+    def save(
+        self,
+        model_dict: Mapping[str, nn.Module],
+        optimizer_dict: Mapping[str, torch.optim.Optimizer] | None = None,
+        scheduler_dict: Mapping[str, Any] | None = None,
+        grad_scaler: Any = None,
+        callbacks: Any = None,
+        path: str | os.PathLike[str] | None = None,
+        iteration: int = 0,
+    ) -> Any:
+        """Save one step; returns its location (``<save_dir>/<iteration:07d>`` unless ``path`` is given).
+
+        For each ``k`` in ``model_dict``: the trainable model state as DCP checkpoint
+        ``<step>.<k>_model`` and, if ``optimizer_dict`` has ``k``, the optimizer state as
+        ``<step>.<k>_optim``. Then rank 0 writes ``<step>.pth`` (iteration, scheduler, grad
+        scaler and callback state) and applies ``keep_last``. A complete step already at that
+        location is replaced all or nothing (:mod:`dcp_s3.checkpointer.generations`): the parts go to fresh
+        ``<step>.<k>_<kind>.<hex>`` directories, the rewritten marker names them, and the old
+        parts are deleted only after it. With ``async_save=True`` returns an :class:`AsyncSave`
+        handle instead.
+        """
+        self.wait()
+        check_dicts(model_dict, optimizer_dict)
+        store, step = self._locate(path, iteration)
+        # A marker there: a re-save, into a new generation (the same token on every rank).
+        token = self._ranks.run_on_rank0(lambda: new_token() if store.size(step + MARKER_SUFFIX) is not None else None)
+        parts: list[tuple[str, str, dict[str, Any], Any]] = []
+        for key, model in model_dict.items():
+            parts.append((key, "model", get_model_state_dict(model), TrainableOnlySavePlanner(model)))
+            if optimizer_dict is not None and key in optimizer_dict:
+                osd = get_optimizer_state_dict(model, optimizer_dict[key])
+                parts.append((key, "optim", osd, DefaultSavePlanner()))
+        suffixes = [f"{key}_{kind}" for key, kind, _, _ in parts]
+        content: dict[str, Any] = {
+            "format": MARKER_FORMAT,
+            "iteration": int(iteration),
+            "parts": suffixes,
+            "scheduler": state_of(scheduler_dict, "scheduler_dict"),
+            "grad_scaler": state_of(grad_scaler, "grad_scaler"),
+            "callbacks": state_of(callbacks, "callbacks"),
+            "world_size": world_size(),
+            "saved_at": time.time(),
+        }
+        if token is not None:
+            content[PART_DIRS] = {s: marker_entry(s, token) for s in suffixes}
+        marker = torch_save_bytes(content)
+        location = store.url(step)
+        if not self.async_save:
+            t0 = time.perf_counter()
+            for key, kind, state, planner in parts:
+                writer, url = self._writer(store, generation_name(step, key, kind, token), key, kind)
+                dcp.save(state, checkpoint_id=url, storage_writer=writer, planner=planner, no_dist=not distributed())
+            self._ranks.run_on_rank0(lambda: self._commit(store, step, marker, token, suffixes))
+            log.info("saved step %s in %.1fs", location, time.perf_counter() - t0)
+            return location
+
+        groups = [self._ranks.group_for(f"{key}_{kind}") for key, kind, _, _ in parts]  # before any part starts
+        futures = []
+        for (key, kind, state, planner), group in zip(parts, groups):
+            writer, url = self._writer(store, generation_name(step, key, kind, token), key, kind)
+            futures.append(async_save(
+                state, checkpoint_id=url, storage_writer=writer, planner=planner, process_group=group,
+                no_dist=not distributed(),
+            ))
+        rank0 = rank() == 0
+
+        def finish() -> str:
+            for fut in futures:
+                fut.result()
+            if rank0:  # every part's .metadata is committed once the coordinator's futures resolve
+                self._commit(store, step, marker, token, suffixes)
+            return location
+
+        if self._finisher is None:
+            self._finisher = ThreadPoolExecutor(1, thread_name_prefix="dcp_s3-checkpointer")
+        self._pending = AsyncSave(location, self._finisher.submit(finish))
+        return self._pending
+
+    def wait(self) -> str | None:
+        """Wait for a pending asynchronous save (re-raising its failure); returns its location."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def close(self) -> None:
+        """Wait for a pending save and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._finisher is not None:
+                self._finisher.shutdown(wait=True)
+                self._finisher = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _commit(self, store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str]) -> None:
+        """Rank 0, after every part committed: write the marker (and delete the parts it replaced), then
+        apply ``keep_last``."""
+        commit_step(store, step, marker, token, suffixes)
+        if self.keep_last is None:
+            return
+        try:
+            retain_last(self.store, self.keep_last, keep=store.url(step))
+        except (DcpS3Error, OSError) as exc:
+            # The step is saved; storage growing unseen is what must not happen.
+            warn(f"keep_last={self.keep_last}: could not delete old steps under {self.save_dir}: {exc}")
+
+    # -- load ---------------------------------------------------------------------------------------
+    def load(
+        self,
+        model_dict: Mapping[str, nn.Module],
+        optimizer_dict: Mapping[str, torch.optim.Optimizer] | None = None,
+        scheduler_dict: Mapping[str, Any] | None = None,
+        grad_scaler: Any = None,
+        callbacks: Any = None,
+        path: str | os.PathLike[str] | None = None,
+        allow_missing_optim: bool = False,
+    ) -> int:
+        """Restore a step; returns its iteration (0, loading nothing, if ``path`` is None and no step is complete).
+
+        ``path=None`` takes the newest complete step under ``save_dir``; ``path`` may name a
+        step (``.../0000100``), its marker (``.../0000100.pth``) or a legacy single-file
+        checkpoint. Ranks whose model is entirely on the meta device take part with empty
+        plans and keep their meta tensors. A missing optimizer checkpoint raises
+        ``CheckpointNotFoundError`` unless ``allow_missing_optim`` (or env
+        ``DCP_S3_ALLOW_MISSING_OPTIM=1``); an optimizer checkpoint whose entries do not match
+        the optimizer is skipped with a warning. Either way the optimizer keeps fresh state.
+        """
+        self.wait()
+        check_dicts(model_dict, optimizer_dict)
+        allow_missing_optim = allow_missing_optim or os.environ.get(ALLOW_MISSING_OPTIM_ENV, "") in ("1", "true", "yes")
+        optim_keys = sorted(optimizer_dict or {})
+        plan = self._ranks.run_on_rank0(lambda: self._plan_load(path, list(model_dict), optim_keys, allow_missing_optim))
+        if plan is None:
+            log.info("no complete checkpoint under %s: starting from scratch", self.save_dir)
+            return 0
+        store = self._store(plan["root"])
+        step: str = plan["step"]
+        dirs: dict[str, str] = plan["dirs"]
+        # The marker rank 0 planned with (a re-save committing meanwhile cannot mix into this load);
+        # a single-file checkpoint, maybe large, is read by every rank.
+        data = store.read(plan["marker"]) if plan["legacy"] else plan["marker_data"]
+        marker = torch_load(data, store.url(plan["marker"]))
+        t0 = time.perf_counter()
+        if plan["legacy"]:
+            iteration = load_legacy(marker, store.url(plan["marker"]), model_dict, optimizer_dict,
+                                    allow_missing_optim)
+        else:
+            for key, model in model_dict.items():
+                self._load_model(store, dirs[f"{key}_model"], key, model)
+            for key, status in plan["optim"].items():
+                name = dirs[f"{key}_optim"]
+                if status == "missing":
+                    warn(f"optimizer checkpoint {store.url(name)} is missing; {key!r} continues with fresh state")
+                    continue
+                self._load_optim(store, name, key, model_dict[key], (optimizer_dict or {}).get(key))
+            iteration = int(marker.get("iteration", 0))
+        restore(scheduler_dict, marker.get("scheduler"), "scheduler_dict")
+        restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")
+        restore(callbacks, marker.get("callbacks"), "callbacks")
+        log.info("loaded step %s (iteration %d) in %.1fs", store.url(step), iteration, time.perf_counter() - t0)
+        return iteration
+
+    def _plan_load(
+        self, path: str | os.PathLike[str] | None, model_keys: list[str], optim_keys: list[str], allow_missing: bool
+    ) -> dict[str, Any] | None:
+        """Rank 0: find the step, read its marker, check that its parts exist."""
+        if path is None:
+            store: Store = self.store
+            found = find_complete(store)
+            if not found:
+                return None
+            step = found[-1].name
+        else:
+            store, step = self._object(path)
+            if step.endswith(MARKER_SUFFIX):
+                step = step[: -len(MARKER_SUFFIX)]
+        marker_name = step + MARKER_SUFFIX
+        if path is not None and store.size(marker_name) is None and store.size(step) is not None:
+            marker_name = step  # a legacy single file under another name (model.pt)
+        if store.size(marker_name) is None:
+            partial = [s for s in scan(store.list_objects(f"{step}.")) if s.name == step]
+            why = "the save did not complete (no marker)" if partial else "nothing is saved there"
+            raise CheckpointNotFoundError(f"no complete checkpoint at {store.url(step)}: {why}")
+        marker_data = store.read(marker_name)
+        marker = torch_load(marker_data, store.url(marker_name))
+        if not isinstance(marker, dict):
+            raise CheckpointFormatError(f"{store.url(marker_name)} holds a {type(marker).__name__}, not a checkpoint")
+        legacy = marker.get("format") != MARKER_FORMAT and not is_foreign_step_marker(marker)
+        plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {},
+                                "marker_data": None if legacy else marker_data, "dirs": {}}
+        if legacy:
+            if "model" not in marker:
+                raise CheckpointFormatError(
+                    f"{store.url(marker_name)} is neither a step marker (dcp_s3's, or one with 'iteration' and "
+                    "no model state beside <step>.<key>_model/ checkpoints) nor a single-file checkpoint with "
+                    "a 'model' entry"
+                )
+            return plan
+        plan["dirs"], plan["optim"] = plan_parts(store, step, marker, marker_name, model_keys, optim_keys, allow_missing)
+        return plan
+
+    def _load_model(self, store: Store, name: str, key: str, model: nn.Module) -> None:
+        reader = self._reader(store, name, key, "model")
+        if on_meta(model):
+            # All collectives, no reads: the planner gives this rank an empty plan.
+            dcp.load(model.state_dict(), storage_reader=reader, planner=TrainableOnlyLoadPlanner(model),
+                     no_dist=not distributed())
+            return
+        state = get_model_state_dict(model)
+        dcp.load(state, storage_reader=reader, planner=TrainableOnlyLoadPlanner(model), no_dist=not distributed())
+        set_model_state_dict(model, state)
+
+    def _load_optim(
+        self, store: Store, name: str, key: str, model: nn.Module, optim: torch.optim.Optimizer | None
+    ) -> None:
+        state: dict[str, Any] = {}
+        if optim is not None and not on_meta(model):
+            state = get_optimizer_state_dict(model, optim)  # initializes fresh state, so DTensor state loads
+        # The compatibility check runs inside the load, on the .metadata it reads once and shares
+        # (a meta rank, with nothing to load into, plans no reads and never objects).
+        planner = OptimizerLoadPlanner(check=bool(state))
+        dcp.load(state, storage_reader=self._reader(store, name, key, "optim"), planner=planner,
+                 no_dist=not distributed())
+        if planner.problem is not None:
+            warn(f"optimizer checkpoint {store.url(name)} does not match the optimizer ({planner.problem}); "
+                 "continuing with fresh optimizer state")
+            return
+        if state and optim is not None:
+            set_optimizer_state_dict(model, optim, state)
+
+    # -- locations ------------------------------------------------------------------------------------
+    def _store(self, root: str) -> Store:
+        if root not in self._stores:
+            self._stores[root] = open_store(root, **self.storage_options)
+        return self._stores[root]
+
+    def _object(self, path: str | os.PathLike[str]) -> tuple[Store, str]:
+        store, name = open_object(path, **self.storage_options)
+        return self._stores.setdefault(store.url(), store), name
+
+    def _locate(self, path: str | os.PathLike[str] | None, iteration: int) -> tuple[Store, str]:
+        if path is None:
+            return self.store, f"{int(iteration):07d}"
+        store, name = self._object(path)
+        if name.endswith(MARKER_SUFFIX):
+            name = name[: -len(MARKER_SUFFIX)]
+        if not name:
+            raise ConfigError(f"path={os.fspath(path)!r} names no step")
+        return store, name
+
+    def _writer(self, store: Store, name: str, key: str, kind: str) -> tuple[Any, str]:
+        """(the reusable writer of part ``key``/``kind``, the location of its directory ``name`` to pass
+        as ``checkpoint_id``)."""
+        cache = (store.url(), key, kind)
+        if cache not in self._writers:
+            self._writers[cache] = store.writer(name)
+        return self._writers[cache], store.url(name)
+
+    def _reader(self, store: Store, name: str, key: str, kind: str) -> Any:
+        """The reusable reader of part ``key``/``kind``, pointed at its directory ``name``."""
+        cache = (store.url(), key, kind)
+        if cache not in self._readers:
+            self._readers[cache] = store.reader(name)
+        reader = self._readers[cache]
+        reader.reset(store.url(name))
+        return reader

@@ -1,0 +1,7 @@
+"""The ``dcp-s3`` command line (:mod:`~dcp_s3.cli.commands`; text in and out: :mod:`~dcp_s3.cli.text`)."""
+
+from dcp_s3.cli.commands import main
+
+__all__ = [
+    "main",
+]

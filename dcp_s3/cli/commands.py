@@ -1,0 +1,372 @@
+"""The ``dcp-s3`` command line (``python -m dcp_s3`` does the same).
+
+A thin layer over :mod:`dcp_s3.admin`: parse arguments, call one function, print.
+Errors are one line on stderr and exit status 1; ``verify`` also exits 1 when it finds a problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+# The commands below use these under private names.
+from dcp_s3.cli.text import ProgressLine as _ProgressLine
+from dcp_s3.cli.text import human_size, parse_duration, parse_request_arg, printable
+from dcp_s3.cli.text import say as _say
+from dcp_s3.cli.text import table as _table
+from dcp_s3.cli.text import when as _when
+from dcp_s3.errors import ConfigError
+
+__all__ = ["main", "human_size", "parse_duration", "parse_request_arg", "printable"]
+
+EXAMPLES = {
+    "ls": """examples:
+  dcp-s3 ls s3://bucket/run1                 # steps of a run, oldest first
+  dcp-s3 ls ./checkpoints --endpoint-url http://127.0.0.1:9000""",
+    "inspect": """examples:
+  dcp-s3 inspect s3://bucket/run1/0001000    # every part of a step
+  dcp-s3 inspect s3://bucket/run1/0001000.model_model --json""",
+    "verify": """examples:
+  dcp-s3 verify s3://bucket/run1/0001000     # one step
+  dcp-s3 verify s3://bucket/run1             # every step of a run
+exit status: 0 if everything checks out, 1 on any problem""",
+    "gc": """examples:
+  dcp-s3 gc s3://bucket/run1                 # dry run: every object and upload that would be removed
+  dcp-s3 gc s3://bucket/run1 --older-than 30m --yes
+
+Only checkpoint objects are removed: .metadata, *.distcp (also in p-<hex>/), .dcp_s3-probe.*
+and step markers <step>.pth; other files next to them (config.yaml, train.log...) are kept.
+Nothing written, and no multipart upload that received a part, within --older-than (default 1h)
+is touched, and a checkpoint with such an upload in progress is left alone: make the bound
+longer than your longest save.""",
+    "cp": """examples:
+  dcp-s3 cp s3://bucket/run1/0001000 ./ckpt/0001000      # one step to disk
+  dcp-s3 cp ./ckpt s3://bucket/run2                       # a whole run to S3
+  dcp-s3 cp s3://bucket/run1/0001000.model_model /tmp/m   # one DCP checkpoint
+A key that would land outside DST (e.g. 'ck/../../x') is refused, and so is a symbolic link
+leading out of a local SRC directory unless --follow-symlinks, and any link in a local DST
+(writes never go through a link); nothing is copied then.""",
+    "rm": """examples:
+  dcp-s3 rm s3://bucket/run1/0001000 --dry-run   # list every object and upload it would remove
+  dcp-s3 rm s3://bucket/run1/0001000         # one step (marker first); other files next to it are kept
+  dcp-s3 rm s3://bucket/run1 --recursive     # every object and upload under the prefix""",
+    "convert": """examples:
+  dcp-s3 convert s3://bucket/run1/0001000 model.pt                # full tensors, torch.save
+  dcp-s3 convert s3://bucket/run1/0001000 model.safetensors       # needs the safetensors package
+  dcp-s3 convert s3://bucket/run1/0001000.model_model s3://bucket/plain/0001000 --format dcp
+An existing OUT is never replaced unless --force.""",
+}
+
+
+# -- commands ----------------------------------------------------------------------------------------
+def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
+    """Storage options from the command line: ``--max-whole-read`` for every location, the S3 client
+    options for s3:// locations only."""
+    options: dict[str, Any] = {}
+    if getattr(args, "max_whole_read", None) is not None:
+        options["max_whole_read"] = args.max_whole_read
+    if not uri.startswith("s3://"):
+        return options
+    names = ("credential_path", "endpoint_url", "region", "profile", "connect_timeout", "read_timeout",
+             "retry_attempts")
+    options.update({n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+    if getattr(args, "request_args", None):
+        options["request_args"] = dict(args.request_args)
+    return options
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from dcp_s3.admin import list_steps
+
+    steps = list_steps(args.uri, **_options(args, args.uri))
+    rows = [["STEP", "STATUS", "STORED", "LOGICAL", "RATIO", "OBJECTS", "TIME"]]
+    for s in steps:
+        status = ("UNREADABLE" if s.unreadable else "complete" if s.complete else "INCOMPLETE") + (
+            " (dcp)" if s.kind == "dcp" else "")
+        ratio = f"{s.ratio:.2f}x" if s.ratio is not None else "-"
+        rows.append([s.name, status, human_size(s.stored_bytes), human_size(s.logical_bytes), ratio,
+                     str(s.objects), _when(s.mtime)])
+    print(_table(rows, right={2, 3, 4, 5}))
+    for s in steps:
+        if s.unreadable:
+            _say(f"{s.name}: {s.error or 'unreadable'}")
+    done = sum(s.complete and not s.unreadable for s in steps)
+    print(f"{len(steps)} checkpoints ({done} complete, {len(steps) - done} incomplete), "
+          f"{human_size(sum(s.stored_bytes for s in steps))} stored")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from dcp_s3.admin import inspect_checkpoint
+
+    entries = inspect_checkpoint(args.uri, **_options(args, args.uri))
+    if args.json:
+        print(json.dumps([e.__dict__ for e in entries], indent=2))
+        return 0
+    for part in sorted({e.part for e in entries}):
+        mine = [e for e in entries if e.part == part]
+        if part:
+            _say(f"== {part}")
+        rows = [["NAME", "SHAPE", "DTYPE", "CHUNKS", "STORED"]]
+        for e in mine:
+            shape = "x".join(map(str, e.shape)) if e.shape else ("scalar" if e.kind == "tensor" else "-")
+            rows.append([e.fqn, shape, e.dtype or "object", str(len(e.chunks)) if e.kind == "tensor" else "-",
+                         human_size(e.stored_bytes)])
+        print(_table(rows, right={3, 4}))
+        tensors = [e for e in mine if e.kind == "tensor"]
+        logical = sum(e.logical_bytes for e in tensors)
+        stored = sum(e.stored_bytes for e in tensors)
+        ratio = f", ratio {logical / stored:.2f}x" if stored else ""
+        print(f"{len(tensors)} tensors ({human_size(logical)}), {len(mine) - len(tensors)} other entries, "
+              f"{human_size(stored)} stored{ratio}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from dcp_s3.admin import verify_checkpoint
+
+    bar = _ProgressLine("verify")
+    try:
+        report = verify_checkpoint(args.uri, progress=bar, **_options(args, args.uri))
+    finally:
+        bar.close()
+    for p in report.problems:
+        item = f" [{p.item}]" if p.item else ""
+        _say(f"FAIL {p.url}{item}: {p.message}")
+    summary = (f"{report.checkpoints} checkpoints, {report.objects} objects, {report.items} items, "
+               f"{human_size(report.bytes_read)} read")
+    if report.ok:
+        print(f"OK: {summary}")
+        return 0
+    print(f"{len(report.problems)} problems: {summary}")
+    return 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from dcp_s3.admin import collect_garbage, find_garbage
+
+    garbage = find_garbage(args.uri, older_than=args.older_than, **_options(args, args.uri))
+    url = garbage.store.url
+    verb = "removing" if args.yes else "would remove"
+    removed = {o.name for o in garbage.objects}
+    for step in garbage.steps:
+        mine = [o for o in step.objects if o.name in removed]
+        _say(f"{verb} incomplete {'step' if step.kind == 'step' else 'checkpoint'} {url(step.name)} "
+             f"({len(mine)} objects, {human_size(sum(o.size for o in mine))})")
+    for entry in garbage.objects:
+        _say(f"{verb} {url(entry.name)} ({human_size(entry.size)})")
+    for upload in garbage.uploads:
+        _say(f"{verb} unfinished upload {url(upload.name)} (started {_when(upload.initiated)})")
+    for entry in garbage.kept:
+        _say(f"keeping {url(entry.name)} (not a checkpoint object)")
+    for where, why in garbage.skipped:
+        _say(f"skipping {where}: {why}")
+    if not garbage.objects and not garbage.uploads:
+        _say(f"nothing to remove under {args.uri} (older than {args.older_than:g}s)")
+        return 0
+    if not args.yes:
+        print(f"dry run: {len(garbage.objects)} objects ({human_size(garbage.bytes)}) of "
+              f"{len(garbage.steps)} incomplete checkpoints and unreferenced data, {len(garbage.uploads)} uploads; "
+              "pass --yes to remove them")
+        return 0
+    objects, uploads = collect_garbage(garbage)
+    print(f"removed {objects} objects ({human_size(garbage.bytes)}) and aborted {uploads} uploads")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    from dcp_s3.admin import copy_checkpoint
+
+    bar = _ProgressLine("cp")
+    try:
+        report = copy_checkpoint(
+            args.src, args.dst, workers=args.workers, overwrite=args.overwrite,
+            follow_symlinks=args.follow_symlinks, progress=bar,
+            src_options=_options(args, args.src), dst_options=_options(args, args.dst),
+        )
+    finally:
+        bar.close()
+    rate = report.bytes / report.seconds if report.seconds > 0 else 0
+    _say(f"copied {report.objects} objects ({human_size(report.bytes)}) from {report.source} to "
+         f"{report.destination} in {report.seconds:.1f}s ({human_size(int(rate))}/s); sizes verified")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from dcp_s3.admin import remove_checkpoint
+
+    removal = remove_checkpoint(args.uri, recursive=args.recursive, dry_run=args.dry_run,
+                                **_options(args, args.uri))
+    verb = "would remove" if args.dry_run else "removed"
+    for url in removal.urls:
+        _say(f"{verb} {url}")
+    for upload in removal.uploads:
+        _say(f"{'would abort' if args.dry_run else 'aborted'} unfinished upload {removal.store.url(upload.name)}")
+    for name in removal.kept:
+        _say(f"kept {removal.store.url(name)} (not a checkpoint object)")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from dcp_s3.admin import convert_checkpoint
+
+    src_options = _options(args, args.uri)
+    if args.allow_unsafe_byte_items:
+        if not args.uri.startswith("s3://"):
+            raise ConfigError("--allow-unsafe-byte-items applies to s3:// sources; for a local checkpoint register "
+                              "its classes with torch.serialization.add_safe_globals instead")
+        src_options["allow_unsafe_byte_items"] = True
+    report = convert_checkpoint(args.uri, args.out, fmt=args.format, overwrite=args.force,
+                                src_options=src_options, dst_options=_options(args, args.out))
+    _say(f"wrote {report.destination} ({report.format}): {report.tensors} tensors, {human_size(report.bytes)} "
+         f"from {report.source}")
+    if report.skipped:
+        _say(f"left out {len(report.skipped)} non-tensor entries (safetensors holds tensors only), "
+             f"e.g. {report.skipped[0]}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from dcp_s3.demo import main as demo_main
+
+    return demo_main([])
+
+
+# -- parser --------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    s3 = common.add_argument_group("S3 options (default: the standard AWS_* environment / profile chain)")
+    s3.add_argument("--endpoint-url", help="S3 endpoint (MinIO, SeaweedFS, Ceph, R2...)")
+    s3.add_argument("--region", help="S3 region")
+    s3.add_argument("--profile", help="boto3 profile name")
+    s3.add_argument("--credential-path", help="JSON file of boto3 client arguments")
+    s3.add_argument("--connect-timeout", type=float, metavar="SECONDS",
+                    help="seconds to wait for a connection (default 10)")
+    s3.add_argument("--read-timeout", type=float, metavar="SECONDS",
+                    help="seconds to wait for an answer or for more bytes (default 20)")
+    s3.add_argument("--max-attempts", dest="retry_attempts", type=int, metavar="N",
+                    help="attempts per request, first included (default 5); an endpoint that never "
+                         "answers fails after about N x read timeout")
+    s3.add_argument("--request-arg", dest="request_args", action="append", type=parse_request_arg,
+                    metavar="KEY=VALUE",
+                    help="an option added to every S3 request that takes it (repeatable): ServerSideEncryption, "
+                         "SSEKMSKeyId, SSEKMSEncryptionContext, BucketKeyEnabled, StorageClass, "
+                         "ExpectedBucketOwner, RequestPayer")
+    common.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
+    common.add_argument("--max-whole-read", type=int, metavar="BYTES",
+                        help="largest .metadata or step marker read into memory (default 4 GiB); a larger one "
+                             "is refused before it is read")
+
+    parser = argparse.ArgumentParser(
+        prog="dcp-s3", description="Look after DCP checkpoints on S3 and on local disk.",
+        epilog="run 'dcp-s3 COMMAND --help' for a command's options and examples",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str, description: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=description, epilog=EXAMPLES.get(name),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=fn)
+        return p
+
+    p = add("ls", cmd_ls, "list steps under a prefix",
+            "List steps (and plain DCP checkpoints) under a prefix: complete or not, bytes stored, tensor bytes "
+            "per the metadata, their ratio (compression), object count and time.")
+    p.add_argument("uri", help="s3://bucket/prefix or a local directory")
+
+    p = add("inspect", cmd_inspect, "show the tensors of a checkpoint",
+            "Show every entry of a checkpoint (all parts of a step): shape, dtype, number of chunks (shards), "
+            "stored size.")
+    p.add_argument("uri", help="a step or a DCP checkpoint")
+    p.add_argument("--json", action="store_true", help="machine-readable output (chunks listed in full)")
+
+    p = add("verify", cmd_verify, "read every item and check integrity",
+            "Read every item of a checkpoint (or of every step under a prefix) and check it: markers, metadata, "
+            "object sizes, each tensor blob loads (weights_only) with the shape and dtype of the metadata.")
+    p.add_argument("uri", help="a step, a DCP checkpoint or a prefix of several")
+
+    p = add("gc", cmd_gc, "remove incomplete steps and stale uploads",
+            "Find, under a prefix, the checkpoint objects of incomplete steps/checkpoints (no marker or no "
+            ".metadata), directories of a complete step that its marker does not name (a killed re-save's "
+            "<step>.<part>.<hex>/), data objects of complete checkpoints that their .metadata does not reference, leftover "
+            "writer probes and unfinished multipart uploads, all older than --older-than; list every one, and "
+            "remove them with --yes (otherwise a dry run).")
+    p.add_argument("uri", help="s3://bucket/prefix or a local directory")
+    p.add_argument("--older-than", type=parse_duration, default=3600.0, metavar="AGE",
+                   help="only objects last written, and multipart uploads last written to, more than AGE ago "
+                        "(e.g. 90s, 30m, 1h, 2d; default 1h): never an upload younger than AGE. Protects saves "
+                        "in progress: make it longer than your longest save")
+    p.add_argument("--yes", action="store_true", help="really remove (default: dry run)")
+
+    p = add("cp", cmd_cp, "copy a checkpoint between S3 and local disk",
+            "Copy a step, a DCP checkpoint or a whole prefix between S3 and local disk (or S3 to S3), concurrently; "
+            "data first, then .metadata, then markers, so an interrupted copy never looks complete; sizes verified.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--workers", type=int, default=8, help="concurrent object copies (default 8)")
+    p.add_argument("--overwrite", action="store_true", help="replace objects that exist at the destination")
+    p.add_argument("--follow-symlinks", action="store_true",
+                   help="read through symbolic links that lead out of a local source directory (refused by "
+                        "default; links in a local destination are always refused)")
+
+    p = add("rm", cmd_rm, "remove a step or checkpoint",
+            "Remove a step or DCP checkpoint: its marker, .metadata, data objects and their unfinished "
+            "uploads (marker and .metadata first, so it never looks complete while half deleted); other files "
+            "in its directories are kept. A prefix holding several checkpoints needs --recursive.")
+    p.add_argument("uri")
+    p.add_argument("-r", "--recursive", action="store_true",
+                   help="remove every object and unfinished upload under the prefix")
+    p.add_argument("-n", "--dry-run", action="store_true",
+                   help="only list every object and upload that would be removed")
+
+    p = add("convert", cmd_convert, "convert to one torch.save/safetensors file or plain DCP",
+            "Load a checkpoint into this process as full (unsharded) tensors and write it as one torch.save file, "
+            "a safetensors file (if the safetensors package is installed) or a new uncompressed DCP checkpoint.")
+    p.add_argument("uri", help="a DCP checkpoint, or a step with one *_model part")
+    p.add_argument("out", help="output file, or for --format dcp a checkpoint location")
+    p.add_argument("--format", choices=("torch", "safetensors", "dcp"),
+                   help="default: safetensors if OUT ends with .safetensors, else torch")
+    p.add_argument("--force", action="store_true", help="replace an existing OUT (refused by default)")
+    p.add_argument("--allow-unsafe-byte-items", action="store_true",
+                   help="load non-tensor values that weights-only loading refuses (they can run code: trusted "
+                        "checkpoints only)")
+
+    add("demo", cmd_demo, "save a 2-rank FSDP2 checkpoint to a local S3 server and load it on 1 rank",
+        "Starts SeaweedFS on 127.0.0.1, saves from 2 ranks, loads on 1, checks every tensor.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print("dcp-s3: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one clear line, no traceback
+        if args.verbose:
+            logging.getLogger("dcp_s3").exception("%s failed", args.command)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"dcp-s3: error: {printable(message)}", file=sys.stderr)
+        return 1
+    except BaseException as exc:  # torch's CheckpointException derives from BaseException
+        if type(exc).__name__ != "CheckpointException":
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"dcp-s3: error: {printable(message)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

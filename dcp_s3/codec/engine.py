@@ -1,0 +1,256 @@
+"""The :class:`Codec`: encode and decode items frame by frame on a thread pool (format in :mod:`dcp_s3.codec.format`).
+
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Union
+
+import numpy as np
+import zstandard
+
+from dcp_s3.codec.byte_planes import UINT
+from dcp_s3.codec.format import (
+    CODEC_NAME,
+    CODEC_VERSION,
+    DEFAULT_FRAME_SIZE,
+    GROUP_FLOAT,
+    GROUP_NONE,
+    MAX_FRAME_SIZE,
+    FrameIndex,
+    decoder_for,
+    frame_range,
+)
+from dcp_s3.codec.v1 import encode_frame
+from dcp_s3.errors import CheckpointFormatError, ConfigError, InvalidTypeError
+
+__all__ = ["Codec", "Chunk"]
+
+Chunk = Union[bytes, bytearray, memoryview, np.ndarray]
+
+
+class Codec:
+    """Encoder/decoder owning a thread pool and per-thread zstd contexts.
+
+    One instance may be shared by many threads. It pickles as its settings
+    (the pool and contexts are recreated lazily). Call :meth:`close` (or use it
+    as a context manager) to stop the pool.
+    """
+
+    def __init__(self, level: int = 1, threads: int = 2, frame_size: int = DEFAULT_FRAME_SIZE,
+                 max_in_flight: int | None = None) -> None:
+        """``level``: zstd level of plain frames, and one of the two candidates tried on
+        grouped frames (the other is a literal-heavy setting). ``threads``: pool size.
+        ``frame_size``: raw bytes per frame (rounded down to a multiple of the element
+        size). ``max_in_flight``: frames being compressed or awaiting the sink per
+        :meth:`encode` call (default ``2 * threads``); bounds encode memory to about
+        ``(max_in_flight + threads) * frame_size``.
+        """
+        if threads < 1 or not 1 <= frame_size <= MAX_FRAME_SIZE or (max_in_flight is not None and max_in_flight < 1):
+            raise ConfigError(
+                f"Codec(threads={threads}, frame_size={frame_size}, max_in_flight={max_in_flight}): threads and "
+                f"max_in_flight must be positive, frame_size in [1, {MAX_FRAME_SIZE}]"
+            )
+        zstandard.ZstdCompressor(level=level)  # validates the level
+        self.level, self.threads, self.frame_size = level, threads, frame_size
+        self.max_in_flight = max_in_flight or 2 * threads
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+
+    def __getstate__(self) -> tuple[int, int, int, int]:
+        return (self.level, self.threads, self.frame_size, self.max_in_flight)
+
+    def __setstate__(self, state: tuple[int, int, int, int]) -> None:
+        self.__init__(*state)  # type: ignore[misc]
+
+    def __enter__(self) -> Codec:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the thread pool (waiting for running tasks). The codec stays usable."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dcp_s3-codec")
+            return self._pool
+
+    def frame_size_for(self, element_size: int) -> int:
+        """Raw bytes per frame for elements of ``element_size`` bytes (whole elements per frame)."""
+        return max(element_size, self.frame_size - self.frame_size % element_size)
+
+    # ------------------------------------------------------------------ encode
+
+    def encode(self, data: Chunk | Iterable[Chunk], element_size: int, floating: bool,
+               sink: Callable[[bytes | memoryview], object], *, stable_chunks: bool = False) -> FrameIndex:
+        """Compress ``data`` frame by frame and pass the stored frames to ``sink`` in order.
+
+        ``data`` is one buffer (bytes, memoryview, numpy array...) or an iterable of
+        C-contiguous buffers of any sizes whose concatenation is the item; a chunk may
+        be reused by its producer once the next one is requested, so ``encode`` lets the
+        frames in flight finish at each chunk boundary; ``stable_chunks=True`` says each
+        chunk stays valid and unchanged until ``encode`` returns (e.g. fresh host copies)
+        and skips that wait. ``sink`` runs in the
+        calling thread and receives the stored frames in order, one call per frame; the
+        buffer is valid only during the call (a ``memoryview`` is a raw-stored frame
+        pointing into ``data``), so copy it to keep it. ``element_size``
+        and ``floating`` come from :func:`grouping_for_dtype`; ``floating`` with an
+        element size of 2, 4 or 8 selects byte grouping. Returns the item's index.
+        """
+        if element_size < 1:
+            raise ConfigError(f"encode: element_size must be positive, got {element_size}")
+        es = element_size
+        grouping = GROUP_FLOAT if floating and es in UINT else GROUP_NONE
+        fs = self.frame_size_for(es)
+        ends: list[int] = []
+        raw_mask = 0
+        raw_length = 0
+        # (future, assembly buffer to recycle once the frame is emitted, or None)
+        inflight: deque[tuple[Future[tuple[bytes | memoryview, bool]], bytearray | None]] = deque()
+        spare: list[bytearray] = []  # assembly buffers for frames that span chunks
+        pool = self._executor()
+
+        def emit_one() -> None:
+            nonlocal raw_mask
+            fut, owned = inflight.popleft()
+            payload, raw = fut.result()
+            if raw:
+                raw_mask |= 1 << len(ends)
+            ends.append((ends[-1] if ends else 0) + len(payload))
+            sink(payload)
+            if owned is not None:
+                spare.append(owned)
+
+        def submit(frame: memoryview, owned: bytearray | None = None) -> None:
+            nonlocal raw_length
+            while len(inflight) >= self.max_in_flight:
+                emit_one()
+            raw_length += len(frame)
+            inflight.append((pool.submit(self._encode_frame, frame, es, grouping), owned))
+
+        try:
+            single = as_bytes_view(data)
+            if single is not None:
+                for pos in range(0, len(single), fs):
+                    submit(single[pos:pos + fs])
+            else:
+                partial, fill = None, 0
+                for chunk in data:  # type: ignore[union-attr,unused-ignore]
+                    view = as_bytes_view(chunk)
+                    if view is None:
+                        raise InvalidTypeError(f"encode: data must be buffers, got a chunk of type {type(chunk).__name__}")
+                    pos = 0
+                    if partial is not None:
+                        pos = min(fs - fill, len(view))
+                        partial[fill:fill + pos] = view[:pos]
+                        fill += pos
+                        if fill == fs:
+                            submit(memoryview(partial), partial)
+                            partial, fill = None, 0
+                    referenced = len(view) - pos >= fs
+                    while len(view) - pos >= fs:
+                        submit(view[pos:pos + fs])
+                        pos += fs
+                    if pos < len(view):  # copy the start of a frame that spans chunks
+                        partial = spare.pop() if spare else bytearray(fs)
+                        fill = len(view) - pos
+                        partial[:fill] = view[pos:]
+                    if referenced and not stable_chunks:  # the producer may reuse the chunk once we ask for the next
+                        while inflight:
+                            emit_one()
+                if partial is not None:
+                    submit(memoryview(partial)[:fill], partial)
+            while inflight:
+                emit_one()
+        except BaseException:
+            for fut, _ in inflight:
+                fut.cancel()
+            for fut, _ in inflight:
+                if not fut.cancelled():
+                    fut.exception()  # wait; the error being raised wins
+            raise
+        return FrameIndex(CODEC_NAME, CODEC_VERSION, es, grouping, raw_length, fs, tuple(ends), raw_mask)
+
+    def _encode_frame(self, frame: memoryview, es: int, grouping: int) -> tuple[bytes | memoryview, bool]:
+        """The stored bytes of one frame and whether they are the raw bytes (runs on the pool)."""
+        return encode_frame(self._local, self.level, frame, es, grouping)
+
+    # ------------------------------------------------------------------ decode
+
+    def decode_into(self, index: FrameIndex, stored: Chunk, stored_start: int,
+                    raw_start: int, raw_end: int, out: Chunk) -> None:
+        """Write raw bytes ``[raw_start, raw_end)`` of the item into ``out``.
+
+        ``stored`` holds the item's stored bytes from offset ``stored_start`` on and
+        must cover :func:`stored_span` of the range; ``out`` is a writable buffer of
+        exactly ``raw_end - raw_start`` bytes. Frames decode in parallel on the pool;
+        plain frames fully inside the range decompress straight into ``out``. Safe to
+        call from many threads at once, but not from a task running on this codec's pool.
+        Raises ``CheckpointFormatError`` for an unknown codec/version or corrupt data.
+        """
+        impl = decoder_for(index)
+        impl.check_index(index)
+        decode_frame: Callable[..., None] = impl.decode_frame
+        src = as_bytes_view(stored)
+        dst = as_bytes_view(out)
+        if src is None or dst is None or dst.readonly:
+            raise InvalidTypeError("decode_into: stored must be a buffer and out a writable buffer")
+        if len(dst) != raw_end - raw_start:
+            raise ConfigError(
+                f"decode_into: out has {len(dst)} bytes, the range [{raw_start}, {raw_end}) needs {raw_end - raw_start}")
+        first, last = frame_range(index, raw_start, raw_end)
+        if first > last:
+            return
+        span = (index.stored_range(first)[0], index.ends[last])
+        if stored_start > span[0] or stored_start + len(src) < span[1]:
+            raise CheckpointFormatError(
+                f"decode_into: stored bytes [{stored_start}, {stored_start + len(src)}) do not cover the "
+                f"needed span [{span[0]}, {span[1]})"
+            )
+        tasks = []
+        for i in range(first, last + 1):
+            f_start, f_end = index.raw_range(i)
+            s_start, s_end = index.stored_range(i)
+            lo, hi = max(raw_start, f_start), min(raw_end, f_end)
+            tasks.append((index, i, src[s_start - stored_start:s_end - stored_start],
+                          lo - f_start, hi - f_start, dst[lo - raw_start:hi - raw_start]))
+        if len(tasks) == 1 or self.threads == 1:
+            for t in tasks:
+                decode_frame(self._local, *t)
+            return
+        pool = self._executor()
+        futures = [pool.submit(decode_frame, self._local, *t) for t in tasks]
+        try:
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            for fut in futures:
+                if not fut.cancelled():
+                    fut.exception()
+            raise
+
+
+def as_bytes_view(obj: Any) -> memoryview | None:
+    """A flat byte view of a buffer, or None if ``obj`` is not a buffer."""
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        return None
+    if not view.c_contiguous:
+        raise ConfigError("buffers must be C-contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -1,0 +1,25 @@
+"""The object stores: one interface (:class:`ObjectStore`) over S3 and local directories (no torch, no DCP).
+
+:mod:`~dcp_s3.objstore.base` is the interface and the read helpers every backend shares;
+:mod:`~dcp_s3.objstore.s3` (with :mod:`~dcp_s3.objstore.s3_multipart` and
+:mod:`~dcp_s3.objstore.s3_requests`) is S3 and S3-compatible servers; :mod:`~dcp_s3.objstore.local`
+(with :mod:`~dcp_s3.objstore.local_fs`, the link- and FIFO-proof file access) is files under a
+directory. :mod:`~dcp_s3.objstore.config` holds the one settings object of S3 clients
+(:class:`ClientConfig`) and of transfers (:class:`TransferConfig`); :mod:`~dcp_s3.objstore.buffers`
+the part buffers that bound upload memory; :mod:`~dcp_s3.objstore.redact` keeps secrets out of logs.
+"""
+
+from dcp_s3.objstore.base import ObjectInfo, ObjectStore, ObjectWriter, PendingUpload, RangeRead
+from dcp_s3.objstore.config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
+
+__all__ = [
+    "ClientConfig",
+    "ObjectInfo",
+    "ObjectStore",
+    "ObjectWriter",
+    "PendingUpload",
+    "RangeRead",
+    "S3Uri",
+    "TransferConfig",
+    "parse_s3_uri",
+]

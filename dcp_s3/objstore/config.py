@@ -1,0 +1,377 @@
+"""Checkpoint URIs, credentials and S3 client settings.
+
+Nothing here knows about DCP. ``ClientConfig`` is a frozen, picklable value:
+it holds where credentials come from (a file path, a profile, the standard
+boto3 chain), never the secrets themselves, so a writer pickled into an
+``async_save`` child re-reads them there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import ipaddress
+import json
+import logging
+import math
+import numbers
+import os
+import re
+import stat
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
+from dcp_s3.objstore.redact import install_log_redaction
+
+__all__ = ["S3Uri", "ClientConfig", "TransferConfig", "parse_s3_uri", "bucket_name_problem"]
+
+log = logging.getLogger("dcp_s3")
+
+MiB = 1 << 20
+#: Default of ``TransferConfig.max_whole_read``: 4 GiB.
+DEFAULT_MAX_WHOLE_READ = 4 << 30
+
+#: Keys a credential file may hold: boto3 client keyword arguments.
+CREDENTIAL_FILE_KEYS = frozenset(
+    {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "endpoint_url", "region_name"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class S3Uri:
+    """A parsed ``s3://bucket/key`` location; ``key`` has no leading or trailing slash."""
+
+    bucket: str
+    key: str
+
+    def join(self, name: str) -> str:
+        """The object key of ``name`` under this prefix."""
+        return f"{self.key}/{name}" if self.key else name
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.key}"
+
+
+_BUCKET_CHARS = re.compile(r"[a-z0-9][a-z0-9.-]*[a-z0-9]")
+#: S3's bucket naming rules, quoted in every error about a bucket name.
+BUCKET_RULES = (
+    "S3 bucket names are 3-63 characters of lowercase letters, digits, dots and hyphens, start and end "
+    "with a letter or digit, contain no '..' and are not an IP address"
+)
+
+
+def bucket_name_problem(bucket: str) -> str | None:
+    """Why ``bucket`` breaks S3's bucket naming rules, or None if it follows them."""
+    if not 3 <= len(bucket) <= 63:
+        return f"is {len(bucket)} characters long"
+    if not _BUCKET_CHARS.fullmatch(bucket):
+        return "holds a character other than a-z, 0-9, '.', '-' or does not start and end with a letter or digit"
+    if ".." in bucket:
+        return "contains '..'"
+    try:
+        ipaddress.IPv4Address(bucket)
+    except ValueError:
+        return None
+    return "is formatted as an IP address"
+
+
+def parse_s3_uri(uri: str | os.PathLike[str], *, require_key: bool = True) -> S3Uri:
+    """Parse ``s3://bucket/key...``; reject other schemes, local paths, a missing key and bad bucket names."""
+    if not isinstance(uri, str):
+        raise InvalidCheckpointIdError(
+            f"checkpoint id {os.fspath(uri)!r} is a local path; dcp_s3 needs an s3://bucket/key URI"
+        )
+    if not uri.startswith("s3://"):
+        scheme = uri.split("://", 1)[0] + "://" if "://" in uri else None
+        what = f"has scheme {scheme!r}" if scheme else "is not a URI"
+        raise InvalidCheckpointIdError(f"checkpoint id {uri!r} {what}; expected s3://bucket/key")
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    key = key.strip("/")
+    if not bucket:
+        raise InvalidCheckpointIdError(f"checkpoint id {uri!r} names no bucket; expected s3://bucket/key")
+    problem = bucket_name_problem(bucket)
+    if problem:
+        raise InvalidCheckpointIdError(
+            f"checkpoint id {uri!r}: {bucket!r} is not a valid bucket name: it {problem} ({BUCKET_RULES})"
+        )
+    if require_key and not key:
+        raise InvalidCheckpointIdError(
+            f"checkpoint id {uri!r} names a bucket but no key prefix; expected s3://{bucket}/some/prefix"
+        )
+    if any(part in (".", "..") for part in key.split("/")):
+        raise InvalidCheckpointIdError(f"checkpoint id {uri!r} contains '.' or '..' path segments")
+    return S3Uri(bucket, key)
+
+
+def int_option(name: str, value: Any, minimum: int) -> int:
+    """``value`` as a plain int (numpy ints too) if it is an integer >= ``minimum``; else ``ConfigError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}; expected an integer")
+    if value < minimum:
+        raise ConfigError(f"{name}={value} must be >= {minimum}")
+    return int(value)
+
+
+def _check_int(owner: object, name: str, minimum: int) -> None:
+    object.__setattr__(owner, name, int_option(name, getattr(owner, name), minimum))
+
+
+def _check_seconds(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}; expected a number of seconds")
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"{name}={value} must be a finite number of seconds > 0")
+    object.__setattr__(owner, name, seconds)
+
+
+def _check_str(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{name}={value!r} must be a non-empty string")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """Sizes and concurrency of the transfer engine.
+
+    Part buffers of a save hold at most ``(max_concurrency + files_per_rank) * P`` bytes, ``P`` being
+    ``part_size``, or ``buffers.fit_part_size(part_size, size)`` for the largest object when it would
+    exceed 10,000 parts (see README "Memory").
+    """
+
+    #: Bytes per multipart part (5 MiB..5 GiB); enlarged when an object would exceed 10,000 parts.
+    part_size: int = 16 * MiB
+    #: Parallel part uploads / ranged GETs per process.
+    max_concurrency: int = 8
+    #: Data objects each rank writes (each streamed by its own thread).
+    files_per_rank: int = 1
+    #: Largest ranged GET; bigger reads are split and fetched concurrently.
+    max_range_size: int = 16 * MiB
+    #: Neighbouring reads closer than this are merged into one ranged GET.
+    coalesce_gap: int = 1 * MiB
+    #: Threads per reader decoding compressed checkpoints (per process: a node with many ranks
+    #: runs this many per rank, so the default stays small).
+    decode_threads: int = dataclasses.field(default_factory=lambda: min(4, os.cpu_count() or 1))
+    #: Largest object read whole into memory (``.metadata``, step markers, other small objects);
+    #: a larger one fails with ``CheckpointFormatError`` naming it, its size and this setting,
+    #: before its bytes are read (a compact ``.metadata`` of 16,384 ranks is ~150 MB, a stock one
+    #: of 4,096 ranks ~1.4 GB).
+    max_whole_read: int = DEFAULT_MAX_WHOLE_READ
+
+    def override(self, **changes: int | None) -> TransferConfig:
+        """A copy with the given fields replaced; ``None`` values are ignored."""
+        given: dict[str, int] = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("part_size", 1), ("max_concurrency", 1), ("files_per_rank", 1),
+                              ("max_range_size", 64 * 1024), ("coalesce_gap", 0), ("decode_threads", 1),
+                              ("max_whole_read", 1)):
+            _check_int(self, name, minimum)
+        if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
+            raise ConfigError(f"part_size={self.part_size} must be between 5 MiB and 5 GiB (S3 limits)")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How to build the boto3 S3 client: credential source, endpoint, timeouts, retries.
+
+    The one settings object for everything that bounds time: ``S3StorageWriter``,
+    ``S3StorageReader`` (``client=ClientConfig(...)``), ``Checkpointer`` and the ``dcp-s3``
+    tools (storage options ``client=`` or ``connect_timeout=``/``read_timeout=``/
+    ``retry_attempts=``) all take it. With the defaults an endpoint that accepts connections
+    and never answers fails a request after about ``retry_attempts * read_timeout`` = 100 s,
+    with an error naming the endpoint.
+
+    Explicit ``endpoint_url``/``region`` win over a credential file's values, which
+    win over the standard boto3 chain (``AWS_*`` environment variables incl.
+    ``AWS_ENDPOINT_URL``, profiles, instance roles).
+    """
+
+    credential_path: str | None = None
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    #: Seconds to wait for a TCP connection.
+    connect_timeout: float = 10.0
+    #: Seconds a socket read (or write) may wait without progress: waiting for a reply, or for
+    #: the next bytes of a body. Each attempt of a request that gets no answer takes this long.
+    read_timeout: float = 20.0
+    #: Attempts per request, first try included: botocore's retries (``retry_mode``, jittered
+    #: backoff) and dcp_s3's resumption of response bodies cut short.
+    retry_attempts: int = 5
+    retry_mode: str = "standard"
+    max_pool_connections: int = 10
+    #: Options added to every request that takes them: ``ServerSideEncryption``, ``SSEKMSKeyId``,
+    #: ``SSEKMSEncryptionContext``, ``BucketKeyEnabled``, ``StorageClass``, ``ExpectedBucketOwner``,
+    #: ``RequestPayer``.
+    request_args: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.credential_path, os.PathLike):
+            object.__setattr__(self, "credential_path", os.fspath(self.credential_path))
+        for name in ("credential_path", "endpoint_url", "region", "profile"):
+            _check_str(self, name)
+        if self.endpoint_url is not None and not re.fullmatch(r"https?://[^/\s]+(/\S*)?", self.endpoint_url):
+            raise ConfigError(f"endpoint_url={self.endpoint_url!r} must be an http:// or https:// URL")
+        _check_seconds(self, "connect_timeout")
+        _check_seconds(self, "read_timeout")
+        _check_int(self, "retry_attempts", 1)
+        _check_int(self, "max_pool_connections", 1)
+        if self.retry_mode not in ("standard", "adaptive"):
+            raise ConfigError(f"retry_mode={self.retry_mode!r}; expected 'standard' or 'adaptive'")
+        if not isinstance(self.request_args, Mapping):
+            raise ConfigError(f"request_args must be a mapping, not a {type(self.request_args).__name__}")
+        object.__setattr__(self, "request_args", dict(self.request_args))
+        if self.credential_path is not None and not os.path.isfile(self.credential_path):
+            raise ConfigError(f"credential file {self.credential_path!r} does not exist")
+
+    def override(self, **changes: Any) -> ClientConfig:
+        """A copy with the given fields replaced; ``None`` values are ignored."""
+        given = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **given) if given else self
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``boto3.session.Session.client('s3', ...)`` (may hold secrets: never log)."""
+        kwargs: dict[str, Any] = {}
+        if self.credential_path is not None:
+            kwargs.update(_read_credential_file(self.credential_path))
+        if self.endpoint_url is not None:
+            kwargs["endpoint_url"] = self.endpoint_url
+        if self.region is not None:
+            kwargs["region_name"] = self.region
+        return kwargs
+
+    def make_client(self) -> Any:
+        """A new boto3 S3 client. boto3 clients are thread-safe; sessions are not."""
+        import boto3
+        from botocore.config import Config
+
+        install_log_redaction()
+        kwargs = self.client_kwargs()
+        custom_endpoint = kwargs.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
+            "AWS_ENDPOINT_URL"
+        )
+        config = Config(
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            retries={"total_max_attempts": self.retry_attempts, "mode": self.retry_mode},  # first try included
+            max_pool_connections=self.max_pool_connections,
+            tcp_keepalive=True,
+            s3={
+                # MinIO, SeaweedFS, Ceph and most S3-compatible stores want path-style URLs.
+                "addressing_style": "path" if custom_endpoint else "auto",
+                # Integrity comes from the x-amz-checksum-* headers botocore adds to uploads;
+                # SHA-256 signing every body as well (botocore's default over plain HTTP)
+                # costs a third of the upload throughput.
+                "payload_signing_enabled": False,
+            },
+        )
+        session = boto3.session.Session(profile_name=self.profile)
+        client = session.client("s3", config=config, **kwargs)
+        client.meta.events.register("needs-retry.s3", _log_failed_attempt)
+        return client
+
+    def client(self) -> Any:
+        """A client for these settings, shared by every thread and every ``ClientConfig`` equal to this one
+        in this process (a new boto3 session costs 0.3-0.5 s); a forked child makes its own."""
+        return _CLIENTS.get(self)
+
+    def _identity(self) -> tuple[Any, ...]:
+        """What the client depends on: these settings, the ``AWS_*`` environment (credentials, endpoint,
+        profile: hashed, never kept) and a credential file's identity and modification time, so that
+        changed credentials get a new client."""
+        fields = tuple(getattr(self, k) for k in self.__dataclass_fields__ if k != "request_args")
+        env = hashlib.sha256(repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))).encode())
+        file: tuple[int, ...] = ()
+        if self.credential_path is not None:
+            try:
+                st = os.stat(self.credential_path)
+                file = (st.st_ino, st.st_size, st.st_mtime_ns)
+            except OSError:
+                pass
+        return (*fields, env.hexdigest(), file)
+
+
+class _ClientPool:
+    """boto3 clients of this process, one per distinct ``ClientConfig`` (boto3 clients are thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._clients: dict[tuple[Any, ...], Any] = {}
+
+    def get(self, config: ClientConfig) -> Any:
+        key = config._identity()
+        with self._lock:
+            if self._pid != os.getpid():  # connections do not survive fork
+                self._pid, self._clients = os.getpid(), {}
+            client = self._clients.get(key)
+        if client is None:
+            client = config.make_client()  # outside the lock: slow, and may raise
+            with self._lock:
+                client = self._clients.setdefault(key, client)
+        return client
+
+
+_CLIENTS = _ClientPool()
+
+
+def client_config(client: ClientConfig | None, pool: int, **fields: Any) -> ClientConfig:
+    """``client`` (default ``ClientConfig()``) with the non-None ``fields`` replaced and a pool of >= ``pool``.
+
+    How ``S3StorageWriter``/``S3StorageReader`` combine ``client=`` with their credential arguments.
+    """
+    if client is None:
+        client = ClientConfig()
+    elif not isinstance(client, ClientConfig):
+        raise ConfigError(f"client={client!r} must be a dcp_s3.ClientConfig")
+    return client.override(**fields, max_pool_connections=max(pool, client.max_pool_connections))
+
+
+def _log_failed_attempt(
+    response: Any, operation: Any, attempts: int, caught_exception: BaseException | None, request_dict: Any,
+    **_: Any,
+) -> None:
+    """Log, at debug, each failed attempt botocore may retry; the URL names bucket and key, never secrets."""
+    status = response[0].status_code if response else None
+    if caught_exception is None and (status is None or status < 500) and status != 429:
+        return None  # returning None leaves the retry decision to botocore
+    cause = caught_exception if caught_exception is not None else f"HTTP {status}"
+    url = str(request_dict.get("url", "")).split("?", 1)[0]
+    log.debug("%s %s: attempt %d failed (%s)", operation.name, url, attempts, cause)
+    return None
+
+
+def _read_credential_file(path: str) -> dict[str, Any]:
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"credential file {path!r} does not exist") from None
+    except (OSError, ValueError) as exc:
+        # The message of a JSON error can quote the file's content: name only the position.
+        where = f" (line {exc.lineno})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ConfigError(f"credential file {path!r} is not readable JSON{where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"credential file {path!r} must hold a JSON object of boto3 client arguments")
+    unknown = sorted(set(data) - CREDENTIAL_FILE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"credential file {path!r} has unknown keys {unknown}; allowed: {sorted(CREDENTIAL_FILE_KEYS)}"
+        )
+    secrets = sorted(k for k in ("aws_secret_access_key", "aws_session_token") if data.get(k))
+    if mode & (stat.S_IRGRP | stat.S_IROTH) and secrets:
+        # warnings, not only logging: library users see it without configuring logging.
+        warnings.warn(
+            f"credential file {path!r} holds {' and '.join(secrets)} and is readable by other users; chmod 600 it",
+            UserWarning, stacklevel=2,
+        )
+    return {k: v for k, v in data.items() if v is not None}

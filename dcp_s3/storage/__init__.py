@@ -1,0 +1,16 @@
+"""The DCP storage layer: :class:`S3StorageWriter` and :class:`S3StorageReader`.
+
+They turn DCP's write and read items into objects of an object store (:mod:`dcp_s3.objstore`):
+:mod:`~dcp_s3.storage.session` is the location and the store they share,
+:mod:`~dcp_s3.storage.tensor_bytes` how one tensor becomes bytes, :mod:`~dcp_s3.storage.data_objects`
+how one rank's items are streamed into its data objects, :mod:`~dcp_s3.storage.replicated` the
+replicated loads that read each byte once. Nothing here speaks HTTP.
+"""
+
+from dcp_s3.storage.reader import S3StorageReader
+from dcp_s3.storage.writer import S3StorageWriter
+
+__all__ = [
+    "S3StorageReader",
+    "S3StorageWriter",
+]

@@ -1,0 +1,122 @@
+"""How one rank's items are streamed into its data objects: balanced over objects by size, each
+item a ``torch.save`` file (or the codec's frames of its raw bytes) with its CRC32C."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Iterable, Iterator
+
+import torch
+from crc32c import crc32c
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dcp_s3._torch_compat import element_size
+from dcp_s3.codec import Codec, grouping_for_dtype
+from dcp_s3.errors import CheckpointFormatError, DcpS3Error
+from dcp_s3.storage.tensor_bytes import compact, payload_chunks, streamable, tensor_blob
+from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
+from dcp_s3.objstore.base import ObjectWriter
+
+__all__ = ["planned_size", "split_items", "write_item"]
+
+
+def item_size(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.size.numel() * element_size(item.tensor_data.properties.dtype)
+
+
+def planned_size(items: list[WriteItem]) -> int:
+    # Tensor bytes plus headroom for torch.save headers; byte items have no planned size.
+    return sum(item_size(i) + 4096 for i in items)
+
+
+def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Balance items over ``bins`` objects by size (largest first into the emptiest)."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+    for item in sorted(items, key=item_size, reverse=True):
+        i = sizes.index(min(sizes))
+        buckets[i].append(item)
+        sizes[i] += item_size(item) or 1
+    return buckets
+
+
+def write_item(
+    writer: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner, failed: threading.Event,
+    codec: Codec | None,
+) -> WriteResult:
+    if failed.is_set():
+        raise DcpS3Error(f"not writing {item.index.fqn}: another object of this save failed")
+    offset = writer.tell()
+    data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        if not isinstance(data, io.BytesIO):
+            raise CheckpointFormatError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO")
+        writer.write(data.getbuffer())
+        location = ItemLocation(name, offset, writer.tell() - offset, crc32c=crc32c(data.getbuffer()))
+    else:
+        if not isinstance(data, torch.Tensor):
+            raise CheckpointFormatError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
+        if not streamable(data):
+            raise CheckpointFormatError(f"{item.index.fqn}: cannot save a {data.layout} tensor on {data.device}")
+        location = _write_tensor(writer, name, data, codec)
+    return WriteResult(index=item.index, size_in_bytes=location.length, storage_data=location)
+
+
+def _write_tensor(writer: ObjectWriter, name: str, tensor: torch.Tensor, codec: Codec | None) -> ItemLocation:
+    """Stream one tensor: a ``torch.save`` file, or the codec's frames of its raw bytes."""
+    offset = writer.tell()
+    if codec is None:
+        blob = tensor_blob(tensor)
+        writer.write(blob.header)
+        checksum = 0
+        for chunk in blob.payload_chunks():
+            writer.write(chunk)
+            checksum = crc32c(chunk, checksum)
+        writer.write(blob.trailer)
+        return ItemLocation(
+            name, offset, writer.tell() - offset, payload_offset=blob.payload_offset, crc32c=checksum
+        )
+    # Compressed: one CRC per frame covers every byte, and lets partial reads be checked too.
+    tensor = compact(tensor)
+    element_size, floating = grouping_for_dtype(tensor.dtype)
+    block_crcs = _BlockChecksums(codec.frame_size_for(element_size))
+    # Chunks are fresh views or host copies, never reused: no need to drain frames between them.
+    frames = codec.encode(
+        block_crcs.feed(payload_chunks(tensor)), element_size, floating, writer.write, stable_chunks=True
+    )
+    return ItemLocation(
+        name, offset, writer.tell() - offset, transform_descriptors=[CODEC_DESCRIPTOR],
+        frames=frames, frame_crc32c=block_crcs.finish(),
+    )
+
+
+class _BlockChecksums:
+    """CRC32C of each ``block``-byte slice of a stream that arrives in chunks of any size."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.crcs: list[int] = []
+        self._crc = 0
+        self._filled = 0
+
+    def feed(self, chunks: Iterable[memoryview]) -> Iterator[memoryview]:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            while view:
+                n = min(len(view), self.block - self._filled)
+                self._crc = crc32c(view[:n], self._crc)
+                self._filled += n
+                view = view[n:]
+                if self._filled == self.block:
+                    self.crcs.append(self._crc)
+                    self._crc, self._filled = 0, 0
+            yield chunk
+
+    def finish(self) -> tuple[int, ...]:
+        if self._filled:
+            self.crcs.append(self._crc)
+        return tuple(self.crcs)

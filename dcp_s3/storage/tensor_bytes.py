@@ -1,0 +1,146 @@
+"""How one tensor becomes bytes in a data object, streamed without whole-tensor copies.
+
+A tensor item is exactly what ``torch.save(tensor)`` writes (so stock
+``FileSystemReader`` loads it), but produced in three pieces: the small zip
+header that ``torch.save`` writes under ``skip_data``, the tensor's raw bytes
+taken straight from its memory (CUDA tensors in bounded chunks), and the zip
+trailer. The header length is the payload offset the reader uses to fetch raw
+bytes directly into the destination tensor.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, cast
+
+import torch
+
+from dcp_s3._torch_compat import TORCH_VERSION
+from dcp_s3.errors import TorchCompatibilityError
+
+__all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view", "streamable", "compact", "payload_chunks"]
+
+#: Largest device-to-host copy made at once for non-CPU tensors.
+DEVICE_COPY_CHUNK = 64 << 20
+
+
+class _Recorder(io.RawIOBase):
+    """A seekable sink that records ``torch.save``'s writes and the hole it skips."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.writes: list[tuple[int, bytes]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        data = bytes(b)
+        self.writes.append((self.pos, data))
+        self.pos += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == io.SEEK_SET else self.pos + offset if whence == io.SEEK_CUR else -1
+        if self.pos < 0:
+            raise io.UnsupportedOperation("seek from end")
+        return self.pos
+
+
+@dataclass(frozen=True)
+class TensorBlob:
+    """``header + payload + trailer`` is the ``torch.save`` file of ``tensor``."""
+
+    header: bytes
+    tensor: torch.Tensor  # contiguous; its raw bytes are the payload
+    trailer: bytes
+
+    @property
+    def payload_offset(self) -> int:
+        return len(self.header)
+
+    @property
+    def length(self) -> int:
+        return len(self.header) + self.tensor.nbytes + len(self.trailer)
+
+    def payload_chunks(self) -> Iterator[memoryview]:
+        """The raw bytes, as views of CPU memory (device tensors: bounded host copies)."""
+        return payload_chunks(self.tensor)
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself if its storage holds exactly its bytes in order, else a compact copy."""
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:  # a view into a larger storage
+        return tensor.clone()
+    return tensor
+
+
+def payload_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """The raw bytes of a compact tensor as views of CPU memory.
+
+    A CPU tensor yields one view of its own memory (no copy); a device tensor is
+    copied to the host in chunks of at most ``DEVICE_COPY_CHUNK`` bytes.
+    """
+    if tensor.nbytes == 0:
+        return
+    if tensor.device.type == "cpu":
+        yield raw_bytes_view(tensor)
+        return
+    flat = tensor.reshape(-1).view(torch.uint8)
+    for start in range(0, flat.numel(), DEVICE_COPY_CHUNK):
+        host = flat[start : start + DEVICE_COPY_CHUNK].to("cpu")
+        yield host.numpy().data
+
+
+def streamable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain dense tensor whose bytes ``tensor_blob`` can stream."""
+    return (
+        tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and tensor.device.type != "meta"
+    )
+
+
+def raw_bytes_view(tensor: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor's memory (any dtype, bf16 included)."""
+    if tensor.nbytes == 0:
+        return memoryview(b"")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
+    """Split ``torch.save(tensor)`` into header, payload (the tensor) and trailer."""
+    # torch.save writes the whole storage; a view or strided tensor becomes a compact copy.
+    tensor = compact(tensor)
+    recorder = _Recorder()
+    with torch.serialization.skip_data():
+        torch.save(tensor, cast(IO[bytes], recorder))
+    writes = sorted(recorder.writes)
+    # torch.save writes its records in order and seeks once, over the storage bytes.
+    gaps = [
+        (pos + len(data), nxt)
+        for (pos, data), (nxt, _) in zip(writes, writes[1:])
+        if pos + len(data) != nxt
+    ]
+    if not gaps and tensor.nbytes == 0:
+        return TensorBlob(b"".join(d for _, d in writes), tensor, b"")
+    if len(gaps) != 1 or gaps[0][1] - gaps[0][0] != tensor.nbytes:
+        raise TorchCompatibilityError(
+            f"torch {TORCH_VERSION}: unexpected torch.save layout: storage bytes are not one contiguous record"
+        )
+    hole_start = gaps[0][0]
+    header = b"".join(d for pos, d in writes if pos < hole_start)
+    trailer = b"".join(d for pos, d in writes if pos > hole_start)
+    return TensorBlob(header, tensor, trailer)
