@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -77,8 +77,6 @@ def _rank_main(rank: int, world: int, port: int, env: dict[str, str], uri: str, 
                 torch.save(full, ref)
         else:
             dcp.load(state, storage_reader=S3StorageReader(uri))
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
             set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
             msd, osd = get_state_dict(model, optim)
             got = _full({"model": msd, "optim": osd, "step": state["step"]})

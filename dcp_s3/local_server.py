@@ -21,6 +21,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import boto3
+from botocore.config import Config
+
 from dcp_s3.errors import ConfigError, LocalServerError
 
 __all__ = ["LocalS3Server"]
@@ -100,9 +103,6 @@ class LocalS3Server:
 
     def client(self, **config: Any) -> Any:
         """A boto3 S3 client for this server."""
-        import boto3
-        from botocore.config import Config
-
         return boto3.client(
             "s3", endpoint_url=self.endpoint_url, region_name=self.region,
             aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,

@@ -284,7 +284,7 @@ def test_metadata_name_lookup_imports_nothing() -> None:
     script = textwrap.dedent(
         """
         import sys, pickle
-        import dcp_s3.layout as layout
+        import dcp_s3.metadata.formats as layout
         from dcp_s3 import CheckpointFormatError
         lazy = [m for m in ("_dynamo", "_inductor", "_export", "onnx") if f"torch.{m}" not in sys.modules]
         assert lazy, "every lazy submodule is already imported"

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_s3 import S3StorageReader, S3StorageWriter, ScalableSavePlanner, layout
+from dcp_s3.metadata import formats
 from dcp_s3._torch_compat import _StorageInfo
 from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
 from dcp_s3.errors import ConfigError
@@ -172,7 +173,7 @@ def test_auto_and_stock_formats() -> None:
 
 def test_auto_writes_compact_above_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
     md = hand_built()
-    monkeypatch.setattr(layout, "AUTO_COMPACT_CHUNKS", 5)
+    monkeypatch.setattr(formats, "AUTO_COMPACT_CHUNKS", 5)
     assert dump_metadata(md, "auto").startswith(MAGIC)
     odd = hand_built()  # a byte item keyed with an offset: valid stock metadata, not describable compactly
     odd.storage_data[MetadataIndex("unstored", S([0]))] = ItemLocation("__0_0.distcp", 0, 3)
@@ -248,7 +249,7 @@ def test_convert_to_dcp_writes_stock_metadata(bucket: str, s3_env: LocalS3Server
     """A compressed, compact checkpoint -> ``convert --format dcp`` -> downloaded -> torch's FileSystemReader."""
     from dcp_s3.admin import convert_checkpoint
 
-    monkeypatch.setattr(layout, "AUTO_COMPACT_CHUNKS", 0)  # every save would be compact with "auto"
+    monkeypatch.setattr(formats, "AUTO_COMPACT_CHUNKS", 0)  # every save would be compact with "auto"
     state = {"w": torch.randn(33, 8), "v": torch.arange(10, dtype=torch.int16), "meta": {"epoch": 3}}
     src = f"s3://{bucket}/src"
     dcp.save(state, storage_writer=S3StorageWriter(src, compression="zstd"), no_dist=True)

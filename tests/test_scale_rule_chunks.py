@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.compact import _rule, rule_chunk
+from dcp_s3.metadata.compact_chunks import chunk_rule, rule_chunk
 from dcp_s3.metadata.compact_chunks import RuleChunks
 from dcp_s3.planners.scale import ScalableSavePlanner
 from dcp_s3.planners.vector import rule_dim
@@ -182,7 +182,7 @@ def _arrays(boxes: list[Box], dims: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_rule_dim_agrees_with_the_compact_encoder() -> None:
-    """``rule_dim`` on arrays decides as ``metadata_compact._rule`` on objects, on rule splits, their
+    """``rule_dim`` on arrays decides as ``compact_chunks.chunk_rule`` on objects, on rule splits, their
     near misses and random boxes (the writer's compact format then stores the same rule)."""
     rng = random.Random(14)
     sizes = [(0,), (1,), (7,), (0, 3), (3, 0), (1, 1), (5, 3), (2, 9), (4, 4, 2), (1, 6, 1)]
@@ -206,7 +206,7 @@ def test_rule_dim_agrees_with_the_compact_encoder() -> None:
     decided = set()
     for size, boxes in cases:
         chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
-        want = _rule(torch.Size(size), chunks)
+        want = chunk_rule(torch.Size(size), chunks)
         got = rule_dim(size, *_arrays(boxes, len(size)))
         assert got == (None if want is None else want["dim"]), (size, boxes)
         if got is not None:
@@ -214,7 +214,7 @@ def test_rule_dim_agrees_with_the_compact_encoder() -> None:
         decided.add(got is None)
     assert decided == {True, False}
     scalar = np.zeros((1, 0), np.int64)
-    assert rule_dim((), scalar, scalar) == -1 == _rule(torch.Size([]), [ChunkStorageMetadata(torch.Size([]),
+    assert rule_dim((), scalar, scalar) == -1 == chunk_rule(torch.Size([]), [ChunkStorageMetadata(torch.Size([]),
                                                                                           torch.Size([]))])["dim"]
     assert rule_dim((), np.zeros((2, 0), np.int64), np.zeros((2, 0), np.int64)) is None
 

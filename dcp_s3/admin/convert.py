@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from dcp_s3._torch_compat import _EmptyStateDictLoadPlanner, _load_state_dict
-from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError, DcpS3Error
-from dcp_s3.layout import METADATA_KEY
 from dcp_s3.admin.locations import Store, resolve
 from dcp_s3.admin.locations import single as _single
 from dcp_s3.checkpointer.steps import Part
+from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError, DcpS3Error
+from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store.base import open_object, open_store
 
 __all__ = ["ConvertReport", "convert_checkpoint"]
@@ -102,8 +103,6 @@ def convert_checkpoint(
     nbytes = sum(v.numel() * v.element_size() for _, v in tensors)
     skipped: list[str] = []
     if fmt == "dcp":
-        import torch.distributed.checkpoint as dcp
-
         writer = dst_dir.writer("", overwrite=overwrite)
         writer.metadata_format = "dcp"  # stock .metadata: a downloaded copy loads with torch's FileSystemReader
         dcp.save(state, storage_writer=writer, no_dist=True)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from dcp_s3.errors import CheckpointFormatError, ConfigError, InvalidTypeError
 
@@ -45,8 +46,6 @@ def on_meta(model: nn.Module) -> bool:
 
 def sharded(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is a DTensor."""
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 

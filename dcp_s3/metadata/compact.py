@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_s3.errors import ConfigError
 from dcp_s3.codec.frame_table import FIELDS as FRAME_FIELDS
 
-__all__ = ["MAGIC", "FORMAT_VERSION", "rule_chunk", "chunk_count", "DTYPES", "LAYOUTS", "MEMORY_FORMATS"]
+__all__ = ["MAGIC", "FORMAT_VERSION", "chunk_count", "DTYPES", "LAYOUTS", "MEMORY_FORMATS", "ArraysBuilder"]
 
 #: First bytes of a compact ``.metadata`` (a pickle starts with ``\x80``).
 MAGIC = b"\x89DCPS3M\n"
@@ -62,18 +62,6 @@ LAYOUTS: dict[str, torch.layout] = {n: v for n, v in vars(torch).items() if isin
 MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                   "preserve_format": torch.preserve_format}
 _INT_TYPES = ("<u1", "<u2", "<u4", "<u8", "<i1", "<i2", "<i4", "<i8")
-
-
-def rule_chunk(size: Sequence[int], dim: int, n: int, i: int) -> tuple[list[int], list[int]]:
-    """(offsets, sizes) of chunk ``i`` of ``n`` along ``dim`` under ``torch.chunk``'s rule
-    (every chunk ``ceil(d / n)`` rows, the trailing ones short or empty)."""
-    d = size[dim]
-    step = -(-d // n)
-    lo = min(i * step, d)
-    offsets = [0] * len(size)
-    sizes = list(size)
-    offsets[dim], sizes[dim] = lo, min(lo + step, d) - lo
-    return offsets, sizes
 
 
 def chunk_count(metadata: Metadata) -> int:
@@ -102,7 +90,7 @@ def tag(value: Any) -> Any:
     raise _unsupported(f"a {type(value).__name__} value")
 
 
-class _Arrays:
+class ArraysBuilder:
     """The packed array section, built while the header is."""
 
     def __init__(self) -> None:
@@ -179,29 +167,3 @@ def _properties(props: TensorProperties) -> dict[str, Any]:
             raise _unsupported(f"tensor property {field.name}={value!r}")
         out["strides"] = list(value)
     return out
-
-
-def _rule(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> dict[str, int] | None:
-    """``{"dim", "n"}`` if ``chunks`` is exactly torch.chunk's split of ``size`` along one dim."""
-    from dcp_s3.metadata.compact_chunks import RuleChunks
-
-    if type(chunks) is RuleChunks and chunks.size == size:  # the planner found the rule (planners_vector)
-        return {"dim": chunks.dim, "n": chunks.n}
-    n = len(chunks)
-    if n == 0:
-        return None
-    if not size:  # a scalar: one whole chunk
-        return {"dim": -1, "n": 1} if n == 1 and not chunks[0].offsets and not chunks[0].sizes else None
-    for dim in range(len(size)):
-        if all(
-            list(c.offsets) == off and list(c.sizes) == sz
-            for i, c in enumerate(chunks)
-            for off, sz in (rule_chunk(size, dim, n, i),)
-        ):
-            return {"dim": dim, "n": n}
-        if n == 1:
-            return None
-        if chunks[0].sizes[dim] == size[dim]:  # whole along this dim: try the next one
-            continue
-        return None
-    return None

@@ -16,9 +16,44 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 
 from dcp_s3.untrusted.metadata_check import offsets_key
-from dcp_s3.metadata.compact import rule_chunk
 
-__all__ = ["RuleChunks", "ExplicitChunks", "ChunkLookup"]
+__all__ = ["RuleChunks", "ExplicitChunks", "ChunkLookup", "rule_chunk", "chunk_rule"]
+
+
+def rule_chunk(size: Sequence[int], dim: int, n: int, i: int) -> tuple[list[int], list[int]]:
+    """(offsets, sizes) of chunk ``i`` of ``n`` along ``dim`` under ``torch.chunk``'s rule
+    (every chunk ``ceil(d / n)`` rows, the trailing ones short or empty)."""
+    d = size[dim]
+    step = -(-d // n)
+    lo = min(i * step, d)
+    offsets = [0] * len(size)
+    sizes = list(size)
+    offsets[dim], sizes[dim] = lo, min(lo + step, d) - lo
+    return offsets, sizes
+
+
+def chunk_rule(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> dict[str, int] | None:
+    """``{"dim", "n"}`` if ``chunks`` is exactly torch.chunk's split of ``size`` along one dim."""
+    if type(chunks) is RuleChunks and chunks.size == size:  # the planner found the rule (dcp_s3.planners.vector)
+        return {"dim": chunks.dim, "n": chunks.n}
+    n = len(chunks)
+    if n == 0:
+        return None
+    if not size:  # a scalar: one whole chunk
+        return {"dim": -1, "n": 1} if n == 1 and not chunks[0].offsets and not chunks[0].sizes else None
+    for dim in range(len(size)):
+        if all(
+            list(c.offsets) == off and list(c.sizes) == sz
+            for i, c in enumerate(chunks)
+            for off, sz in (rule_chunk(size, dim, n, i),)
+        ):
+            return {"dim": dim, "n": n}
+        if n == 1:
+            return None
+        if chunks[0].sizes[dim] == size[dim]:  # whole along this dim: try the next one
+            continue
+        return None
+    return None
 
 
 class RuleChunks(Sequence[ChunkStorageMetadata]):

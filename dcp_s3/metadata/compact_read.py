@@ -36,7 +36,7 @@ from dcp_s3._torch_compat import element_size
 from dcp_s3.untrusted.metadata_check import MAX_OFFSET, tiling_problem
 from dcp_s3.metadata.compact import DTYPES, FORMAT_VERSION, LAYOUTS, MAGIC, MEMORY_FORMATS
 from dcp_s3.metadata.compact_chunks import ExplicitChunks, RuleChunks
-from dcp_s3.metadata.compact_storage import CompactStorage, _Arrays, _bad, _Entry, _get, _int, untag
+from dcp_s3.metadata.compact_storage import CompactStorage, ArraysReader, _bad, _Entry, _get, _int, untag
 from dcp_s3.untrusted.metadata_pickle import MAX_NDIM, describe
 
 __all__ = ["load_compact", "materialize"]
@@ -127,7 +127,7 @@ def load_compact(data: bytes, where: str) -> Metadata:
         raise _bad("header does not describe dcp_s3 compact metadata")
     if header.get("version") != FORMAT_VERSION:
         raise _bad(f"format version {describe(header.get('version'))}: this dcp_s3 reads version {FORMAT_VERSION}")
-    arrays = _Arrays(data, start + head_len + (-head_len % 8), header.get("arrays"))
+    arrays = ArraysReader(data, start + head_len + (-head_len % 8), header.get("arrays"))
     explicit = [arrays.get(header.get("chunk_offsets")), arrays.get(header.get("chunk_sizes"))]
     if len(explicit[0]) != len(explicit[1]):
         raise _bad("chunk offset and size arrays differ in length")
@@ -177,7 +177,7 @@ def load_compact(data: bytes, where: str) -> Metadata:
         raise _bad(f"{described} chunks and storage entries from {len(data)} bytes: refusing to expand that far")
     storage = None
     if "storage" in header:
-        storage = CompactStorage(data, entries, _get(header, "storage", dict, "header"), arrays, where)
+        storage = CompactStorage(data, entries, _get(header, "storage", dict, "header"), arrays, where, storage_of)
     elif start_pos:
         raise _bad("entries are stored but the storage section is missing")
     meta = header.get("storage_meta")
@@ -213,3 +213,11 @@ def materialize(metadata: Metadata) -> Metadata:
                    storage_meta=metadata.storage_meta)
     out.version = getattr(metadata, "version", None)
     return out
+
+
+def storage_of(data: bytes, where: str) -> CompactStorage:
+    """The ``storage_data`` of compact ``.metadata`` bytes: what a pickled ``CompactStorage`` loads as."""
+    storage = load_compact(data, where).storage_data
+    if not isinstance(storage, CompactStorage):
+        raise _bad(f"{where}: no storage section")
+    return storage

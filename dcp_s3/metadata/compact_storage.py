@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import pathlib
-from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, ValuesView
 from typing import Any
 
 import numpy as np
@@ -84,7 +84,7 @@ def untag(value: Any, depth: int = 0) -> Any:
     raise _bad(f"unknown tagged value {describe(kind)}")
 
 
-class _Arrays:
+class ArraysReader:
     def __init__(self, data: bytes, base: int, table: Any) -> None:
         if type(table) is not dict:
             raise _bad("the array table is missing")
@@ -107,7 +107,7 @@ class _Arrays:
 class Column:
     """One integer per storage entry (or frame index), described as in ``metadata_compact``."""
 
-    def __init__(self, spec: Any, n: int, arrays: _Arrays, name: str, nested: bool = False) -> None:
+    def __init__(self, spec: Any, n: int, arrays: ArraysReader, name: str, nested: bool = False) -> None:
         self.n = n
         self.segments: tuple[int, Column, Column] | None = None
         self.const: int | None = None
@@ -198,9 +198,13 @@ class _Entry:
 class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
     """``Metadata.storage_data`` of a compact ``.metadata``: entries built (and checked) on lookup."""
 
-    def __init__(self, data: bytes, entries: list[_Entry], header: dict[str, Any], arrays: _Arrays, where: str) -> None:
+    def __init__(
+        self, data: bytes, entries: list[_Entry], header: dict[str, Any], arrays: ArraysReader, where: str,
+        rebuild: Callable[[bytes, str], CompactStorage],
+    ) -> None:
         self._data = data
         self._where = where  # named by errors found when an entry is built
+        self._rebuild = rebuild  # (data, where) -> an equal CompactStorage: how a pickle of this one loads
         self._entries = entries
         self._by_fqn = {e.fqn: e for e in entries}
         self._pos_entry = np.array([e.start for e in entries], dtype=np.int64)
@@ -360,7 +364,7 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
     __hash__ = None  # type: ignore[assignment]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_storage_from_bytes, (bytes(self._data), self._where))
+        return (self._rebuild, (bytes(self._data), self._where))
 
     def __repr__(self) -> str:
         return f"CompactStorage({self.count} entries in {len(self.objects)} objects)"
@@ -378,9 +382,3 @@ class _Values(ValuesView[_StorageInfo]):
 
     def __iter__(self) -> Iterator[_StorageInfo]:
         return (info for _, info in self._mapping._pairs())
-
-
-def _storage_from_bytes(data: bytes, where: str) -> Any:
-    from dcp_s3.metadata.compact_read import load_compact
-
-    return load_compact(data, where).storage_data

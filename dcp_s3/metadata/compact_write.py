@@ -31,15 +31,15 @@ from dcp_s3.metadata.compact import (
     KIND_STORAGE_INFO,
     MAGIC,
     STORAGE_COLUMNS,
-    _Arrays,
+    ArraysBuilder,
     _narrow,
     _properties,
-    _rule,
     _unsupported,
     tag,
 )
-from dcp_s3.metadata.compact_chunks import RuleChunks
+from dcp_s3.metadata.compact_chunks import RuleChunks, chunk_rule
 from dcp_s3.metadata.compact_entries import Entries, listed, no_chunk
+from dcp_s3.packed.results import PackedResults
 
 __all__ = ["dump_compact"]
 
@@ -56,7 +56,7 @@ def dump_compact(metadata: Metadata, results: Sequence[Sequence[WriteResult]] | 
     With ``results`` (every rank's write results, as ``S3StorageWriter.finish`` receives them)
     the storage entries are those results, and ``metadata.storage_data`` is not read.
     """
-    arrays = _Arrays()
+    arrays = ArraysBuilder()
     state = metadata.state_dict_metadata
     storage = metadata.storage_data
     if results is None and storage is not None and not hasattr(storage, "items"):
@@ -73,7 +73,7 @@ def dump_compact(metadata: Metadata, results: Sequence[Sequence[WriteResult]] | 
         if type(md) is not TensorStorageMetadata:
             raise _unsupported(f"state-dict entry {fqn!r} of type {type(md).__name__}")
         entry: dict[str, Any] = {"fqn": fqn, **_properties(md.properties), "size": list(md.size)}
-        rule = _rule(md.size, md.chunks)
+        rule = chunk_rule(md.size, md.chunks)
         if rule is not None:
             entry["rule"] = rule
             chunks = RuleChunks(md.size, rule["dim"], rule["n"])
@@ -171,8 +171,6 @@ class _Rows:
 
     def add_results(self, results: Iterable[Sequence[WriteResult]]) -> None:
         """Every rank's results, in order (a later result for the same chunk replaces an earlier one)."""
-        from dcp_s3.packed.results import PackedResults
-
         seq = 0
         for per_rank in results:
             if type(per_rank) is PackedResults:
@@ -273,7 +271,7 @@ class _Rows:
         packed = self._packed_rows()
         return packed if not len(single) else tuple(np.concatenate(pair) for pair in zip(packed, rows))  # type: ignore[return-value]
 
-    def section(self, arrays: _Arrays, with_columns: bool) -> dict[str, Any] | None:
+    def section(self, arrays: ArraysBuilder, with_columns: bool) -> dict[str, Any] | None:
         """The storage section of the header (None without columns); fills ``stored`` in each
         entry's header and ``stored_chunks``."""
         entry, chunk, seq, frame, cols = self._rows()
@@ -316,7 +314,7 @@ def _by_name(ids: np.ndarray, names: list[str]) -> tuple[np.ndarray, list[str]]:
     return renumber[ids], [names[i] for i in kept]
 
 
-def _frames(arrays: _Arrays, table: FrameTable) -> dict[str, Any]:
+def _frames(arrays: ArraysBuilder, table: FrameTable) -> dict[str, Any]:
     out: dict[str, Any] = {"count": len(table), "codecs": table.codecs}
     out["columns"] = {c: arrays.column(f"f.{c}", table.rows[:, i]) for i, c in enumerate(FRAME_COLUMNS)}
     out["ends"] = arrays.add("f.ends", _narrow(table.ends) if len(table.ends) else table.ends)

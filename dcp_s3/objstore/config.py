@@ -24,6 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import boto3
+from botocore.config import Config
+
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
 from dcp_s3.objstore.redact import install_log_redaction
 
@@ -250,9 +253,6 @@ class ClientConfig:
 
     def make_client(self) -> Any:
         """A new boto3 S3 client. boto3 clients are thread-safe; sessions are not."""
-        import boto3
-        from botocore.config import Config
-
         install_log_redaction()
         kwargs = self.client_kwargs()
         custom_endpoint = kwargs.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(

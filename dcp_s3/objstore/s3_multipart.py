@@ -9,15 +9,12 @@ from __future__ import annotations
 import logging
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from dcp_s3.objstore.buffers import BufferPool, fit_part_size
 from dcp_s3.errors import DcpS3Error
 from dcp_s3.objstore.base import ObjectWriter, PendingUpload, wait_all
 from dcp_s3.objstore.s3_requests import range_header
-
-if TYPE_CHECKING:
-    from dcp_s3.objstore.s3 import S3ObjectStore
 
 __all__ = ["MultipartWriter", "copy_multipart", "COPY_PART_SIZE"]
 
@@ -27,7 +24,19 @@ log = logging.getLogger("dcp_s3")
 COPY_PART_SIZE = 512 << 20
 
 
-def _abort(store: S3ObjectStore, key: str, upload_id: str, what: str) -> None:
+class S3Requests(Protocol):
+    """What multipart uploads need of the S3 object store (``dcp_s3.objstore.s3.S3ObjectStore``)."""
+
+    bucket: str
+
+    def call(self, op: str, key: str | None, **kwargs: Any) -> Any: ...
+
+    def put(self, key: str, body: bytes | bytearray, *, if_none_match: bool = False) -> str: ...
+
+    def abort_upload(self, upload: PendingUpload) -> None: ...
+
+
+def _abort(store: S3Requests, key: str, upload_id: str, what: str) -> None:
     try:
         store.abort_upload(PendingUpload(key, upload_id, 0.0))
         log.debug("aborted %s of s3://%s/%s", what, store.bucket, key)
@@ -40,7 +49,7 @@ def _abort(store: S3ObjectStore, key: str, upload_id: str, what: str) -> None:
 
 
 def copy_multipart(
-    store: S3ObjectStore, key: str, copy_source: dict[str, str], size: int, extra: dict[str, str],
+    store: S3Requests, key: str, copy_source: dict[str, str], size: int, extra: dict[str, str],
     executor: ThreadPoolExecutor,
 ) -> None:
     """Copy ``copy_source`` (``size`` bytes) to ``key`` by concurrent UploadPartCopy requests."""
@@ -73,7 +82,7 @@ class MultipartWriter(ObjectWriter):
 
     def __init__(
         self,
-        store: S3ObjectStore,
+        store: S3Requests,
         key: str,
         *,
         pool: BufferPool,

@@ -39,7 +39,7 @@ from dcp_s3.errors import ConfigError, DcpS3Error
 
 __all__ = [
     "running_dcp_group", "DcpGroup", "collective_device", "broadcast_bytes", "same_group", "group_ranks",
-    "check_explicit_group", "metadata_source",
+    "check_explicit_group", "metadata_source", "error_payload",
 ]
 
 log = logging.getLogger("dcp_s3")
@@ -109,7 +109,7 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device(types[0])
 
 
-def _error_payload(exc: BaseException) -> bytes:
+def error_payload(exc: BaseException) -> bytes:
     try:
         data = pickle.dumps(exc)
         pickle.loads(data)  # an exception that pickles but cannot be rebuilt would fail on the receivers
@@ -133,7 +133,7 @@ def broadcast_bytes(
         try:
             payload, status = produce(), 0
         except Exception as exc:
-            payload, status = _error_payload(exc), 1
+            payload, status = error_payload(exc), 1
             error: BaseException | None = exc
         else:
             error = None

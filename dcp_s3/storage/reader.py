@@ -195,7 +195,7 @@ class S3StorageReader(Location, StorageReader):
         fut: Future[None] = Future()
         try:
             if self.replica_group is not None:
-                read_replicated(self, plan, planner, self.replica_group)
+                read_replicated(self._read_all, self.storage_data, plan, planner, self.replica_group)
             else:
                 self._read_all(plan, planner)
             fut.set_result(None)

@@ -24,19 +24,19 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from dcp_s3.errors import ConfigError, DcpS3Error
-from dcp_s3.planners.sharing import _error_payload, collective_device, group_ranks
+from dcp_s3.planners.sharing import error_payload, collective_device, group_ranks
 
-if TYPE_CHECKING:
-    from dcp_s3.storage.reader import S3StorageReader
+#: How the reader reads a plan on this rank alone (``S3StorageReader``'s ordinary read).
+ReadAll = Callable[[LoadPlan, LoadPlanner], None]
 
 __all__ = ["read_replicated", "BATCH_BYTES"]
 
@@ -81,11 +81,14 @@ class _Capture:
         self._by_id[id(req)].data = value.getvalue()
 
 
-def read_replicated(reader: S3StorageReader, plan: LoadPlan, planner: LoadPlanner, group: dist.ProcessGroup) -> None:
-    """Read ``plan`` on every rank of ``group``, each byte from S3 by one rank only (see the module doc)."""
+def read_replicated(
+    read_all: ReadAll, storage_data: Mapping[Any, Any], plan: LoadPlan, planner: LoadPlanner, group: dist.ProcessGroup
+) -> None:
+    """Read ``plan`` on every rank of ``group``, each byte from S3 by one rank only (see the module doc):
+    ``read_all`` reads a plan on this rank, ``storage_data`` is the checkpoint's (``Metadata.storage_data``)."""
     size = dist.get_world_size(group)
     if size == 1:
-        reader._read_all(plan, planner)
+        read_all(plan, planner)
         return
     me = dist.get_rank(group)
     ranks = group_ranks(group)
@@ -93,7 +96,7 @@ def read_replicated(reader: S3StorageReader, plan: LoadPlan, planner: LoadPlanne
     entries: list[_Entry] = []
     digest, error = b"", None
     try:
-        entries = [_entry(req, planner, reader) for req in plan.items]
+        entries = [_entry(req, planner, storage_data) for req in plan.items]
         digest = _digest(entries)
     except Exception as exc:  # reported to every member, then raised
         error = exc
@@ -107,7 +110,7 @@ def read_replicated(reader: S3StorageReader, plan: LoadPlan, planner: LoadPlanne
     owners = _owners(entries, size)
     mine = [e for e, o in zip(entries, owners) if o == me]
     try:
-        reader._read_all(LoadPlan([e.req for e in mine]), cast(LoadPlanner, _Capture({id(e.req): e for e in mine})))
+        read_all(LoadPlan([e.req for e in mine]), cast(LoadPlanner, _Capture({id(e.req): e for e in mine})))
     except Exception as exc:
         error = exc
     _exchange(b"", error, group, ranks)
@@ -123,8 +126,8 @@ def read_replicated(reader: S3StorageReader, plan: LoadPlan, planner: LoadPlanne
             planner.load_bytes(e.req, io.BytesIO(e.data))
 
 
-def _entry(req: ReadItem, planner: LoadPlanner, reader: S3StorageReader) -> _Entry:
-    info = reader.storage_data.get(req.storage_index)
+def _entry(req: ReadItem, planner: LoadPlanner, storage_data: Mapping[Any, Any]) -> _Entry:
+    info = storage_data.get(req.storage_index)
     order = (str(info.relative_path), int(info.offset)) if info is not None else ("", 0)
     if req.type == LoadItemType.BYTE_IO:
         return _Entry(req, None, int(info.length) if info is not None else 0, order)
@@ -228,7 +231,7 @@ def _exchange(value: bytes, error: Exception | None, group: dist.ProcessGroup, r
     """Every member's ``value``; if any member had an ``error``, it is raised on every member instead
     (a member's own error on itself), so that no member is left waiting in a later collective."""
     reports: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(reports, (value, None if error is None else _error_payload(error)), group=group)
+    dist.all_gather_object(reports, (value, None if error is None else error_payload(error)), group=group)
     if error is not None:
         raise error
     for rank, (_, report) in zip(ranks, reports):
