@@ -1,5 +1,7 @@
-"""The conformance suites on a local directory, SeaweedFS and moto: ``tests/conformance.py``
-(checkpoints through the public API) and ``tests/objstore_conformance.py`` (the object-store interface).
+"""The conformance suites of :mod:`dcp_s3.testing` on a local directory, SeaweedFS and moto:
+``StoreConformance`` (checkpoints through the public API) and ``ObjectStoreConformance`` (the
+object-store interface), each backend plugged in only through the suites' documented fixture
+(``target``, ``objstore``), as another backend would.
 
 Each backend is reached the way a user would: the directory by its path, SeaweedFS through
 the standard ``AWS_*`` environment (``AWS_ENDPOINT_URL``), moto through a credential file
@@ -15,12 +17,10 @@ from pathlib import Path
 import pytest
 
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore.base import ObjectStore
 from dcp_s3.objstore.local import LocalObjectStore
 from dcp_s3.objstore.s3 import S3ObjectStore
-from tests.conformance import LocalRaw, S3Raw, StoreConformance, Target
-from tests.objstore_conformance import ObjectStoreConformance
+from dcp_s3.testing import LocalRaw, LocalS3Server, ObjectStoreConformance, S3Raw, StoreConformance, Target
 
 
 class TestLocalDirectory(StoreConformance):

@@ -92,7 +92,7 @@ def test_metadata_naming_a_file_outside_the_directory_is_refused(tmp_path: Path)
     with pytest.raises(BaseException, match="invalid object path '../secret.distcp'"):
         dcp.load(blank(), storage_reader=S3StorageReader(tmp_path / "ck"), no_dist=True)
     # An overwrite does not delete it either (and the object store refuses such names on its own:
-    # tests/objstore_conformance.py).
+    # dcp_s3/testing/objstore_conformance.py).
     dcp.save(state(5), storage_writer=S3StorageWriter(tmp_path / "ck"), no_dist=True)
     assert outside.read_bytes() == b"not yours"
 

@@ -1,5 +1,5 @@
-"""The conformance suites (checkpoints, and the object-store interface) against any S3 server
-named by environment variables.
+"""The conformance suites of :mod:`dcp_s3.testing` (checkpoints, and the object-store interface)
+against any S3 server named by environment variables.
 
 Not collected by a plain ``python -m pytest`` (the file name does not start with ``test_``);
 ``tests/compat/run_servers.py`` starts each server and runs::
@@ -23,8 +23,7 @@ import pytest
 
 from dcp_s3.objstore import ObjectStore
 from dcp_s3.objstore.s3 import S3ObjectStore
-from tests.conformance import S3Raw, StoreConformance, Target
-from tests.objstore_conformance import ObjectStoreConformance
+from dcp_s3.testing import ObjectStoreConformance, S3Raw, StoreConformance, Target
 
 ENV = ("DCP_S3_COMPAT_ENDPOINT", "DCP_S3_COMPAT_ACCESS_KEY", "DCP_S3_COMPAT_SECRET_KEY", "DCP_S3_COMPAT_BUCKET")
 

@@ -1,11 +1,12 @@
 """The object-store interface (``dcp_s3.objstore.ObjectStore``) as every backend must honour it.
 
 ``ObjectStoreConformance`` holds the tests; a subclass provides the ``objstore`` fixture (a
-backend on a fresh container: a directory, or a new bucket). The DCP-level suite
-(``tests/conformance.py``) then checks what users build on it; this one checks the interface
-itself, with the same expectations on every backend: same results, same error classes.
-Subclasses: ``tests/test_conformance.py`` (local disk, SeaweedFS, moto) and
-``tests/compat/conformance_external.py`` (any S3 server, run by ``tests/compat/run_servers.py``).
+backend on a fresh container: a directory, or a new bucket, or a fresh prefix of one given by the
+``base`` fixture). The DCP-level suite (:mod:`dcp_s3.testing.store_conformance`) then checks what
+users build on it; this one checks the interface itself, with the same expectations on every
+backend: same results, same error classes. dcp_s3's own subclasses: ``tests/test_conformance.py``
+(local disk, SeaweedFS, moto) and ``tests/compat/conformance_external.py`` (any S3 server, run by
+``tests/compat/run_servers.py``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
 from dcp_s3.objstore.base import ObjectStore, RangeRead
+from dcp_s3.objstore.buffers import BufferPool
 
 __all__ = ["ObjectStoreConformance"]
 
@@ -33,15 +34,23 @@ def _into(buf: bytearray, lo: int, hi: int) -> Any:
 
 
 class ObjectStoreConformance:
-    """Subclasses define ``objstore`` (a fixture returning an :class:`ObjectStore`) and may override
-    ``base`` (a key prefix nothing else uses, for a server that serves one shared bucket).
+    """Subclasses define ``objstore`` (a fixture returning an :class:`ObjectStore` on a fresh, empty
+    container) and may override ``base`` (a key prefix nothing else uses, ending in ``/``, for a
+    server that serves one shared bucket) and ``strict``.
 
-    ``strict``: the backend is known to report ETags on HEAD and to enforce ``If-None-Match``;
-    external servers (``strict = False``) may lack either, and what they answer is recorded
-    (``record_property``) instead.
+    ``strict``: the backend is known to report ETags on HEAD and to enforce ``If-None-Match``; a
+    backend that may lack either (an external server: ``strict = False``) has what it answers
+    recorded (``record_property``) instead of failed.
     """
 
     strict: ClassVar[bool] = True
+
+    @pytest.fixture
+    def objstore(self) -> ObjectStore:
+        raise NotImplementedError(
+            f"{type(self).__name__} subclasses ObjectStoreConformance: it defines the objstore fixture "
+            "(a dcp_s3.objstore.ObjectStore on a fresh, empty container)"
+        )
 
     @pytest.fixture
     def base(self) -> str:

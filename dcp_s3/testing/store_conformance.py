@@ -3,14 +3,15 @@
 ``StoreConformance`` holds the tests; a subclass provides the ``target`` fixture, a
 :class:`Target`: a root location (``s3://bucket/prefix`` or a local directory), the storage
 options that reach it, and :class:`Raw` access to its objects that does not go through
-dcp_s3 (boto3 or ``os``), with which the tests look at what was stored and damage it the way
-a crash or a bad disk would. Every test goes through the public API only: ``dcp.save`` /
-``dcp.load`` with the location's writer and reader, :class:`~dcp_s3.Checkpointer` and
-:mod:`dcp_s3.admin`.
+dcp_s3 (boto3 or ``os``: :class:`S3Raw`, :class:`LocalRaw`, or a class of the backend's own), with
+which the tests look at what was stored and damage it the way a crash or a bad disk would. Every
+test goes through the public API only: ``dcp.save`` / ``dcp.load`` with the location's writer and
+reader (:meth:`Target.writer` / :meth:`Target.reader`), :class:`~dcp_s3.Checkpointer` and
+:mod:`dcp_s3.admin`. Each test wants a fresh, empty root.
 
-Subclasses: ``tests/test_conformance.py`` (a local directory, SeaweedFS and moto, in CI) and
-``tests/compat/conformance_external.py`` (any S3 server named by environment variables; run by
-``tests/compat/run_servers.py``). What a server answers where more than one answer is
+dcp_s3's own subclasses: ``tests/test_conformance.py`` (a local directory, SeaweedFS and moto, in
+CI) and ``tests/compat/conformance_external.py`` (any S3 server named by environment variables;
+run by ``tests/compat/run_servers.py``). What a server answers where more than one answer is
 acceptable (``overwrite=False`` on a server without conditional writes, listing multipart
 uploads) is recorded with ``record_property`` (pytest's JUnit XML) for the compatibility table.
 """
@@ -261,11 +262,18 @@ def _trained(seed: int) -> tuple[_Net, torch.optim.Optimizer, Any]:
 
 # -- the suite --------------------------------------------------------------------------------------------
 class StoreConformance:
-    """Subclass and define a ``target`` fixture returning a :class:`Target` with a fresh, empty root."""
+    """Subclass and define a ``target`` fixture returning a :class:`Target` with a fresh, empty root.
+
+    The fixture may take any fixture (``tmp_path``, a server of a session-scoped fixture of the
+    subclass's own conftest, ``monkeypatch`` to set credentials in the environment).
+    """
 
     @pytest.fixture
     def target(self) -> Target:
-        raise NotImplementedError("a conformance subclass defines the target fixture")
+        raise NotImplementedError(
+            f"{type(self).__name__} subclasses StoreConformance: it defines the target fixture "
+            "(a dcp_s3.testing.Target with a fresh, empty root)"
+        )
 
     # -- dcp.save / dcp.load ------------------------------------------------------------------------
     def test_round_trip_is_bit_exact_with_multipart_objects(self, target: Target) -> None:
