@@ -41,7 +41,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.scale import MODELS, ModelShape, shard_rows, sharded_tensors  # noqa: E402
+from benchmarks.scale_models import MODELS, ModelShape, shard_rows, sharded_tensors  # noqa: E402
 from benchmarks.scale_ranks import exponent  # noqa: E402
 
 HSDP_SHARD = 8
@@ -154,8 +154,8 @@ def time_after(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = Fal
     """Every rank's packed results pickled (rank-local, not timed), then the coordinator timed: unpickle
     them all, encode ``.metadata`` from the arrays, turn the metadata into the committed bytes' view; then
     the broadcast: pickle that metadata, and one rank's unpickling of it."""
-    from dcp_s3.metadata.formats import load_metadata
     from dcp_s3.metadata.compact_write import dump_compact
+    from dcp_s3.metadata.formats import load_metadata
 
     blobs = [pickle.dumps(packed_results(model, ranks, hsdp, r, compressed)) for r in range(ranks)]
     md = state_metadata(model, ranks, hsdp, lazy=True)

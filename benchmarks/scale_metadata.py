@@ -11,7 +11,7 @@ metadata of 8 ranks whatever the job size, and each rank reads one shard.
 
 Per rank, what a load costs before any data moves:
 
-* ``.metadata`` bytes, stock pickle and compact. Stock: a real ``Metadata`` (``scale.build_metadata``
+* ``.metadata`` bytes, stock pickle and compact. Stock: a real ``Metadata`` (``scale_models.build_metadata``
   plus CRCs) pickled at ``--stock-ranks`` (small) rank counts, extrapolated linearly in chunks
   (~): bytes and both unpicklers' seconds grow with chunks (see ``benchmarks/results/scale.md``).
   Compact: the real file, built at every rank count (``compact_fsdp`` writes the same bytes as
@@ -49,9 +49,9 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from benchmarks.scale import MODELS, ModelShape, build_metadata, sharded_tensors  # noqa: E402
+from benchmarks.scale_models import MODELS, ModelShape, build_metadata, sharded_tensors  # noqa: E402
 
-HEADER, TRAILER, STEP_LEN, GROUPS_LEN = 420, 200, 600, 900  # as benchmarks.scale.build_metadata
+HEADER, TRAILER, STEP_LEN, GROUPS_LEN = 420, 200, 600, 900  # as benchmarks.scale_models.build_metadata
 HSDP_SHARD = 8
 GOAL_S = 5.0
 
@@ -62,7 +62,7 @@ def crc_of(t: Any, r: Any) -> Any:
 
 
 def stock_metadata(model: ModelShape, ranks: int) -> Any:
-    """``scale.build_metadata`` with the CRC32C every dcp_s3 tensor and byte item carries."""
+    """``scale_models.build_metadata`` with the CRC32C every dcp_s3 tensor and byte item carries."""
     md = build_metadata(model, ranks)
     names = {fqn: t for t, fqn in enumerate(md.state_dict_metadata)}
     for index, info in md.storage_data.items():
@@ -170,7 +170,7 @@ def stock_at(stock: dict[str, Any], entries: int) -> dict[str, float]:
 
 def local_boxes(model: ModelShape, ranks: int, r: int) -> list[tuple[str, list[int], list[int]]]:
     """(fqn, offsets, sizes) of rank ``r``'s local shard of every sharded tensor (FSDP, torch.chunk rule)."""
-    from benchmarks.scale import shard_rows
+    from benchmarks.scale_models import shard_rows
 
     out = []
     for fqn, shape in sharded_tensors(model):
@@ -187,8 +187,8 @@ def measure_compact(model: ModelShape, ranks: int, shards: int) -> dict[str, Any
 
     from dcp_s3 import S3StorageReader
     from dcp_s3.metadata.formats import load_metadata
-    from dcp_s3.untrusted.metadata_check import offsets_key
     from dcp_s3.planners.load import read_items_for_chunks
+    from dcp_s3.untrusted.metadata_check import offsets_key
 
     build_s, blob = timed(lambda: compact_fsdp(model, shards))
     decode_s, md = timed(lambda: load_metadata(blob, "s3://sim/.metadata"), repeat=3)

@@ -6,7 +6,7 @@
 Layouts: **FSDP** (every tensor sharded on dim 0 over all ranks) and **HSDP** (8-way shard
 x ranks/8 replicas: rank r holds shard r % 8). Every figure is computed with the real code:
 
-* ``.metadata`` bytes and unpickle time: ``benchmarks.scale.measure_metadata`` (a real
+* ``.metadata`` bytes and unpickle time: ``benchmarks.scale_models.measure_metadata`` (a real
   ``Metadata`` with dcp_s3 entries, pickled and loaded; linear extrapolation in chunks
   above ``--metadata-max-entries``, marked ~). Unchanged by this work (same format).
 * ``.metadata`` bytes GET from S3 on one load: before, every rank GETs it; after
@@ -49,7 +49,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.scale import MODELS, ModelShape, measure_metadata, shard_rows, sharded_tensors  # noqa: E402
+from benchmarks.scale_models import MODELS, ModelShape, measure_metadata, shard_rows, sharded_tensors  # noqa: E402
 
 HSDP_SHARD = 8
 MEASURED = (1024, 2048)  # planning is always timed at these (when <= --plan-max-ranks): the growth exponent
