@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
@@ -57,9 +57,9 @@ class ObjectStoreConformance:
         return ""
 
     @pytest.fixture
-    def pool(self) -> ThreadPoolExecutor:
+    def pool(self) -> Iterator[ThreadPoolExecutor]:
         with ThreadPoolExecutor(4) as ex:
-            yield ex  # type: ignore[misc]
+            yield ex
 
     def test_put_get_head_and_etags(self, objstore: ObjectStore, base: str, record_property: Record) -> None:
         key = f"{base}a/b.bin"
