@@ -7,8 +7,10 @@ import socket
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 
 def free_port() -> int:
@@ -68,3 +70,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if errors:
         raise AssertionError("\n".join(f"rank {r} failed: {v}" for r, v in sorted(errors.items())))
     return [results[r][1] for r in range(world_size)]
+
+
+def full(value: Any) -> Any:
+    """``value`` with every DTensor gathered to a full tensor (and every tensor cloned), recursively."""
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: full(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [full(v) for v in value]
+    return value

@@ -19,6 +19,8 @@ import pytest
 import dcp_s3
 from dcp_s3 import errors
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 PACKAGE = Path(__file__).resolve().parents[1] / "dcp_s3"  # the tree these tests belong to
 # Errors only: SystemExit and KeyboardInterrupt are control flow (a CLI exits with SystemExit).
 BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()

@@ -26,6 +26,8 @@ from dcp_s3.admin import inspect_checkpoint, list_steps
 from dcp_s3.cli import main as cli_main
 from dcp_s3.local_server import LocalS3Server
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 GOLDEN = Path(__file__).resolve().parent / "golden"
 _spec = importlib.util.spec_from_file_location("golden_state", GOLDEN / "golden_state.py")
 assert _spec is not None and _spec.loader is not None

@@ -28,6 +28,8 @@ from dcp_s3.metadata.formats import load_metadata
 from dcp_s3.untrusted.pinned_names import DCP_S3_NAMES, pinned
 from dcp_s3.untrusted.metadata_pickle import unpickle_metadata
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 GOLDEN = Path(__file__).resolve().parent / "golden"
 #: A compressed checkpoint written by 0.2.0: its .metadata names both dcp_s3 classes.
 GOLDEN_ZSTD = GOLDEN / "0.2.0" / "s3" / "golden" / "ckpt" / "zstd"

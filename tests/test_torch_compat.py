@@ -1,7 +1,7 @@
 """What differs between the supported torch releases (2.7-2.15) behaves the same for users.
 
 Part of the subset that CI runs on the lowest and highest supported torch
-(``tests/torch_subset.txt``).
+(marked ``torch_range``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from dcp_s3 import (
 )
 from dcp_s3 import _torch_compat as compat
 from dcp_s3.local_server import LocalS3Server
+
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 
 
 def _failures(exc: BaseException) -> list[BaseException]:

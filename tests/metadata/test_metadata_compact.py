@@ -39,6 +39,8 @@ from dcp_s3.metadata.compact_write import dump_compact
 from dcp_s3.planners.load import ScalableLoadPlanner
 from tests.objects import object_keys
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 S = torch.Size
 
 

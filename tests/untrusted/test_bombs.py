@@ -43,7 +43,9 @@ from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
 from dcp_s3.admin import convert_checkpoint
 from dcp_s3.untrusted.byte_items import byte_item_problem
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
+ROOT = Path(__file__).resolve().parents[2]
 #: Address space the child may map beyond what it holds once torch and dcp_s3 are imported (a CUDA
 #: build of torch maps far more than a CPU one, so the limit is set after the imports); every bomb
 #: here asks for more.
@@ -78,7 +80,7 @@ _CHILD = textwrap.dedent(
 def run_child(ckpt: Path, state: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     """Load ``ckpt`` into the blank ``state`` (tensor shapes as lists, see ``bomb_child``) in a child."""
     code = Path(dcp_s3.__file__).resolve().parents[1]  # the child runs the dcp_s3 this process imported
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code), str(ROOT / "tests")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code), str(ROOT / "tests"), str(ROOT / "tests" / "untrusted")]))
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(HEADROOM), str(ckpt), json.dumps(state)],
         capture_output=True, text=True, timeout=timeout, env=env,

@@ -20,6 +20,8 @@ from dcp_s3.planners.save import dedup_save_plans, global_save_plan, merged_plan
 from dcp_s3.planners.scale import ScalableSavePlanner
 from dcp_s3.planners.vector import vector_global_plan
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 
 def shard(fqn: str, shape: tuple[int, ...], offset: int, rows: int, dtype: torch.dtype = torch.float32) -> WriteItem:
     offsets = torch.Size([offset] + [0] * (len(shape) - 1))

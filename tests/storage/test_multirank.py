@@ -10,12 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dist_utils import full, run_ranks
 from test_storage import assert_same
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.local_server import LocalS3Server
@@ -43,18 +42,6 @@ def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         fully_shard(layer)
     fully_shard(model)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def full(value: Any) -> Any:
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: full(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [full(v) for v in value]
-    return value
 
 
 def state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -95,6 +82,7 @@ def load_job(rank: int, world: int, env: dict[str, str], uri: str, ref_path: str
     assert_same(expected, got)
 
 
+@pytest.mark.torch_range
 def test_fsdp2_save_on_2_ranks_load_on_1_and_3(bucket: str, s3_env: LocalS3Server, tmp_path: Path) -> None:
     uri = f"s3://{bucket}/fsdp/step-3"
     ref = str(tmp_path / "ref.pt")
@@ -142,6 +130,7 @@ def async_job(rank: int, world: int, env: dict[str, str], uri: str, mode: str) -
     assert torch.equal(out["shared"], torch.ones(3)) and out["step"] == 5
 
 
+@pytest.mark.torch_range
 @pytest.mark.parametrize("mode", ["THREAD", "PROCESS"])
 def test_async_save_on_2_ranks(bucket: str, s3_env: LocalS3Server, mode: str) -> None:
     run_ranks(async_job, 2, s3_env.env(), f"s3://{bucket}/async-{mode.lower()}", mode)

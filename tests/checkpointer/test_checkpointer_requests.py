@@ -23,7 +23,7 @@ from test_checkpointer import Net, build, same, snapshot, train, trainable
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.local_server import LocalS3Server
 
-pytestmark = pytest.mark.multiproc
+pytestmark = [pytest.mark.multiproc, pytest.mark.torch_range]  # torch_range: also on the lowest and highest torch
 
 
 def metadata_gets(rank: int, proxy: str) -> dict[str, int] | None:

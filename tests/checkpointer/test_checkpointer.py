@@ -11,8 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
-from test_multirank import full
+from dist_utils import full, run_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -21,6 +20,8 @@ from dcp_s3 import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from dcp_s3.checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.store import open_store
+
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 
 
 class Net(nn.Module):

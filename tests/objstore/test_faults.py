@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: its helper modules
 
 from dist_utils import free_port  # noqa: E402
 from fault_proxy import FaultProxy, Rule  # noqa: E402

@@ -30,12 +30,12 @@ from dcp_s3.local_server import LocalS3Server
 from dcp_s3.store import open_store
 from dcp_s3.admin.verify import verify_checkpoint
 from tests.held_child import HeldChild
-from tests.resave_child import build, first_state, snapshot, train_a_bit
+from tests.checkpointer.resave_child import build, first_state, snapshot, train_a_bit
 
 CHILD = str(Path(__file__).with_name("resave_child.py"))
 GENERATION = r"[0-9a-f]{16}"
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.torch_range]
 
 
 class Child(HeldChild):

@@ -26,6 +26,8 @@ from dcp_s3.metadata.compact_chunks import ExplicitChunks, RuleChunks
 from dcp_s3.planners.load import ScalableLoadPlanner, read_items_for_chunks
 from tests.objects import object_keys
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 S = torch.Size
 
 
@@ -152,7 +154,7 @@ def test_local_plan_on_compact_metadata_equals_torchs_and_keeps_its_errors() -> 
 
     from dcp_s3.metadata.formats import dump_metadata, load_metadata
     from dcp_s3.planners.load import local_load_plan
-    from tests.test_metadata_compact import hand_built
+    from tests.metadata.test_metadata_compact import hand_built
 
     stock = hand_built()
     compact = load_metadata(dump_metadata(stock, "compact"), "x")

@@ -20,6 +20,8 @@ from dcp_s3.layout import CODEC_DESCRIPTOR
 from dcp_s3.local_server import LocalS3Server
 from tests.objects import data_key, hooked
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 MiB = 1 << 20
 
 

@@ -34,6 +34,8 @@ from dcp_s3.metadata.compact_chunks import RuleChunks
 from dcp_s3.planners.scale import ScalableSavePlanner
 from dcp_s3.planners.vector import rule_dim
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 Box = tuple[list[int], list[int]]  # (offsets, sizes)
 
 

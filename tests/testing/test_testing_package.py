@@ -14,7 +14,7 @@ from pathlib import Path
 from dcp_s3 import local_server, testing
 from dcp_s3.testing import ObjectStoreConformance, StoreConformance
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:

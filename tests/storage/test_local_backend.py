@@ -21,6 +21,8 @@ from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.layout import METADATA_KEY, referenced_objects
 from dcp_s3.metadata.formats import dump_metadata, load_metadata
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 
 def state(seed: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)

@@ -26,6 +26,8 @@ from dcp_s3 import (
 from dcp_s3.local_server import LocalS3Server
 from tests.objects import data_key, data_keys, data_name, hooked
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 MiB = 1 << 20
 
 

@@ -30,7 +30,9 @@ from dcp_s3.local_server import LocalS3Server
 from dcp_s3.metadata.compact_chunks import RuleChunks
 from dcp_s3.metadata.compact_write import dump_compact
 from dcp_s3.packed.results import PackedResults
-from tests.test_metadata_compact import fsdp_chunks, hand_built
+from tests.metadata.test_metadata_compact import fsdp_chunks, hand_built
+
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 
 S = torch.Size
 

@@ -18,7 +18,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from dcp_s3.metadata.compact import MAGIC
-from tests.test_metadata_compact import hand_built
+from tests.metadata.test_metadata_compact import hand_built
+
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 
 WHERE = "s3://bucket/run/.metadata"
 

@@ -33,6 +33,8 @@ from dcp_s3.planners import (
 )
 from tests.dist_utils import run_ranks
 
+pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
+
 DIM, LORA_RANK, LAYERS = 256, 4, 2
 
 
