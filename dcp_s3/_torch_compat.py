@@ -14,6 +14,11 @@ Differences inside the supported range (checked in each release's source):
 - 2.9: the loader retries a failed ``read_metadata()`` as ``read_metadata(rank=...)``;
   until 2.11 it then drops both errors (``AssertionError("metadata is None")``), so
   readers answer the retry with :func:`placeholder_metadata`.
+
+Private names whose silent rename would change what dcp_s3 does (an override no longer called, an
+attribute set that torch no longer reads) are looked up with :func:`torch_private`, which raises
+``TorchCompatibilityError`` naming the missing name and this torch's version.
+``tests/test_private_torch_names.py`` parses every other module to keep torch's private names here.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import types
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -35,13 +41,14 @@ from torch.distributed.checkpoint import _version as dcp_version  # DefaultLoadP
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from dcp_s3.errors import CheckpointFormatError, ConfigError
+from dcp_s3.errors import CheckpointFormatError, ConfigError, TorchCompatibilityError
 
 __all__ = [
     "TORCH_VERSION",
+    "torch_private",
     "narrow_tensor_by_index",
     "flatten_state_dict",
     "dcp_version",
@@ -56,6 +63,10 @@ __all__ = [
     "require_transform_descriptors",
     "placeholder_metadata",
     "weights_only_unpickler",
+    "weights_only_blocklisted_modules",
+    "weights_only_allowed_globals",
+    "weights_only_user_allowed_globals",
+    "MEM_FORMAT_ENCODING",
     "get_layout",
     "REBUILD_PREFIX",
     "REBUILD_FROM_TYPE_V2",
@@ -79,6 +90,22 @@ except ImportError:  # torch < 2.9: async_save returns the upload's future itsel
 ASYNC_SAVE_HAS_NO_DIST = "no_dist" in inspect.signature(dcp.async_save).parameters
 #: ``_StorageInfo`` records a per-item transform (torch >= 2.7); compressed items need it.
 HAS_TRANSFORM_DESCRIPTORS = "transform_descriptors" in {f.name for f in dataclasses.fields(_StorageInfo)}
+
+
+def torch_private(owner: Any, name: str, where: str | None = None) -> Any:
+    """``owner.name``, a private torch name dcp_s3 relies on; ``TorchCompatibilityError`` where this
+    torch has no such name (renamed or removed: dcp_s3 needs a change for this release). ``where``
+    names ``owner`` in the message (default: the module's or class's own name)."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        if where is None:
+            module = isinstance(owner, types.ModuleType)
+            where = owner.__name__ if module else f"{owner.__module__}.{owner.__qualname__}"
+        raise TorchCompatibilityError(
+            f"dcp_s3 relies on torch's private {where}.{name}, which torch {TORCH_VERSION} does not have "
+            f"(dcp_s3/_torch_compat.py needs updating for this torch release)"
+        ) from None
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -147,9 +174,28 @@ def placeholder_metadata() -> Metadata:
 
 #: ``torch.serialization._get_layout``: how pickled metadata names a tensor layout.
 get_layout = torch.serialization._get_layout
+#: ``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``: how ``TensorProperties`` pickles
+#: its memory format (an enum that checkpoints' metadata names).
+MEM_FORMAT_ENCODING = _MEM_FORMAT_ENCODING
 #: Names of the functions torch.save's pickles call to rebuild tensors (strings inside pickles).
 REBUILD_PREFIX = "torch._utils._rebuild_"
 REBUILD_FROM_TYPE_V2 = "torch._tensor._rebuild_from_type_v2"
+
+
+def weights_only_blocklisted_modules() -> Any:
+    """The modules torch's weights-only unpickler refuses even when allowlisted (``_blocklisted_modules``)."""
+    return torch_private(weights_only_unpickler, "_blocklisted_modules")
+
+
+def weights_only_allowed_globals() -> dict[str, Any]:
+    """torch's own weights-only allowlist, by dotted name (``_get_allowed_globals()``)."""
+    return cast(dict[str, Any], torch_private(weights_only_unpickler, "_get_allowed_globals")())
+
+
+def weights_only_user_allowed_globals() -> dict[str, Any]:
+    """What the user registered with ``torch.serialization.add_safe_globals``, by dotted name
+    (``_get_user_allowed_globals()``)."""
+    return cast(dict[str, Any], torch_private(weights_only_unpickler, "_get_user_allowed_globals")())
 
 
 def rebuild_functions() -> dict[str, Any]:
