@@ -77,6 +77,7 @@ __all__ = [
     "decode_torch_transforms",
     "torch_save_bound",
     "ZSTD_MAX_WINDOW",
+    "flatten_state_dict_as_before_2_4",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -296,3 +297,18 @@ def torch_save_bound(nbytes: int, ndim: int) -> int:
     empty tensor's 0), 64 bytes of record alignment and 1 KiB for records other torch versions add.
     """
     return nbytes + _empty_save_size(ndim) + 20 * ndim + 64 + 1024
+
+
+# -- used by the planners (planners/load.py) ------------------------------------------------------------
+
+
+def flatten_state_dict_as_before_2_4(state_dict: Any) -> tuple[Any, Any]:
+    """``flatten_state_dict(state_dict)`` with the keys of checkpoints saved by torch <= 2.3, as
+    ``DefaultLoadPlanner.create_local_plan`` computes them (``_version._derived_version = "2_3"``
+    for the call, then None again so that later saves use the current keys)."""
+    torch_private(dcp_version, "_derived_version")  # a rename would silently give the current keys
+    dcp_version._derived_version = "2_3"
+    try:
+        return flatten_state_dict(state_dict)
+    finally:
+        dcp_version._derived_version = None
