@@ -39,9 +39,10 @@ from torch import _weights_only_unpickler as weights_only_unpickler  # torch's w
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import _version as dcp_version  # DefaultLoadPlanner's pre-2.4 key handling
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from dcp_s3.errors import CheckpointFormatError, ConfigError, TorchCompatibilityError
@@ -78,6 +79,7 @@ __all__ = [
     "torch_save_bound",
     "ZSTD_MAX_WINDOW",
     "flatten_state_dict_as_before_2_4",
+    "OverridableSavePlanner",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -299,7 +301,7 @@ def torch_save_bound(nbytes: int, ndim: int) -> int:
     return nbytes + _empty_save_size(ndim) + 20 * ndim + 64 + 1024
 
 
-# -- used by the planners (planners/load.py) ------------------------------------------------------------
+# -- used by the planners (planners/load.py, planners/scale.py) ---------------------------------------
 
 
 def flatten_state_dict_as_before_2_4(state_dict: Any) -> tuple[Any, Any]:
@@ -312,3 +314,46 @@ def flatten_state_dict_as_before_2_4(state_dict: Any) -> tuple[Any, Any]:
         return flatten_state_dict(state_dict)
     finally:
         dcp_version._derived_version = None
+
+
+#: What ``OverridableSavePlanner`` overrides, or sets, of torch's ``DefaultSavePlanner``.
+_SAVE_PLANNER_METHODS = ("_dedup_save_plans", "_create_global_plan")
+_SAVE_PLANNER_KEY = "_cached_plans_key"
+
+
+class OverridableSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose private override points have public names.
+
+    torch's ``create_global_plan`` (with or without plan caching) calls ``self._create_global_plan``,
+    which calls ``self._dedup_save_plans``; here they call :meth:`build_global_plan` and
+    :meth:`dedup_plans`, which subclasses override (their defaults are torch's). Plan caching keys
+    its cache by ``self._cached_plans_key``: :meth:`set_plans_cache_key`.
+
+    A torch that renamed one of them would stop calling the override, or stop reading the key (the
+    plans of another group's save would then be mixed into this one's): constructing the planner
+    raises ``TorchCompatibilityError`` instead.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for name in _SAVE_PLANNER_METHODS:
+            torch_private(DefaultSavePlanner, name)
+        super().__init__(*args, **kwargs)
+        torch_private(self, _SAVE_PLANNER_KEY, "DefaultSavePlanner()")  # set by torch's __init__
+
+    def set_plans_cache_key(self, key: str) -> None:
+        """Key torch's plan cache (process-wide, by default the class's name) by ``key``."""
+        self._cached_plans_key = key
+
+    def dedup_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """The coordinator's deduplication of the ranks' plans (torch's ``_dedup_save_plans``)."""
+        return cast(list[SavePlan], super()._dedup_save_plans(all_plans))
+
+    def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """The global plans and metadata from the ranks' plans (torch's ``_create_global_plan``)."""
+        return cast(tuple[list[SavePlan], Metadata], super()._create_global_plan(all_plans))
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        return self.dedup_plans(all_plans)
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        return self.build_global_plan(all_plans)
