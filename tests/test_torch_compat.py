@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -141,23 +140,6 @@ def _async_no_dist_in_a_group(rank: int, world: int, env: dict[str, str], uri: s
 def test_async_save_no_dist_inside_a_group_needs_torch_2_9(bucket: str, s3_env: LocalS3Server) -> None:
     [message] = run_ranks(_async_no_dist_in_a_group, 1, s3_env.env(), f"s3://{bucket}/a")
     assert "needs torch>=2.9" in message and torch.__version__ in message, message
-
-
-def test_private_torch_names_are_used_only_in_the_compat_module() -> None:
-    """The next torch release has one module to check: no other module reaches into torch's privates."""
-    private = (
-        re.compile(r"\b(torch|dist|dcp)(\.\w+)*\._\w"),  # torch._utils.x, dist.distributed_c10d._get_default_group
-        re.compile(r"^\s*from torch[\w.]* import .*\b_\w"),  # from torch... import _StorageInfo
-    )
-    offenders = []
-    for path in sorted(Path(dcp_s3.__file__).parent.glob("*.py")):
-        if path.name == "_torch_compat.py":
-            continue
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            code = line.split("#", 1)[0]
-            if any(p.search(code) for p in private):
-                offenders.append(f"{path.name}:{number}: {line.strip()}")
-    assert not offenders, offenders
 
 
 def test_a_renamed_save_planner_override_point_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
