@@ -14,6 +14,11 @@ Differences inside the supported range (checked in each release's source):
 - 2.9: the loader retries a failed ``read_metadata()`` as ``read_metadata(rank=...)``;
   until 2.11 it then drops both errors (``AssertionError("metadata is None")``), so
   readers answer the retry with :func:`placeholder_metadata`.
+
+Private names whose silent rename would change what dcp_s3 does (an override no longer called, an
+attribute set that torch no longer reads) are looked up with :func:`torch_private`, which raises
+``TorchCompatibilityError`` naming the missing name and this torch's version.
+``tests/test_private_torch_names.py`` parses every other module to keep torch's private names here.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import types
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -33,15 +39,17 @@ from torch import _weights_only_unpickler as weights_only_unpickler  # torch's w
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import _version as dcp_version  # DefaultLoadPlanner's pre-2.4 key handling
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from dcp_s3.errors import CheckpointFormatError, ConfigError
+from dcp_s3.errors import CheckpointFormatError, ConfigError, TorchCompatibilityError
 
 __all__ = [
     "TORCH_VERSION",
+    "torch_private",
     "narrow_tensor_by_index",
     "flatten_state_dict",
     "dcp_version",
@@ -56,6 +64,10 @@ __all__ = [
     "require_transform_descriptors",
     "placeholder_metadata",
     "weights_only_unpickler",
+    "weights_only_blocklisted_modules",
+    "weights_only_allowed_globals",
+    "weights_only_user_allowed_globals",
+    "MEM_FORMAT_ENCODING",
     "get_layout",
     "REBUILD_PREFIX",
     "REBUILD_FROM_TYPE_V2",
@@ -66,6 +78,8 @@ __all__ = [
     "decode_torch_transforms",
     "torch_save_bound",
     "ZSTD_MAX_WINDOW",
+    "flatten_state_dict_as_before_2_4",
+    "OverridableSavePlanner",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -79,6 +93,22 @@ except ImportError:  # torch < 2.9: async_save returns the upload's future itsel
 ASYNC_SAVE_HAS_NO_DIST = "no_dist" in inspect.signature(dcp.async_save).parameters
 #: ``_StorageInfo`` records a per-item transform (torch >= 2.7); compressed items need it.
 HAS_TRANSFORM_DESCRIPTORS = "transform_descriptors" in {f.name for f in dataclasses.fields(_StorageInfo)}
+
+
+def torch_private(owner: Any, name: str, where: str | None = None) -> Any:
+    """``owner.name``, a private torch name dcp_s3 relies on; ``TorchCompatibilityError`` where this
+    torch has no such name (renamed or removed: dcp_s3 needs a change for this release). ``where``
+    names ``owner`` in the message (default: the module's or class's own name)."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        if where is None:
+            module = isinstance(owner, types.ModuleType)
+            where = owner.__name__ if module else f"{owner.__module__}.{owner.__qualname__}"
+        raise TorchCompatibilityError(
+            f"dcp_s3 relies on torch's private {where}.{name}, which torch {TORCH_VERSION} does not have "
+            f"(dcp_s3/_torch_compat.py needs updating for this torch release)"
+        ) from None
 
 
 def element_size(dtype: torch.dtype) -> int:
@@ -147,9 +177,28 @@ def placeholder_metadata() -> Metadata:
 
 #: ``torch.serialization._get_layout``: how pickled metadata names a tensor layout.
 get_layout = torch.serialization._get_layout
+#: ``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``: how ``TensorProperties`` pickles
+#: its memory format (an enum that checkpoints' metadata names).
+MEM_FORMAT_ENCODING = _MEM_FORMAT_ENCODING
 #: Names of the functions torch.save's pickles call to rebuild tensors (strings inside pickles).
 REBUILD_PREFIX = "torch._utils._rebuild_"
 REBUILD_FROM_TYPE_V2 = "torch._tensor._rebuild_from_type_v2"
+
+
+def weights_only_blocklisted_modules() -> Any:
+    """The modules torch's weights-only unpickler refuses even when allowlisted (``_blocklisted_modules``)."""
+    return torch_private(weights_only_unpickler, "_blocklisted_modules")
+
+
+def weights_only_allowed_globals() -> dict[str, Any]:
+    """torch's own weights-only allowlist, by dotted name (``_get_allowed_globals()``)."""
+    return cast(dict[str, Any], torch_private(weights_only_unpickler, "_get_allowed_globals")())
+
+
+def weights_only_user_allowed_globals() -> dict[str, Any]:
+    """What the user registered with ``torch.serialization.add_safe_globals``, by dotted name
+    (``_get_user_allowed_globals()``)."""
+    return cast(dict[str, Any], torch_private(weights_only_unpickler, "_get_user_allowed_globals")())
 
 
 def rebuild_functions() -> dict[str, Any]:
@@ -250,3 +299,61 @@ def torch_save_bound(nbytes: int, ndim: int) -> int:
     empty tensor's 0), 64 bytes of record alignment and 1 KiB for records other torch versions add.
     """
     return nbytes + _empty_save_size(ndim) + 20 * ndim + 64 + 1024
+
+
+# -- used by the planners (planners/load.py, planners/scale.py) ---------------------------------------
+
+
+def flatten_state_dict_as_before_2_4(state_dict: Any) -> tuple[Any, Any]:
+    """``flatten_state_dict(state_dict)`` with the keys of checkpoints saved by torch <= 2.3, as
+    ``DefaultLoadPlanner.create_local_plan`` computes them (``_version._derived_version = "2_3"``
+    for the call, then None again so that later saves use the current keys)."""
+    torch_private(dcp_version, "_derived_version")  # a rename would silently give the current keys
+    dcp_version._derived_version = "2_3"
+    try:
+        return flatten_state_dict(state_dict)
+    finally:
+        dcp_version._derived_version = None
+
+
+#: What ``OverridableSavePlanner`` overrides, or sets, of torch's ``DefaultSavePlanner``.
+_SAVE_PLANNER_METHODS = ("_dedup_save_plans", "_create_global_plan")
+_SAVE_PLANNER_KEY = "_cached_plans_key"
+
+
+class OverridableSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` whose private override points have public names.
+
+    torch's ``create_global_plan`` (with or without plan caching) calls ``self._create_global_plan``,
+    which calls ``self._dedup_save_plans``; here they call :meth:`build_global_plan` and
+    :meth:`dedup_plans`, which subclasses override (their defaults are torch's). Plan caching keys
+    its cache by ``self._cached_plans_key``: :meth:`set_plans_cache_key`.
+
+    A torch that renamed one of them would stop calling the override, or stop reading the key (the
+    plans of another group's save would then be mixed into this one's): constructing the planner
+    raises ``TorchCompatibilityError`` instead.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for name in _SAVE_PLANNER_METHODS:
+            torch_private(DefaultSavePlanner, name)
+        super().__init__(*args, **kwargs)
+        torch_private(self, _SAVE_PLANNER_KEY, "DefaultSavePlanner()")  # set by torch's __init__
+
+    def set_plans_cache_key(self, key: str) -> None:
+        """Key torch's plan cache (process-wide, by default the class's name) by ``key``."""
+        self._cached_plans_key = key
+
+    def dedup_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """The coordinator's deduplication of the ranks' plans (torch's ``_dedup_save_plans``)."""
+        return cast(list[SavePlan], super()._dedup_save_plans(all_plans))
+
+    def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """The global plans and metadata from the ranks' plans (torch's ``_create_global_plan``)."""
+        return cast(tuple[list[SavePlan], Metadata], super()._create_global_plan(all_plans))
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        return self.dedup_plans(all_plans)
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        return self.build_global_plan(all_plans)

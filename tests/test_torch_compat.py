@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcp_s3
 from dcp_s3 import (
@@ -24,8 +25,10 @@ from dcp_s3 import (
     S3AccessDeniedError,
     S3StorageReader,
     S3StorageWriter,
+    ScalableSavePlanner,
 )
 from dcp_s3 import _torch_compat as compat
+from dcp_s3.errors import TorchCompatibilityError
 from dcp_s3.local_server import LocalS3Server
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
@@ -141,18 +144,56 @@ def test_async_save_no_dist_inside_a_group_needs_torch_2_9(bucket: str, s3_env: 
     assert "needs torch>=2.9" in message and torch.__version__ in message, message
 
 
-def test_private_torch_names_are_used_only_in_the_compat_module() -> None:
-    """The next torch release has one module to check: no other module reaches into torch's privates."""
-    private = (
-        re.compile(r"\b(torch|dist|dcp)(\.\w+)*\._\w"),  # torch._utils.x, dist.distributed_c10d._get_default_group
-        re.compile(r"^\s*from torch[\w.]* import .*\b_\w"),  # from torch... import _StorageInfo
-    )
-    offenders = []
-    for path in sorted(Path(dcp_s3.__file__).parent.glob("*.py")):
-        if path.name == "_torch_compat.py":
-            continue
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            code = line.split("#", 1)[0]
-            if any(p.search(code) for p in private):
-                offenders.append(f"{path.name}:{number}: {line.strip()}")
-    assert not offenders, offenders
+def test_a_renamed_save_planner_override_point_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch renaming ``_create_global_plan`` would silently stop calling ScalableSavePlanner's: loud instead."""
+    ScalableSavePlanner()
+    monkeypatch.delattr(DefaultSavePlanner, "_create_global_plan")
+    with pytest.raises(
+        TorchCompatibilityError,
+        match=rf"private torch\.distributed\.checkpoint\.default_planner\.DefaultSavePlanner\._create_global_plan, "
+        rf"which torch {re.escape(torch.__version__)} does not have",
+    ):
+        ScalableSavePlanner()
+
+
+def test_a_renamed_plan_cache_key_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch no longer setting ``_cached_plans_key`` would silently drop the per-group key: loud instead."""
+    init = DefaultSavePlanner.__init__
+
+    def renamed(self: DefaultSavePlanner, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        self._plans_cache_key = self.__dict__.pop("_cached_plans_key")
+
+    monkeypatch.setattr(DefaultSavePlanner, "__init__", renamed)
+    with pytest.raises(TorchCompatibilityError, match=r"DefaultSavePlanner\(\)\._cached_plans_key"):
+        ScalableSavePlanner()
+
+
+def test_the_override_points_are_the_ones_torch_calls() -> None:
+    """torch's create_global_plan reaches ScalableSavePlanner's build_global_plan and dedup_plans."""
+    calls: list[str] = []
+
+    class Recording(ScalableSavePlanner):
+        def dedup_plans(self, all_plans: list[Any]) -> list[Any]:
+            calls.append("dedup")
+            return super().dedup_plans(all_plans)
+
+        def build_global_plan(self, all_plans: list[Any]) -> Any:
+            calls.append("global")
+            return super().build_global_plan(all_plans)
+
+    planner = Recording(packed_plans=False, enable_plan_caching=False)
+    planner.set_up_planner({"w": torch.ones(2)}, is_coordinator=True)
+    global_plan, metadata = planner.create_global_plan([planner.create_local_plan()])
+    assert calls == ["global", "dedup"]
+    assert metadata.state_dict_metadata.keys() == {"w"} and len(global_plan) == 1
+
+
+def test_a_renamed_derived_version_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys of torch <= 2.3 checkpoints: a rename of ``_version._derived_version`` would give the current keys."""
+    state_dict = {"w": torch.ones(1), "groups": [{"lr": 1}]}
+    assert compat.flatten_state_dict_as_before_2_4(state_dict)[0].keys() == {"w", "groups"}  # lists kept whole
+    assert compat.flatten_state_dict(state_dict)[0].keys() == {"w", "groups.0.lr"}  # the current keys again
+    monkeypatch.delattr(compat.dcp_version, "_derived_version")
+    with pytest.raises(TorchCompatibilityError, match=r"torch\.distributed\.checkpoint\._version\._derived_version"):
+        compat.flatten_state_dict_as_before_2_4(state_dict)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.tensor import DTensor
 
-from dcp_s3._torch_compat import dcp_version, flatten_state_dict
+from dcp_s3._torch_compat import flatten_state_dict_as_before_2_4
 
 __all__ = ["ScalableLoadPlanner", "local_load_plan", "read_items_for_chunks"]
 
@@ -38,11 +38,9 @@ class ScalableLoadPlanner(DefaultLoadPlanner):
         if self.flatten_state_dict:  # as DefaultLoadPlanner: keys of checkpoints saved before torch 2.4
             missing = set(metadata.state_dict_metadata) - set(self.state_dict)
             if missing:
-                dcp_version._derived_version = "2_3"
-                old_state_dict, old_mappings = flatten_state_dict(self.original_state_dict)
+                old_state_dict, old_mappings = flatten_state_dict_as_before_2_4(self.original_state_dict)
                 if set(old_state_dict) & missing:
                     self.state_dict, self.mappings = old_state_dict, old_mappings
-                dcp_version._derived_version = None
         return local_load_plan(self.state_dict, metadata, not self.allow_partial_load)
 
 

@@ -42,7 +42,6 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -51,11 +50,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan
 
+from dcp_s3._torch_compat import OverridableSavePlanner
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.packed.plans import PackedItems, PackedMapping
 from dcp_s3.planners.save import as_items, dedup_save_plans, global_save_plan, merged_planner_data
-from dcp_s3.planners.vector import vector_global_plan
 from dcp_s3.planners.sharing import group_ranks, running_dcp_group
+from dcp_s3.planners.vector import vector_global_plan
 
 __all__ = ["ScalableSavePlanner", "packed_plan", "validate_global_plan"]
 
@@ -64,7 +64,7 @@ _OFFSETS = attrgetter("offsets")
 _SIZES = attrgetter("sizes")
 
 
-class ScalableSavePlanner(DefaultSavePlanner):
+class ScalableSavePlanner(OverridableSavePlanner):
     """``DefaultSavePlanner`` whose global step stays linear in ranks (see the module doc)."""
 
     def __init__(self, *, packed_plans: bool = True, **kwargs: Any) -> None:
@@ -83,7 +83,7 @@ class ScalableSavePlanner(DefaultSavePlanner):
         super().set_up_planner(*args, **kwargs)
         running = running_dcp_group()
         scope = "local" if running is None else ",".join(map(str, group_ranks(running.group)))
-        self._cached_plans_key = f"{type(self).__name__}@{scope}"
+        self.set_plans_cache_key(f"{type(self).__name__}@{scope}")
 
     def create_local_plan(self) -> SavePlan:
         """torch's local plan, its items and flatten mapping packed for the trip to the coordinator
@@ -91,18 +91,18 @@ class ScalableSavePlanner(DefaultSavePlanner):
         plan = super().create_local_plan()
         return packed_plan(plan) if self.packed_plans and plan.usable else plan
 
-    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        """torch's deduplication in linear time (``planners_save.dedup_save_plans``)."""
+    def dedup_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """torch's deduplication (``_dedup_save_plans``) in linear time (``planners_save.dedup_save_plans``)."""
         return dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
 
     # torch's DefaultSavePlanner._create_global_plan (2.13): on packed plans with arrays
-    # (planners_vector, which deduplicates itself: _dedup_save_plans serves the item-by-item path
+    # (planners_vector, which deduplicates itself: dedup_plans serves the item-by-item path
     # only), otherwise item by item; the checks without torch's quadratic sweep. Plan caching and
-    # create_global_plan call it as they call torch's.
-    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+    # create_global_plan call it as they call torch's (through OverridableSavePlanner).
+    def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         vector = vector_global_plan(all_plans, self.dedup_save_to_lowest_rank)
         if vector is None:  # some plan is not packed: item by item
-            global_plan, metadata = global_save_plan(self._dedup_save_plans(all_plans))
+            global_plan, metadata = global_save_plan(self.dedup_plans(all_plans))
             errors = validate_global_plan(metadata, ranks=len(global_plan))
         else:
             global_plan, metadata, tiles = vector

@@ -39,12 +39,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING,
-    MetadataIndex,
-)
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from dcp_s3._torch_compat import get_layout
+from dcp_s3._torch_compat import MEM_FORMAT_ENCODING, get_layout
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.untrusted.pinned_names import metadata_classes, pinned
 
@@ -118,7 +115,7 @@ def _call_checks(keyed: Callable[[tuple[Any, ...]], int]) -> dict[Any, Callable[
     return {
         torch.Size: _size_args,
         get_layout: _one(str),
-        _MEM_FORMAT_ENCODING: _one(int),
+        MEM_FORMAT_ENCODING: _one(int),
         collections.OrderedDict: _no_args,
         pathlib.PosixPath: _path_args,
         pathlib.PurePosixPath: _path_args,

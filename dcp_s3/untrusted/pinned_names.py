@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -38,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_s3._torch_compat import _StorageInfo, get_layout
+from dcp_s3._torch_compat import MEM_FORMAT_ENCODING, _StorageInfo, get_layout
 from dcp_s3.codec.format import FrameIndex
 from dcp_s3.layout import ItemLocation
 
@@ -64,7 +63,7 @@ def _frozen() -> dict[tuple[str, str], Any]:
         (_DCP, "BytesStorageMetadata"): BytesStorageMetadata,
         (_DCP, "MetadataIndex"): MetadataIndex,
         (_DCP, "StorageMeta"): StorageMeta,
-        (_DCP, "_MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,
+        (_DCP, "_MEM_FORMAT_ENCODING"): MEM_FORMAT_ENCODING,
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
         ("torch", "Size"): torch.Size,
         ("torch.serialization", "_get_layout"): get_layout,

@@ -32,10 +32,27 @@ from typing import Any
 
 import torch
 
-from dcp_s3._torch_compat import REBUILD_PREFIX, element_size, record_size, torch_zip_reader
-from dcp_s3._torch_compat import weights_only_unpickler as _wo
+from dcp_s3._torch_compat import (
+    REBUILD_PREFIX,
+    element_size,
+    record_size,
+    torch_zip_reader,
+    weights_only_allowed_globals,
+    weights_only_blocklisted_modules,
+    weights_only_user_allowed_globals,
+)
 from dcp_s3.untrusted.metadata_pickle import budget_for, describe
-from dcp_s3.untrusted.weights_only_calls import MAX_INT_KEY, MAX_SAME_HASH, Global, Node, Refused, check_call, is_bytes, label, real
+from dcp_s3.untrusted.weights_only_calls import (
+    MAX_INT_KEY,
+    MAX_SAME_HASH,
+    Global,
+    Node,
+    Refused,
+    check_call,
+    is_bytes,
+    label,
+    real,
+)
 
 __all__ = ["byte_item_problem"]
 
@@ -82,13 +99,13 @@ def _canonical(full: str, obj: Any) -> tuple[str, str]:
 
 
 def _table(allowlist: dict[str, Any]) -> dict[tuple[str, str], Any]:
-    return {_canonical(full, obj): obj for full, obj in allowlist.items()
-            if full.partition(".")[0] not in _wo._blocklisted_modules}
+    blocked = weights_only_blocklisted_modules()
+    return {_canonical(full, obj): obj for full, obj in allowlist.items() if full.partition(".")[0] not in blocked}
 
 
 @functools.cache
 def _torch_allowlist() -> dict[tuple[str, str], Any]:
-    return _table(_wo._get_allowed_globals())
+    return _table(weights_only_allowed_globals())
 
 
 @functools.cache
@@ -98,7 +115,7 @@ def _torch_ids() -> frozenset[int]:
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     """Torch's weights-only allowlist plus what the user registered with ``add_safe_globals``."""
-    user = _wo._get_user_allowed_globals()
+    user = weights_only_user_allowed_globals()
     return {**_torch_allowlist(), **_table(user)} if user else _torch_allowlist()
 
 
