@@ -211,8 +211,6 @@ def rebuild_functions() -> dict[str, Any]:
 
 def torch_zip_reader(blob: bytes) -> Any:
     """torch's own zip reader over ``blob`` (so the pickle checked is the one torch.load would run)."""
-    import io
-
     return torch._C.PyTorchFileReader(io.BytesIO(blob))
 
 

@@ -48,7 +48,8 @@ def test_the_package_keeps_every_contract() -> None:
 
 @pytest.fixture
 def package_copy(tmp_path: Path) -> Path:
-    shutil.copytree(PACKAGE, tmp_path / "dcp_s3", ignore=shutil.ignore_patterns("__pycache__"))
+    for tree in ("dcp_s3", "benchmarks"):  # the contracts' root packages
+        shutil.copytree(ROOT / tree, tmp_path / tree, ignore=shutil.ignore_patterns("__pycache__", "results"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     return tmp_path
 

@@ -52,7 +52,7 @@ def test_the_console_script_and_python_m_reach_the_cli() -> None:
     from dcp_s3.cli import main
 
     assert script.value == "dcp_s3.cli:main" and script.load() is main
-    for args in (["-m", "dcp_s3", "--help"], ["-m", "dcp_s3.demo", "--help"]):
-        out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        assert "usage:" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "dcp_s3", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage: dcp-s3" in out.stdout, out.stderr
+    # `python -m dcp_s3.demo` itself runs in tests/test_demo.py (it starts a server and two ranks).
+    assert callable(importlib.import_module("dcp_s3.demo").main)

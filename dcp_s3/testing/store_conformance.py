@@ -18,6 +18,7 @@ uploads) is recorded with ``record_property`` (pytest's JUnit XML) for the compa
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import time
@@ -30,6 +31,7 @@ from typing import Any, Protocol
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from botocore.exceptions import ClientError
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
@@ -95,8 +97,6 @@ class S3Raw:
         return str(self.client.create_multipart_upload(Bucket=self.bucket, Key=self.prefix + name)["UploadId"])
 
     def uploads(self) -> list[str] | None:
-        from botocore.exceptions import ClientError
-
         try:
             resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix)
         except ClientError as exc:
@@ -471,6 +471,4 @@ class StoreConformance:
 
 
 def _torch_load(data: bytes) -> Any:
-    import io
-
     return torch.load(io.BytesIO(data), weights_only=True)
