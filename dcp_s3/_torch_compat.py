@@ -315,17 +315,16 @@ def flatten_state_dict_as_before_2_4(state_dict: Any) -> tuple[Any, Any]:
 
 
 #: What ``OverridableSavePlanner`` overrides, or sets, of torch's ``DefaultSavePlanner``.
-_SAVE_PLANNER_METHODS = ("_dedup_save_plans", "_create_global_plan")
+_SAVE_PLANNER_METHOD = "_create_global_plan"  # torch 2.7-2.15
 _SAVE_PLANNER_KEY = "_cached_plans_key"
 
 
 class OverridableSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` whose private override points have public names.
 
-    torch's ``create_global_plan`` (with or without plan caching) calls ``self._create_global_plan``,
-    which calls ``self._dedup_save_plans``; here they call :meth:`build_global_plan` and
-    :meth:`dedup_plans`, which subclasses override (their defaults are torch's). Plan caching keys
-    its cache by ``self._cached_plans_key``: :meth:`set_plans_cache_key`.
+    torch's ``create_global_plan`` (with or without plan caching) calls ``self._create_global_plan``;
+    here that calls :meth:`build_global_plan`, which subclasses override (its default is torch's).
+    Plan caching keys its cache by ``self._cached_plans_key``: :meth:`set_plans_cache_key`.
 
     A torch that renamed one of them would stop calling the override, or stop reading the key (the
     plans of another group's save would then be mixed into this one's): constructing the planner
@@ -333,8 +332,7 @@ class OverridableSavePlanner(DefaultSavePlanner):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        for name in _SAVE_PLANNER_METHODS:
-            torch_private(DefaultSavePlanner, name)
+        torch_private(DefaultSavePlanner, _SAVE_PLANNER_METHOD)
         super().__init__(*args, **kwargs)
         torch_private(self, _SAVE_PLANNER_KEY, "DefaultSavePlanner()")  # set by torch's __init__
 
@@ -342,16 +340,9 @@ class OverridableSavePlanner(DefaultSavePlanner):
         """Key torch's plan cache (process-wide, by default the class's name) by ``key``."""
         self._cached_plans_key = key
 
-    def dedup_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        """The coordinator's deduplication of the ranks' plans (torch's ``_dedup_save_plans``)."""
-        return cast(list[SavePlan], super()._dedup_save_plans(all_plans))
-
     def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """The global plans and metadata from the ranks' plans (torch's ``_create_global_plan``)."""
         return cast(tuple[list[SavePlan], Metadata], super()._create_global_plan(all_plans))
-
-    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        return self.dedup_plans(all_plans)
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         return self.build_global_plan(all_plans)

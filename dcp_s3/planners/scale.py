@@ -92,7 +92,7 @@ class ScalableSavePlanner(OverridableSavePlanner):
         return packed_plan(plan) if self.packed_plans and plan.usable else plan
 
     def dedup_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        """torch's deduplication (``_dedup_save_plans``) in linear time (``planners_save.dedup_save_plans``)."""
+        """torch's deduplication of the ranks' plans, in linear time (:func:`dcp_s3.planners.save.dedup_save_plans`)."""
         return dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
 
     # torch's DefaultSavePlanner._create_global_plan (2.13): on packed plans with arrays
