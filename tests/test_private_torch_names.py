@@ -32,6 +32,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import dcp_s3
 
 pytestmark = pytest.mark.torch_range  # torch's own classes differ between releases
