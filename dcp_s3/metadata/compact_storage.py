@@ -23,14 +23,13 @@ from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.layout import ItemLocation
 from dcp_s3.untrusted.metadata_check import MAX_OFFSET, check_location, check_object_name
 from dcp_s3.metadata.compact import FRAME_COLUMNS, KIND_ITEM_LOCATION, STORAGE_COLUMNS
-from dcp_s3.untrusted.metadata_pickle import MAX_NDIM, describe
+from dcp_s3.untrusted.metadata_pickle import MAX_INT_KEY, MAX_NDIM, describe
 
 __all__ = ["CompactStorage", "Column", "untag"]
 
 _INT_TYPES = ("<u1", "<u2", "<u4", "<u8", "<i1", "<i2", "<i4", "<i8")
 #: Deepest nesting of a tagged JSON value.
 MAX_DEPTH = 64
-_MAX_INT_KEY = (1 << 61) - 2
 
 
 def _bad(what: str) -> CheckpointFormatError:
@@ -77,7 +76,7 @@ def untag(value: Any, depth: int = 0) -> Any:
             key = untag(pair[0], depth + 1)
             # str hashes are randomized; small ints have distinct hashes: no crafted collisions
             if not (type(key) is str or key is None or type(key) is bool or
-                    (type(key) is int and abs(key) <= _MAX_INT_KEY)):
+                    (type(key) is int and abs(key) <= MAX_INT_KEY)):
                 raise _bad(f"a dict key is {describe(key)}")
             out[key] = untag(pair[1], depth + 1)
         return out

@@ -45,13 +45,14 @@ from dcp_s3._torch_compat import MEM_FORMAT_ENCODING, get_layout
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.untrusted.pinned_names import metadata_classes, pinned
 
-__all__ = ["unpickle_metadata", "budget_for", "describe"]
+__all__ = ["unpickle_metadata", "budget_for", "describe", "MAX_INT_KEY", "MAX_NDIM"]
 
 #: Work units allowed per byte of pickle (plus a floor), for constructor copies and walks.
 BUDGET_PER_BYTE = 8
 BUDGET_FLOOR = 1 << 16
-#: Largest int allowed as a dict key / set element: below the hash modulus, so hashes are distinct.
-_MAX_INT_KEY = (1 << 61) - 2
+#: Largest int allowed as a dict key / set element of untrusted input (here, in byte items and in
+#: compact metadata): below the hash modulus, so such ints hash to themselves and never collide.
+MAX_INT_KEY = (1 << 61) - 2
 #: Most dimensions an offset in a ``MetadataIndex`` key may have (hashing it costs one step per dimension).
 MAX_NDIM = 64
 #: Most ``MetadataIndex`` keys with one hash value (distinct keys collide by chance with odds ~2^-64).
@@ -222,7 +223,7 @@ class _Unpickler(pickle._Unpickler):
         kind = type(key)
         if kind is str:
             return
-        if kind is int and -_MAX_INT_KEY <= key <= _MAX_INT_KEY:  # type: ignore[operator]
+        if kind is int and -MAX_INT_KEY <= key <= MAX_INT_KEY:  # type: ignore[operator]
             return
         if kind is MetadataIndex:
             fqn, offset = getattr(key, "fqn", None), getattr(key, "offset", None)

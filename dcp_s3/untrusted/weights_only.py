@@ -41,9 +41,8 @@ from dcp_s3._torch_compat import (
     weights_only_blocklisted_modules,
     weights_only_user_allowed_globals,
 )
-from dcp_s3.untrusted.metadata_pickle import budget_for, describe
+from dcp_s3.untrusted.metadata_pickle import MAX_INT_KEY, budget_for, describe
 from dcp_s3.untrusted.weights_only_calls import (
-    MAX_INT_KEY,
     MAX_SAME_HASH,
     Global,
     Node,

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from dcp_s3._torch_compat import REBUILD_FROM_TYPE_V2, REBUILD_PREFIX, get_layout, rebuild_functions
-from dcp_s3.untrusted.metadata_pickle import describe
+from dcp_s3.untrusted.metadata_pickle import MAX_INT_KEY, describe
 
-__all__ = ["Refused", "Global", "Node", "label", "is_bytes", "real", "check_call", "MAX_INT_KEY", "MAX_SAME_HASH"]
+__all__ = ["Refused", "Global", "Node", "label", "is_bytes", "real", "check_call", "MAX_SAME_HASH"]
 
 
 class Refused(Exception):
@@ -47,8 +47,6 @@ class Node:
         self.kind, self.items, self.callee = kind, items if items is not None else [], callee
 
 
-#: Largest int whose hash is itself (below the hash modulus): such keys never collide.
-MAX_INT_KEY = (1 << 61) - 2
 #: Most dict keys / set elements with one hash value in one byte item.
 MAX_SAME_HASH = 16
 
