@@ -131,10 +131,9 @@ class Store:
         return f"{type(self).__name__}({self.root!r})"
 
     @property
-    def objects(self) -> ObjectStore:
-        return self.session.transport
+    def object_store(self) -> ObjectStore:
+        return self.session.object_store
 
-    transport = objects
 
     def close(self) -> None:
         self.session.close()
@@ -145,7 +144,7 @@ class Store:
 
     def url(self, name: str = "") -> str:
         """The location of ``name`` as a user would write it (``s3://...`` or a path)."""
-        return self.objects.url(self.key(name)).rstrip("/") if name or self.prefix else self.root
+        return self.object_store.url(self.key(name)).rstrip("/") if name or self.prefix else self.root
 
     def _rel(self, key: str) -> str:
         return key[len(self.prefix) + 1 :] if self.prefix else key
@@ -159,17 +158,17 @@ class Store:
 
     def list_objects(self, prefix: str = "") -> list[Entry]:
         """Every object whose relative name starts with ``prefix`` (a plain string prefix)."""
-        return [self._entry(o) for o in self.objects.list_objects(self._dir_key(prefix)) if not o.key.endswith("/")]
+        return [self._entry(o) for o in self.object_store.list_objects(self._dir_key(prefix)) if not o.key.endswith("/")]
 
     def list_dir(self, prefix: str = "") -> tuple[list[Entry], list[str]]:
         """(objects directly in directory ``prefix`` (``""`` or ending in ``/``), its subdirectories
         ``prefix<name>/``): one level, so the cost is that of the entries at that level only."""
-        objects, prefixes = self.objects.list_dir(self._dir_key(prefix))
+        objects, prefixes = self.object_store.list_dir(self._dir_key(prefix))
         return [self._entry(o) for o in objects if not o.key.endswith("/")], [self._rel(p) for p in prefixes]
 
     def read(self, name: str) -> bytes:
         """The whole object; ``CheckpointNotFoundError`` if it does not exist."""
-        return self.objects.get(self.key(name))
+        return self.object_store.get(self.key(name))
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """Bytes ``[start, end)`` of ``name`` for each range, fetched concurrently."""
@@ -178,14 +177,14 @@ class Store:
             RangeRead(self.key(name), start, end, _opener(buf)) for (start, end), buf in zip(ranges, bufs) if end > start
         ]
         transfer = self.session.transfer
-        self.objects.read_ranges(
+        self.object_store.read_ranges(
             reads, executor=self.session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
         )
         return [bytes(b) for b in bufs]
 
     def size(self, name: str) -> int | None:
         """The object's size, or None if it does not exist."""
-        head = self.objects.head(self.key(name))
+        head = self.object_store.head(self.key(name))
         return None if head is None else head.size
 
     def write(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
@@ -194,13 +193,13 @@ class Store:
         ``overwrite=False``: ``CheckpointExistsError`` if ``name`` exists (checked atomically).
         """
         try:
-            self.objects.put(self.key(name), data, if_none_match=not overwrite)
+            self.object_store.put(self.key(name), data, if_none_match=not overwrite)
         except CheckpointExistsError:
             raise CheckpointExistsError(f"{self.url(name)} already exists; pass overwrite (--force) to replace it") from None
 
     def delete(self, names: Iterable[str]) -> None:
         """Delete objects (missing ones are ignored)."""
-        self.objects.delete([self.key(n) for n in names])
+        self.object_store.delete([self.key(n) for n in names])
 
     def writer(self, name: str, *, overwrite: bool | None = None) -> S3StorageWriter:
         """A DCP storage writer for the checkpoint at ``name`` (``overwrite``: the writer's, if given)."""
@@ -215,18 +214,18 @@ class Store:
 
     def uploads(self, prefix: str = "") -> list[Upload]:
         """Unfinished multipart uploads under ``prefix`` (always empty on disk)."""
-        return [Upload(self._rel(u.key), u.upload_id, u.initiated) for u in self.objects.list_uploads(self._dir_key(prefix))]
+        return [Upload(self._rel(u.key), u.upload_id, u.initiated) for u in self.object_store.list_uploads(self._dir_key(prefix))]
 
     def _pending(self, upload: Upload) -> PendingUpload:
         return PendingUpload(self.key(upload.name), upload.upload_id, upload.initiated)
 
     def abort(self, upload: Upload) -> None:
         """Abort an unfinished multipart upload."""
-        self.objects.abort_upload(self._pending(upload))
+        self.object_store.abort_upload(self._pending(upload))
 
     def upload_activity(self, upload: Upload) -> float | None:
         """When ``upload`` last received a part (else when it started); None if it is gone."""
-        return self.objects.upload_activity(self._pending(upload))
+        return self.object_store.upload_activity(self._pending(upload))
 
     def stream_to(self, name: str, dst: Store, dst_name: str) -> None:
         """Copy object ``name`` to ``dst_name`` of ``dst`` (any backend) through this process, over
@@ -235,12 +234,12 @@ class Store:
         written in order to ``dst``'s streamed writer (on S3: parts sent concurrently). Memory:
         about ``max_concurrency * max_range_size`` plus ``dst``'s part buffers."""
         key = self.key(name)
-        head = self.objects.head(key)
+        head = self.object_store.head(key)
         if head is None:
             raise CheckpointNotFoundError(f"GET {self.url(name)}: not found")
         step = self.session.transfer.max_range_size
         window = step * max(1, self.session.transfer.max_concurrency)
-        writer = dst.objects.open_writer(
+        writer = dst.object_store.open_writer(
             dst.key(dst_name), pool=dst._buffers, executor=dst.session.executor, expected_size=head.size
         )
         try:
@@ -249,7 +248,7 @@ class Store:
                         for start in range(first, min(head.size, first + window), step)]
                 reads = [RangeRead(key, first + i * step, first + i * step + len(b), _opener(b))
                          for i, b in enumerate(bufs)]
-                self.objects.read_ranges(reads, executor=self.session.executor, max_gap=0, max_size=step)
+                self.object_store.read_ranges(reads, executor=self.session.executor, max_gap=0, max_size=step)
                 for buf in bufs:
                     writer.write(buf)
         except BaseException:
@@ -264,7 +263,7 @@ class Store:
         size = source.size(source_name)
         if size is None:
             raise CheckpointNotFoundError(f"COPY {source.url(source_name)}: not found")
-        self.objects.copy(self.key(name), source.objects, source.key(source_name), size, executor=self.session.executor)
+        self.object_store.copy(self.key(name), source.object_store, source.key(source_name), size, executor=self.session.executor)
 
 
 def _opener(buf: bytearray) -> Callable[[], memoryview]:
