@@ -7,34 +7,25 @@ sub-location. :class:`Store` does all of it over the object-store interface
 (:class:`dcp_s3.objstore.base.ObjectStore`), the same way on every backend: the writer/reader are
 ``S3StorageWriter``/``S3StorageReader`` on S3 and on disk alike. Names always use ``/``.
 
-The backends add only what really differs: ``dcp_s3.store.s3.S3Store`` (storage options,
-server-side copy between buckets of one server) and ``dcp_s3.store.local.LocalStore``
-(paths, symbolic-link policy); both are importable from here.
+The backends add only what really differs: :class:`dcp_s3.store.s3.S3Store` (server-side
+copy between buckets of one server) and :class:`dcp_s3.store.local.LocalStore` (paths,
+symbolic-link policy); :func:`dcp_s3.store.opening.open_store` picks one for a location, and
+:func:`dcp_s3.store.options.parse_storage_options` parses the storage options of both.
 """
 from __future__ import annotations
 
-import inspect
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError
+from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead
 from dcp_s3.objstore.buffers import BufferPool
-from dcp_s3.objstore.config import TransferConfig, client_config, parse_s3_uri
-from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
-from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_relative_name
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.storage.session import Session
 from dcp_s3.storage.writer import S3StorageWriter
 
-if TYPE_CHECKING:
-    from dcp_s3.store.local import LocalStore
-    from dcp_s3.store.s3 import S3Store
-
-__all__ = [
-    "Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "open_object", "split_storage_options",
-    "check_relative_name", "CLIENT_SETTINGS", "LOCAL_OPTIONS",
-]
+__all__ = ["Entry", "Upload", "Store"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,56 +44,6 @@ class Upload:
     name: str
     upload_id: str
     initiated: float
-
-
-#: Options that choose the S3 client (the rest tune the writer/reader).
-_CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "request_args")
-#: Options that mean something for a local directory (the rest are S3's: client, parts, conditional writes).
-LOCAL_OPTIONS = frozenset({
-    "compression", "compression_level", "compression_threads", "key_prefixes", "files_per_rank", "max_concurrency",
-    "max_range_size", "transfer", "overwrite", "share_metadata", "replica_group", "allow_unsafe_byte_items",
-    "metadata_format", "max_whole_read",
-})
-#: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
-CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode")
-
-
-def _option_names(cls: type) -> set[str]:
-    params = inspect.signature(cls).parameters
-    return {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
-
-
-def split_storage_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split storage options into (``S3StorageWriter`` kwargs, ``S3StorageReader`` kwargs).
-
-    ``ClientConfig`` settings given on their own (``connect_timeout``, ``read_timeout``,
-    ``retry_attempts``, ``retry_mode``) are folded into ``client=`` (a ``ClientConfig``, given
-    or default), which both classes take. Raises ``ConfigError`` naming any option neither
-    class accepts.
-    """
-    options = dict(options)
-    settings = {k: options.pop(k) for k in CLIENT_SETTINGS if options.get(k) is not None}
-    for k in CLIENT_SETTINGS:
-        options.pop(k, None)
-    if settings:
-        options["client"] = client_config(options.get("client"), 1, **settings)
-    writer_names, reader_names = _option_names(S3StorageWriter), _option_names(S3StorageReader)
-    unknown = sorted(set(options) - writer_names - reader_names)
-    if unknown:
-        accepted = sorted(writer_names | reader_names | set(CLIENT_SETTINGS))
-        raise ConfigError(f"unknown storage option(s) {unknown}; S3 locations accept {accepted}")
-    writer = {k: v for k, v in options.items() if k in writer_names}
-    reader = {k: v for k, v in options.items() if k in reader_names}
-    return writer, reader
-
-
-def transfer_from(options: Mapping[str, Any]) -> TransferConfig:
-    """The ``TransferConfig`` the storage options describe."""
-    return (options.get("transfer") or TransferConfig()).override(
-        part_size=options.get("part_size"), max_concurrency=options.get("max_concurrency"),
-        files_per_rank=options.get("files_per_rank"), max_range_size=options.get("max_range_size"),
-        max_whole_read=options.get("max_whole_read"),
-    )
 
 
 class Store:
@@ -256,6 +197,16 @@ class Store:
             raise
         writer.close()
 
+    def same_server(self, other: Store) -> bool:
+        """Whether ``other`` is on the same server as this store, reached with the same credentials,
+        so that :meth:`copy_from` copies server-side. False here; S3 stores of one server say True."""
+        return False
+
+    def links_out(self, names: Iterable[str] = ("",)) -> list[tuple[str, str]]:
+        """(path, real target) of every symbolic link at or under ``names`` that resolves outside the
+        root. None here: only a local store has links."""
+        return []
+
     def copy_from(self, source: Store, source_name: str, name: str) -> None:
         """Copy ``source_name`` of ``source`` (a store of the same backend) to ``name`` here, without
         the bytes passing through this process where the backend can (S3: CopyObject, UploadPartCopy
@@ -272,50 +223,3 @@ def _opener(buf: bytearray) -> Callable[[], memoryview]:
 
 def _join(a: str, b: str) -> str:
     return f"{a}/{b}" if a and b else a or b
-
-
-def open_store(
-    location: str | os.PathLike[str], *, follow_symlinks: bool = False, **storage_options: Any
-) -> S3Store | LocalStore:
-    """A store rooted at ``s3://bucket[/prefix]`` or at a local directory.
-
-    ``storage_options`` are ``S3StorageWriter``/``S3StorageReader`` keywords; for local
-    directories only those that mean something there (``LOCAL_OPTIONS``: compression, key
-    prefixes...); the S3 ones are rejected (``ConfigError``) there, where they would do nothing.
-    ``follow_symlinks``: a local store lists linked directories too (see ``LocalStore``).
-    """
-    from dcp_s3.store.local import LocalStore
-    from dcp_s3.store.s3 import S3Store
-
-    text = os.fspath(location)
-    if text.startswith("s3://"):
-        return S3Store(parse_s3_uri(text, require_key=False), **storage_options)
-    if "://" in text:
-        raise InvalidCheckpointIdError(f"{text!r}: unsupported scheme; expected s3://bucket/prefix or a local path")
-    return LocalStore(text, follow_symlinks=follow_symlinks, **storage_options)
-
-
-def open_object(
-    location: str | os.PathLike[str], *, follow_symlinks: bool = False, **storage_options: Any
-) -> tuple[S3Store | LocalStore, str]:
-    """(store of the parent location, object name) for one object/file location."""
-    text = os.fspath(location).rstrip("/")
-    if text.startswith("s3://"):
-        uri = parse_s3_uri(text)
-        parent, _, name = uri.key.rpartition("/")
-        return open_store(f"s3://{uri.bucket}/{parent}", **storage_options), name
-    parent, name = os.path.split(os.path.abspath(text))
-    return open_store(parent, follow_symlinks=follow_symlinks, **storage_options), name
-
-
-def __getattr__(name: str) -> Any:
-    """The backends and their helpers, imported on first use (they import this module)."""
-    if name == "LocalStore":
-        from dcp_s3.store.local import LocalStore
-
-        return LocalStore
-    if name == "S3Store":
-        from dcp_s3.store.s3 import S3Store
-
-        return S3Store
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
