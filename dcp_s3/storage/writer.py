@@ -129,7 +129,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         metadata_format: str = "auto",
     ) -> None:
         StorageWriter.__init__(self)
-        self.metadata_format = metadata_format_option(metadata_format)  # layout.dump_metadata
+        self.metadata_format = metadata_format_option(metadata_format)  # metadata.formats.dump_metadata
         BlockingAsyncStager.__init__(self)
         transfer = (transfer or TransferConfig()).override(
             part_size=part_size, max_concurrency=max_concurrency, files_per_rank=files_per_rank,
