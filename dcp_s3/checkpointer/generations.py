@@ -29,7 +29,7 @@ from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3E
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV
 from dcp_s3.checkpointer.steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, is_checkpoint_object, ordered, part_name, root_steps
-from dcp_s3.store import Store
+from dcp_s3.store.base import Store
 from dcp_s3.untrusted.torch_files import torch_load
 
 __all__ = [

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dcp_s3.checkpointer.generations import find_complete
 from dcp_s3.checkpointer.steps import MARKER_SUFFIX, Step, is_checkpoint_object, scan
 from dcp_s3.layout import METADATA_KEY
-from dcp_s3.store import Entry, Store
+from dcp_s3.store.base import Entry, Store
 
 __all__ = ["split_step", "deletion_order", "delete_ordered", "delete_step", "retain_last"]
 

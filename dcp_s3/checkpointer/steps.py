@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dcp_s3.layout import DATA_SUFFIX, METADATA_KEY, is_key_prefix_dir
-from dcp_s3.store import Entry, Store
+from dcp_s3.store.base import Entry, Store
 
 __all__ = [
     "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "part_name",
