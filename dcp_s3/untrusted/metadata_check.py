@@ -56,9 +56,8 @@ def check_object_name(name: object) -> str:
     (``describe``): it is untrusted input of any size.
     """
     if type(name) is not str:
-        problem: str | None = "it is not a string"
-    else:
-        problem = relative_name_problem(name) or ("it contains a backslash" if "\\" in name else None)
+        raise CheckpointFormatError(f"metadata names an invalid object path {describe(name)}: it is not a string")
+    problem = relative_name_problem(name) or ("it contains a backslash" if "\\" in name else None)
     if problem is not None:
         raise CheckpointFormatError(f"metadata names an invalid object path {describe(name)}: {problem}")
     return name
