@@ -42,7 +42,7 @@ def hooked(storage: Any, event: str, handler: Callable[..., Any]) -> Iterator[No
     Clients are shared by every writer/reader with the same settings in a process, so a
     handler left registered would see (and break) other tests' requests.
     """
-    events = storage._session.transport.client.meta.events
+    events = storage._session.object_store.client.meta.events
     events.register(event, handler)
     try:
         yield

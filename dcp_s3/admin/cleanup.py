@@ -32,7 +32,7 @@ from dcp_s3.checkpointer.retention import delete_ordered, deletion_order, split_
 from dcp_s3.checkpointer.steps import PROBE_PATTERN, Part, Step, is_checkpoint_key, is_checkpoint_object, scan
 from dcp_s3.errors import DcpS3Error
 from dcp_s3.layout import DATA_SUFFIX, METADATA_KEY
-from dcp_s3.store.base import Entry, Store, Upload, open_store
+from dcp_s3.store import Entry, Store, Upload, open_store
 
 __all__ = ["Garbage", "Removal", "find_garbage", "collect_garbage", "remove_checkpoint"]
 

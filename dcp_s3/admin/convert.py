@@ -11,12 +11,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3._torch_compat import _EmptyStateDictLoadPlanner, _load_state_dict
-from dcp_s3.admin.locations import Store, resolve
+from dcp_s3.admin.locations import resolve
 from dcp_s3.admin.locations import single as _single
 from dcp_s3.checkpointer.steps import Part
 from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
-from dcp_s3.store.base import open_object, open_store
+from dcp_s3.store import Store, open_object, open_store
 
 __all__ = ["ConvertReport", "convert_checkpoint"]
 

@@ -12,14 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from dcp_s3.errors import CheckpointExistsError, DcpS3Error
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.admin.locations import Progress, Store, resolve
+from dcp_s3.admin.locations import Progress, resolve
 from dcp_s3.admin.locations import is_root as _is_root
 from dcp_s3.checkpointer.steps import MARKER_SUFFIX
-from dcp_s3.store.base import Entry, check_relative_name, open_object, open_store
-from dcp_s3.store.local import LocalStore
-from dcp_s3.store.s3 import S3Store
+from dcp_s3.errors import CheckpointExistsError, DcpS3Error
+from dcp_s3.layout import METADATA_KEY
+from dcp_s3.objstore.base import check_relative_name
+from dcp_s3.store import Entry, Store, open_object, open_store
 
 __all__ = ["CopyReport", "copy_checkpoint"]
 
@@ -112,7 +111,7 @@ def copy_checkpoint(
 
 
 def _refuse_links_out(store: Store, names: list[str], role: str) -> None:
-    links = store.links_out(names) if isinstance(store, LocalStore) else []
+    links = store.links_out(names)
     if links:
         path, target = links[0]
         more = f" (and {len(links) - 1} more)" if len(links) > 1 else ""
@@ -123,7 +122,7 @@ def _refuse_links_out(store: Store, names: list[str], role: str) -> None:
 
 
 def _copy_object(src: Store, src_name: str, dst: Store, dst_name: str) -> None:
-    if isinstance(src, S3Store) and isinstance(dst, S3Store) and dst.same_server(src):
+    if dst.same_server(src):
         dst.copy_from(src, src_name, dst_name)  # server-side: no bytes through this machine
     else:
         src.stream_to(src_name, dst, dst_name)

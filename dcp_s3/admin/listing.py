@@ -9,11 +9,11 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from dcp_s3._torch_compat import element_size
-from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
-from dcp_s3.layout import METADATA_KEY
 from dcp_s3.admin.locations import read_metadata as _read_metadata
 from dcp_s3.admin.locations import resolve
 from dcp_s3.admin.locations import single as _single
+from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
+from dcp_s3.layout import METADATA_KEY
 
 __all__ = ["StepSummary", "TensorInfo", "list_steps", "inspect_checkpoint"]
 

@@ -13,19 +13,16 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dcp_s3.objstore.config import parse_s3_uri
-from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
 from dcp_s3.checkpointer.generations import settle
+from dcp_s3.checkpointer.steps import MARKER_SUFFIX, Part, Step, scan
+from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.metadata.formats import load_metadata
-from dcp_s3.checkpointer.steps import MARKER_SUFFIX, Part, Step, scan
-from dcp_s3.store.base import open_object, open_store
-from dcp_s3.store.local import LocalStore
-from dcp_s3.store.s3 import S3Store
+from dcp_s3.objstore.config import parse_s3_uri
+from dcp_s3.store import Store, open_object, open_store
 
-__all__ = ["Store", "Progress", "resolve", "is_root", "read_metadata", "single"]
+__all__ = ["Progress", "resolve", "is_root", "read_metadata", "single"]
 
-Store = S3Store | LocalStore
 #: ``progress(done, total)`` in bytes, called by the ``verify`` and ``cp`` commands.
 Progress = Callable[[int, int], None]
 

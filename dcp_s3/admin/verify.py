@@ -25,13 +25,14 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from dcp_s3._torch_compat import _StorageInfo, element_size
-from dcp_s3.untrusted.byte_items import byte_item_problem
-from dcp_s3.errors import CheckpointFormatError, DcpS3Error
-from dcp_s3.checkpointer.generations import part_dirs_of
-from dcp_s3.layout import METADATA_KEY, checksum_error
-from dcp_s3.admin.locations import Progress, Store, resolve
+from dcp_s3.admin.locations import Progress, resolve
 from dcp_s3.admin.locations import read_metadata as _read_metadata
+from dcp_s3.checkpointer.generations import part_dirs_of
 from dcp_s3.checkpointer.steps import MARKER_FORMAT, Part, Step
+from dcp_s3.errors import CheckpointFormatError, DcpS3Error
+from dcp_s3.layout import METADATA_KEY, checksum_error
+from dcp_s3.store import Store
+from dcp_s3.untrusted.byte_items import byte_item_problem
 
 __all__ = ["Problem", "VerifyReport", "verify_checkpoint"]
 

@@ -43,26 +43,30 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dcp_s3._torch_compat import async_save
-from dcp_s3.checkpointer.retention import retain_last
-from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
-from dcp_s3.checkpointer.generations import PART_DIRS, commit_step, find_complete, generation_name, marker_entry, new_token, plan_parts
+from dcp_s3.checkpointer.generations import (
+    PART_DIRS,
+    commit_step,
+    find_complete,
+    generation_name,
+    marker_entry,
+    new_token,
+    plan_parts,
+)
 from dcp_s3.checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV, is_foreign_step_marker, load_legacy
 from dcp_s3.checkpointer.objects import latest_checkpoint, load_object, save_object
+from dcp_s3.checkpointer.ranks import Ranks, distributed, rank, world_size
+from dcp_s3.checkpointer.retention import retain_last
+from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
+from dcp_s3.checkpointer.training_state import check_dicts, on_meta, restore, state_of, warn
+from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from dcp_s3.planners.optim_match import OptimizerLoadPlanner
 from dcp_s3.planners.trainable import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
-from dcp_s3.checkpointer.ranks import Ranks, distributed, rank, world_size
-from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
-from dcp_s3.store.base import open_object, open_store
-from dcp_s3.store.local import LocalStore
-from dcp_s3.store.s3 import S3Store
+from dcp_s3.store import Store, open_object, open_store
 from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
-from dcp_s3.checkpointer.training_state import check_dicts, on_meta, restore, state_of, warn
 
 __all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object"]
 
 log = logging.getLogger("dcp_s3")
-
-Store = S3Store | LocalStore
 
 
 # -- the manager ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from dcp_s3.checkpointer.generations import find_complete
-from dcp_s3.store.base import open_object, open_store
+from dcp_s3.store import open_object, open_store
 from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = ["save_object", "load_object", "latest_checkpoint"]

@@ -2,7 +2,7 @@
 
 A compressed item's storage entry carries a ``codec.FrameIndex`` (its frames' stored ends and
 raw-frame bits) and the CRC32C of each frame. The writer's gathered results
-(``results_packed``) and the compact ``.metadata`` (``metadata_compact``) hold many of them;
+(:mod:`dcp_s3.packed.results`) and the compact ``.metadata`` (:mod:`dcp_s3.metadata.compact`) hold many of them;
 as objects that is a few microseconds each to pickle, unpickle or encode. A ``FrameTable``
 holds them as one row of integers per index (``FIELDS``, the compact format's frame
 columns) plus their frame ends, frame CRCs and raw-frame bit masks concatenated, and is

@@ -20,13 +20,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
-from dcp_s3.errors import CheckpointFormatError, ConfigError
 
 __all__ = [
     "ObjectStore", "ObjectWriter", "ObjectInfo", "PendingUpload", "RangeRead", "coalesce", "wait_all",
-    "open_destination", "check_relative_name", "check_whole_size",
+    "open_destination", "check_relative_name", "relative_name_problem", "check_whole_size",
 ]
 
 log = logging.getLogger("dcp_s3")
@@ -131,17 +131,35 @@ def check_whole_size(where: str, size: int, limit: int) -> None:
         )
 
 
+def relative_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a clean relative object name, or None if it is.
+
+    The rules every object name relative to a root obeys, wherever it came from (a listing, an
+    argument, a checkpoint's metadata), so that the file path or key made from it stays under its
+    root: not empty; no ``''``, ``.`` or ``..`` segment (hence no leading or trailing ``/`` and no
+    ``//``, so also no ``scheme://``); no NUL; no path separator of this OS other than ``/`` (a
+    backslash on Windows).
+    """
+    if not name:
+        return "it is empty"
+    if "\0" in name:
+        return "it contains NUL"
+    if any(seg in ("", ".", "..") for seg in name.split("/")):
+        return "its '', '.' or '..' segments would resolve outside the target"
+    if ({os.sep, os.altsep or "/"} - {"/"}) & set(name):  # a backslash separates paths on Windows
+        return "it contains a path separator other than '/'"
+    return None
+
+
 def check_relative_name(name: str, origin: str) -> str:
-    """``name`` if it is a clean relative object name (no empty, ``.`` or ``..`` segment, no NUL,
-    no leading ``/``; on Windows no ``\\``), so the file path or key made from it stays under its root.
+    """``name`` if it is a clean relative object name (:func:`relative_name_problem`), so the file
+    path or key made from it stays under its root.
 
     A bucket can hold keys such as ``ck/../../x`` (S3 stores them verbatim); turned into a
     local path, or re-sent to a server that normalizes paths, such a key would land outside
     the target. ``origin`` says where the name came from, for the error.
     """
-    segments = name.split("/")
-    separators = {os.sep, os.altsep or "/"} - {"/"}  # a backslash separates paths on Windows
-    if not name or any(seg in ("", ".", "..") for seg in segments) or "\0" in name or separators & set(name):
+    if relative_name_problem(name) is not None:
         raise CheckpointFormatError(
             f"refusing object name {name!r} from {origin}: its '', '.' or '..' segments (or NUL, or a path "
             "separator) would resolve outside the target; rename or delete that object"

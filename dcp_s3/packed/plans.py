@@ -11,7 +11,7 @@ integer arrays (offsets, chunk sizes, index hints). It pickles as those arrays, 
 microseconds, and is a read-only sequence of the very ``WriteItem`` objects it was made from
 (built on first access), so any code that walks ``plan.items`` (the writer, torch's plan
 caching) sees ordinary items. :class:`PackedMapping` does the same for the flatten mapping.
-The coordinator reads the arrays directly (``planners_scale``); items that do not fit the
+The coordinator reads the arrays directly (:mod:`dcp_s3.planners.scale`); items that do not fit the
 table (byte items, irregular tensors) ride along as objects.
 """
 

@@ -10,7 +10,7 @@ string, with a digest, so the coordinator decodes each distinct table once), a t
 object names and transform descriptors, and integer arrays (one row per item). It pickles as
 those, and is a read-only sequence of the very ``WriteResult`` objects it was made from (built
 on first access on another process), so code that walks the results sees ordinary ones; the
-compact metadata encoder reads the arrays directly (``metadata_compact_rows``). Results that
+compact metadata encoder reads the arrays directly (:mod:`dcp_s3.metadata.compact_write`). Results that
 do not fit (byte items, another writer's entries) ride along as objects.
 """
 

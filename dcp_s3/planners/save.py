@@ -19,7 +19,7 @@ the same results, built with fewer and cheaper objects:
   every tensor item rewritten to its chunk's position in the metadata, one
   ``TensorStorageMetadata`` per tensor.
 
-``ScalableSavePlanner`` uses these when ``planners_vector`` cannot (some plan not packed, or
+``ScalableSavePlanner`` uses these when :mod:`dcp_s3.planners.vector` cannot (some plan not packed, or
 holding tensor items outside its table); packed plans are read through their arrays here too.
 """
 

@@ -1,7 +1,7 @@
 """The coordinator's save step on packed plans, with arrays: deduplication, index hints, metadata, checks.
 
 Used by ``ScalableSavePlanner`` when every rank sent ``PackedItems`` whose only object items
-are byte items (the usual case); otherwise ``planners_save`` does the same per item. Same
+are byte items (the usual case); otherwise :mod:`dcp_s3.planners.save` does the same per item. Same
 results as torch's ``dedup_save_plans`` + ``create_default_global_save_plan`` +
 ``_validate_global_plan``:
 
@@ -18,7 +18,7 @@ results as torch's ``dedup_save_plans`` + ``create_default_global_save_plan`` +
   ``RuleChunks(size, dim, n)``: equal to the list, pickled as three values, and built with no
   per-chunk object; it tiles the tensor by construction. Other tensors get the list of
   ``ChunkStorageMetadata``, the only per-item objects built, and the tiling checks on the same
-  arrays (``planners_scale.tiles_as_slabs``).
+  arrays (:func:`dcp_s3.planners.scale.tiles_as_slabs`).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def rule_dim(size: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> int
     """The dimension along which the chunks (rows of ``offsets`` and ``sizes``, in order) are exactly
     ``torch.chunk``'s split of ``size`` into as many chunks (``RuleChunks``: every chunk ``ceil(d / n)``
     rows, the trailing ones short or empty, every other dimension whole), ``-1`` for a scalar's one
-    chunk, or None. The first such dimension, as ``metadata_compact``'s encoder picks it."""
+    chunk, or None. The first such dimension, as the compact encoder picks it (:func:`dcp_s3.metadata.compact._rule`)."""
     n, dims = offsets.shape
     if n == 0:
         return None

@@ -156,7 +156,7 @@ class S3StorageReader(Location, StorageReader):
             else:  # one rank reads, the load's group shares it (an error reaches every rank)
                 group, src = source
                 data = broadcast_bytes(self._get_metadata, src, group, f"{self.checkpoint_id}/{METADATA_KEY}")
-            metadata = load_metadata(data, self._session.transport.url(key))
+            metadata = load_metadata(data, self._session.object_store.url(key))
         except DcpS3Error as exc:
             self._metadata_error = exc
             raise
@@ -169,7 +169,7 @@ class S3StorageReader(Location, StorageReader):
     def _get_metadata(self) -> bytes:
         key = self._session.key(METADATA_KEY)
         try:
-            data = self._session.transport.get(key)
+            data = self._session.object_store.get(key)
         except BucketNotFoundError:
             raise
         except CheckpointNotFoundError as exc:
@@ -211,7 +211,7 @@ class S3StorageReader(Location, StorageReader):
         for req in plan.items:
             finishers.append(self._plan_item(req, planner, reads))
         transfer = self._session.transfer
-        self._session.transport.read_ranges(
+        self._session.object_store.read_ranges(
             reads, executor=self._session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
         )
         self._codec.close()  # decoding is done: stop its threads (recreated on next use)
@@ -248,10 +248,10 @@ class S3StorageReader(Location, StorageReader):
                 buf = held.pop("buf") if info.length else bytearray()
                 self._verify(req, info, memoryview(buf))
                 if foreign:
-                    where = f"byte item {req.storage_index.fqn} in {self._session.transport.url(key)}"
+                    where = f"byte item {req.storage_index.fqn} in {self._session.object_store.url(key)}"
                     buf = decode_byte_item(foreign, buf, where)
                 if not self.allow_unsafe_byte_items:
-                    check_byte_item(buf, req.storage_index.fqn, self._session.transport.url(key))
+                    check_byte_item(buf, req.storage_index.fqn, self._session.object_store.url(key))
                 planner.load_bytes(req, io.BytesIO(buf))
 
             return load_bytes
@@ -287,14 +287,14 @@ class S3StorageReader(Location, StorageReader):
         """Check the CRC32C of every frame that raw bytes ``[lo, hi)`` (now in ``out``) cover whole."""
         crcs = getattr(info, "frame_crc32c", None)
         if crcs is None:  # load_metadata refuses this; metadata built in-process could still lack them
-            raise CheckpointFormatError(f"{self._session.transport.url(key)}: compressed item without checksums")
+            raise CheckpointFormatError(f"{self._session.object_store.url(key)}: compressed item without checksums")
         for i in range(lo // frames.frame_size, frames.num_frames):
             f_lo, f_hi = frames.raw_range(i)
             if f_lo >= hi:
                 break
             if f_lo >= lo and f_hi <= hi and crc32c(out[f_lo - lo : f_hi - lo]) != crcs[i]:
                 raise CheckpointFormatError(
-                    f"{self._session.transport.url(key)}: frame {i} of the item at bytes "
+                    f"{self._session.object_store.url(key)}: frame {i} of the item at bytes "
                     f"{info.offset}-{info.offset + info.length} fails its checksum: the stored object is corrupt"
                 )
 
@@ -314,7 +314,7 @@ class S3StorageReader(Location, StorageReader):
             return memoryview(state["buf"])
 
         def done() -> None:
-            where = f"{req.storage_index.fqn} in {self._session.transport.url(key)}"
+            where = f"{req.storage_index.fqn} in {self._session.object_store.url(key)}"
             tensor = load_tensor_archive(state.pop("buf"), transforms, found[0], found[1], where)
             dest.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
 

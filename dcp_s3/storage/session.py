@@ -103,7 +103,7 @@ class Session:
         self.client_config = client
         self.transfer = transfer
         self._lock = threading.Lock()
-        self._transport: ObjectStore | None = None
+        self._object_store: ObjectStore | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
 
@@ -122,7 +122,7 @@ class Session:
                 if _below(location.path, old.anchor):  # e.g. a reused writer retargeted to the next step
                     location = dataclasses.replace(location, anchor=old.anchor)
             if _container(location) != _container(self.location):
-                self._transport = None
+                self._object_store = None
             self.location = location
 
     def anchor_local(self, root: str) -> None:
@@ -132,7 +132,7 @@ class Session:
             location = self.location
             if isinstance(location, LocalDir) and _below(location.path, root):
                 self.location = dataclasses.replace(location, anchor=root)
-                self._transport = None
+                self._object_store = None
 
     def require_location(self) -> S3Uri | LocalDir:
         if self.location is None:
@@ -148,26 +148,26 @@ class Session:
 
     def url(self, name: str) -> str:
         """``name`` (relative to the checkpoint) as a user would write it, for messages."""
-        return self.transport.url(self.key(name))
+        return self.object_store.url(self.key(name))
 
     @property
-    def transport(self) -> ObjectStore:
+    def object_store(self) -> ObjectStore:
         """The object store of the checkpoint's bucket (S3) or directory (local disk)."""
         location = self.require_location()
         with self._lock:
             self._check_fork()
-            if self._transport is None:
+            if self._object_store is None:
                 if isinstance(location, LocalDir):
-                    self._transport = LocalObjectStore(
+                    self._object_store = LocalObjectStore(
                         location.root, follow_symlinks=location.follow_symlinks,
                         max_whole_read=self.transfer.max_whole_read,
                     )
                 else:
-                    self._transport = S3ObjectStore(
+                    self._object_store = S3ObjectStore(
                         self.client_config.client, location.bucket, max_attempts=self.client_config.retry_attempts,
                         request_args=self.client_config.request_args, max_whole_read=self.transfer.max_whole_read,
                     )
-            return self._transport
+            return self._object_store
 
     @property
     def executor(self) -> ThreadPoolExecutor:
@@ -182,7 +182,7 @@ class Session:
         if self._pid != os.getpid():  # threads do not survive fork
             self._pid = os.getpid()
             self._executor = None
-            self._transport = None
+            self._object_store = None
 
     def close(self) -> None:
         """Stop the worker threads (they are recreated on next use)."""

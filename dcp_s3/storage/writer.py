@@ -129,7 +129,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         metadata_format: str = "auto",
     ) -> None:
         StorageWriter.__init__(self)
-        self.metadata_format = metadata_format_option(metadata_format)  # layout.dump_metadata
+        self.metadata_format = metadata_format_option(metadata_format)  # metadata.formats.dump_metadata
         BlockingAsyncStager.__init__(self)
         transfer = (transfer or TransferConfig()).override(
             part_size=part_size, max_concurrency=max_concurrency, files_per_rank=files_per_rank,
@@ -184,16 +184,16 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
 
         Nothing is deleted here: the checkpoint at the path stays loadable until ``finish``.
         """
-        transport = self._session.transport
-        transport.check_container()
+        object_store = self._session.object_store
+        object_store.check_container()
         if not self.overwrite:
-            if transport.head(self._session.key(METADATA_KEY)) is not None:
+            if object_store.head(self._session.key(METADATA_KEY)) is not None:
                 raise self._exists_error("pass overwrite=True to replace it or choose a new path")
-            self._conditional_commit = transport.conditional_writes_supported(
+            self._conditional_commit = object_store.conditional_writes_supported(
                 self._session.key(PROBE_PREFIX + new_token())
             )
             if not self._conditional_commit:
-                where = transport.describe()
+                where = object_store.describe()
                 if self.require_conditional_writes:
                     raise ServerCapabilityError(
                         f"overwrite=False for {self.checkpoint_id}: {where} ignores If-None-Match on PUT, so a "
@@ -233,13 +233,13 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         token = new_token()  # fresh for every write: even a reused writer never names an object twice
         transfer = self._session.transfer
         buckets = [b for b in split_items(plan.items, transfer.files_per_rank) if b]
-        transport, executor = self._session.transport, self._session.executor
+        object_store, executor = self._session.object_store, self._session.executor
         pool = BufferPool(transfer.max_concurrency + len(buckets), transfer.part_size)
         failed = threading.Event()
 
         def write_object(n: int, items: list[WriteItem]) -> list[WriteResult]:
             name = data_object_name(prefix.prefix, n, token)
-            writer = transport.open_writer(
+            writer = object_store.open_writer(
                 self._session.key(name), pool=pool, executor=executor, expected_size=planned_size(items)
             )
             try:
@@ -279,16 +279,16 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         """
         metadata.storage_meta = self.storage_meta()
         metadata.version = "1.0.0"
-        transport = self._session.transport
+        object_store = self._session.object_store
         key = self._session.key(METADATA_KEY)
-        body = self._compact_body(metadata, results, transport.url(key))
+        body = self._compact_body(metadata, results, object_store.url(key))
         if body is None:
             metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
             body = dump_metadata(metadata, "dcp")
         ours = referenced_objects(metadata)
         if self.overwrite:
             replaced = self._committed_objects(key) - ours
-            etag = transport.put(key, body)
+            etag = object_store.put(key, body)
             # Delete the replaced checkpoint's objects only while .metadata is still ours: if another
             # save committed after us, it deletes what it replaced, and ours are then left for gc.
             if replaced and self._still_committed(key, etag, body):
@@ -314,15 +314,15 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
 
     def _commit_once(self, key: str, body: bytes, ours: set[str]) -> None:
         """``overwrite=False``: PUT ``.metadata`` only if no checkpoint is there; else clean up and raise."""
-        transport = self._session.transport
-        if not self._conditional_commit and transport.head(key) is not None:  # best effort (warned)
+        object_store = self._session.object_store
+        if not self._conditional_commit and object_store.head(key) is not None:  # best effort (warned)
             self._delete_quietly(sorted(ours), "objects of a save that was not committed")
             raise self._exists_error("another save committed it while this one was being written")
         try:
-            transport.put(key, body, if_none_match=self._conditional_commit)
+            object_store.put(key, body, if_none_match=self._conditional_commit)
         except CheckpointExistsError as exc:
             # A retried PUT whose first attempt did land finds its own bytes (they hold this save's id).
-            if transport.get(key) == body:
+            if object_store.get(key) == body:
                 return
             self._delete_quietly(sorted(ours), "objects of a save that was not committed")
             raise self._exists_error(
@@ -332,27 +332,27 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
     def _still_committed(self, key: str, etag: str, body: bytes) -> bool:
         """Whether ``.metadata`` still holds ``body`` (this save's): by ETag, or by content where
         the server's HEAD carries none (the JuiceFS/MinIO gateway)."""
-        head = self._session.transport.head(key)
+        head = self._session.object_store.head(key)
         if head is None:
             return False
         if head.etag and etag:
             return head.etag == etag
         try:
-            return self._session.transport.get(key) == body
+            return self._session.object_store.get(key) == body
         except CheckpointNotFoundError:
             return False
 
     def _committed_objects(self, key: str) -> set[str]:
         """The objects the checkpoint now committed at this path uses (empty if there is none)."""
-        transport = self._session.transport
+        object_store = self._session.object_store
         try:
-            data = transport.get(key) if transport.head(key) is not None else None
+            data = object_store.get(key) if object_store.head(key) is not None else None
         except CheckpointNotFoundError:  # deleted between the HEAD and the GET
             data = None
         if data is None:
             return set()
         try:
-            return replaceable_objects(load_metadata(data, transport.url(key)))
+            return replaceable_objects(load_metadata(data, object_store.url(key)))
         except CheckpointFormatError as exc:
             # Unreadable: replace it, but leave its objects to ``dcp-s3 gc`` rather than guess.
             log.warning("not deleting the objects of the checkpoint being replaced: %s", exc)
@@ -363,7 +363,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         if not names:
             return
         try:
-            self._session.transport.delete([self._session.key(n) for n in names])
+            self._session.object_store.delete([self._session.key(n) for n in names])
         except DcpS3Error as exc:
             warnings.warn(
                 f"could not delete {len(names)} {what} under {self.checkpoint_id} ({exc}); "

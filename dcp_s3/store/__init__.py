@@ -1,11 +1,13 @@
 """One store over a checkpoint root, on S3 or local disk: what the checkpoint manager and the tools use.
 
 :mod:`~dcp_s3.store.base` is :class:`Store` (objects under a root, and DCP writers/readers for
-its sub-locations) and :func:`open_store`; :mod:`~dcp_s3.store.s3` and :mod:`~dcp_s3.store.local`
-are its two backends; :mod:`~dcp_s3.store.options` parses storage options, once.
+its sub-locations); :mod:`~dcp_s3.store.s3` and :mod:`~dcp_s3.store.local` are its two backends;
+:mod:`~dcp_s3.store.options` parses storage options, once; :mod:`~dcp_s3.store.opening` is
+:func:`open_store` and :func:`open_object`, which pick the backend for a location.
 """
 
-from dcp_s3.store.base import Entry, Store, Upload, open_object, open_store
+from dcp_s3.store.base import Entry, Store, Upload
+from dcp_s3.store.opening import open_object, open_store
 
 __all__ = [
     "Entry",

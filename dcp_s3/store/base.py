@@ -7,34 +7,25 @@ sub-location. :class:`Store` does all of it over the object-store interface
 (:class:`dcp_s3.objstore.base.ObjectStore`), the same way on every backend: the writer/reader are
 ``S3StorageWriter``/``S3StorageReader`` on S3 and on disk alike. Names always use ``/``.
 
-The backends add only what really differs: ``dcp_s3.store.s3.S3Store`` (storage options,
-server-side copy between buckets of one server) and ``dcp_s3.store.local.LocalStore``
-(paths, symbolic-link policy); both are importable from here.
+The backends add only what really differs: :class:`dcp_s3.store.s3.S3Store` (server-side
+copy between buckets of one server) and :class:`dcp_s3.store.local.LocalStore` (paths,
+symbolic-link policy); :func:`dcp_s3.store.opening.open_store` picks one for a location, and
+:func:`dcp_s3.store.options.parse_storage_options` parses the storage options of both.
 """
 from __future__ import annotations
 
-import inspect
-import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError
+from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead
 from dcp_s3.objstore.buffers import BufferPool
-from dcp_s3.objstore.config import TransferConfig, client_config, parse_s3_uri
-from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
-from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_relative_name
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.storage.session import Session
 from dcp_s3.storage.writer import S3StorageWriter
 
-if TYPE_CHECKING:
-    from dcp_s3.store.local import LocalStore
-    from dcp_s3.store.s3 import S3Store
-
-__all__ = [
-    "Entry", "Upload", "Store", "S3Store", "LocalStore", "open_store", "open_object", "split_storage_options",
-    "check_relative_name", "CLIENT_SETTINGS", "LOCAL_OPTIONS",
-]
+__all__ = ["Entry", "Upload", "Store"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,56 +44,6 @@ class Upload:
     name: str
     upload_id: str
     initiated: float
-
-
-#: Options that choose the S3 client (the rest tune the writer/reader).
-_CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "request_args")
-#: Options that mean something for a local directory (the rest are S3's: client, parts, conditional writes).
-LOCAL_OPTIONS = frozenset({
-    "compression", "compression_level", "compression_threads", "key_prefixes", "files_per_rank", "max_concurrency",
-    "max_range_size", "transfer", "overwrite", "share_metadata", "replica_group", "allow_unsafe_byte_items",
-    "metadata_format", "max_whole_read",
-})
-#: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
-CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode")
-
-
-def _option_names(cls: type) -> set[str]:
-    params = inspect.signature(cls).parameters
-    return {n for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
-
-
-def split_storage_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split storage options into (``S3StorageWriter`` kwargs, ``S3StorageReader`` kwargs).
-
-    ``ClientConfig`` settings given on their own (``connect_timeout``, ``read_timeout``,
-    ``retry_attempts``, ``retry_mode``) are folded into ``client=`` (a ``ClientConfig``, given
-    or default), which both classes take. Raises ``ConfigError`` naming any option neither
-    class accepts.
-    """
-    options = dict(options)
-    settings = {k: options.pop(k) for k in CLIENT_SETTINGS if options.get(k) is not None}
-    for k in CLIENT_SETTINGS:
-        options.pop(k, None)
-    if settings:
-        options["client"] = client_config(options.get("client"), 1, **settings)
-    writer_names, reader_names = _option_names(S3StorageWriter), _option_names(S3StorageReader)
-    unknown = sorted(set(options) - writer_names - reader_names)
-    if unknown:
-        accepted = sorted(writer_names | reader_names | set(CLIENT_SETTINGS))
-        raise ConfigError(f"unknown storage option(s) {unknown}; S3 locations accept {accepted}")
-    writer = {k: v for k, v in options.items() if k in writer_names}
-    reader = {k: v for k, v in options.items() if k in reader_names}
-    return writer, reader
-
-
-def transfer_from(options: Mapping[str, Any]) -> TransferConfig:
-    """The ``TransferConfig`` the storage options describe."""
-    return (options.get("transfer") or TransferConfig()).override(
-        part_size=options.get("part_size"), max_concurrency=options.get("max_concurrency"),
-        files_per_rank=options.get("files_per_rank"), max_range_size=options.get("max_range_size"),
-        max_whole_read=options.get("max_whole_read"),
-    )
 
 
 class Store:
@@ -131,10 +72,9 @@ class Store:
         return f"{type(self).__name__}({self.root!r})"
 
     @property
-    def objects(self) -> ObjectStore:
-        return self.session.transport
+    def object_store(self) -> ObjectStore:
+        return self.session.object_store
 
-    transport = objects
 
     def close(self) -> None:
         self.session.close()
@@ -145,7 +85,7 @@ class Store:
 
     def url(self, name: str = "") -> str:
         """The location of ``name`` as a user would write it (``s3://...`` or a path)."""
-        return self.objects.url(self.key(name)).rstrip("/") if name or self.prefix else self.root
+        return self.object_store.url(self.key(name)).rstrip("/") if name or self.prefix else self.root
 
     def _rel(self, key: str) -> str:
         return key[len(self.prefix) + 1 :] if self.prefix else key
@@ -159,17 +99,17 @@ class Store:
 
     def list_objects(self, prefix: str = "") -> list[Entry]:
         """Every object whose relative name starts with ``prefix`` (a plain string prefix)."""
-        return [self._entry(o) for o in self.objects.list_objects(self._dir_key(prefix)) if not o.key.endswith("/")]
+        return [self._entry(o) for o in self.object_store.list_objects(self._dir_key(prefix)) if not o.key.endswith("/")]
 
     def list_dir(self, prefix: str = "") -> tuple[list[Entry], list[str]]:
         """(objects directly in directory ``prefix`` (``""`` or ending in ``/``), its subdirectories
         ``prefix<name>/``): one level, so the cost is that of the entries at that level only."""
-        objects, prefixes = self.objects.list_dir(self._dir_key(prefix))
+        objects, prefixes = self.object_store.list_dir(self._dir_key(prefix))
         return [self._entry(o) for o in objects if not o.key.endswith("/")], [self._rel(p) for p in prefixes]
 
     def read(self, name: str) -> bytes:
         """The whole object; ``CheckpointNotFoundError`` if it does not exist."""
-        return self.objects.get(self.key(name))
+        return self.object_store.get(self.key(name))
 
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """Bytes ``[start, end)`` of ``name`` for each range, fetched concurrently."""
@@ -178,14 +118,14 @@ class Store:
             RangeRead(self.key(name), start, end, _opener(buf)) for (start, end), buf in zip(ranges, bufs) if end > start
         ]
         transfer = self.session.transfer
-        self.objects.read_ranges(
+        self.object_store.read_ranges(
             reads, executor=self.session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
         )
         return [bytes(b) for b in bufs]
 
     def size(self, name: str) -> int | None:
         """The object's size, or None if it does not exist."""
-        head = self.objects.head(self.key(name))
+        head = self.object_store.head(self.key(name))
         return None if head is None else head.size
 
     def write(self, name: str, data: bytes, *, overwrite: bool = True) -> None:
@@ -194,13 +134,13 @@ class Store:
         ``overwrite=False``: ``CheckpointExistsError`` if ``name`` exists (checked atomically).
         """
         try:
-            self.objects.put(self.key(name), data, if_none_match=not overwrite)
+            self.object_store.put(self.key(name), data, if_none_match=not overwrite)
         except CheckpointExistsError:
             raise CheckpointExistsError(f"{self.url(name)} already exists; pass overwrite (--force) to replace it") from None
 
     def delete(self, names: Iterable[str]) -> None:
         """Delete objects (missing ones are ignored)."""
-        self.objects.delete([self.key(n) for n in names])
+        self.object_store.delete([self.key(n) for n in names])
 
     def writer(self, name: str, *, overwrite: bool | None = None) -> S3StorageWriter:
         """A DCP storage writer for the checkpoint at ``name`` (``overwrite``: the writer's, if given)."""
@@ -215,18 +155,18 @@ class Store:
 
     def uploads(self, prefix: str = "") -> list[Upload]:
         """Unfinished multipart uploads under ``prefix`` (always empty on disk)."""
-        return [Upload(self._rel(u.key), u.upload_id, u.initiated) for u in self.objects.list_uploads(self._dir_key(prefix))]
+        return [Upload(self._rel(u.key), u.upload_id, u.initiated) for u in self.object_store.list_uploads(self._dir_key(prefix))]
 
     def _pending(self, upload: Upload) -> PendingUpload:
         return PendingUpload(self.key(upload.name), upload.upload_id, upload.initiated)
 
     def abort(self, upload: Upload) -> None:
         """Abort an unfinished multipart upload."""
-        self.objects.abort_upload(self._pending(upload))
+        self.object_store.abort_upload(self._pending(upload))
 
     def upload_activity(self, upload: Upload) -> float | None:
         """When ``upload`` last received a part (else when it started); None if it is gone."""
-        return self.objects.upload_activity(self._pending(upload))
+        return self.object_store.upload_activity(self._pending(upload))
 
     def stream_to(self, name: str, dst: Store, dst_name: str) -> None:
         """Copy object ``name`` to ``dst_name`` of ``dst`` (any backend) through this process, over
@@ -235,12 +175,12 @@ class Store:
         written in order to ``dst``'s streamed writer (on S3: parts sent concurrently). Memory:
         about ``max_concurrency * max_range_size`` plus ``dst``'s part buffers."""
         key = self.key(name)
-        head = self.objects.head(key)
+        head = self.object_store.head(key)
         if head is None:
             raise CheckpointNotFoundError(f"GET {self.url(name)}: not found")
         step = self.session.transfer.max_range_size
         window = step * max(1, self.session.transfer.max_concurrency)
-        writer = dst.objects.open_writer(
+        writer = dst.object_store.open_writer(
             dst.key(dst_name), pool=dst._buffers, executor=dst.session.executor, expected_size=head.size
         )
         try:
@@ -249,13 +189,23 @@ class Store:
                         for start in range(first, min(head.size, first + window), step)]
                 reads = [RangeRead(key, first + i * step, first + i * step + len(b), _opener(b))
                          for i, b in enumerate(bufs)]
-                self.objects.read_ranges(reads, executor=self.session.executor, max_gap=0, max_size=step)
+                self.object_store.read_ranges(reads, executor=self.session.executor, max_gap=0, max_size=step)
                 for buf in bufs:
                     writer.write(buf)
         except BaseException:
             writer.abort()
             raise
         writer.close()
+
+    def same_server(self, other: Store) -> bool:
+        """Whether ``other`` is on the same server as this store, reached with the same credentials,
+        so that :meth:`copy_from` copies server-side. False here; S3 stores of one server say True."""
+        return False
+
+    def links_out(self, names: Iterable[str] = ("",)) -> list[tuple[str, str]]:
+        """(path, real target) of every symbolic link at or under ``names`` that resolves outside the
+        root. None here: only a local store has links."""
+        return []
 
     def copy_from(self, source: Store, source_name: str, name: str) -> None:
         """Copy ``source_name`` of ``source`` (a store of the same backend) to ``name`` here, without
@@ -264,7 +214,7 @@ class Store:
         size = source.size(source_name)
         if size is None:
             raise CheckpointNotFoundError(f"COPY {source.url(source_name)}: not found")
-        self.objects.copy(self.key(name), source.objects, source.key(source_name), size, executor=self.session.executor)
+        self.object_store.copy(self.key(name), source.object_store, source.key(source_name), size, executor=self.session.executor)
 
 
 def _opener(buf: bytearray) -> Callable[[], memoryview]:
@@ -273,50 +223,3 @@ def _opener(buf: bytearray) -> Callable[[], memoryview]:
 
 def _join(a: str, b: str) -> str:
     return f"{a}/{b}" if a and b else a or b
-
-
-def open_store(
-    location: str | os.PathLike[str], *, follow_symlinks: bool = False, **storage_options: Any
-) -> S3Store | LocalStore:
-    """A store rooted at ``s3://bucket[/prefix]`` or at a local directory.
-
-    ``storage_options`` are ``S3StorageWriter``/``S3StorageReader`` keywords; for local
-    directories only those that mean something there (``LOCAL_OPTIONS``: compression, key
-    prefixes...); the S3 ones are rejected (``ConfigError``) there, where they would do nothing.
-    ``follow_symlinks``: a local store lists linked directories too (see ``LocalStore``).
-    """
-    from dcp_s3.store.local import LocalStore
-    from dcp_s3.store.s3 import S3Store
-
-    text = os.fspath(location)
-    if text.startswith("s3://"):
-        return S3Store(parse_s3_uri(text, require_key=False), **storage_options)
-    if "://" in text:
-        raise InvalidCheckpointIdError(f"{text!r}: unsupported scheme; expected s3://bucket/prefix or a local path")
-    return LocalStore(text, follow_symlinks=follow_symlinks, **storage_options)
-
-
-def open_object(
-    location: str | os.PathLike[str], *, follow_symlinks: bool = False, **storage_options: Any
-) -> tuple[S3Store | LocalStore, str]:
-    """(store of the parent location, object name) for one object/file location."""
-    text = os.fspath(location).rstrip("/")
-    if text.startswith("s3://"):
-        uri = parse_s3_uri(text)
-        parent, _, name = uri.key.rpartition("/")
-        return open_store(f"s3://{uri.bucket}/{parent}", **storage_options), name
-    parent, name = os.path.split(os.path.abspath(text))
-    return open_store(parent, follow_symlinks=follow_symlinks, **storage_options), name
-
-
-def __getattr__(name: str) -> Any:
-    """The backends and their helpers, imported on first use (they import this module)."""
-    if name == "LocalStore":
-        from dcp_s3.store.local import LocalStore
-
-        return LocalStore
-    if name == "S3Store":
-        from dcp_s3.store.s3 import S3Store
-
-        return S3Store
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,12 +6,11 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from dcp_s3.objstore.config import ClientConfig
-from dcp_s3.errors import ConfigError
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.storage.session import LocalDir, Session
-from dcp_s3.store.base import LOCAL_OPTIONS, Store, split_storage_options, transfer_from
 from dcp_s3.storage.writer import S3StorageWriter
+from dcp_s3.store.base import Store
+from dcp_s3.store.options import parse_storage_options
 
 __all__ = ["LocalStore"]
 
@@ -19,7 +18,8 @@ __all__ = ["LocalStore"]
 class LocalStore(Store):
     """Files under a local directory (which need not exist yet).
 
-    Names from elsewhere (object keys) are checked by ``check_relative_name`` before they
+    Names from elsewhere (object keys) are checked by
+    :func:`~dcp_s3.objstore.base.check_relative_name` before they
     become paths. Below the root no symbolic link is followed (see :mod:`dcp_s3.objstore.local`):
     reads refuse a link where a directory or an object should be, writes and deletes never act
     through one. ``follow_symlinks`` (a tree the user trusts, ``dcp-s3 cp --follow-symlinks``):
@@ -31,15 +31,11 @@ class LocalStore(Store):
 
     def __init__(self, root: str | os.PathLike[str], *, follow_symlinks: bool = False, **options: Any) -> None:
         root = os.path.abspath(os.fspath(root))
-        given = {k: v for k, v in options.items() if v is not None}
-        s3_only = sorted(set(given) - LOCAL_OPTIONS)
-        if s3_only:
-            raise ConfigError(f"storage options {s3_only} apply to s3:// locations only, not to local path {root!r}")
-        writer_options, reader_options = split_storage_options(given)
+        parsed = parse_storage_options(options, local=root)  # only LOCAL_OPTIONS; a bad one is refused now
         self.follow_symlinks = follow_symlinks
-        session = Session(None, ClientConfig(), transfer_from(given))
+        session = Session(None, parsed.client, parsed.transfer)
         session.location = LocalDir(root, follow_symlinks=follow_symlinks)
-        super().__init__(session, "", root, writer_options=writer_options, reader_options=reader_options)
+        super().__init__(session, "", root, writer_options=parsed.writer, reader_options=parsed.reader)
 
     def path(self, name: str) -> str:
         return self.url(name)

@@ -1,16 +1,16 @@
-"""The S3 side of :class:`dcp_s3.store.base.Store`: its storage options, and server-side copies."""
+"""The S3 side of :class:`dcp_s3.store.base.Store`: its session, and server-side copies."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dcp_s3.objstore.config import S3Uri, client_config
-from dcp_s3.storage.reader import S3StorageReader
+from dcp_s3.objstore.config import S3Uri
 from dcp_s3.storage.session import Session
-from dcp_s3.store.base import _CLIENT_OPTIONS, Store, split_storage_options, transfer_from
-from dcp_s3.storage.writer import S3StorageWriter
+from dcp_s3.store.base import Store
+from dcp_s3.store.options import parse_storage_options
 
 __all__ = ["S3Store"]
+
 
 class S3Store(Store):
     """Objects under ``s3://bucket/prefix``.
@@ -22,22 +22,18 @@ class S3Store(Store):
 
     def __init__(self, uri: S3Uri, **options: Any) -> None:
         self.uri = uri
-        writer_options, reader_options = split_storage_options(options)
-        S3StorageWriter(None, **writer_options)  # reject a bad option now, not at the first save
-        S3StorageReader(None, **reader_options)
-        transfer = transfer_from(options)
-        client_options = {k: options.get(k) for k in _CLIENT_OPTIONS}
-        # The writer's pool size, so that the store and its writers share one client.
-        pool = transfer.max_concurrency + transfer.files_per_rank + 2
-        client = client_config(writer_options.get("client"), pool, **client_options)
-        session = Session(None, client, transfer)
+        parsed = parse_storage_options(options)  # a bad option is refused now, not at the first save
+        session = Session(None, parsed.client, parsed.transfer)
         session.location = uri
         super().__init__(
-            session, uri.key, str(uri).rstrip("/"), writer_options=writer_options, reader_options=reader_options
+            session, uri.key, str(uri).rstrip("/"), writer_options=parsed.writer, reader_options=parsed.reader
         )
 
-    def same_server(self, other: S3Store) -> bool:
-        """Whether ``other`` reaches the same endpoint with the same credentials (so a server-side copy works)."""
+    def same_server(self, other: Store) -> bool:
+        """Whether ``other`` is an S3 store reaching the same endpoint with the same credentials (so a
+        server-side copy works)."""
+        if not isinstance(other, S3Store):
+            return False
         mine, theirs = self.session.client_config, other.session.client_config
         fields = ("credential_path", "endpoint_url", "region", "profile")
         return all(getattr(mine, f) == getattr(theirs, f) for f in fields)

@@ -1,6 +1,6 @@
 """Validation of an unpickled ``.metadata``: every field of the type and range readers rely on.
 
-Run once, centrally, by ``layout.load_metadata`` so that readers, planners, ``inspect``
+Run once, centrally, by :func:`dcp_s3.metadata.formats.load_metadata` so that readers, planners, ``inspect``
 and ``verify`` never meet a negative length, a bool where an int belongs, a non-string
 path, a chunk outside its tensor or a frame index that does not match its chunk: each
 is a ``CheckpointFormatError`` naming the entry and the field.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import posixpath
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_s3._torch_compat import _StorageInfo, element_size
 from dcp_s3.codec.format import FrameIndex
 from dcp_s3.errors import CheckpointFormatError
+from dcp_s3.objstore.base import relative_name_problem
 from dcp_s3.untrusted.metadata_pickle import MAX_NDIM, describe
 
 __all__ = ["check_metadata", "check_location", "check_object_name", "offsets_key", "tiling_problem", "MAX_OFFSET"]
@@ -46,17 +46,20 @@ _CONTAINERS = (list, tuple, dict, set, frozenset)
 
 
 def check_object_name(name: object) -> str:
-    """Reject object names from metadata that would escape the checkpoint prefix."""
-    if (
-        type(name) is not str
-        or not name
-        or name.startswith("/")
-        or "://" in name
-        or "\\" in name
-        or any(part in ("", ".", "..") for part in name.split("/"))
-        or posixpath.normpath(name) != name
-    ):
-        raise CheckpointFormatError(f"metadata names an invalid object path {describe(name)}")
+    """Reject object names from metadata that would escape the checkpoint prefix, or that are not portable.
+
+    The rules of every relative object name (:func:`dcp_s3.objstore.base.relative_name_problem`: no
+    empty, ``.`` or ``..`` segment, so no leading ``/`` and no ``://``; no NUL), plus what is specific
+    to names read from a ``.metadata``: a ``str`` (the pickle can hold anything), and no backslash on
+    any OS — the checkpoint may be read elsewhere, by stock torch readers (``FileSystemReader`` on
+    Windows) or fsspec, which would take it for a separator. The error shows the name bounded
+    (``describe``): it is untrusted input of any size.
+    """
+    if type(name) is not str:
+        raise CheckpointFormatError(f"metadata names an invalid object path {describe(name)}: it is not a string")
+    problem = relative_name_problem(name) or ("it contains a backslash" if "\\" in name else None)
+    if problem is not None:
+        raise CheckpointFormatError(f"metadata names an invalid object path {describe(name)}: {problem}")
     return name
 
 

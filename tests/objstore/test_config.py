@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from dcp_s3.objstore.config import ClientConfig, TransferConfig, parse_s3_uri
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
+from dcp_s3.objstore.config import ClientConfig, TransferConfig, parse_s3_uri
+from dcp_s3.store import open_store
+from dcp_s3.store.options import parse_storage_options
 
 
 def test_parse_s3_uri() -> None:
@@ -99,3 +101,35 @@ def test_decode_threads_are_a_small_bounded_setting() -> None:
     assert S3StorageReader("s3://bucket/x")._codec.threads <= 4
     with pytest.raises(ConfigError, match="decode_threads"):
         TransferConfig(decode_threads=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"compression": "gzip"}, "compression='gzip'"),
+        ({"compression": "zstd", "compression_threads": 0}, "compression_threads=0"),
+        ({"key_prefixes": 0}, "key_prefixes=0"),
+        ({"metadata_format": "zip"}, "metadata_format='zip'"),
+        ({"allow_unsafe_byte_items": "yes"}, "allow_unsafe_byte_items='yes'"),
+        ({"share_metadata": 1}, "share_metadata=1"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"bogus": 1}, "bogus"),  # S3: unknown; local: not an option that means something there
+    ],
+)
+def test_storage_options_are_checked_when_a_store_opens(tmp_path: Path, options: dict[str, object], message: str) -> None:
+    """One parser (store.options) for both backends: a bad option is a ConfigError naming it, before any save."""
+    for location in ("s3://bucket/run", str(tmp_path)):
+        with pytest.raises(ConfigError, match=message):
+            open_store(location, **options)
+
+
+def test_storage_options_split_without_a_writer_or_reader() -> None:
+    parsed = parse_storage_options({"part_size": 8 << 20, "share_metadata": False, "connect_timeout": 5.0,
+                                    "compression": "zstd", "endpoint_url": "http://127.0.0.1:1"})
+    assert parsed.transfer.part_size == 8 << 20 and parsed.client.connect_timeout == 5.0
+    assert parsed.client.endpoint_url == "http://127.0.0.1:1"
+    assert "share_metadata" in parsed.reader and "share_metadata" not in parsed.writer
+    assert "compression" in parsed.writer and "compression" not in parsed.reader
+    assert parsed.writer["client"] is parsed.reader["client"]
+    with pytest.raises(ConfigError, match="s3:// locations only"):
+        parse_storage_options({"part_size": 8 << 20}, local="/tmp/x")

@@ -68,13 +68,13 @@ class _CutBody:
         pass
 
 
-def transport(server: LocalS3Server, bucket: str, client: Any = None) -> S3ObjectStore:
+def s3_object_store(server: LocalS3Server, bucket: str, client: Any = None) -> S3ObjectStore:
     client = client or ClientConfig(endpoint_url=server.endpoint_url).make_client()
     return S3ObjectStore(lambda: client, bucket, max_attempts=3, sleep=lambda s: None)
 
 
 def test_streamed_multipart_upload_round_trip(bucket: str, s3_env: LocalS3Server) -> None:
-    t = transport(s3_env, bucket)
+    t = s3_object_store(s3_env, bucket)
     data = os.urandom(13 * MiB + 123)
     pool = BufferPool(3, 5 * MiB)
     with ThreadPoolExecutor(2) as ex:
@@ -88,7 +88,7 @@ def test_streamed_multipart_upload_round_trip(bucket: str, s3_env: LocalS3Server
 
 
 def test_failed_part_aborts_the_upload(bucket: str, s3_env: LocalS3Server) -> None:
-    t = transport(s3_env, bucket, FlakyClient(ClientConfig(endpoint_url=s3_env.endpoint_url).make_client(), fail_part=2))
+    t = s3_object_store(s3_env, bucket, FlakyClient(ClientConfig(endpoint_url=s3_env.endpoint_url).make_client(), fail_part=2))
     with ThreadPoolExecutor(2) as ex:
         writer = t.open_writer("broken", pool=BufferPool(3, 5 * MiB), executor=ex)
         with pytest.raises(S3TransferError, match=f"s3://{bucket}/broken.*InternalError") as info:
@@ -103,7 +103,7 @@ def test_truncated_bodies_are_resumed(bucket: str, s3_env: LocalS3Server) -> Non
     data = os.urandom(3 * MiB)
     s3_env.client().put_object(Bucket=bucket, Key="r", Body=data)
     flaky = FlakyClient(ClientConfig(endpoint_url=s3_env.endpoint_url).make_client(), truncate_gets=2)
-    t = transport(s3_env, bucket, flaky)
+    t = s3_object_store(s3_env, bucket, flaky)
     out = bytearray(len(data))
     view = memoryview(out)
     reads = [RangeRead("r", lo, lo + MiB, (lambda lo=lo: view[lo : lo + MiB])) for lo in range(0, len(data), MiB)]
@@ -116,7 +116,7 @@ def test_truncated_bodies_are_resumed(bucket: str, s3_env: LocalS3Server) -> Non
 def test_persistent_body_failure_names_the_object(bucket: str, s3_env: LocalS3Server) -> None:
     s3_env.client().put_object(Bucket=bucket, Key="bad", Body=os.urandom(1000))
     flaky = FlakyClient(ClientConfig(endpoint_url=s3_env.endpoint_url).make_client(), truncate_gets=100)
-    t = transport(s3_env, bucket, flaky)
+    t = s3_object_store(s3_env, bucket, flaky)
     buf = bytearray(1000)
     with ThreadPoolExecutor(1) as ex, pytest.raises(S3TransferError, match=f"s3://{bucket}/bad"):
         t.read_ranges([RangeRead("bad", 0, 1000, lambda: memoryview(buf))], executor=ex, max_gap=0, max_size=MiB)
@@ -217,7 +217,7 @@ def test_buffer_pool_counts_the_bytes_it_holds() -> None:
 def test_memory_bound_holds_when_parts_are_enlarged(bucket: str, s3_env: LocalS3Server) -> None:
     """An object declared too large for 10,000 parts of ``part_size`` gets larger parts; the pool's
     bytes stay within ``count * enlarged part size`` (README "Memory")."""
-    t = transport(s3_env, bucket)
+    t = s3_object_store(s3_env, bucket)
     declared = 60 << 30  # 60 GiB: 12,288 parts of 5 MiB, so parts grow to 10 MiB
     pool = BufferPool(3, 5 * MiB)
     data = os.urandom(35 * MiB)

@@ -205,7 +205,7 @@ def compact_save_job(rank: int, world: int, env: dict[str, str], uri: str) -> li
         stored = S3StorageReader(f"{uri}/{fmt}").read_metadata()
         same = md.state_dict_metadata == stored.state_dict_metadata and dict(md.storage_data.items()) == dict(
             stored.storage_data.items())
-        body = writer._session.transport.get(writer._session.key(".metadata"))
+        body = writer._session.object_store.get(writer._session.key(".metadata"))
         seen.append((type(md.storage_data).__name__, len(pickle.dumps(md)), len(body), same))
         out = fsdp_state(mesh, rank, world, zeros=True)
         dcp.load(out, storage_reader=S3StorageReader(f"{uri}/{fmt}"), planner=ScalableLoadPlanner())

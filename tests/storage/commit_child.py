@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
     if kind == "save":
         uri, seed, overwrite = args
         writer = S3StorageWriter(uri, overwrite=overwrite == "1", part_size=5 * MiB)
-        writer._session.transport.client.meta.events.register("before-parameter-build.s3", hold(phase, held, release))
+        writer._session.object_store.client.meta.events.register("before-parameter-build.s3", hold(phase, held, release))
         try:
             dcp.save(state(int(seed)), storage_writer=writer, no_dist=True)
         except BaseException as exc:  # DCP wraps errors; the cause's type decides the exit status
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
         ckpt = Checkpointer(root, keep_last=1)
         # The Checkpointer's writers share the first client (one per settings and process); its
         # markers go through its store's.
-        for client in (S3StorageWriter(root + "/x")._session.transport.client, ckpt.store.transport.client):
+        for client in (S3StorageWriter(root + "/x")._session.object_store.client, ckpt.store.object_store.client):
             client.meta.events.register("before-parameter-build.s3", hold(phase, held, release))
         if mode == "first":
             m(torch.ones(2, 16)).sum().backward()

@@ -341,7 +341,7 @@ def test_overwrite_cleans_up_where_head_has_no_etag(moto_server: LocalS3Server, 
             dcp.save(state(seed), storage_writer=S3StorageWriter(uri), no_dist=True)
         assert loaded_seed(uri) == 3
         client = moto_server.client()
-        head = S3StorageWriter(uri)._session.transport.head("ck/.metadata")
+        head = S3StorageWriter(uri)._session.object_store.head("ck/.metadata")
         assert head is not None and head.etag == ""
         assert len(data_keys(client, bucket, "ck/")) == 1  # the replaced saves' objects are gone
 

@@ -26,12 +26,13 @@ from torch.distributed.fsdp import fully_shard
 
 from dcp_s3 import S3StorageReader, S3StorageWriter, cli
 from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
-from dcp_s3.errors import ConfigError
-from dcp_s3.layout import is_key_prefix_dir, rank_prefix
-from dcp_s3.untrusted.metadata_check import check_object_name
-from dcp_s3.local_server import LocalS3Server
 from dcp_s3.checkpointer.steps import scan
+from dcp_s3.errors import CheckpointFormatError, ConfigError
+from dcp_s3.layout import is_key_prefix_dir, rank_prefix
+from dcp_s3.local_server import LocalS3Server
+from dcp_s3.objstore.base import relative_name_problem
 from dcp_s3.store import Entry
+from dcp_s3.untrusted.metadata_check import check_object_name
 from tests.objects import data_key, object_keys, untokened
 
 PLAIN = "plain/ckpt"  # dcp.save with key_prefixes=2 on 3 ranks
@@ -61,6 +62,18 @@ def test_consecutive_ranks_differ_right_after_p(n: int) -> None:
     dirs = {rank_prefix(r, n).split("/")[0] for r in range(2 * n)}
     assert len(dirs) == n and all(is_key_prefix_dir(d) for d in dirs)
     assert all(check_object_name(rank_prefix(r, n) + "0.distcp") for r in range(n))
+
+
+@pytest.mark.parametrize("bad", ["", "/x", "a//b", "a/", "./a", "a/../b", "s3://b/k", "a\\b", "a\0b", 5, None])
+def test_metadata_object_names_follow_the_shared_rules_and_more(bad: Any) -> None:
+    """check_object_name: the rules of every relative name (objstore.base), plus a str and no backslash."""
+    with pytest.raises(CheckpointFormatError, match="metadata names an invalid object path"):
+        check_object_name(bad)
+    if isinstance(bad, str) and "\\" not in bad:  # the shared rules alone refuse it too
+        assert relative_name_problem(bad) is not None
+    with pytest.raises(CheckpointFormatError) as info:
+        check_object_name("x" * 100_000 + "/..")
+    assert len(str(info.value)) < 1000  # bounded: the name is untrusted input
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.0, "16", True, None])

@@ -221,7 +221,7 @@ def test_retry_attempts_bound_botocore_and_body_retries() -> None:
 
     writer = S3StorageWriter("s3://bucket/x", client=ClientConfig(retry_attempts=2), part_size=8 << 20)
     assert writer._session.client_config.retry_attempts == 2  # not replaced by a transfer setting
-    assert writer._session.transport.max_attempts == 2
+    assert writer._session.object_store.max_attempts == 2
     assert S3StorageReader("s3://bucket/x").__getstate__()["_session"].client_config.retry_attempts == 5
 
 
@@ -244,7 +244,7 @@ def test_local_paths_select_the_local_backend(path: str | Path) -> None:
 
     assert S3StorageWriter.validate_checkpoint_id(path) and S3StorageReader.validate_checkpoint_id(path)
     writer = S3StorageWriter(path)
-    assert isinstance(writer._session.transport, LocalObjectStore)
+    assert isinstance(writer._session.object_store, LocalObjectStore)
     expected = os.path.abspath(str(path).removeprefix("file://"))
     assert writer.checkpoint_id == expected == S3StorageReader(path).checkpoint_id
 

@@ -93,7 +93,7 @@ def test_checkpointer_markers_retention_and_load(bucket: str, sent: list[tuple[s
     model = nn.Linear(8, 4)
     ckpt = Checkpointer(root, keep_last=1, request_args=ARGS, retry_attempts=3)
     assert ckpt.store.session.client_config.retry_attempts == 3  # one settings object
-    assert ckpt.store.transport.max_attempts == 3
+    assert ckpt.store.object_store.max_attempts == 3
     ckpt.save({"m": model}, iteration=1)
     ckpt.save({"m": model}, iteration=2)  # keep_last=1 deletes step 1
     check(sent, {"PutObject", "ListObjectsV2", "DeleteObjects", "ListMultipartUploads", "HeadObject"})
