@@ -20,7 +20,7 @@ ranks) and HSDP (8-way shard x ranks/8 replicas, each chunk written by one repli
 * **after**: each rank sends ``PackedResults`` (arrays); rank 0 unpickles every rank's (all of
   them, for real), encodes the columns from the arrays (``dump_compact(metadata, results)``) and
   swaps in the lazy view of the committed bytes, which the broadcast pickles as those bytes.
-  The chunk lists are the planner's ``RuleChunks`` (``planners_vector``). Measured at every rank
+  The chunk lists are the planner's ``RuleChunks`` (``dcp_s3.planners.vector``). Measured at every rank
   count.
 
 The PUT itself and the S3 side are not included (the same bytes before and after).

@@ -17,12 +17,12 @@ Per rank, what a load costs before any data moves:
   Compact: the real file, built at every rank count (``compact_fsdp`` writes the same bytes as
   ``layout.dump_metadata(..., "compact")`` would for that ``Metadata``; checked at 8 ranks).
 * decode: the C unpickler (``pickle.loads``, unsafe on untrusted bytes), dcp_s3's restricted
-  unpickler + checks (``layout.load_metadata``, the stock path), and ``layout.load_metadata`` on
+  unpickler + checks (``dcp_s3.metadata.formats.load_metadata``, the stock path), and ``dcp_s3.metadata.formats.load_metadata`` on
   the compact file (measured).
 * local plan of one rank (the middle one): torch's ``create_read_items_for_chunk_list`` — the
   core of ``DefaultLoadPlanner.create_local_plan`` — over every tensor on stock (list) chunks,
   timed once per distinct shape and multiplied by the tensors of that shape; and
-  ``planners_load.read_items_for_chunks`` (``ScalableLoadPlanner``) on the compact metadata,
+  ``dcp_s3.planners.load.read_items_for_chunks`` (``ScalableLoadPlanner``) on the compact metadata,
   every tensor (measured). Also torch's function on the compact (lazy) chunks, per shape.
 * reader set-up: ``S3StorageReader.set_up_storage_reader`` before (a dict over every chunk: the
   loop timed on one tensor's chunks per shape, times the tensors) and now (on the compact

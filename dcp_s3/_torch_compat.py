@@ -173,7 +173,7 @@ def placeholder_metadata() -> Metadata:
     return Metadata(state_dict_metadata={})
 
 
-# -- used by the security checks (weights_only.py, metadata_pickle.py) and sharing.py -----------------
+# -- used by the security checks (dcp_s3.untrusted) and dcp_s3.planners.sharing -----------------------------
 
 #: ``torch.serialization._get_layout``: how pickled metadata names a tensor layout.
 get_layout = torch.serialization._get_layout

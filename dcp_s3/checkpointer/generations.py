@@ -25,10 +25,19 @@ import secrets
 from collections.abc import Iterable
 from typing import Any
 
+from dcp_s3.checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV
+from dcp_s3.checkpointer.steps import (
+    MARKER_SUFFIX,
+    PART_SUFFIX_RE,
+    Part,
+    Step,
+    is_checkpoint_object,
+    ordered,
+    part_name,
+    root_steps,
+)
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
-from dcp_s3.checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV
-from dcp_s3.checkpointer.steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, is_checkpoint_object, ordered, part_name, root_steps
 from dcp_s3.store.base import Store
 from dcp_s3.untrusted.torch_files import torch_load
 

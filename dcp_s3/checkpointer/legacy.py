@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError
 from dcp_s3.checkpointer.training_state import on_meta, sharded, warn
+from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError
 
 __all__ = ["ALLOW_MISSING_OPTIM_ENV", "is_foreign_step_marker", "load_legacy"]
 

@@ -6,7 +6,13 @@ lazily from untrusted bytes by :mod:`~dcp_s3.metadata.compact_read`,
 :mod:`~dcp_s3.metadata.compact_storage` and :mod:`~dcp_s3.metadata.compact_chunks`.
 """
 
-from dcp_s3.metadata.formats import METADATA_FORMATS, compact_wanted, dump_metadata, load_metadata, metadata_format_option
+from dcp_s3.metadata.formats import (
+    METADATA_FORMATS,
+    compact_wanted,
+    dump_metadata,
+    load_metadata,
+    metadata_format_option,
+)
 
 __all__ = [
     "METADATA_FORMATS",

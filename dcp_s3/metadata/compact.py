@@ -1,4 +1,4 @@
-"""The compact ``.metadata`` format: written by ``metadata_compact_write``, read by ``metadata_compact_read``.
+"""The compact ``.metadata`` format: written by ``dcp_s3.metadata.compact_write``, read by ``dcp_s3.metadata.compact_read``.
 
 A stock ``.metadata`` is a pickle holding one ``ChunkStorageMetadata`` and one storage entry
 object per chunk: at 16,384 FSDP ranks (Llama-70B-like) that is ~5.4 GB and minutes of
@@ -31,20 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
     TensorProperties,
     TensorStorageMetadata,
 )
 
-from dcp_s3.errors import ConfigError
 from dcp_s3.codec.frame_table import FIELDS as FRAME_FIELDS
+from dcp_s3.errors import ConfigError
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "chunk_count", "DTYPES", "LAYOUTS", "MEMORY_FORMATS", "ArraysBuilder"]
 

@@ -1,8 +1,8 @@
-"""Lazy chunk lists of compact metadata (``metadata_compact_read``) and the reader's chunk index.
+"""Lazy chunk lists of compact metadata (``dcp_s3.metadata.compact_read``) and the reader's chunk index.
 
 ``RuleChunks`` computes chunk ``i`` of a ``torch.chunk``-rule sharding, ``ExplicitChunks``
 reads it from offset/size arrays; both find a chunk from its offsets and list the chunks
-overlapping a box without walking all of them (``planners_load``, ``S3StorageReader``).
+overlapping a box without walking all of them (``dcp_s3.planners.load``, ``S3StorageReader``).
 """
 
 from __future__ import annotations

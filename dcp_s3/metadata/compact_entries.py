@@ -1,6 +1,6 @@
 """The state-dict entries of a compact ``.metadata`` being written, and how a storage entry's
 offsets find its chunk number: one at a time (``RuleChunks.find`` or a dict) or for many rows
-at once with array steps (``metadata_compact_write``)."""
+at once with array steps (``dcp_s3.metadata.compact_write``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reading the compact ``.metadata`` format (see ``metadata_compact``) from untrusted bytes.
+"""Reading the compact ``.metadata`` format (see ``dcp_s3.metadata.compact``) from untrusted bytes.
 
 ``load_compact`` returns a real ``Metadata`` whose big parts are lazy views of the bytes:
 each tensor's ``chunks`` is a ``Sequence`` (``RuleChunks`` computes chunk ``i`` from the
@@ -6,8 +6,8 @@ rule, ``ExplicitChunks`` reads it from the arrays) and ``storage_data`` a ``Mapp
 (``CompactStorage``) that builds and validates an entry when it is looked up. Decoding
 costs O(header + tensors with explicit chunks); a rank then pays per item it uses.
 
-Every check of ``metadata_check`` applies, when a value is built (storage entries through
-``metadata_check.check_location``); the header is bounded, every array must lie inside the
+Every check of ``dcp_s3.untrusted.metadata_check`` applies, when a value is built (storage entries through
+``dcp_s3.untrusted.metadata_check.check_location``); the header is bounded, every array must lie inside the
 bytes with the count and type the header gives, every index must point into its table.
 Any violation is a ``CheckpointFormatError``.
 """
@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_s3._torch_compat import element_size
-from dcp_s3.untrusted.metadata_check import MAX_OFFSET, tiling_problem
 from dcp_s3.metadata.compact import DTYPES, FORMAT_VERSION, LAYOUTS, MAGIC, MEMORY_FORMATS
 from dcp_s3.metadata.compact_chunks import ExplicitChunks, RuleChunks
-from dcp_s3.metadata.compact_storage import CompactStorage, ArraysReader, _bad, _Entry, _get, _int, untag
+from dcp_s3.metadata.compact_storage import ArraysReader, CompactStorage, _bad, _Entry, _get, _int, untag
+from dcp_s3.untrusted.metadata_check import MAX_OFFSET, tiling_problem
 from dcp_s3.untrusted.metadata_pickle import MAX_NDIM, describe
 
 __all__ = ["load_compact", "materialize"]
@@ -109,7 +109,7 @@ def _chunks(e: dict[str, Any], size: torch.Size, elem: int, explicit: list[np.nd
 def load_compact(data: bytes, where: str) -> Metadata:
     """Decode a compact ``.metadata``; ``CheckpointFormatError`` for anything malformed.
 
-    Errors found while decoding are raised without ``where`` (``layout.load_metadata`` adds it);
+    Errors found while decoding are raised without ``where`` (``dcp_s3.metadata.formats.load_metadata`` adds it);
     those found later, when a storage entry is built, name ``where`` themselves.
     """
     data = data if type(data) is bytes else bytes(data)

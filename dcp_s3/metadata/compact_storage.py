@@ -1,7 +1,7 @@
 """``CompactStorage``: the lazy ``storage_data`` of compact metadata, and the column decoding.
 
-Every storage field is a ``Column`` of the compact file (see ``metadata_compact``); an entry
-is built, and checked with ``metadata_check.check_location``, when it is looked up, and
+Every storage field is a ``Column`` of the compact file (see ``dcp_s3.metadata.compact``); an entry
+is built, and checked with ``dcp_s3.untrusted.metadata_check.check_location``, when it is looked up, and
 kept. Column-wide bounds (table indices, value ranges) are checked at decode without
 expanding a column.
 """
@@ -21,8 +21,8 @@ from dcp_s3._torch_compat import _StorageInfo
 from dcp_s3.codec.format import FrameIndex
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.layout import ItemLocation
-from dcp_s3.untrusted.metadata_check import MAX_OFFSET, check_location, check_object_name
 from dcp_s3.metadata.compact import FRAME_COLUMNS, KIND_ITEM_LOCATION, STORAGE_COLUMNS
+from dcp_s3.untrusted.metadata_check import MAX_OFFSET, check_location, check_object_name
 from dcp_s3.untrusted.metadata_pickle import MAX_INT_KEY, MAX_NDIM, describe
 
 __all__ = ["CompactStorage", "Column", "untag"]
@@ -53,7 +53,7 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = MAX_OFFSET) -> int:
 
 
 def untag(value: Any, depth: int = 0) -> Any:
-    """Inverse of ``metadata_compact.tag`` for untrusted JSON."""
+    """Inverse of ``dcp_s3.metadata.compact.tag`` for untrusted JSON."""
     if depth > MAX_DEPTH:
         raise _bad("a tagged value nests too deeply")
     if value is None or type(value) in (bool, int, str, float):
@@ -104,7 +104,7 @@ class ArraysReader:
 
 
 class Column:
-    """One integer per storage entry (or frame index), described as in ``metadata_compact``."""
+    """One integer per storage entry (or frame index), described as in ``dcp_s3.metadata.compact``."""
 
     def __init__(self, spec: Any, n: int, arrays: ArraysReader, name: str, nested: bool = False) -> None:
         self.n = n

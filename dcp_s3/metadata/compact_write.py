@@ -1,7 +1,7 @@
-"""Writing the compact ``.metadata`` format (see ``metadata_compact``): ``dump_compact``.
+"""Writing the compact ``.metadata`` format (see ``dcp_s3.metadata.compact``): ``dump_compact``.
 
 Storage entries come either from a ``storage_data`` mapping (one Python step per entry) or
-straight from the writer's gathered results (``results_packed.PackedResults``: integer arrays
+straight from the writer's gathered results (``dcp_s3.packed.results.PackedResults``: integer arrays
 per rank, so a save of millions of items builds no per-item object on the coordinator). Both
 become the same rows (state-dict entry, chunk number, arrival order, one integer per storage
 column), which are sorted, deduplicated (a later entry for the same chunk wins, as in a dict)
@@ -248,7 +248,7 @@ class _Rows:
             i = int(np.flatnonzero(chunk < 0)[0])
             raise _unsupported(no_chunk(self.entries.fqns[int(entry[i])], offsets[i, : ndim[i]].tolist()))
         entry_out[:], chunk_out[:] = entry, chunk
-        fields = np.concatenate([pk.fields for pk, *_ in ranks])  # results_packed.FIELDS
+        fields = np.concatenate([pk.fields for pk, *_ in ranks])  # dcp_s3.packed.results.FIELDS
         cols[:, 0] = KIND_ITEM_LOCATION
         cols[:, 1] = objects[per_row([r[3] for r in ranks]) + fields[:, 0]]
         cols[:, 2:4] = fields[:, 1:3]

@@ -27,10 +27,7 @@ import stat
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from dcp_s3.objstore.buffers import BufferPool, fit_part_size
-from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
-from dcp_s3.objstore.local_fs import Dirs, new_temp, os_errors, unlink_quietly
 from dcp_s3.objstore.base import (
     ObjectInfo,
     ObjectStore,
@@ -41,6 +38,9 @@ from dcp_s3.objstore.base import (
     check_whole_size,
     open_destination,
 )
+from dcp_s3.objstore.buffers import BufferPool, fit_part_size
+from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
+from dcp_s3.objstore.local_fs import Dirs, new_temp, os_errors, unlink_quietly
 
 __all__ = ["LocalObjectStore", "FileWriter"]
 

@@ -19,8 +19,6 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 
-from dcp_s3.objstore.buffers import BufferPool
-from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
 from dcp_s3.errors import (
     BucketNotFoundError,
     CheckpointExistsError,
@@ -31,6 +29,8 @@ from dcp_s3.errors import (
     ServerCapabilityError,
 )
 from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size, open_destination
+from dcp_s3.objstore.buffers import BufferPool
+from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
 from dcp_s3.objstore.s3_multipart import MultipartWriter, copy_multipart
 from dcp_s3.objstore.s3_requests import (
     BODY_ERRORS,

@@ -11,9 +11,9 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from dcp_s3.objstore.buffers import BufferPool, fit_part_size
 from dcp_s3.errors import DcpS3Error
 from dcp_s3.objstore.base import ObjectWriter, PendingUpload, wait_all
+from dcp_s3.objstore.buffers import BufferPool, fit_part_size
 from dcp_s3.objstore.s3_requests import range_header
 
 __all__ = ["MultipartWriter", "copy_multipart", "COPY_PART_SIZE"]

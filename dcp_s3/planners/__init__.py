@@ -10,7 +10,12 @@ with the others of a group).
 
 from dcp_s3.planners.load import ScalableLoadPlanner
 from dcp_s3.planners.scale import ScalableSavePlanner
-from dcp_s3.planners.trainable import MetaRankLoadPlanner, TrainableOnlyLoadPlanner, TrainableOnlySavePlanner, frozen_parameter_fqns
+from dcp_s3.planners.trainable import (
+    MetaRankLoadPlanner,
+    TrainableOnlyLoadPlanner,
+    TrainableOnlySavePlanner,
+    frozen_parameter_fqns,
+)
 
 __all__ = [
     "MetaRankLoadPlanner",

@@ -2,7 +2,7 @@
 
 torch's ``DefaultLoadPlanner`` matches every local tensor against every stored chunk of it:
 with FSDP over N ranks that is N chunks per tensor on every rank, i.e. work that grows
-with the job. On compact metadata (``metadata_compact``) each tensor's ``chunks`` can
+with the job. On compact metadata (``dcp_s3.metadata.compact``) each tensor's ``chunks`` can
 list the chunks overlapping a box directly (from the sharding rule, or vectorized over
 explicit arrays), so this planner only visits those. It produces the same read items as
 ``DefaultLoadPlanner`` (ordered by local chunk, then stored chunk) and falls back to
@@ -68,7 +68,7 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
 
 def read_items_for_chunks(fqn: str, chunks: Any, local: list[ChunkStorageMetadata]) -> list[ReadItem]:
     """torch's ``create_read_items_for_chunk_list`` for stored ``chunks`` that can list the chunks
-    overlapping a box (``metadata_compact_chunks.RuleChunks``/``ExplicitChunks``): the same items,
+    overlapping a box (``dcp_s3.metadata.compact_chunks.RuleChunks``/``ExplicitChunks``): the same items,
     ordered by local chunk, then stored chunk."""
     out = []
     for local_idx, mine in enumerate(local):

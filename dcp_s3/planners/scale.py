@@ -9,15 +9,15 @@ pairwise: O(ranks^2) per tensor, minutes at 4,096 ranks (``benchmarks/scale.py``
 
 ``ScalableSavePlanner`` is ``DefaultSavePlanner`` with
 
-* packed plans (``planners_packed``): each rank sends its items as arrays against a table
+* packed plans (``dcp_s3.packed.plans``): each rank sends its items as arrays against a table
   of its tensors, and its flatten mapping pickled once with a digest; the coordinator
   unpickles them in ~0.2 ms a rank instead of ~7 us an item, and scatters the global plans
   back packed (each rank builds its ``WriteItem`` objects on first access);
-* the coordinator's step on those arrays (``planners_vector``): torch's deduplication
+* the coordinator's step on those arrays (``dcp_s3.planners.vector``): torch's deduplication
   (replicated tensors, HSDP's replicas, FSDP's empty trailing shards) with torch's
   balance by bytes, the index hints, and the metadata: a ``RuleChunks`` for a tensor stored
   as torch.chunk's split along one dimension (FSDP, HSDP), no object per chunk, otherwise the
-  list of its chunks; plans that are not packed go item by item (``planners_save``), still linear;
+  list of its chunks; plans that are not packed go item by item (``dcp_s3.planners.save``), still linear;
 * the same checks as torch (bounds, no overlap, chunk volumes add up to the tensor), decided
   on arrays for slab shardings and otherwise swept along the dimension on which the chunks'
   offsets differ most, which for grid shardings keeps the active set at one row of the
@@ -87,7 +87,7 @@ class ScalableSavePlanner(OverridableSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         """torch's local plan, its items and flatten mapping packed for the trip to the coordinator
-        (``planners_packed``; with ``packed_plans=False``, as torch sends them)."""
+        (``dcp_s3.packed.plans``; with ``packed_plans=False``, as torch sends them)."""
         plan = super().create_local_plan()
         return packed_plan(plan) if self.packed_plans and plan.usable else plan
 
@@ -96,7 +96,7 @@ class ScalableSavePlanner(OverridableSavePlanner):
         return dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
 
     # torch's DefaultSavePlanner._create_global_plan (2.13): on packed plans with arrays
-    # (planners_vector, which deduplicates itself: dedup_plans serves the item-by-item path
+    # (dcp_s3.planners.vector, which deduplicates itself: dedup_plans serves the item-by-item path
     # only), otherwise item by item; the checks without torch's quadratic sweep. Plan caching and
     # create_global_plan call it as they call torch's (through OverridableSavePlanner).
     def build_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

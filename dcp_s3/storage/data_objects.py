@@ -15,9 +15,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_s3._torch_compat import element_size
 from dcp_s3.codec import Codec, grouping_for_dtype
 from dcp_s3.errors import CheckpointFormatError, DcpS3Error
-from dcp_s3.storage.tensor_bytes import compact, payload_chunks, streamable, tensor_blob
 from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
 from dcp_s3.objstore.base import ObjectWriter
+from dcp_s3.storage.tensor_bytes import compact, payload_chunks, streamable, tensor_blob
 
 __all__ = ["planned_size", "split_items", "write_item"]
 

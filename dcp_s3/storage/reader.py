@@ -28,19 +28,20 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_s3._torch_compat import element_size, narrow_tensor_by_index, placeholder_metadata
-from dcp_s3.untrusted.byte_items import check_byte_item
 from dcp_s3.codec import Codec, FrameIndex, accepts, stored_span, supported
-from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
-from dcp_s3.errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
-from dcp_s3.untrusted.foreign_items import decode_byte_item, load_tensor_archive
-from dcp_s3.storage.tensor_bytes import raw_bytes_view
+from dcp_s3.errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY, checksum_error
-from dcp_s3.metadata.formats import load_metadata
 from dcp_s3.metadata.compact_chunks import ChunkLookup
+from dcp_s3.metadata.formats import load_metadata
 from dcp_s3.objstore.base import RangeRead
+from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
+from dcp_s3.planners.sharing import broadcast_bytes, metadata_source
+from dcp_s3.storage.options import check_allow_unsafe_byte_items, check_replica_group, check_share_metadata
 from dcp_s3.storage.replicated import read_replicated
 from dcp_s3.storage.session import Location, Session
-from dcp_s3.planners.sharing import broadcast_bytes, metadata_source
+from dcp_s3.storage.tensor_bytes import raw_bytes_view
+from dcp_s3.untrusted.byte_items import check_byte_item
+from dcp_s3.untrusted.foreign_items import decode_byte_item, load_tensor_archive
 
 __all__ = ["S3StorageReader"]
 
@@ -94,15 +95,9 @@ class S3StorageReader(Location, StorageReader):
         max_whole_read: int | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(allow_unsafe_byte_items, bool):
-            raise ConfigError(f"allow_unsafe_byte_items={allow_unsafe_byte_items!r}: must be True or False")
-        self.allow_unsafe_byte_items = allow_unsafe_byte_items
-        if not isinstance(share_metadata, (bool, dist.ProcessGroup)):
-            raise ConfigError(f"share_metadata={share_metadata!r}: expected True, False or a ProcessGroup")
-        if replica_group is not None and not isinstance(replica_group, dist.ProcessGroup):
-            raise ConfigError(f"replica_group={replica_group!r}: expected a ProcessGroup or None")
-        self.share_metadata = share_metadata
-        self.replica_group = replica_group
+        self.allow_unsafe_byte_items = check_allow_unsafe_byte_items(allow_unsafe_byte_items)
+        self.share_metadata = check_share_metadata(share_metadata)
+        self.replica_group = check_replica_group(replica_group)
         transfer = (transfer or TransferConfig()).override(
             max_concurrency=max_concurrency, max_range_size=max_range_size, max_whole_read=max_whole_read
         )

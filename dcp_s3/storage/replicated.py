@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from dcp_s3.errors import ConfigError, DcpS3Error
-from dcp_s3.planners.sharing import error_payload, collective_device, group_ranks
+from dcp_s3.planners.sharing import collective_device, error_payload, group_ranks
 
 #: How the reader reads a plan on this rank alone (``S3StorageReader``'s ordinary read).
 ReadAll = Callable[[LoadPlan, LoadPlanner], None]

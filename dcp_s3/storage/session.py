@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from dcp_s3.objstore.config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
 from dcp_s3.errors import ConfigError, DcpS3Error, InvalidCheckpointIdError
 from dcp_s3.objstore.base import ObjectStore
+from dcp_s3.objstore.config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
 from dcp_s3.objstore.local import LocalObjectStore
 from dcp_s3.objstore.s3 import S3ObjectStore
 from dcp_s3.objstore.s3_requests import check_request_args

@@ -34,10 +34,8 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_s3._torch_compat import _StoragePrefix, require_transform_descriptors
-from dcp_s3.objstore.buffers import BufferPool
+from dcp_s3._torch_compat import _StoragePrefix
 from dcp_s3.codec import Codec
-from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config, int_option
 from dcp_s3.errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -46,12 +44,25 @@ from dcp_s3.errors import (
     DcpS3Error,
     ServerCapabilityError,
 )
-from dcp_s3.storage.data_objects import planned_size, split_items, write_item
-from dcp_s3.layout import FORMAT_TAG, METADATA_KEY, PROBE_PREFIX, check_key_prefixes, data_object_name, new_token, rank_prefix, referenced_objects, replaceable_objects
-from dcp_s3.metadata.formats import compact_wanted, dump_metadata, load_metadata, metadata_format_option
+from dcp_s3.layout import (
+    FORMAT_TAG,
+    METADATA_KEY,
+    PROBE_PREFIX,
+    check_key_prefixes,
+    data_object_name,
+    new_token,
+    rank_prefix,
+    referenced_objects,
+    replaceable_objects,
+)
 from dcp_s3.metadata.compact_write import dump_compact
+from dcp_s3.metadata.formats import compact_wanted, dump_metadata, load_metadata, metadata_format_option
 from dcp_s3.objstore.base import wait_all
+from dcp_s3.objstore.buffers import BufferPool
+from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.packed.results import PackedResults
+from dcp_s3.storage.data_objects import planned_size, split_items, write_item
+from dcp_s3.storage.options import check_compression
 from dcp_s3.storage.session import Location, Session
 
 __all__ = ["S3StorageWriter"]
@@ -140,14 +151,8 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
             endpoint_url=endpoint_url, region=region, profile=profile, request_args=request_args,
         )
         self._session = Session(path, client, transfer)
-        if compression not in (None, "zstd"):
-            raise ConfigError(f"compression={compression!r}; expected None or 'zstd'")
-        if compression:
-            require_transform_descriptors(f"compression={compression!r}")
-        self._codec = Codec(
-            level=int_option("compression_level", compression_level, -(1 << 17)),
-            threads=int_option("compression_threads", compression_threads, 1),
-        ) if compression else None
+        codec = check_compression(compression, compression_level, compression_threads)
+        self._codec = None if codec is None else Codec(level=codec[0], threads=codec[1])
         self.overwrite = overwrite
         self.require_conditional_writes = require_conditional_writes
         # Coordinator: whether the commit may rely on If-None-Match (see prepare_global_plan).

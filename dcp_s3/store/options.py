@@ -13,14 +13,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
-from dcp_s3._torch_compat import require_transform_descriptors
 from dcp_s3.errors import ConfigError
 from dcp_s3.layout import check_key_prefixes
 from dcp_s3.metadata.formats import metadata_format_option
-from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config, int_option
+from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.objstore.s3_requests import check_request_args
+from dcp_s3.storage.options import (
+    check_allow_unsafe_byte_items,
+    check_compression,
+    check_replica_group,
+    check_share_metadata,
+)
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.storage.writer import S3StorageWriter
 
@@ -93,9 +96,7 @@ def parse_storage_options(options: Mapping[str, Any], *, local: str | None = Non
         check = _VALUE_CHECKS.get(name)
         if check is not None:
             check(value)
-    if options.get("compression"):  # the writer's codec settings, used (so checked) only with compression
-        int_option("compression_level", options.get("compression_level", 1), -(1 << 17))
-        int_option("compression_threads", options.get("compression_threads", 2), 1)
+    check_compression(options.get("compression"), options.get("compression_level", 1), options.get("compression_threads", 2))
     if local is None:
         # The writer's pool size, so that the store and its writers share one client.
         pool = transfer.max_concurrency + transfer.files_per_rank + 2
@@ -111,37 +112,12 @@ def parse_storage_options(options: Mapping[str, Any], *, local: str | None = Non
     )
 
 
-# The checks of values that S3StorageWriter/S3StorageReader make themselves (the TransferConfig and
-# ClientConfig fields are checked by those classes, above). Same messages as theirs.
-
-
-def _check_compression(value: Any) -> None:
-    if value not in (None, "zstd"):
-        raise ConfigError(f"compression={value!r}; expected None or 'zstd'")
-    if value:
-        require_transform_descriptors(f"compression={value!r}")
-
-
-def _check_allow_unsafe_byte_items(value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"allow_unsafe_byte_items={value!r}: must be True or False")
-
-
-def _check_share_metadata(value: Any) -> None:
-    if not isinstance(value, (bool, dist.ProcessGroup)):
-        raise ConfigError(f"share_metadata={value!r}: expected True, False or a ProcessGroup")
-
-
-def _check_replica_group(value: Any) -> None:
-    if value is not None and not isinstance(value, dist.ProcessGroup):
-        raise ConfigError(f"replica_group={value!r}: expected a ProcessGroup or None")
-
-
+#: The checks of values S3StorageWriter/S3StorageReader make themselves (the same functions; the
+#: TransferConfig and ClientConfig fields are checked by those classes, above).
 _VALUE_CHECKS: dict[str, Callable[[Any], object]] = {
-    "compression": _check_compression,
     "key_prefixes": check_key_prefixes,
     "metadata_format": metadata_format_option,
-    "allow_unsafe_byte_items": _check_allow_unsafe_byte_items,
-    "share_metadata": _check_share_metadata,
-    "replica_group": _check_replica_group,
+    "allow_unsafe_byte_items": check_allow_unsafe_byte_items,
+    "share_metadata": check_share_metadata,
+    "replica_group": check_replica_group,
 }

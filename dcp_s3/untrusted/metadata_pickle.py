@@ -6,7 +6,7 @@ run by an interpreter that admits only what DCP metadata is made of:
 - globals: DCP's metadata dataclasses, dcp_s3's ``ItemLocation``/``FrameIndex``, torch
   dtypes (looked up in a table, never with ``getattr(torch, name)``, which can import
   modules), ``torch.Size``, layouts, paths, and the builtin containers — each by the name
-  stored pickles give it, pinned in ``metadata_names`` (never a class's current ``__module__``,
+  stored pickles give it, pinned in ``dcp_s3.untrusted.pinned_names`` (never a class's current ``__module__``,
   so moving a class leaves every written checkpoint readable);
 - calls (REDUCE): only the few constructors the pickler emits, each with the argument
   types it emits; a dataclass instance is created without calling anything (NEWOBJ);
@@ -139,7 +139,7 @@ def _check_args(args: tuple[Any, ...], types: tuple[type, ...], lo: int, hi: int
 class _Unpickler(pickle._Unpickler):
     """See the module docstring."""
 
-    #: Stored (module, name) -> global: pinned names, never a class's ``__module__`` (metadata_names).
+    #: Stored (module, name) -> global: pinned names, never a class's ``__module__`` (dcp_s3.untrusted.pinned_names).
     table: Mapping[tuple[str, str], Any]
 
     dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(pickle._Unpickler.dispatch)
@@ -161,7 +161,7 @@ class _Unpickler(pickle._Unpickler):
         self.built: dict[int, Any] = {}  # id -> instance (kept alive so that ids stay unique)
         for cls in classes:
             if cls not in self.table.values():
-                raise ConfigError(f"{describe(cls)} has no pinned stored name (add it to metadata_names._frozen)")
+                raise ConfigError(f"{describe(cls)} has no pinned stored name (add it to dcp_s3.untrusted.pinned_names._frozen)")
         classes = (*metadata_classes(), *classes)
         # Looked up by id: hashing an untrusted stack object could itself be the attack.
         self.calls = {id(func): check for func, check in _call_checks(self._keyed_args).items()}

@@ -2,7 +2,7 @@
 
 A pickle names every class by the module path and name it had when the checkpoint was
 written: every dcp_s3 release so far stores ``dcp_s3.layout.ItemLocation`` and (compressed
-items) ``dcp_s3.codec.format.FrameIndex``. The restricted unpickler (``metadata_pickle``) resolves a
+items) ``dcp_s3.codec.format.FrameIndex``. The restricted unpickler (``dcp_s3.untrusted.metadata_pickle``) resolves a
 stored name through the table below (``pinned()``), never through a class's ``__module__``, so the checkpoints
 already written keep loading wherever the classes live in the code. Rules for a refactor:
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dcp_s3._torch_compat import REBUILD_FROM_TYPE_V2, REBUILD_PREFIX, get_layout, rebuild_functions
-from dcp_s3.untrusted.metadata_pickle import MAX_INT_KEY, describe
+from dcp_s3.untrusted.metadata_pickle import describe
 
 __all__ = ["Refused", "Global", "Node", "label", "is_bytes", "real", "check_call", "MAX_SAME_HASH"]
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.checkpointer import manager as checkpointer
 from dcp_s3.store import base as store
-from dcp_s3.checkpointer import Checkpointer
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:

@@ -19,18 +19,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from dcp_s3.cli import commands as cli
-from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
 from dcp_s3.admin.cleanup import collect_garbage, find_garbage
-from dcp_s3.checkpointer.retention import retain_last
-from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.checkpointer.generations import find_complete
 from dcp_s3.admin.listing import list_steps
+from dcp_s3.admin.verify import verify_checkpoint
+from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
+from dcp_s3.checkpointer.generations import find_complete
+from dcp_s3.checkpointer.retention import retain_last
+from dcp_s3.cli import commands as cli
+from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.store import open_store
-from dcp_s3.admin.verify import verify_checkpoint
-from tests.held_child import HeldChild
 from tests.checkpointer.resave_child import build, first_state, snapshot, train_a_bit
+from tests.held_child import HeldChild
 
 CHILD = str(Path(__file__).with_name("resave_child.py"))
 GENERATION = r"[0-9a-f]{16}"
@@ -338,8 +338,8 @@ def test_resave_on_2_fsdp2_ranks(tmp_path: Path, async_save: bool) -> None:
 def test_finding_steps_reads_only_markers_of_resaved_steps_and_copies_keep_their_meaning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_s3.store import base as store_module
     from dcp_s3.admin import copy_checkpoint
+    from dcp_s3.store import base as store_module
 
     run = tmp_path / "run"
     model, optim, _ = first_state()

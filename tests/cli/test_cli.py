@@ -19,8 +19,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dcp_s3 import S3StorageReader
-from dcp_s3.cli import commands as cli
 from dcp_s3.checkpointer import Checkpointer
+from dcp_s3.cli import commands as cli
 from dcp_s3.local_server import LocalS3Server
 from tests.objects import data_key
 

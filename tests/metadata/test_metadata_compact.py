@@ -24,18 +24,18 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_s3 import S3StorageReader, S3StorageWriter, ScalableSavePlanner, layout
-from dcp_s3.metadata import formats
 from dcp_s3._torch_compat import _StorageInfo
 from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
 from dcp_s3.errors import ConfigError
 from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
-from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.metadata import formats
 from dcp_s3.metadata.compact import MAGIC
 from dcp_s3.metadata.compact_chunks import ExplicitChunks, RuleChunks
 from dcp_s3.metadata.compact_read import materialize
 from dcp_s3.metadata.compact_storage import CompactStorage
 from dcp_s3.metadata.compact_write import dump_compact
+from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from dcp_s3.planners.load import ScalableLoadPlanner
 from tests.objects import object_keys
 

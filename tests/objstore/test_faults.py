@@ -30,8 +30,8 @@ from fault_proxy import FaultProxy, Rule  # noqa: E402
 
 from dcp_s3 import S3StorageReader, S3StorageWriter  # noqa: E402
 from dcp_s3.admin import collect_garbage, find_garbage  # noqa: E402
-from dcp_s3.objstore.config import TransferConfig  # noqa: E402
 from dcp_s3.local_server import LocalS3Server  # noqa: E402
+from dcp_s3.objstore.config import TransferConfig  # noqa: E402
 from tests.objects import TOKEN
 
 MiB = 1 << 20

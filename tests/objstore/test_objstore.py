@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError
 
-from dcp_s3.objstore.buffers import BufferPool, fit_part_size
-from dcp_s3.objstore.config import ClientConfig
 from dcp_s3.errors import S3TransferError
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore.base import RangeRead, coalesce
+from dcp_s3.objstore.buffers import BufferPool, fit_part_size
+from dcp_s3.objstore.config import ClientConfig
 from dcp_s3.objstore.s3 import S3ObjectStore
 
 MiB = 1 << 20

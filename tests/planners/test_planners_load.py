@@ -135,8 +135,8 @@ def test_resharding_load_is_bit_exact_and_plans_match(bucket: str, s3_env: Local
     uri = f"s3://{bucket}/fsdp"
     run_ranks(save_job, 4, s3_env.env(), uri)
     body = s3_env.client().get_object(Bucket=bucket, Key="fsdp/.metadata")["Body"].read()
-    from dcp_s3.metadata.formats import load_metadata
     from dcp_s3.metadata.compact import MAGIC
+    from dcp_s3.metadata.formats import load_metadata
 
     assert body.startswith(MAGIC)
     md = load_metadata(body, uri)

@@ -29,8 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.compact_chunks import chunk_rule, rule_chunk
-from dcp_s3.metadata.compact_chunks import RuleChunks
+from dcp_s3.metadata.compact_chunks import RuleChunks, chunk_rule, rule_chunk
 from dcp_s3.planners.scale import ScalableSavePlanner
 from dcp_s3.planners.vector import rule_dim
 

@@ -27,13 +27,13 @@ from dcp_s3 import (
     save_object,
 )
 from dcp_s3.layout import METADATA_KEY, referenced_objects
-from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.metadata.compact import MAGIC as COMPACT_MAGIC
-from tests.storage.commit_child import model, sgd, state, train_a_bit
+from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from tests.fault_proxy import FaultProxy, Rule
 from tests.held_child import HeldChild
 from tests.objects import data_keys, object_keys
+from tests.storage.commit_child import model, sgd, state, train_a_bit
 
 CHILD = str(Path(__file__).with_name("commit_child.py"))
 

@@ -16,16 +16,15 @@ from typing import Any
 import pytest
 from torch import nn
 
-from dcp_s3.cli import commands as cli
-from dcp_s3.objstore import config
-from dcp_s3.objstore import s3 as objstore_s3
-from dcp_s3.objstore import s3_multipart
 from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
-from dcp_s3.checkpointer.retention import retain_last
-from dcp_s3.errors import CheckpointNotFoundError
 from dcp_s3.checkpointer.generations import find_complete
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3.checkpointer.retention import retain_last
 from dcp_s3.checkpointer.steps import complete_steps, scan
+from dcp_s3.cli import commands as cli
+from dcp_s3.errors import CheckpointNotFoundError
+from dcp_s3.local_server import LocalS3Server
+from dcp_s3.objstore import config, s3_multipart
+from dcp_s3.objstore import s3 as objstore_s3
 from dcp_s3.store import open_store
 
 MiB = 1 << 20

@@ -221,9 +221,8 @@ def test_convert_refuses_metadata_whose_chunks_do_not_cover_the_tensor(tmp_path:
 @pytest.mark.parametrize("table", ["codecs", "objects", "transforms"])
 def test_compact_metadata_with_an_empty_table_is_a_format_error(table: str) -> None:
     """An empty codecs table used to raise IndexError when the first compressed entry was built."""
-    from tests.metadata.test_metadata_compact_hostile import WHERE, genuine, join
-
     from dcp_s3.metadata.formats import load_metadata
+    from tests.metadata.test_metadata_compact_hostile import WHERE, genuine, join
 
     header, arrays = genuine()
     section = header["storage"]["frames"] if table == "codecs" else header["storage"]

@@ -31,7 +31,6 @@ from dcp_s3.admin import (
     remove_checkpoint,
 )
 from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.objstore.config import parse_s3_uri
 from dcp_s3.errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -40,6 +39,7 @@ from dcp_s3.errors import (
     InvalidCheckpointIdError,
 )
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.objstore.config import parse_s3_uri
 from dcp_s3.objstore.redact import RedactSecrets
 
 STATE = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}

@@ -59,12 +59,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
 from dcp_s3.admin import convert_checkpoint, inspect_checkpoint, verify_checkpoint
-from dcp_s3.untrusted.byte_items import byte_item_problem
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
 from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
-from dcp_s3.metadata.formats import load_metadata
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.metadata.formats import load_metadata
+from dcp_s3.untrusted.byte_items import byte_item_problem
 
 
 def state() -> dict[str, Any]:
