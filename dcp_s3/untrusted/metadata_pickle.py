@@ -367,7 +367,7 @@ _setup_dispatch()
 def unpickle_metadata(data: bytes, classes: tuple[type, ...] = ()) -> Any:
     """Unpickle ``.metadata`` bytes under the rules above; ``CheckpointFormatError`` on any breach.
 
-    ``classes``: further pinned classes (``metadata_names.pinned()``) that NEWOBJ/BUILD may create;
+    ``classes``: further pinned classes (``pinned_names.pinned()``) that NEWOBJ/BUILD may create;
     dcp_s3's ``ItemLocation`` and ``FrameIndex`` are admitted anyway.
     Other failures (a truncated or garbled pickle) propagate as the unpickler raised them.
     """
