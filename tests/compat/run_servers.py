@@ -197,7 +197,7 @@ def write_results(results: list[dict[str, Any]], out_dir: str) -> None:
             f"{'; '.join(r['what_dcp_s3_does'])} |"
         )
     if ran:
-        lines += ["", "## Conformance tests (`tests/conformance.py`, `tests/objstore_conformance.py`)", "",
+        lines += ["", "## Conformance tests (`dcp_s3.testing`: `StoreConformance`, `ObjectStoreConformance`)", "",
                   "| test | " + " | ".join(r["name"] for r in ran) + " |", "|---|" + "---|" * len(ran)]
     for name in names:
         cells = []
