@@ -39,7 +39,7 @@ from dcp_s3.planners.sharing import broadcast_bytes, metadata_source
 from dcp_s3.storage.options import check_allow_unsafe_byte_items, check_replica_group, check_share_metadata
 from dcp_s3.storage.replicated import read_replicated
 from dcp_s3.storage.session import Location, Session
-from dcp_s3.storage.tensor_bytes import raw_bytes_view
+from dcp_s3.storage.tensor_bytes import StagedRows, raw_bytes_view
 from dcp_s3.untrusted.byte_items import check_byte_item
 from dcp_s3.untrusted.foreign_items import decode_byte_item, load_tensor_archive
 
@@ -360,7 +360,7 @@ class S3StorageReader(Location, StorageReader):
         rows_per_piece = max(1, max_bytes // max(1, row_bytes))
         for r in range(0, rows, rows_per_piece):
             n = min(rows_per_piece, rows - r)
-            piece = _StagedRows(dest, sizes, dtype, req, r, n)
+            piece = StagedRows(dest, sizes, dtype, req, r, n)
             start = (row0 + r) * row_bytes
             self._add_read(reads, key, info, start, start + n * row_bytes, piece.open, piece.done)
         return False
@@ -394,29 +394,3 @@ class S3StorageReader(Location, StorageReader):
 
 def _slice_opener(view: memoryview, lo: int, hi: int) -> Callable[[], memoryview]:
     return lambda: view[lo:hi]
-
-
-class _StagedRows:
-    """Rows ``[r, r + n)`` of a read: staged on the CPU, then copied into ``dest``."""
-
-    def __init__(
-        self, dest: torch.Tensor, sizes: torch.Size, dtype: torch.dtype, req: ReadItem, r: int, n: int
-    ) -> None:
-        self.dest, self.sizes, self.dtype, self.req, self.r, self.n = dest, sizes, dtype, req, r, n
-        self.buf: torch.Tensor | None = None
-
-    def open(self) -> memoryview:
-        shape = (self.n, *self.sizes[1:]) if len(self.sizes) else ()
-        self.buf = torch.empty(shape, dtype=self.dtype)
-        return raw_bytes_view(self.buf)
-
-    def done(self) -> None:
-        assert self.buf is not None
-        src = self.buf
-        if len(self.sizes):
-            for dim in range(1, len(self.sizes)):
-                src = src.narrow(dim, self.req.storage_offsets[dim], self.req.lengths[dim])
-            self.dest.narrow(0, self.r, self.n).copy_(src)
-        else:
-            self.dest.copy_(src)
-        self.buf = None  # release the staging memory now, not when the plan ends

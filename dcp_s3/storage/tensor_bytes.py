@@ -1,4 +1,5 @@
-"""How one tensor becomes bytes in a data object, streamed without whole-tensor copies.
+"""How one tensor becomes bytes in a data object, streamed without whole-tensor copies (and, for a
+read into a tensor that cannot take them in place, how they come back: :class:`StagedRows`).
 
 A tensor item is exactly what ``torch.save(tensor)`` writes (so stock
 ``FileSystemReader`` loads it), but produced in three pieces: the small zip
@@ -16,11 +17,12 @@ from dataclasses import dataclass
 from typing import IO, cast
 
 import torch
+from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_s3._torch_compat import TORCH_VERSION
 from dcp_s3.errors import TorchCompatibilityError
 
-__all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view", "streamable", "compact", "payload_chunks"]
+__all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view", "streamable", "compact", "payload_chunks", "StagedRows"]
 
 #: Largest device-to-host copy made at once for non-CPU tensors.
 DEVICE_COPY_CHUNK = 64 << 20
@@ -144,3 +146,30 @@ def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
     header = b"".join(d for pos, d in writes if pos < hole_start)
     trailer = b"".join(d for pos, d in writes if pos > hole_start)
     return TensorBlob(header, tensor, trailer)
+
+
+class StagedRows:
+    """Rows ``[r, r + n)`` of a read into a tensor the reader cannot fill in place (another device, dtype
+    or layout): staged in a bounded CPU buffer, then narrowed, cast and copied into ``dest``."""
+
+    def __init__(
+        self, dest: torch.Tensor, sizes: torch.Size, dtype: torch.dtype, req: ReadItem, r: int, n: int
+    ) -> None:
+        self.dest, self.sizes, self.dtype, self.req, self.r, self.n = dest, sizes, dtype, req, r, n
+        self.buf: torch.Tensor | None = None
+
+    def open(self) -> memoryview:
+        shape = (self.n, *self.sizes[1:]) if len(self.sizes) else ()
+        self.buf = torch.empty(shape, dtype=self.dtype)
+        return raw_bytes_view(self.buf)
+
+    def done(self) -> None:
+        assert self.buf is not None
+        src = self.buf
+        if len(self.sizes):
+            for dim in range(1, len(self.sizes)):
+                src = src.narrow(dim, self.req.storage_offsets[dim], self.req.lengths[dim])
+            self.dest.narrow(0, self.r, self.n).copy_(src)
+        else:
+            self.dest.copy_(src)
+        self.buf = None  # release the staging memory now, not when the plan ends
