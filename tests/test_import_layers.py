@@ -27,8 +27,9 @@ FUNCTION_LOCAL_IMPORTS = {
         ("cli/commands.py", "dcp_s3.demo"): "`dcp-s3 demo` only: the demo imports torch and FSDP",
     },
     ("admin/convert.py", "safetensors.torch"): "optional dependency, only for `convert --format safetensors`",
-    ("_torch_compat.py", "torch.distributed.checkpoint.utils"): "private torch module, imported where used",
-    ("_torch_compat.py", "torch.distributed.checkpoint._extension"): "private torch module, imported where used",
+    # Private torch names that only one feature needs: a torch without them still imports dcp_s3.
+    ("_torch_compat.py", "torch.distributed.checkpoint.utils"): "_DistWrapper, or None where torch lacks it",
+    ("_torch_compat.py", "torch.distributed.checkpoint._extension"): "only items written with torch's transforms",
 }
 
 
