@@ -149,6 +149,8 @@ class _Handler(socketserver.BaseRequestHandler):
         proxy = self.server.proxy
         if not proxy._slots.acquire(blocking=False):
             return  # over the connection bound: drop it (the client retries)
+        with proxy._lock:
+            proxy.connections += 1
         try:
             self.request.settimeout(proxy.socket_timeout)
             reader = self.request.makefile("rb")
@@ -251,6 +253,7 @@ class FaultProxy:
         # (method, header) pairs removed from responses, e.g. ("HEAD", "etag") as the JuiceFS gateway answers.
         self.drop_response_headers = frozenset((m.upper(), h.lower()) for m, h in drop_response_headers)
         self.counts: Counter[str] = Counter()
+        self.connections = 0  # client connections accepted (keep-alive reuses one for many requests)
         self.faults: Counter[tuple[str, str]] = Counter()
         self.log: list[tuple[str, str, str | None]] = []  # (op, key, fault) of every request
         self._seen: Counter[tuple[str, ...]] = Counter()

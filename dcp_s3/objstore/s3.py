@@ -367,7 +367,7 @@ class S3ObjectStore(ObjectStore):
                             read.done()
                         dest = None
                         index += 1
-                resp["Body"].close()
+                _finish_body(resp["Body"])
             except BODY_ERRORS as exc:
                 attempt += 1
                 if attempt >= self.max_attempts:
@@ -393,6 +393,22 @@ def _body_readinto(body: Any) -> Callable[[memoryview], int]:
         return len(data)
 
     return readinto
+
+
+def _finish_body(body: Any) -> None:
+    """Close a body read to its end, handing its connection back to the pool for the next request.
+
+    A body read through http.client's file (``_body_readinto``) ends without urllib3 seeing it end,
+    and its ``close()`` would then drop the socket: every GET would open a new connection (and, over
+    HTTPS, a new TLS session). http.client marks the response closed once all ``Content-Length``
+    bytes are in, so the connection is at a clean boundary and can serve the next request.
+    """
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if fp is not None and fp.isclosed() and callable(getattr(raw, "release_conn", None)):
+        raw.release_conn()
+    else:
+        body.close()
 
 
 def _readinto_some(readinto: Callable[[memoryview], int], buf: memoryview) -> int:

@@ -306,3 +306,24 @@ def test_shape_mismatch_names_the_key(bucket: str) -> None:
         dcp.load({"layer.weight": torch.zeros(5, 4), "layer.bias": torch.zeros(4)},
                  storage_reader=S3StorageReader(uri))
     assert "layer.weight" in str(info.value), info.value
+
+
+# -- connections ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_ranged_gets_reuse_kept_alive_connections(
+    proxy: FaultProxy, bucket: str, s3_env: LocalS3Server, concurrency: int
+) -> None:
+    """A body read to its end hands its connection back to the pool: a load opens about one connection
+    per concurrent GET, not one per GET (each a TCP and, over HTTPS, a TLS handshake)."""
+    uri = f"s3://{bucket}/reuse"
+    sd = _state(3, mib=1, n=8)
+    dcp.save(sd, storage_writer=S3StorageWriter(uri, endpoint_url=s3_env.endpoint_url, files_per_rank=8))
+    got = _zeros_like(sd)
+    reader = S3StorageReader(uri, endpoint_url=proxy.url, max_concurrency=concurrency, max_range_size=MiB // 2)
+    dcp.load(got, storage_reader=reader)
+    _assert_bit_exact(got, sd)
+    gets = proxy.counts["GetObjectRange"] + proxy.counts["GetObject"]
+    assert gets >= 16  # 8 objects, each read in ranges of half a MiB
+    # The pool's connections (one per concurrent GET, plus the one that read .metadata): at most that many.
+    print(f"max_concurrency={concurrency}: {proxy.connections} connections for {gets} GETs")  # for the issue note (-s)
+    assert proxy.connections <= concurrency + 2, f"{proxy.connections} connections for {gets} GETs"
