@@ -110,3 +110,27 @@ def test_save_memory_bound_with_and_without_awscrt(bucket: str, s3_env: LocalS3S
         f"RSS growth with awscrt {with_crt / MiB:.0f} MiB, without {without / MiB:.0f} MiB: more than "
         f"{CLOSE / MiB:.0f} MiB apart"
     )
+
+
+def test_buffer_reader_is_a_seekable_view_of_the_buffer() -> None:
+    """What botocore needs of an upload body: reads in pieces, length by seek/tell, rewind for a retry."""
+    from botocore.utils import determine_content_length
+
+    from dcp_s3.objstore.buffers import BufferReader
+
+    buf = bytearray(b"0123456789")
+    with BufferReader(buf, 7) as body:
+        assert body.readable() and body.seekable() and not body.writable()
+        assert determine_content_length(body) == 7 and body.tell() == 0
+        assert bytes(body.read(3)) == b"012" and bytes(body.read()) == b"3456" and bytes(body.read(5)) == b""
+        assert body.seek(0) == 0 and bytes(body.read(None)) == b"0123456"
+        assert body.seek(-2, os.SEEK_END) == 5 and bytes(body.read()) == b"56"
+        body.seek(1)
+        out = bytearray(4)
+        assert body.readinto(out) == 4 and out == b"1234"
+        assert isinstance(body.read(1), memoryview)  # a view, not a copy
+    assert body.closed
+    buf.extend(b"x")  # close released the view: the buffer may change size again
+    with pytest.raises(ValueError):
+        body.read()
+    assert bytes(BufferReader(b"abc").read()) == b"abc"
