@@ -91,8 +91,7 @@ class BufferReader(io.RawIOBase):
         return True
 
     def _take(self, size: int | None) -> memoryview:
-        if self.closed:
-            raise ValueError("I/O operation on closed file")
+        self._checkClosed()  # io's own ValueError, as any closed file raises
         end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
         start, self._pos = self._pos, max(self._pos, end)
         return self._view[start : self._pos]
@@ -114,17 +113,15 @@ class BufferReader(io.RawIOBase):
         return len(chunk)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if self.closed:
-            raise ValueError("I/O operation on closed file")
+        """Move to ``offset`` from the start, the current position or the end (``whence``); a position
+        before the start is the start."""
+        self._checkClosed()
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
+        self._pos = max(0, base + offset)
         return self._pos
 
     def tell(self) -> int:
-        if self.closed:
-            raise ValueError("I/O operation on closed file")
+        self._checkClosed()
         return self._pos
 
     def close(self) -> None:

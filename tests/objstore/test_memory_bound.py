@@ -125,6 +125,7 @@ def test_buffer_reader_is_a_seekable_view_of_the_buffer() -> None:
         assert bytes(body.read(3)) == b"012" and bytes(body.read()) == b"3456" and bytes(body.read(5)) == b""
         assert body.seek(0) == 0 and bytes(body.read(None)) == b"0123456"
         assert body.seek(-2, os.SEEK_END) == 5 and bytes(body.read()) == b"56"
+        assert body.seek(-1) == 0 and body.seek(3, os.SEEK_CUR) == 3
         body.seek(1)
         out = bytearray(4)
         assert body.readinto(out) == 4 and out == b"1234"
