@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = common.open_endpoint(args.server, args.endpoint_url)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {n: {"save": [], "load": []} for n in names}
     info = common.machine_info()
+    info["awscrt"] = _awscrt_state()
+    print(f"awscrt: {info['awscrt']}", flush=True)
     try:
         bucket = endpoint.create_bucket(common.new_bucket_name("mem"))
         for rep in range(args.reps):
@@ -101,10 +103,24 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info, "summary": summary, "runs": runs, "table_markdown": table,
     })
     header = (f"Peak RSS growth, {workload.nbytes / common.MiB:.0f} MiB {workload.name} state dict, median of "
-              f"{args.reps} (fresh process each)")
+              f"{args.reps} (fresh process each; awscrt: {info['awscrt']})")
     args.out.with_suffix(".md").write_text(header + "\n\n" + table + "\n")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
     return 0
+
+
+def _awscrt_state() -> str:
+    """Whether botocore in the workers signs and checksums with awscrt (it does whenever awscrt is importable)."""
+    import importlib.metadata
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("awscrt") is None:
+        return "not installed"
+    version = importlib.metadata.version("awscrt")
+    if os.environ.get("BOTO_DISABLE_CRT", "false").lower() == "true":
+        return f"{version}, disabled by BOTO_DISABLE_CRT"
+    return f"{version}, used by botocore"
 
 
 def _progress(rep: int, name: str, op: str, res: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from dcp_s3.errors import (
     ServerCapabilityError,
 )
 from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size, open_destination
-from dcp_s3.objstore.buffers import BufferPool
+from dcp_s3.objstore.buffers import BufferPool, BufferReader
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
 from dcp_s3.objstore.s3_multipart import MultipartWriter, copy_multipart
 from dcp_s3.objstore.s3_requests import (
@@ -136,6 +136,10 @@ class S3ObjectStore(ObjectStore):
         an existing key (``CheckpointExistsError``). Some servers ignore the header and overwrite
         (see ``conditional_writes_supported``); one that answers 501 raises ``ServerCapabilityError``.
         """
+        with BufferReader(body) as stream:  # not the bytes themselves: botocore would copy them (see BufferReader)
+            return self._put(key, stream if len(body) else b"", if_none_match)
+
+    def _put(self, key: str, body: BufferReader | bytes, if_none_match: bool) -> str:
         if not if_none_match:
             return str(self.call("put_object", key, Key=key, Body=body).get("ETag", ""))
         try:

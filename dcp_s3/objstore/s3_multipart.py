@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from dcp_s3.errors import DcpS3Error
 from dcp_s3.objstore.base import ObjectWriter, PendingUpload, wait_all
-from dcp_s3.objstore.buffers import BufferPool, fit_part_size
+from dcp_s3.objstore.buffers import BufferPool, BufferReader, fit_part_size
 from dcp_s3.objstore.s3_requests import range_header
 
 __all__ = ["MultipartWriter", "copy_multipart", "COPY_PART_SIZE"]
@@ -126,11 +126,11 @@ class MultipartWriter(ObjectWriter):
 
     def _upload_part(self, part_number: int, buf: bytearray, fill: int) -> dict[str, Any]:
         try:
-            # botocore takes bytes/bytearray, not memoryview: only a short last part is copied.
-            body = buf if fill == len(buf) else bytes(memoryview(buf)[:fill])
-            resp = self.store.call(
-                "upload_part", self.key, Key=self.key, UploadId=self._upload_id, PartNumber=part_number, Body=body
-            )
+            # A file over the buffer, not the buffer: botocore copies bytes-like bodies (see BufferReader).
+            with BufferReader(buf, fill) as body:
+                resp = self.store.call(
+                    "upload_part", self.key, Key=self.key, UploadId=self._upload_id, PartNumber=part_number, Body=body
+                )
             return {"PartNumber": part_number, "ETag": resp["ETag"]}
         finally:
             self._pool.release(buf)
