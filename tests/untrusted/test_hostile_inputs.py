@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from botocore.compat import HAS_CRT
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter, TransferConfig, cli
@@ -527,8 +528,12 @@ def test_botocore_debug_logs_never_show_the_session_token(
     dcp.load(state, storage_reader=S3StorageReader(uri, credential_path=str(cred)), no_dist=True)
     raw.list_buckets()  # a client dcp_s3 did not make, once the filter is in place
     logged = botocore_debug.getvalue()
-    assert "x-amz-security-token" in logged.lower() and "CanonicalRequest" in logged  # the request was logged
-    assert "Signature=<redacted>" in logged and "x-amz-security-token:<redacted>" in logged
+    assert "'X-Amz-Security-Token': b'<redacted>'" in logged  # each request's headers were logged, redacted
+    assert "Signature=<redacted>" in logged
+    if HAS_CRT:  # awscrt importable: botocore signs with the CRT signer, which logs no canonical request
+        assert "CanonicalRequest" not in logged
+    else:  # botocore's own signer logs the canonical request, token included
+        assert "CanonicalRequest" in logged and "x-amz-security-token:<redacted>" in logged
     assert TOKEN not in logged and SECRET not in logged
 
 
