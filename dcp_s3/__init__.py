@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         frozen_parameter_fqns,
     )
     from dcp_s3.storage import S3StorageReader, S3StorageWriter
+    from dcp_s3.store import StorageOptions
 
 __version__ = "0.2.0"
 
@@ -49,6 +50,7 @@ __version__ = "0.2.0"
 _LAZY = {
     "S3StorageWriter": "storage",
     "S3StorageReader": "storage",
+    "StorageOptions": "store",
     "Checkpointer": "checkpointer",
     "AsyncSave": "checkpointer",
     "latest_checkpoint": "checkpointer",
@@ -81,6 +83,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "S3StorageWriter",
     "S3StorageReader",
+    "StorageOptions",
     "Checkpointer",
     "AsyncSave",
     "latest_checkpoint",

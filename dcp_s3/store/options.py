@@ -27,7 +27,7 @@ from dcp_s3.storage.options import (
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.storage.writer import S3StorageWriter
 
-__all__ = ["StorageOptions", "parse_storage_options", "CLIENT_OPTIONS", "CLIENT_SETTINGS", "LOCAL_OPTIONS"]
+__all__ = ["ParsedOptions", "parse_storage_options", "CLIENT_OPTIONS", "CLIENT_SETTINGS", "LOCAL_OPTIONS"]
 
 #: Options that choose the S3 client (the rest tune the writer/reader).
 CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "request_args")
@@ -51,7 +51,7 @@ _READER_OPTIONS = _keyword_names(S3StorageReader)
 
 
 @dataclass(frozen=True, slots=True)
-class StorageOptions:
+class ParsedOptions:
     """Parsed storage options: ``writer``/``reader`` are the keywords of the DCP writer/reader a store
     makes; ``client`` and ``transfer`` configure the store's own session (one client for the store and
     its writers: the pool is the writer's)."""
@@ -62,7 +62,7 @@ class StorageOptions:
     transfer: TransferConfig
 
 
-def parse_storage_options(options: Mapping[str, Any], *, local: str | None = None) -> StorageOptions:
+def parse_storage_options(options: Mapping[str, Any], *, local: str | None = None) -> ParsedOptions:
     """Check and split storage options (``S3StorageWriter``/``S3StorageReader`` keywords).
 
     ``ClientConfig`` settings given on their own (``connect_timeout``, ``read_timeout``,
@@ -104,7 +104,7 @@ def parse_storage_options(options: Mapping[str, Any], *, local: str | None = Non
         check_request_args(client.request_args)
     else:
         client = ClientConfig()
-    return StorageOptions(
+    return ParsedOptions(
         writer={k: v for k, v in options.items() if k in _WRITER_OPTIONS},
         reader={k: v for k, v in options.items() if k in _READER_OPTIONS},
         client=client,
