@@ -371,7 +371,7 @@ class S3ObjectStore(ObjectStore):
                             read.done()
                         dest = None
                         index += 1
-                _finish_body(resp["Body"])
+                resp["Body"].close()  # its connection is back in the pool: urllib3 saw the body end
             except BODY_ERRORS as exc:
                 attempt += 1
                 if attempt >= self.max_attempts:
@@ -384,35 +384,22 @@ def _info(obj: dict[str, Any]) -> ObjectInfo:
     return ObjectInfo(obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp(), str(obj.get("ETag") or ""))
 
 
+#: The most one read of a GET body asks for: urllib3 reads into a new bytes object and then copies it
+#: (so a read's size is transient memory per concurrent GET), and at 1 MiB the extra copy costs nothing
+#: measurable (``benchmarks/README.md``, "Reading GET bodies").
+BODY_READ_SIZE = 1 << 20
+
+
 def _body_readinto(body: Any) -> Callable[[memoryview], int]:
-    """A ``readinto`` for a botocore streaming body, copying as little as possible."""
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)  # http.client.HTTPResponse under urllib3
-    if fp is not None and hasattr(fp, "readinto") and not getattr(raw, "headers", {}).get("content-encoding"):
-        return fp.readinto  # type: ignore[no-any-return]
+    """A ``readinto`` for a botocore streaming body, through its public ``readinto`` (botocore's,
+    then urllib3's): urllib3 sees the body end, and hands its connection back to the pool then, so
+    the next GET reuses the kept-alive connection instead of opening one (and, over HTTPS, a TLS
+    session)."""
 
     def readinto(buf: memoryview) -> int:
-        data = body.read(len(buf))
-        buf[: len(data)] = data
-        return len(data)
+        return int(body.readinto(buf[:BODY_READ_SIZE]))
 
     return readinto
-
-
-def _finish_body(body: Any) -> None:
-    """Close a body read to its end, handing its connection back to the pool for the next request.
-
-    A body read through http.client's file (``_body_readinto``) ends without urllib3 seeing it end,
-    and its ``close()`` would then drop the socket: every GET would open a new connection (and, over
-    HTTPS, a new TLS session). http.client marks the response closed once all ``Content-Length``
-    bytes are in, so the connection is at a clean boundary and can serve the next request.
-    """
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    if fp is not None and fp.isclosed() and callable(getattr(raw, "release_conn", None)):
-        raw.release_conn()
-    else:
-        body.close()
 
 
 def _readinto_some(readinto: Callable[[memoryview], int], buf: memoryview) -> int:

@@ -13,6 +13,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -327,3 +328,20 @@ def test_ranged_gets_reuse_kept_alive_connections(
     # The pool's connections (one per concurrent GET, plus the one that read .metadata): at most that many.
     print(f"max_concurrency={concurrency}: {proxy.connections} connections for {gets} GETs")  # for the issue note (-s)
     assert proxy.connections <= concurrency + 2, f"{proxy.connections} connections for {gets} GETs"
+
+
+def test_get_bodies_are_read_through_public_response_apis_only() -> None:
+    """Connection reuse above must not rest on urllib3's or botocore's private attributes (``_fp``,
+    ``_raw_stream``, ``_connection``): they change between releases without notice."""
+    import ast
+
+    import dcp_s3.objstore
+
+    private = {"_fp", "_raw_stream", "_original_response", "_connection"}
+    found = []
+    for path in Path(dcp_s3.objstore.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
+            if name in private:
+                found.append(f"{path.name}:{node.lineno} {name}")
+    assert not found, found
