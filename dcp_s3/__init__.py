@@ -24,6 +24,7 @@ from dcp_s3.errors import (
     InvalidTypeError,
     LocalServerError,
     S3AccessDeniedError,
+    S3ThrottledError,
     S3TransferError,
     ServerCapabilityError,
     TorchCompatibilityError,
@@ -110,6 +111,7 @@ __all__ = [
     "InvalidTypeError",
     "TorchCompatibilityError",
     "LocalServerError",
+    "S3ThrottledError",
 ]
 
 logging.getLogger("dcp_s3").addHandler(logging.NullHandler())

@@ -24,6 +24,7 @@ __all__ = [
     "InvalidTypeError",
     "TorchCompatibilityError",
     "LocalServerError",
+    "S3ThrottledError",
 ]
 
 
@@ -77,3 +78,7 @@ class TorchCompatibilityError(DcpS3Error, RuntimeError):
 
 class LocalServerError(DcpS3Error, RuntimeError):
     """A local test server (:mod:`dcp_s3.local_server`) is not installed or did not start."""
+
+
+class S3ThrottledError(S3TransferError):
+    """The server kept refusing requests as throttled (``503 SlowDown``, 429) past the retry budget."""

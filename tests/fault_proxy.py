@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from http.client import HTTPResponse
 from urllib.parse import parse_qs, urlsplit
 
-__all__ = ["FaultProxy", "Rule", "classify", "FAULTS"]
+__all__ = ["FaultProxy", "Rule", "classify", "error_response", "FAULTS"]
 
 FAULTS = ("500", "503", "reset", "truncate", "stall", "md5", "501")
 
@@ -183,6 +183,10 @@ class _Handler(socketserver.BaseRequestHandler):
             if name.strip().lower() != "expect":
                 raw_headers.append(h)
         if headers.get("expect", "").lower() == "100-continue":
+            early = self.server.proxy._answer_before_body(method, target, headers)
+            if early is not None:  # the client sends no body after a final answer: close the connection
+                self.request.sendall(early)
+                return None
             self.request.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
         if "chunked" in headers.get("transfer-encoding", "").lower():
             body = bytearray()
@@ -310,6 +314,11 @@ class FaultProxy:
         with self._lock:
             return sum(n for (o, f), n in self.faults.items() if (fault is None or f == fault) and (op is None or o == op))
 
+    def _answer_before_body(self, method: str, target: str, headers: dict[str, str]) -> bytes | None:
+        """A final answer to an ``Expect: 100-continue`` request, sent instead of ``100 Continue``
+        (the body is never read), or None to read the body and serve it (subclasses decide)."""
+        return None
+
     # -- the plan -----------------------------------------------------------------------------
     def _decide(self, req: _Request) -> tuple[str | None, Rule | None]:
         # A resumed ranged GET keeps its end and moves its start: it is the same request.
@@ -352,17 +361,7 @@ class FaultProxy:
         """Answer one request; False when the client connection must be closed."""
         fault, rule = self._decide(req)
         if fault in _ERRORS:
-            status, reason, code, message = _ERRORS[fault]
-            body = (
-                '<?xml version="1.0" encoding="UTF-8"?>\n'
-                f"<Error><Code>{code}</Code><Message>{message}</Message>"
-                f"<Resource>/{req.key}</Resource><RequestId>fault-proxy</RequestId></Error>"
-            ).encode()
-            head = (
-                f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
-                f"Content-Length: {len(body)}\r\nx-amz-request-id: fault-proxy\r\n\r\n"
-            ).encode()
-            client.sendall(head + (b"" if req.method == "HEAD" else body))
+            client.sendall(error_response(fault, req.method, req.key))
             return True
         if fault == "reset":
             _reset(client)
@@ -410,6 +409,21 @@ class FaultProxy:
             finally:
                 resp.close()
         return status_line, headers, body
+
+
+def error_response(fault: str, method: str, key: str, extra_headers: str = "") -> bytes:
+    """An S3-shaped error answer (``fault`` as in ``_ERRORS``: XML body, no body for HEAD)."""
+    status, reason, code, message = _ERRORS[fault]
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>{message}</Message>"
+        f"<Resource>/{key}</Resource><RequestId>fault-proxy</RequestId></Error>"
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\nx-amz-request-id: fault-proxy\r\n{extra_headers}\r\n"
+    ).encode()
+    return head + (b"" if method == "HEAD" else body)
 
 
 def _response_head(status_line: str, headers: list[tuple[str, str]], length: int) -> bytes:

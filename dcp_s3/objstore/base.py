@@ -249,6 +249,10 @@ class ObjectStore(ABC):
         """The container for messages (an S3 store adds its endpoint)."""
         return self.url()
 
+    def plan_requests(self, ranks: int, prefixes: int) -> None:
+        """A job of ``ranks`` ranks spreading its keys over ``prefixes`` prefixes is about to send its
+        requests: a store that paces them (S3) starts this process at its share of the budget."""
+
     @abstractmethod
     def check_container(self) -> None:
         """Fail with a clear error if the container is missing or not accessible."""

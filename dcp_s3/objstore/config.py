@@ -28,6 +28,7 @@ import boto3
 from botocore.config import Config
 
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
+from dcp_s3.objstore.rate_hooks import install_rate_control
 from dcp_s3.objstore.redact import install_log_redaction
 
 __all__ = ["S3Uri", "ClientConfig", "TransferConfig", "parse_s3_uri", "bucket_name_problem"]
@@ -123,13 +124,13 @@ def _check_int(owner: object, name: str, minimum: int) -> None:
     object.__setattr__(owner, name, int_option(name, getattr(owner, name), minimum))
 
 
-def _check_seconds(owner: object, name: str) -> None:
+def _check_seconds(owner: object, name: str, unit: str = "seconds") -> None:
     value = getattr(owner, name)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}; expected a number of seconds")
+        raise ConfigError(f"{name}={value!r} is a {type(value).__name__}; expected a number of {unit}")
     seconds = float(value)
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ConfigError(f"{name}={value} must be a finite number of seconds > 0")
+        raise ConfigError(f"{name}={value} must be a finite number of {unit} > 0")
     object.__setattr__(owner, name, seconds)
 
 
@@ -211,6 +212,15 @@ class ClientConfig:
     retry_attempts: int = 5
     retry_mode: str = "standard"
     max_pool_connections: int = 10
+    #: Pace requests per (bucket, key prefix, read/write) and retry throttled ones (SlowDown, 503, 429)
+    #: until ``throttle_deadline`` (README "Many ranks, one bucket"); False: botocore's retries alone.
+    rate_control: bool = True
+    #: Seconds a request may go on being refused as throttled before it fails (``S3ThrottledError``).
+    throttle_deadline: float = 300.0
+    #: The per-prefix budget of the whole job, requests per second (S3's published figures); each rank
+    #: starts at its share of it.
+    prefix_write_rate: float = 3500.0
+    prefix_read_rate: float = 5500.0
     #: Options added to every request that takes them: ``ServerSideEncryption``, ``SSEKMSKeyId``,
     #: ``SSEKMSEncryptionContext``, ``BucketKeyEnabled``, ``StorageClass``, ``ExpectedBucketOwner``,
     #: ``RequestPayer``.
@@ -227,6 +237,11 @@ class ClientConfig:
         _check_seconds(self, "read_timeout")
         _check_int(self, "retry_attempts", 1)
         _check_int(self, "max_pool_connections", 1)
+        if not isinstance(self.rate_control, bool):
+            raise ConfigError(f"rate_control={self.rate_control!r}: must be True or False")
+        _check_seconds(self, "throttle_deadline")
+        _check_seconds(self, "prefix_write_rate", "requests per second")
+        _check_seconds(self, "prefix_read_rate", "requests per second")
         if self.retry_mode not in ("standard", "adaptive"):
             raise ConfigError(f"retry_mode={self.retry_mode!r}; expected 'standard' or 'adaptive'")
         if not isinstance(self.request_args, Mapping):
@@ -261,7 +276,8 @@ class ClientConfig:
         config = Config(
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
-            retries={"total_max_attempts": self.retry_attempts, "mode": self.retry_mode},  # first try included
+            # First try included; with rate control dcp_s3's handlers retry (objstore.rate_hooks).
+            retries={"total_max_attempts": 1 if self.rate_control else self.retry_attempts, "mode": self.retry_mode},
             max_pool_connections=self.max_pool_connections,
             tcp_keepalive=True,
             s3={
@@ -276,6 +292,11 @@ class ClientConfig:
         session = boto3.session.Session(profile_name=self.profile)
         client = session.client("s3", config=config, **kwargs)
         client.meta.events.register("needs-retry.s3", _log_failed_attempt)
+        if self.rate_control:
+            install_rate_control(
+                client, retry_attempts=self.retry_attempts, deadline=self.throttle_deadline,
+                write_rate=self.prefix_write_rate, read_rate=self.prefix_read_rate,
+            )
         return client
 
     def client(self) -> Any:

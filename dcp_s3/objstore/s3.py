@@ -31,6 +31,7 @@ from dcp_s3.errors import (
 from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size, open_destination
 from dcp_s3.objstore.buffers import BufferPool, BufferReader
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
+from dcp_s3.objstore.rate_hooks import plan_share
 from dcp_s3.objstore.s3_multipart import MultipartWriter, copy_multipart
 from dcp_s3.objstore.s3_requests import (
     BODY_ERRORS,
@@ -89,6 +90,9 @@ class S3ObjectStore(ObjectStore):
 
     def describe(self) -> str:
         return f"s3://{self.bucket} at {self.client.meta.endpoint_url}"
+
+    def plan_requests(self, ranks: int, prefixes: int) -> None:
+        plan_share(str(self.client.meta.endpoint_url), ranks, prefixes)
 
     def call(self, op: str, key: str | None, **kwargs: Any) -> Any:
         """``client.<op>(Bucket=..., **kwargs)`` plus the request options ``op`` takes."""

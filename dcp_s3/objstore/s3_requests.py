@@ -36,8 +36,10 @@ from dcp_s3.errors import (
     ConfigError,
     DcpS3Error,
     S3AccessDeniedError,
+    S3ThrottledError,
     S3TransferError,
 )
+from dcp_s3.objstore.throttle import is_throttle
 
 __all__ = ["translate_error", "check_request_args", "range_header", "status_of", "is_not_implemented", "op_label", "request_args_for",
            "BODY_ERRORS"]
@@ -83,6 +85,8 @@ def translate_error(exc: BaseException, action: str, bucket: str, key: str | Non
             headers = exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
             hint = f"; the bucket is in {headers['x-amz-bucket-region']!r}" if "x-amz-bucket-region" in headers else ""
             return ConfigError(f"{action} {where}: wrong region or endpoint for this bucket ({cause}){hint}; pass region=")
+        if is_throttle(status, code):
+            return _throttled(exc.response, action, where, cause)
         return S3TransferError(f"{action} {where} failed: {cause}")
     if isinstance(exc, DcpS3Error):
         return exc
@@ -95,6 +99,23 @@ def translate_error(exc: BaseException, action: str, bucket: str, key: str | Non
             "ClientConfig connect_timeout, read_timeout and retry_attempts)"
         )
     return S3TransferError(f"{action} {where} failed: {type(exc).__name__}: {detail}")
+
+
+def _throttled(response: Mapping[str, Any], action: str, where: str, cause: str) -> S3ThrottledError:
+    paced = response.get("DcpS3Throttle")
+    if paced:  # objstore.rate_hooks gave up at its deadline
+        return S3ThrottledError(
+            f"{action} {where} failed: throttled ({cause}) for {paced['seconds']} s, {paced['refusals']} refusals, "
+            f"paced down to {paced['rate']} requests/s for {paced['key']}: past ClientConfig "
+            f"throttle_deadline={paced['deadline']} s; raise it, spread keys (key_prefixes=), or ask the provider "
+            "for more request capacity on this prefix"
+        )
+    attempts = response.get("ResponseMetadata", {}).get("RetryAttempts")
+    after = f" after {attempts + 1} attempts" if isinstance(attempts, int) else ""
+    return S3ThrottledError(
+        f"{action} {where} failed: throttled ({cause}){after}; ClientConfig(rate_control=True) paces requests and "
+        "retries throttled ones until its throttle_deadline"
+    )
 
 
 def range_header(start: int, end: int) -> str:

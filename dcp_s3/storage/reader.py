@@ -179,6 +179,7 @@ class S3StorageReader(Location, StorageReader):
             raise self._metadata_error
         self.storage_data = metadata.storage_data  # a lazy Mapping for compact metadata
         self._chunks = ChunkLookup(metadata)  # finds chunks on lookup: no walk over all of them
+        self._session.plan_requests()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from dcp_s3.errors import ConfigError, DcpS3Error, InvalidCheckpointIdError
 from dcp_s3.objstore.base import ObjectStore
 from dcp_s3.objstore.config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
@@ -141,6 +143,11 @@ class Session:
                 "or checkpoint_id= to dcp"
             )
         return self.location
+
+    def plan_requests(self, prefixes: int = 1) -> None:
+        """Tell the object store the job's size before its requests (see ``ObjectStore.plan_requests``)."""
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.object_store.plan_requests(ranks, prefixes)
 
     def key(self, name: str) -> str:
         """The store key of ``name`` (relative to the checkpoint)."""

@@ -180,6 +180,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         if kwargs.get("use_collectives") is False:
             raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator commits one .metadata")
         self._session.require_location()
+        self._session.plan_requests(self.key_prefixes)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan

@@ -1,0 +1,165 @@
+"""Connect a :class:`~dcp_s3.objstore.throttle.RateController` to a botocore S3 client.
+
+With ``ClientConfig(rate_control=True)`` (the default) botocore itself retries nothing (its
+attempt limit is 1) and three event handlers take over:
+
+- ``before-parameter-build``: tag the call with its :class:`RateKey` (bucket, key prefix, class);
+- ``request-created`` (first, before signing): every attempt waits for a token of its key;
+- ``needs-retry``: a throttled answer (SlowDown, 503, 429) is retried — paced by the tokens, after
+  the server's ``x-amz-retry-after``/``Retry-After`` if it sends one — until ``throttle_deadline``
+  seconds have passed since the call's first refusal, outside botocore's retry quota; every other
+  failure goes to a botocore ``standard`` retry handler with the usual ``retry_attempts`` and quota.
+
+A call that gives up carries ``DcpS3Throttle`` in its error response, which
+:func:`~dcp_s3.objstore.s3_requests.translate_error` turns into an ``S3ThrottledError`` naming
+the bucket, prefix, class, rate reached and refusals.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+from botocore.retries import quota
+from botocore.retries.standard import (
+    ExponentialBackoff,
+    RetryEventAdapter,
+    RetryHandler,
+    RetryPolicy,
+    RetryQuotaChecker,
+    StandardRetryConditions,
+)
+
+from dcp_s3.objstore.throttle import RateController, RateKey, is_throttle, rate_key
+
+__all__ = ["install_rate_control", "controller_for", "plan_share", "request_stats"]
+
+log = logging.getLogger("dcp_s3")
+
+_KEY = "dcp_s3.rate_key"
+_FIRST_REFUSAL = "dcp_s3.first_refusal"
+_REFUSALS = "dcp_s3.refusals"
+
+_CONTROLLERS: dict[tuple[str, float, float], RateController] = {}
+_LOCK = threading.Lock()
+
+
+def controller_for(endpoint: str, write_rate: float, read_rate: float) -> RateController:
+    """The process's controller for ``endpoint`` and budget (shared by every client and thread)."""
+    with _LOCK:
+        key = (endpoint, float(write_rate), float(read_rate))
+        if key not in _CONTROLLERS:
+            _CONTROLLERS[key] = RateController(write_rate=write_rate, read_rate=read_rate)
+        return _CONTROLLERS[key]
+
+
+def plan_share(endpoint: str, ranks: int, prefixes: int) -> None:
+    """Start this process's keys to ``endpoint`` at ``prefixes / ranks`` of the budget (see
+    :meth:`RateController.set_share`)."""
+    with _LOCK:
+        controllers = [c for (e, _, _), c in _CONTROLLERS.items() if e == endpoint]
+    for controller in controllers:
+        controller.set_share(ranks, prefixes)
+
+
+def request_stats() -> dict[str, dict[str, float]]:
+    """Per paced key (``"s3://bucket/prefix (write)"``) of this process: attempts, refusals,
+    seconds waited for tokens, current and peak rate."""
+    with _LOCK:
+        controllers = list(_CONTROLLERS.values())
+    out: dict[str, dict[str, float]] = {}
+    for controller in controllers:
+        for key, stats in controller.stats().items():
+            out[str(key)] = dict(vars(stats))
+    return out
+
+
+def install_rate_control(client: Any, *, retry_attempts: int, deadline: float, write_rate: float, read_rate: float) -> None:
+    """Register the handlers above on ``client`` (made with botocore retries limited to 1 attempt)."""
+    controller = controller_for(str(client.meta.endpoint_url), write_rate, read_rate)
+    retry_quota = RetryQuotaChecker(quota.RetryQuota())
+    others = RetryHandler(
+        retry_policy=RetryPolicy(
+            retry_checker=StandardRetryConditions(max_attempts=retry_attempts), retry_backoff=ExponentialBackoff()
+        ),
+        retry_event_adapter=RetryEventAdapter(),
+        retry_quota=retry_quota,
+    )
+    hooks = _Hooks(controller, others, deadline)
+    events = client.meta.events
+    events.register("before-parameter-build.s3", hooks.tag)
+    events.register_first("request-created.s3", hooks.pace)
+    events.register("needs-retry.s3", hooks.decide)
+    events.register("after-call.s3", retry_quota.release_retry_quota)
+
+
+class _Hooks:
+    def __init__(self, controller: RateController, others: RetryHandler, deadline: float) -> None:
+        self.controller = controller
+        self.others = others
+        self.deadline = deadline
+
+    def tag(self, params: dict[str, Any], model: Any, context: dict[str, Any], **_: Any) -> None:
+        bucket = params.get("Bucket")
+        if isinstance(bucket, str):
+            key = params.get("Key", params.get("Prefix"))
+            context[_KEY] = rate_key(model.name, bucket, key if isinstance(key, str) else None)
+
+    def pace(self, request: Any, **_: Any) -> None:
+        key = getattr(request, "context", {}).get(_KEY)
+        if key is not None:
+            self.controller.acquire(key)
+
+    def decide(
+        self, response: Any, attempts: int, caught_exception: BaseException | None, request_dict: dict[str, Any],
+        **kwargs: Any,
+    ) -> float | None:
+        context = request_dict["context"]
+        key: RateKey | None = context.get(_KEY)
+        status = response[0].status_code if response is not None else None
+        parsed = response[1] if response is not None else {}
+        code = parsed.get("Error", {}).get("Code") if isinstance(parsed, dict) else None
+        refused = caught_exception is None and is_throttle(status, code)
+        if key is not None:
+            self.controller.release(key, refused=refused)
+        if not refused:
+            # Other failures: botocore's standard policy, counting only the attempts that were not refused.
+            others = attempts - context.get(_REFUSALS, 0)
+            return self.others.needs_retry(  # type: ignore[no-any-return]
+                response=response, attempts=others, caught_exception=caught_exception, request_dict=request_dict,
+                **kwargs,
+            )
+        now = time.monotonic()
+        first = context.setdefault(_FIRST_REFUSAL, now)
+        context[_REFUSALS] = context.get(_REFUSALS, 0) + 1
+        waited = now - first
+        if waited >= self.deadline:
+            if isinstance(parsed, dict):
+                rate = self.controller.rate(key) if key is not None else 0.0
+                parsed["DcpS3Throttle"] = {
+                    "key": str(key) if key is not None else "", "refusals": context[_REFUSALS],
+                    "seconds": round(waited, 1), "rate": round(rate, 2), "deadline": self.deadline,
+                }
+            log.warning("%s: still refused (%s) after %.0f s and %d refusals; giving up (throttle_deadline=%s s)",
+                        key, code or status, waited, context[_REFUSALS], self.deadline)
+            return None
+        delay = _retry_after(response[0].headers) if response is not None else None
+        if delay is None:  # the tokens pace the retry; a little jitter spreads a burst of refusals
+            delay = random.uniform(0.0, 0.05)
+        return min(delay, max(0.0, self.deadline - waited))
+
+
+def _retry_after(headers: Any) -> float | None:
+    """Seconds the server asks to wait: ``x-amz-retry-after`` (milliseconds) or ``Retry-After`` (seconds)."""
+    for name, scale in (("x-amz-retry-after", 1e-3), ("retry-after", 1.0)):
+        value = headers.get(name) if headers is not None else None
+        if value is None:
+            continue
+        try:
+            return max(0.0, float(value) * scale)
+        except ValueError:
+            continue  # an HTTP date: fall back to pacing
+    return None
