@@ -39,6 +39,7 @@ import zstandard
 from torch import _weights_only_unpickler as weights_only_unpickler  # torch's weights-only allowlist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import _version as dcp_version  # DefaultLoadPlanner's pre-2.4 key handling
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -370,8 +371,6 @@ def storage_setup_sites(modules: Sequence[types.ModuleType] | None = None) -> tu
     ``(storage, checkpoint_id, reader)`` (a torch that picks its storage another way: replacing
     the function would then change nothing, and s3:// ids would silently go to fsspec)."""
     if modules is None:
-        from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
-
         modules = (state_dict_saver, state_dict_loader)
     for module in modules:
         setup = torch_private(module, _STORAGE_SETUP)
@@ -402,6 +401,4 @@ def async_save_sites() -> tuple[types.ModuleType, ...]:
     """The modules whose ``async_save`` attribute is ``dcp.async_save`` (the package and
     ``state_dict_saver``). From 2.9 ``async_save`` picks the storage of an id-only call in its
     upload thread, not in the caller's; a route that must decide in the caller wraps it here."""
-    from torch.distributed.checkpoint import state_dict_saver
-
     return (dcp, state_dict_saver)
