@@ -110,9 +110,8 @@ def _install() -> None:
         _replaced.append((module, "setup", original))
     wrapped: dict[int, Callable[..., Any]] = {}
     for module in saves:
-        original = module.async_save
-        wrapper = wrapped.setdefault(id(original), _routed_async_save(original))
-        module.async_save = wrapper
+        original = getattr(module, "async_save")
+        setattr(module, "async_save", wrapped.setdefault(id(original), _routed_async_save(original)))
         _replaced.append((module, "async_save", original))
     logger.debug("dcp_s3 route for s3:// checkpoint ids installed in %s", [m.__name__ for m in sites])
 
@@ -125,7 +124,7 @@ def _uninstall_if_idle() -> None:
         if what == "setup":
             set_storage_setup(module, original)
         else:
-            module.async_save = original
+            setattr(module, "async_save", original)
     logger.debug("dcp_s3 route for s3:// checkpoint ids removed")
 
 
@@ -147,7 +146,7 @@ def _routed_async_save(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def async_save(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
         opts = active_options()
-        checkpoint_id = kwargs.get("checkpoint_id")
+        checkpoint_id: Any = kwargs.get("checkpoint_id")
         if opts is not None and not args and kwargs.get("storage_writer") is None and is_routed(checkpoint_id):
             kwargs["storage_writer"] = opts.writer(checkpoint_id)
         return original(state_dict, *args, **kwargs)

@@ -69,7 +69,7 @@ class S3CheckpointManager(CheckpointManager):
         endpoint_url: str | None = None
         """S3 endpoint (None: boto3's own chain, e.g. AWS_ENDPOINT_URL, or AWS itself)."""
 
-        storage_options: dict[str, Any] = field(default_factory=dict)
+        storage_options: dict[str, int | float | bool | str | None] = field(default_factory=dict)
         """dcp_s3.StorageOptions keywords for every save, load, listing and purge (part_size, compression,
         max_concurrency, region, profile, ...); endpoint_url above wins over one given here."""
 
@@ -93,12 +93,12 @@ class S3CheckpointManager(CheckpointManager):
         self._folder_store: Store | None = None
         self._last_saved: str | None = None
         super().__init__(config, **kwargs)
-        if not self.enable or self.purge_thread is None:
+        if not self.enable or self.purge_thread is None:  # type: ignore[has-type]  # torchtitan's, untyped
             return
         # torchtitan's purge thread deletes with fsspec (bound when it starts): replaced by one that
         # deletes through the store, reading the same queue with torchtitan's own loop.
         self.purge_queue.put(None)
-        self.purge_thread.join()
+        self.purge_thread.join()  # type: ignore[has-type]
         self.purge_thread = threading.Thread(
             target=purge_thread, args=(self.purge_queue, self._remove_checkpoint), daemon=True, name="dcp_s3-purge"
         )

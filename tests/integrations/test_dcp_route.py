@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -158,3 +160,16 @@ def test_a_torch_without_the_hook_is_a_clear_error() -> None:
     reshaped._storage_setup = lambda storage, checkpoint_id, reader, planner: None  # type: ignore[attr-defined]
     with pytest.raises(TorchCompatibilityError, match=r"state_dict_loader\._storage_setup.*takes"):
         storage_setup_sites([reshaped])
+
+
+def test_the_subpackage_and_the_route_import_no_framework() -> None:
+    code = (
+        "import sys, dcp_s3.integrations, dcp_s3.integrations.dcp_route\n"
+        "frameworks = {'torchtitan', 'lightning', 'lightning_fabric', 'pytorch_lightning', 'accelerate', 'transformers'}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in frameworks))\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])  # this checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
