@@ -91,6 +91,7 @@ class S3CheckpointManager(CheckpointManager):
     def __init__(self, config: Config, **kwargs: Any) -> None:
         self.storage_options = config.options()
         self._folder_store: Store | None = None
+        self._store_lock = threading.Lock()  # the purge thread and the training thread share the store
         self._last_saved: str | None = None
         super().__init__(config, **kwargs)
         if not self.enable or self.purge_thread is None:  # type: ignore[has-type]  # torchtitan's, untyped
@@ -112,8 +113,9 @@ class S3CheckpointManager(CheckpointManager):
         (one client for the run), else a store of its own for the call."""
         folder = self.folder.rstrip("/")
         if location.rstrip("/") == folder or location.startswith(folder + "/"):
-            if self._folder_store is None:
-                self._folder_store = self.storage_options.store(folder)
+            with self._store_lock:
+                if self._folder_store is None:
+                    self._folder_store = self.storage_options.store(folder)
             rest = location.rstrip("/")[len(folder) + 1 :]
             yield self._folder_store, rest + "/" if rest else ""
             return

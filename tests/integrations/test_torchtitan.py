@@ -279,8 +279,16 @@ def test_train_resume_reshard_and_purge_through_dcp_s3(seaweed: Any, bucket: str
     assert _checkpoint_files([dump, tmp, Path.cwd()], since) == []
 
 
-def test_pinned_memory_async_is_refused_clearly() -> None:
+def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+
     from dcp_s3.integrations.torchtitan import S3CheckpointManager
+
+    # what torchtitan's Trainer.Config.checkpoint holds, and what its build() makes
+    assert issubclass(S3CheckpointManager.Config, BaseCheckpointManager.Config)
+    assert S3CheckpointManager.Config._owner is S3CheckpointManager
+    assert S3CheckpointManager.Config(folder="s3://b/run").build(**dict.fromkeys(
+        ("dataloader", "model_parts", "optimizers", "lr_schedulers", "states", "sd_adapter"))).enable is False
 
     with pytest.raises(ConfigError, match="async_with_pinned_mem"):
         S3CheckpointManager.Config(enable=True, folder="s3://b/run", async_mode="async_with_pinned_mem")
