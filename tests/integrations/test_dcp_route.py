@@ -111,6 +111,27 @@ def test_route_on_gloo_ranks_lands_in_the_bucket(seaweed: Any, bucket: str, tmp_
     assert not [k for k in object_keys(client, bucket, "outside/") if DCP_S3_DATA.search(k)]
 
 
+def _process_async_save(rank: int, world: int, endpoint: str, bucket: str) -> bool:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    os.environ.pop("AWS_ENDPOINT_URL", None)
+    with dcp_route.s3_route({"endpoint_url": endpoint}):
+        response: Any = dcp.async_save(
+            _state(3), checkpoint_id=f"s3://{bucket}/process", async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        )
+    getattr(response, "upload_completion", response).result(timeout=120)
+    _assert_torch_hooks()
+    return True
+
+
+@pytest.mark.multiproc
+def test_an_async_save_uploaded_by_torchs_process_goes_through_dcp_s3(seaweed: Any, bucket: str) -> None:
+    """torch's upload process has no route: the writer is made by the wrapped async_save, in the caller,
+    and handed to it (without that, the process would pick fsspec for the id)."""
+    assert run_ranks(_process_async_save, 1, seaweed.endpoint_url, bucket, timeout=180) == [True]
+    _assert_dcp_s3_checkpoint(seaweed.client(), bucket, "process")
+
+
 # -- in this process ---------------------------------------------------------------------------------
 
 
