@@ -28,6 +28,7 @@ import functools
 import inspect
 import io
 import types
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -38,6 +39,7 @@ import zstandard
 from torch import _weights_only_unpickler as weights_only_unpickler  # torch's weights-only allowlist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import _version as dcp_version  # DefaultLoadPlanner's pre-2.4 key handling
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
@@ -80,6 +82,10 @@ __all__ = [
     "ZSTD_MAX_WINDOW",
     "flatten_state_dict_as_before_2_4",
     "OverridableSavePlanner",
+    "storage_setup_sites",
+    "get_storage_setup",
+    "set_storage_setup",
+    "async_save_sites",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -346,3 +352,53 @@ class OverridableSavePlanner(DefaultSavePlanner):
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         return self.build_global_plan(all_plans)
+
+
+# -- used by dcp_s3.integrations.dcp_route ---------------------------------------------------------------
+
+#: What ``dcp.save``/``dcp.load`` (and ``dcp.async_save``, through ``save`` or directly) call to pick a
+#: ``StorageWriter``/``StorageReader`` for a ``checkpoint_id`` when none is given: torch's
+#: ``_storage_utils._storage_setup(storage, checkpoint_id, reader)``, which ``state_dict_saver`` and
+#: ``state_dict_loader`` import by name (torch 2.7-2.15), so it is looked up as their global.
+_STORAGE_SETUP = "_storage_setup"
+_STORAGE_SETUP_PARAMS = ("storage", "checkpoint_id", "reader")
+
+
+def storage_setup_sites(modules: Sequence[types.ModuleType] | None = None) -> tuple[types.ModuleType, ...]:
+    """The modules whose global ``_storage_setup`` torch's save and load call (torch's
+    ``state_dict_saver`` and ``state_dict_loader`` unless ``modules`` is given), each checked:
+    ``TorchCompatibilityError`` where one has no such function, or one whose parameters are not
+    ``(storage, checkpoint_id, reader)`` (a torch that picks its storage another way: replacing
+    the function would then change nothing, and s3:// ids would silently go to fsspec)."""
+    if modules is None:
+        modules = (state_dict_saver, state_dict_loader)
+    for module in modules:
+        setup = torch_private(module, _STORAGE_SETUP)
+        try:
+            params = tuple(inspect.signature(setup).parameters)
+        except (TypeError, ValueError):
+            params = ()
+        if params != _STORAGE_SETUP_PARAMS:
+            raise TorchCompatibilityError(
+                f"dcp_s3 relies on torch's private {module.__name__}.{_STORAGE_SETUP}{_STORAGE_SETUP_PARAMS}, "
+                f"which in torch {TORCH_VERSION} takes {params} (dcp_s3/_torch_compat.py needs updating for "
+                f"this torch release)"
+            )
+    return tuple(modules)
+
+
+def get_storage_setup(module: types.ModuleType) -> Callable[..., Any]:
+    """``module._storage_setup`` (one of :func:`storage_setup_sites`)."""
+    return cast(Callable[..., Any], getattr(module, _STORAGE_SETUP))
+
+
+def set_storage_setup(module: types.ModuleType, setup: Callable[..., Any]) -> None:
+    """Make ``module``'s save or load call ``setup`` to pick its storage (one of :func:`storage_setup_sites`)."""
+    setattr(module, _STORAGE_SETUP, setup)
+
+
+def async_save_sites() -> tuple[types.ModuleType, ...]:
+    """The modules whose ``async_save`` attribute is ``dcp.async_save`` (the package and
+    ``state_dict_saver``). From 2.9 ``async_save`` picks the storage of an id-only call in its
+    upload thread, not in the caller's; a route that must decide in the caller wraps it here."""
+    return (dcp, state_dict_saver)

@@ -44,7 +44,7 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_package_keeps_every_contract() -> None:
     out = _lint(ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "BROKEN" not in out.stdout and "Contracts: 5 kept, 0 broken." in out.stdout, out.stdout
+    assert "BROKEN" not in out.stdout and "Contracts: 6 kept, 0 broken." in out.stdout, out.stdout
 
 
 @pytest.fixture
@@ -82,6 +82,13 @@ def test_torch_below_the_storage_layer_fails(package_copy: Path) -> None:
     out = _lint(package_copy)
     assert out.returncode != 0
     assert "dcp_s3.objstore is not allowed to import torch" in out.stdout, out.stdout
+
+
+def test_a_framework_outside_the_integrations_fails(package_copy: Path) -> None:
+    _append(package_copy / "dcp_s3/checkpointer/objects.py", "def _f():\n    import torchtitan")
+    out = _lint(package_copy)
+    assert out.returncode != 0
+    assert "dcp_s3.checkpointer.objects -> torchtitan" in out.stdout, out.stdout
 
 
 def _function_local_imports() -> set[tuple[str, str]]:

@@ -1,0 +1,17 @@
+"""dcp_s3 inside the frameworks people train with: one module per framework, imported only when used.
+
+Importing this package imports no framework and nothing heavy; each module below imports its
+framework (an optional dependency, never one of dcp_s3's) when the user imports that module:
+
+- :mod:`dcp_s3.integrations.dcp_route`: an opt-in route that makes plain ``dcp.save``,
+  ``dcp.load`` and ``dcp.async_save`` calls given only ``checkpoint_id="s3://..."`` use dcp_s3
+  (a context manager, and a process-wide switch).
+- :mod:`dcp_s3.integrations.torchtitan`: ``S3CheckpointManager``, torchtitan's ``CheckpointManager``
+  with saves, loads, step discovery and ``keep_latest_k`` purges through dcp_s3, chosen with
+  ``checkpoint=S3CheckpointManager.Config(...)`` in a torchtitan config.
+- ``dcp_s3.integrations.lightning*`` and ``dcp_s3.integrations.accelerate``: Lightning strategies,
+  and Accelerate / transformers ``Trainer`` FSDP saves (their own modules).
+
+Every integration takes its storage settings as ``options`` (a :class:`dcp_s3.StorageOptions` or a
+mapping of its keywords), one set for saving and loading.
+"""

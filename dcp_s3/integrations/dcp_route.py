@@ -1,0 +1,154 @@
+"""An opt-in route: plain ``dcp.save``/``dcp.load``/``dcp.async_save`` calls given only
+``checkpoint_id="s3://..."`` use dcp_s3's ``S3StorageWriter``/``S3StorageReader``.
+
+Code that passes only a checkpoint id (torchtitan, Lightning, most training scripts) always gets
+torch's own choice of storage: ``FileSystemWriter`` for a path, fsspec (s3fs) for an ``s3://`` id.
+With the route on, an ``s3://`` id with no ``storage_writer``/``storage_reader`` gets dcp_s3's
+writer or reader, made by :meth:`dcp_s3.StorageOptions.writer`/``reader`` with the route's options::
+
+    from dcp_s3.integrations import dcp_route
+
+    with dcp_route.s3_route({"endpoint_url": "http://127.0.0.1:8333"}):
+        dcp.save(state_dict, checkpoint_id="s3://bucket/run1/step-100")
+
+    dcp_route.enable(options)      # process-wide, until dcp_route.disable()
+
+Everything else keeps torch's behaviour: local paths and other schemes, calls that pass their own
+storage, and every call while no route is on (torch's function itself is back in place then).
+
+The route replaces the function torch's saver and loader call to pick a storage (a private torch
+name: :func:`dcp_s3._torch_compat.storage_setup_sites`); a torch release that picks its storage
+another way makes turning the route on raise ``TorchCompatibilityError`` rather than let
+``s3://`` ids quietly go to fsspec. ``dcp.async_save`` is wrapped too, so that the writer of an
+async save is made when it is called (from torch 2.9 torch would pick it in its upload thread, when
+a ``with`` block may already have ended); code that bound ``async_save`` before the route was
+turned on still gets dcp_s3 while the route is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from dcp_s3._torch_compat import async_save_sites, get_storage_setup, set_storage_setup, storage_setup_sites
+from dcp_s3.store.storage_options import StorageOptions
+
+__all__ = ["enable", "disable", "s3_route", "active_options", "is_routed"]
+
+logger = logging.getLogger("dcp_s3")
+
+_lock = threading.RLock()
+#: The process-wide route's options (``enable``), if on.
+_enabled: StorageOptions | None = None
+#: The options of the ``s3_route`` blocks now open, innermost last (they win over ``_enabled``).
+_blocks: list[StorageOptions] = []
+#: What the route replaced while it is on: (module, attribute, torch's own value).
+_replaced: list[tuple[Any, str, Any]] = []
+
+
+def is_routed(checkpoint_id: object) -> bool:
+    """Whether the route takes ``checkpoint_id`` (an ``s3://`` id) when it is on."""
+    return isinstance(checkpoint_id, (str, os.PathLike)) and os.fspath(checkpoint_id).startswith("s3://")
+
+
+def active_options() -> StorageOptions | None:
+    """The options ``s3://`` ids are saved and loaded with now, or None when no route is on."""
+    with _lock:
+        return _blocks[-1] if _blocks else _enabled
+
+
+def enable(options: StorageOptions | Mapping[str, Any] | None = None) -> None:
+    """Route ``s3://`` ids of ``dcp.save``/``load``/``async_save`` to dcp_s3, process-wide, with
+    ``options`` (a ``StorageOptions``, a mapping of its keywords, or None: the defaults); calling it
+    again replaces the options. ``TorchCompatibilityError`` where this torch has no hook for it."""
+    global _enabled
+    opts = StorageOptions.of(options)
+    with _lock:
+        _install()
+        _enabled = opts
+
+
+def disable() -> None:
+    """Turn the process-wide route off (``s3_route`` blocks still open keep theirs)."""
+    global _enabled
+    with _lock:
+        _enabled = None
+        _uninstall_if_idle()
+
+
+@contextlib.contextmanager
+def s3_route(options: StorageOptions | Mapping[str, Any] | None = None) -> Iterator[StorageOptions]:
+    """The route, with ``options``, for the ``with`` block (nested blocks: the innermost's options);
+    yields the ``StorageOptions``. An async save started in the block finishes through dcp_s3."""
+    opts = StorageOptions.of(options)
+    with _lock:
+        _install()
+        _blocks.append(opts)
+    try:
+        yield opts
+    finally:
+        with _lock:
+            _blocks.reverse()
+            _blocks.remove(opts)  # the innermost occurrence (blocks of other threads may interleave)
+            _blocks.reverse()
+            _uninstall_if_idle()
+
+
+def _install() -> None:
+    if _replaced:
+        return
+    sites = storage_setup_sites()  # TorchCompatibilityError before anything is replaced
+    saves = async_save_sites()
+    for module in sites:
+        original = get_storage_setup(module)
+        set_storage_setup(module, _routed_setup(original))
+        _replaced.append((module, "setup", original))
+    wrapped: dict[int, Callable[..., Any]] = {}
+    for module in saves:
+        original = getattr(module, "async_save")
+        setattr(module, "async_save", wrapped.setdefault(id(original), _routed_async_save(original)))
+        _replaced.append((module, "async_save", original))
+    logger.debug("dcp_s3 route for s3:// checkpoint ids installed in %s", [m.__name__ for m in sites])
+
+
+def _uninstall_if_idle() -> None:
+    if _blocks or _enabled is not None:
+        return
+    while _replaced:
+        module, what, original = _replaced.pop()
+        if what == "setup":
+            set_storage_setup(module, original)
+        else:
+            setattr(module, "async_save", original)
+    logger.debug("dcp_s3 route for s3:// checkpoint ids removed")
+
+
+def _routed_setup(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def setup(storage: Any, checkpoint_id: Any, reader: bool = False) -> Any:
+        opts = active_options()
+        if storage or opts is None or not is_routed(checkpoint_id):
+            return original(storage, checkpoint_id, reader)
+        made = opts.reader(checkpoint_id) if reader else opts.writer(checkpoint_id)
+        made.reset(checkpoint_id)  # as torch does with the storage it makes
+        logger.debug("dcp_s3 route: %s for %s", type(made).__name__, checkpoint_id)
+        return made
+
+    return setup
+
+
+def _routed_async_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def async_save(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        opts = active_options()
+        checkpoint_id: Any = kwargs.get("checkpoint_id")
+        if opts is not None and not args and kwargs.get("storage_writer") is None and is_routed(checkpoint_id):
+            kwargs["storage_writer"] = opts.writer(checkpoint_id)
+        return original(state_dict, *args, **kwargs)
+
+    return async_save

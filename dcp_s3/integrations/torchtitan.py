@@ -1,0 +1,245 @@
+"""torchtitan's ``CheckpointManager`` with every save, load, step discovery and purge through dcp_s3.
+
+Chosen in a torchtitan config (tested with torchtitan 0.3.0)::
+
+    from dcp_s3.integrations.torchtitan import S3CheckpointManager
+
+    checkpoint=S3CheckpointManager.Config(
+        enable=True, folder="s3://bucket/run1", interval=500, keep_latest_k=3, async_mode="async",
+        endpoint_url="http://127.0.0.1:8333", storage_options={"part_size": 32 << 20},
+    )
+
+torchtitan's own manager sends a ``folder="s3://..."`` to torch's fsspec writer and lists, probes
+and deletes steps through s3fs (whose listing cache silently stops ``keep_latest_k`` purges). Here:
+
+- saves and async saves (``async_mode="async"``: the upload runs while training goes on) write with
+  ``S3StorageWriter`` (dcp_s3's commit protocol: a step exists once its ``.metadata`` does);
+- loads read with ``S3StorageReader``; the latest step is the newest ``step-N`` whose ``.metadata``
+  exists (a save that never committed is not a step), found with one delimiter listing of the folder
+  and one HEAD per step tried, newest first; ``initial_load_path`` may be an ``s3://`` checkpoint;
+- the ``keep_latest_k`` purge deletes old steps' objects through the same store (``.metadata``
+  first, so a half-deleted step is never taken for a checkpoint);
+- ``endpoint_url`` and ``storage_options`` (``dcp_s3.StorageOptions`` keywords) are given once, for
+  all of it. A local ``folder`` works the same way (dcp_s3's writer on disk).
+
+``async_mode="async_with_pinned_mem"`` is refused (``ConfigError``): torchtitan stages into pinned
+shared memory and uploads from a process of its own, which needs an accelerator and has not been
+tried with dcp_s3's writer. Final saves in Hugging Face format (``last_save_in_hf``) and HF initial
+loads keep torchtitan's own code (local paths only, as torchtitan requires).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torchtitan.components.checkpointer import MODEL, CheckpointManager
+from torchtitan.components.checkpointer.base import purge_thread
+from torchtitan.components.checkpointer.dcp import AsyncMode
+from torchtitan.tools.utils import GarbageCollection
+
+from dcp_s3.errors import CheckpointNotFoundError, ConfigError
+from dcp_s3.layout import METADATA_KEY
+from dcp_s3.store.base import Store
+from dcp_s3.store.storage_options import StorageOptions
+
+__all__ = ["S3CheckpointManager"]
+
+logger = logging.getLogger("dcp_s3")
+
+#: torchtitan's step directories: ``step-<N>`` (``CheckpointManager._create_checkpoint_id``).
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class S3CheckpointManager(CheckpointManager):
+    """``CheckpointManager`` whose storage is dcp_s3 (see the module's docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        endpoint_url: str | None = None
+        """S3 endpoint (None: boto3's own chain, e.g. AWS_ENDPOINT_URL, or AWS itself)."""
+
+        storage_options: dict[str, int | float | bool | str | None] = field(default_factory=dict)
+        """dcp_s3.StorageOptions keywords for every save, load, listing and purge (part_size, compression,
+        max_concurrency, region, profile, ...); endpoint_url above wins over one given here."""
+
+        def __post_init__(self) -> None:
+            CheckpointManager.Config.__post_init__(self)
+            if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM.value:
+                raise ConfigError(
+                    "checkpoint.async_mode='async_with_pinned_mem' is not supported by S3CheckpointManager: "
+                    "torchtitan then stages into pinned shared memory (an accelerator's) and uploads from a "
+                    "process of its own; use async_mode='async' (the upload runs in a thread while training goes on)"
+                )
+            self.options()  # ConfigError now, naming the option, not at the first save
+
+        def options(self) -> StorageOptions:
+            """The storage options: ``storage_options`` with ``endpoint_url``."""
+            options = StorageOptions.of(self.storage_options)
+            return options.replace(endpoint_url=self.endpoint_url) if self.endpoint_url else options
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        self.storage_options = config.options()
+        self._folder_store: Store | None = None
+        self._store_lock = threading.Lock()  # the purge thread and the training thread share the store
+        self._last_saved: str | None = None
+        super().__init__(config, **kwargs)
+        if not self.enable or self.purge_thread is None:  # type: ignore[has-type]  # torchtitan's, untyped
+            return
+        # torchtitan's purge thread deletes with fsspec (bound when it starts): replaced by one that
+        # deletes through the store, reading the same queue with torchtitan's own loop.
+        self.purge_queue.put(None)
+        self.purge_thread.join()  # type: ignore[has-type]
+        self.purge_thread = threading.Thread(
+            target=purge_thread, args=(self.purge_queue, self._remove_checkpoint), daemon=True, name="dcp_s3-purge"
+        )
+        self.purge_thread.start()
+
+    # -- where things are ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _at(self, location: str) -> Iterator[tuple[Store, str]]:
+        """(store, name prefix) of ``location``: the checkpoint folder's store for what lies in it
+        (one client for the run), else a store of its own for the call."""
+        folder = self.folder.rstrip("/")
+        if location.rstrip("/") == folder or location.startswith(folder + "/"):
+            with self._store_lock:
+                if self._folder_store is None:
+                    self._folder_store = self.storage_options.store(folder)
+            rest = location.rstrip("/")[len(folder) + 1 :]
+            yield self._folder_store, rest + "/" if rest else ""
+            return
+        store = self.storage_options.store(location)
+        try:
+            yield store, ""
+        finally:
+            store.close()
+
+    def _steps(self, folder: str) -> list[int]:
+        """The N of every ``step-N/`` directly in ``folder``, committed or not, ascending (one listing)."""
+        with self._at(folder) as (store, prefix):
+            _, subdirs = store.list_dir(prefix)
+        names = (sub[len(prefix) :].rstrip("/") for sub in subdirs)
+        return sorted(int(m.group(1)) for m in map(_STEP_DIR.fullmatch, names) if m)
+
+    def _committed(self, checkpoint_id: str) -> bool:
+        """Whether a DCP checkpoint is committed at ``checkpoint_id`` (its ``.metadata`` exists)."""
+        with self._at(checkpoint_id) as (store, prefix):
+            return store.size(prefix + METADATA_KEY) is not None
+
+    # -- torchtitan's hooks ----------------------------------------------------------------------------
+
+    def _find_load_step(self, folder: str = "") -> int:
+        """The newest step whose ``.metadata`` exists in ``folder`` (default: the checkpoint folder), or -1."""
+        folder = folder or self.folder
+        for step in reversed(self._steps(folder)):
+            if self._committed(self._create_checkpoint_id(step, folder)):
+                return step
+        return -1
+
+    @torch.no_grad()
+    def dcp_save(
+        self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+        enable_garbage_collection: bool = False, to_hf: bool = False,
+    ) -> Future[Any] | None:
+        if to_hf:  # torchtitan's HF writer, local folders only (its Config refuses a remote one)
+            return CheckpointManager.dcp_save(
+                self, state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
+            )
+        # No checkpoint_id beside the writer: DCP would reset the writer to it (and on a path, to disk).
+        writer = self.storage_options.writer(checkpoint_id)
+        self._last_saved = checkpoint_id
+        result: Future[Any] | None = None
+        if async_mode == AsyncMode.ASYNC:
+            # S3StorageWriter stages (copies the state to CPU) before this returns; the upload then runs
+            # in torch's thread. torch >= 2.9 returns the upload's future itself for such a stager.
+            response: Any = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
+            result = getattr(response, "upload_completion", response)
+        else:
+            dcp.save(state_dict, storage_writer=writer)
+        if enable_garbage_collection:
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return result
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        if from_hf:  # torchtitan's HF reader (local paths)
+            return CheckpointManager.dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
+        dcp.load(state_dict, storage_reader=self.storage_options.reader(checkpoint_id))
+        if MODEL in self.states:  # as torchtitan does: the model's keys are flattened into state_dict
+            self.states[MODEL].load_state_dict(state_dict)
+        return None
+
+    @torch.no_grad()
+    def _load(self, step: int = -1) -> bool:
+        """torchtitan's load, with step discovery and every existence check through the store."""
+        load_step = self._find_load_step() if step == -1 else step
+        if step != -1 and not self._committed(self._create_checkpoint_id(step)):
+            raise CheckpointNotFoundError(
+                f"checkpoint.load_step={step}: no committed checkpoint at {self._create_checkpoint_id(step)}"
+            )
+        from_hf = from_quantized = False
+        if load_step == -1:
+            model_only = self.initial_load_model_only
+            from_hf, from_quantized = self.initial_load_in_hf, self.initial_load_in_hf_quantized
+            if self.initial_load_path:
+                checkpoint_id = self.initial_load_path
+                if from_hf:
+                    if not os.path.isdir(checkpoint_id):
+                        raise CheckpointNotFoundError(f"checkpoint.initial_load_path {checkpoint_id}: no such directory")
+                elif not self._committed(checkpoint_id):
+                    raise CheckpointNotFoundError(
+                        f"checkpoint.initial_load_path {checkpoint_id}: no committed checkpoint there (no .metadata)"
+                    )
+            elif from_hf:
+                assert self.sd_adapter and self.sd_adapter.hf_assets_path, "from_hf needs sd_adapter.hf_assets_path"
+                checkpoint_id = self.sd_adapter.hf_assets_path
+            else:
+                logger.info("No checkpoint in %s: a fresh start.", self.folder)
+                return False
+        else:
+            model_only = load_step == 0  # torchtitan's seed checkpoint holds the model only
+            checkpoint_id = self._create_checkpoint_id(load_step)
+        logger.info("Loading the checkpoint from %s.", checkpoint_id)
+        self.dcp_load(
+            self._states_to_load(model_only), checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized
+        )
+        GarbageCollection.collect("GC collection for checkpoint loading.")
+        return True
+
+    def _should_purge(self) -> bool:
+        return self.keep_latest_k > 0 and dist.get_rank() == 0
+
+    def _purge_stale_checkpoints(self) -> None:
+        """Queue every step but the newest ``keep_latest_k`` for the purge thread: the steps listed in
+        the folder, and the one just saved (its async upload may not have written an object yet)."""
+        if not self._should_purge():
+            return
+        steps = set(self._steps(self.folder))
+        if self._last_saved is not None:
+            match = _STEP_DIR.fullmatch(self._last_saved.rstrip("/").rpartition("/")[2])
+            if match and self._last_saved == self._create_checkpoint_id(int(match.group(1))):
+                steps.add(int(match.group(1)))
+        for step in sorted(steps)[: -self.keep_latest_k]:
+            self.purge_queue.put(self._create_checkpoint_id(step))
+
+    def _remove_checkpoint(self, checkpoint_id: str) -> None:
+        """Delete a step's objects: its ``.metadata`` first (the step is then no checkpoint), then the rest."""
+        with self._at(checkpoint_id) as (store, prefix):
+            store.delete([prefix + METADATA_KEY])
+            store.delete([entry.name for entry in store.list_objects(prefix)])
+
+    def _close(self) -> None:
+        super()._close()  # joins the purge thread: every queued purge is done
+        store, self._folder_store = self._folder_store, None
+        if store is not None:
+            store.close()

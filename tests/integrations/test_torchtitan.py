@@ -1,0 +1,296 @@
+"""dcp_s3.integrations.torchtitan: torchtitan 0.3.0's own CheckpointManager code, through dcp_s3.
+
+Real parts: torchtitan's OptimizersContainer, LRSchedulersContainer and ParallelAwareDataloader
+(torchdata's StatefulDataLoader), an FSDP2 model on gloo ranks, SeaweedFS behind a proxy that can
+stall one request. Every phase runs in fresh processes; what the bucket holds is listed, and no
+checkpoint file may appear on local disk (the dump folder, the working directory, the ranks' TMPDIR).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+try:
+    import torchtitan  # noqa: F401
+except ImportError as exc:  # no silent skip: the test extra and .ci/run install it
+    raise ImportError(
+        "these tests need torchtitan 0.3.0, installed without its dependencies (it pins another torch): "
+        "pip install --no-deps torchtitan==0.3.0, then pip install -e '.[test]' for the few it needs"
+    ) from exc
+
+import torch
+from dist_utils import full, run_ranks
+from fault_proxy import FaultProxy, Rule
+from objects import object_keys
+from torch import nn
+
+from dcp_s3.errors import ConfigError
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+RUN = "run"  # the checkpoint folder's prefix in the bucket
+
+
+class _Numbers(torch.utils.data.IterableDataset):
+    """An endless stream of (x, y) pairs, different on each data-parallel rank."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __iter__(self) -> Any:
+        i = 0
+        while True:
+            g = torch.Generator().manual_seed(1000 * self.rank + i)
+            yield torch.randn(8, generator=g), torch.randn(1, generator=g)
+            i += 1
+
+
+class _TrainState:
+    """What torchtitan's Trainer saves as ``train_state``: the step (a non-tensor value)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+
+
+def _trainer(rank: int, world: int, config_kwargs: dict[str, Any], dump: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    from dcp_s3.integrations.torchtitan import S3CheckpointManager
+
+    torch.manual_seed(0)  # the same initial model everywhere (a fresh start overwrites it on load)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizers = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+        implementation="for-loop",
+    ).build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=20)
+    class Loader(ParallelAwareDataloader):
+        """torchtitan's dataloader, keeping the state it was given (torchdata's state_dict() of a restored
+        loader that has not yielded yet counts the restored batches twice: not what was stored)."""
+
+        loaded: dict[str, Any] | None = None
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.loaded = dict(state_dict)
+            super().load_state_dict(state_dict)
+
+    dataloader = Loader(_Numbers(rank), dp_rank=rank, dp_world_size=world, batch_size=4)
+    train_state = _TrainState()
+    config = S3CheckpointManager.Config(enable=True, **config_kwargs)
+    manager = config.build(
+        dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
+        states={"train_state": train_state}, sd_adapter=None, base_folder=dump,
+    )
+    assert type(manager) is S3CheckpointManager  # chosen by the config alone
+    return {"model": model, "optimizers": optimizers, "lr": lr_schedulers, "data": dataloader,
+            "state": train_state, "manager": manager}
+
+
+def _step(t: dict[str, Any]) -> float:
+    if "batches" not in t:  # after the load, as torchtitan's Trainer does: iter() applies the loaded state
+        t["batches"] = iter(t["data"])
+    x, y = t["batch"] = next(t["batches"])
+    t["optimizers"].zero_grad()
+    loss = nn.functional.mse_loss(t["model"](x), y)
+    loss.backward()
+    t["optimizers"].step()
+    t["lr"].step()
+    t["state"].step += 1
+    return float(loss.item())
+
+
+def _snapshot(t: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": full(t["model"].state_dict()),
+        "optim": full(t["optimizers"].state_dict()),
+        "lr": t["lr"].state_dict(),
+        "data": t["data"].state_dict() if t["data"].loaded is None else t["data"].loaded,
+        "step": t["state"].step,
+    }
+
+
+def _packed(out: dict[str, Any]) -> bytes:
+    """``out`` as bytes: tensors sent through the result queue as shared memory would need this rank's
+    temporary directory (moved to ``tmp``) after the rank has exited."""
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+def _unpacked(results: list[bytes]) -> list[dict[str, Any]]:
+    return [torch.load(io.BytesIO(r), weights_only=False) for r in results]
+
+
+def _child_env(tmp: str) -> None:
+    os.environ.pop("AWS_ENDPOINT_URL", None)  # the config's endpoint_url is the only way to the server
+    os.environ["TMPDIR"] = tmp  # anything written to a temporary file lands where the test looks
+
+
+def _first_run(rank: int, world: int, config_kwargs: dict[str, Any], dump: str, tmp: str) -> bytes:
+    _child_env(tmp)
+    t = _trainer(rank, world, config_kwargs, dump)
+    manager = t["manager"]
+    out: dict[str, Any] = {"fresh": manager.load()}
+    for step in range(1, 5):
+        _step(t)
+        manager.save(step)  # interval 2: async saves of steps 2 and 4
+    # step-4's .metadata PUT is held by the proxy: its upload is still going on while step 5 trains
+    _step(t)
+    out["overlapped"] = not manager.save_future.done()
+    manager.save(5)
+    _step(t)
+    manager.save(6)
+    manager.maybe_wait_for_saving()
+    out["at_6"] = _snapshot(t)
+    out["loss_7"] = _step(t)
+    out["batch_7"] = t["batch"]
+    manager.close()
+    return _packed(out)
+
+
+def _resume(rank: int, world: int, config_kwargs: dict[str, Any], dump: str, tmp: str) -> bytes:
+    _child_env(tmp)
+    t = _trainer(rank, world, config_kwargs, dump)
+    manager = t["manager"]
+    out: dict[str, Any] = {"loaded": manager.load()}
+    out["at_6"] = _snapshot(t)
+    out["loss_7"] = _step(t)
+    out["batch_7"] = t["batch"]
+    manager.save(7)
+    _step(t)
+    manager.save(8)
+    manager.maybe_wait_for_saving()
+    out["at_8"] = _snapshot(t)
+    manager.close()
+    return _packed(out)
+
+
+def _resharded(rank: int, world: int, run_kwargs: dict[str, Any], seed_kwargs: dict[str, Any], dump: str,
+               tmp: str) -> bytes:
+    _child_env(tmp)
+    t = _trainer(rank, world, run_kwargs, dump)
+    out = {"loaded": t["manager"].load()}
+    out["at_8"] = _snapshot(t)
+    t["manager"].close()
+    # a new run whose folder is empty starts from another run's step (initial_load_path on S3)
+    t = _trainer(rank, world, seed_kwargs, dump)
+    out["initial"] = t["manager"].load()
+    out["initial_model"] = full(t["model"].state_dict())
+    t["manager"].close()
+    return _packed(out)
+
+
+def _diff(a: Any, b: Any, where: str = "") -> list[str]:
+    """Where ``a`` and ``b`` differ (tensors bit for bit, with their dtypes); empty when equal."""
+    if isinstance(a, torch.Tensor):
+        same = isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or a.keys() != b.keys():
+            return [f"{where} keys"]
+        return [d for k in a for d in _diff(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where} length"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{where}[{i}]")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"[:300]]
+
+
+def _checkpoint_files(roots: list[Path], since: float) -> list[str]:
+    found = []
+    for root in roots:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d not in (".git", "__pycache__")]
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                if (name == ".metadata" or name.endswith(".distcp")) and os.path.getmtime(path) >= since:
+                    found.append(path)
+    return found
+
+
+def _steps_in_bucket(client: Any, bucket: str) -> dict[str, set[str]]:
+    steps: dict[str, set[str]] = {}
+    for key in object_keys(client, bucket, RUN + "/"):
+        step, _, name = key[len(RUN) + 1 :].partition("/")
+        steps.setdefault(step, set()).add(re.sub(r"\.[0-9a-f]{16}\.distcp$", ".distcp", name))
+    return steps
+
+
+def test_train_resume_reshard_and_purge_through_dcp_s3(seaweed: Any, bucket: str, tmp_path: Path) -> None:
+    since = time.time() - 1
+    dump, tmp = tmp_path / "dump", tmp_path / "tmp"
+    dump.mkdir()
+    tmp.mkdir()
+    stall = Rule(ops={"PutObject"}, fault="stall", key_contains="step-4/.metadata", stall_s=3.0, limit=1)
+    with FaultProxy(seaweed.endpoint_url, [stall]) as proxy:
+        run = {
+            "folder": f"s3://{bucket}/{RUN}", "interval": 2, "keep_latest_k": 2, "async_mode": "async",
+            "endpoint_url": proxy.url, "storage_options": {"region": seaweed.region},
+        }
+        first = _unpacked(run_ranks(_first_run, 2, run, str(dump), str(tmp), timeout=180))
+        assert stall.injected == 1
+    assert all(r["fresh"] is False for r in first)
+    assert all(r["overlapped"] for r in first), "the async upload did not overlap the next training step"
+    client = seaweed.client()
+    steps = _steps_in_bucket(client, bucket)
+    assert set(steps) == {"step-4", "step-6"}, steps  # keep_latest_k=2 purged step-2
+    assert steps["step-6"] == {".metadata", "__0_0.distcp", "__1_0.distcp"}, steps
+
+    run["endpoint_url"] = seaweed.endpoint_url
+    second = _unpacked(run_ranks(_resume, 2, run, str(dump), str(tmp), timeout=180))
+    for before, after in zip(first, second):
+        assert after["loaded"] is True
+        assert _diff(before["at_6"], after["at_6"]) == []  # model, optimizer, lr scheduler, dataloader, step
+        assert _diff(before["batch_7"], after["batch_7"]) == []  # the data stream goes on where it was
+        assert before["loss_7"] == after["loss_7"]
+    assert set(_steps_in_bucket(client, bucket)) == {"step-6", "step-8"}
+
+    seed = {**run, "folder": f"s3://{bucket}/seeded", "async_mode": "disabled",
+            "initial_load_path": f"s3://{bucket}/{RUN}/step-6"}
+    # torchtitan stores the dataloader per data-parallel rank (dataloader.dp_rank_N): a third rank has none
+    resharded = {**run, "exclude_from_loading": ["dataloader"]}
+    third = _unpacked(run_ranks(_resharded, 3, resharded, seed, str(dump), str(tmp), timeout=180))
+    for r in third:
+        assert r["loaded"] is True and r["initial"] is True
+        at_8 = {k: v for k, v in second[0]["at_8"].items() if k != "data"}  # 3 ranks: other data streams
+        assert _diff({k: r["at_8"][k] for k in at_8}, at_8) == []
+        assert _diff(r["initial_model"], first[0]["at_6"]["model"]) == []
+    assert object_keys(client, bucket, "seeded/") == []  # nothing saved: only loaded from the other run
+    assert _checkpoint_files([dump, tmp, Path.cwd()], since) == []
+
+
+def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+
+    from dcp_s3.integrations.torchtitan import S3CheckpointManager
+
+    # what torchtitan's Trainer.Config.checkpoint holds, and what its build() makes
+    assert issubclass(S3CheckpointManager.Config, BaseCheckpointManager.Config)
+    assert S3CheckpointManager.Config._owner is S3CheckpointManager
+    assert S3CheckpointManager.Config(folder="s3://b/run").build(**dict.fromkeys(
+        ("dataloader", "model_parts", "optimizers", "lr_schedulers", "states", "sd_adapter"))).enable is False
+
+    with pytest.raises(ConfigError, match="async_with_pinned_mem"):
+        S3CheckpointManager.Config(enable=True, folder="s3://b/run", async_mode="async_with_pinned_mem")
+    with pytest.raises(ConfigError, match="no_such_option"):
+        S3CheckpointManager.Config(enable=True, folder="s3://b/run", storage_options={"no_such_option": 1})
