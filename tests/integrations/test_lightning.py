@@ -152,9 +152,9 @@ def _assert_equal(a: Any, b: Any, where: str = "") -> None:
 
 
 def _bucket_names(location: str) -> list[str]:
-    """What is directly under ``location`` in the bucket: checkpoint directories and objects."""
-    objects, dirs = StorageOptions().store(location).list_dir("")
-    return sorted([e.name for e in objects] + [d.rstrip("/") for d in dirs])
+    """The first name level of every object under ``location`` in the bucket (SeaweedFS lists
+    directories left empty by deletes, so the objects are listed, not the directories)."""
+    return sorted({e.name.split("/")[0] for e in StorageOptions().store(location).list_objects()})
 
 
 def _stored_meta(location: str) -> dict[str, Any]:
@@ -236,11 +236,9 @@ class _Module(LightningModule):
 
 
 def _loader() -> DataLoader:
-    """Two batches per rank and epoch, the same two on every epoch and rank: Lightning re-runs the
-    first batch of an epoch a checkpoint interrupted (a plain DataLoader has no position to restore)."""
+    """Two batches per rank and epoch (Lightning's DistributedSampler shuffles them per epoch)."""
     g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(8, 8, generator=g).repeat(4, 1), torch.randn(8, 4, generator=g).repeat(4, 1)
-    return DataLoader(TensorDataset(x, y), batch_size=8)
+    return DataLoader(TensorDataset(torch.randn(32, 8, generator=g), torch.randn(32, 4, generator=g)), batch_size=8)
 
 
 def _trainer(world_size: int, root: str, max_steps: int, callbacks: list[Any]) -> Trainer:
@@ -254,7 +252,8 @@ def _trainer(world_size: int, root: str, max_steps: int, callbacks: list[Any]) -
 
 def trainer_fit(rank: int, world_size: int, workdir: str, dirpath: str) -> dict[str, Any]:
     _as_torchrun(rank, world_size, workdir)
-    rotation = S3ModelCheckpoint(dirpath, filename="{step}", every_n_train_steps=1, save_top_k=2, monitor="step",
+    # every 2 steps = at each epoch's end: a plain DataLoader has no position to resume mid-epoch from
+    rotation = S3ModelCheckpoint(dirpath, filename="{step}", every_n_train_steps=2, save_top_k=2, monitor="step",
                                  mode="max")
     module = _Module()
     trainer = _trainer(world_size, os.path.join(workdir, "root"), 6, [rotation])
@@ -265,7 +264,7 @@ def trainer_fit(rank: int, world_size: int, workdir: str, dirpath: str) -> dict[
 def trainer_resume(rank: int, world_size: int, workdir: str, ckpt: str) -> dict[str, Any]:
     _as_torchrun(rank, world_size, workdir)
     module = _Module(seed=99)
-    trainer = _trainer(world_size, os.path.join(workdir, "root"), 6, [])
+    trainer = _trainer(world_size, os.path.join(workdir, "root"), 5, [])
     trainer.fit(module, _loader(), ckpt_path=ckpt)
     return _pack({"losses": module.losses, "restored": module.restored})
 
@@ -273,17 +272,19 @@ def trainer_resume(rank: int, world_size: int, workdir: str, ckpt: str) -> dict[
 def test_trainer_rotation_and_resume(bucket: str, tmp_path: Path) -> None:
     dirpath = f"s3://{bucket}/trainer"
     trained = _ranks(trainer_fit, 2, str(tmp_path / "fit"), dirpath)
-    # every_n_train_steps=1 saved steps 1..6; save_top_k=2 rotation deleted 1..4 from the bucket
-    assert _bucket_names(dirpath) == ["step=5.ckpt", "step=6.ckpt"]
-    assert trained[0]["best"] == [f"{dirpath}/step=5.ckpt", f"{dirpath}/step=6.ckpt"]
-    meta = _stored_meta(f"{dirpath}/step=5.ckpt")
-    assert meta["global_step"] == 5 and meta["hyper_parameters"] == {"width": 32, "seed": 0}
+    # every_n_train_steps=2 saved steps 2, 4, 6; save_top_k=2 rotation deleted step 2 from the bucket
+    assert _bucket_names(dirpath) == ["step=4.ckpt", "step=6.ckpt"]
+    assert trained[0]["best"] == [f"{dirpath}/step=4.ckpt", f"{dirpath}/step=6.ckpt"]
+    meta = _stored_meta(f"{dirpath}/step=4.ckpt")
+    assert meta["global_step"] == 4 and meta["hyper_parameters"] == {"width": 32, "seed": 0}
     assert {"loops", "callbacks", "lr_schedulers"} <= meta.keys() and "state_dict" not in meta
 
-    resumed = _ranks(trainer_resume, 2, str(tmp_path / "resume"), f"{dirpath}/step=5.ckpt")
+    resumed = _ranks(trainer_resume, 2, str(tmp_path / "resume"), f"{dirpath}/step=4.ckpt")
     for rank in range(2):
-        saved, got = trained[rank]["saved"][5], resumed[rank]["restored"]
+        saved, got = dict(trained[rank]["saved"][4]), dict(resumed[rank]["restored"])
+        # saved during the last batch of epoch 1; restored, the loop starts epoch 2 (Lightning's rule)
+        assert (saved.pop("epoch"), got.pop("epoch")) == (1, 2)
         _assert_equal(saved, got, f"rank {rank}")
-        assert got["global_step"] == 5
-        assert resumed[rank]["losses"] == {6: trained[rank]["losses"][6]}
+        assert got["global_step"] == 4
+        assert resumed[rank]["losses"] == {5: trained[rank]["losses"][5]}
     _assert_no_local_checkpoint(tmp_path)
