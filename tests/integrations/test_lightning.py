@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,7 @@ def _fabric_state(model: Any, optimizer: Any) -> dict[str, Any]:
     return {"model": full(get_model_state_dict(module)), "optim": full(get_optimizer_state_dict(module, optimizer))}
 
 
-def fabric_train(rank: int, world_size: int, workdir: str, location: str) -> dict[str, Any]:
-    _as_torchrun(rank, world_size, workdir)
+def fabric_train(rank: int, world_size: int, location: str) -> dict[str, Any]:
     fabric = _fabric(world_size)
     model, optimizer, scheduler = _fabric_objects(fabric, seed=0)
     for step in range(3):
@@ -122,18 +122,17 @@ def fabric_train(rank: int, world_size: int, workdir: str, location: str) -> dic
     fabric.save(Path(location) if rank == 1 else location, state)  # rank 1's Path("s3://..."): rank 0's path wins
     saved, scheduler_state = _fabric_state(model, optimizer), copy.deepcopy(scheduler.state_dict())
     next_loss = _fabric_step(fabric, model, optimizer, scheduler, 3)
-    return _pack({"saved": saved, "scheduler": scheduler_state, "next_loss": next_loss})
+    return {"saved": saved, "scheduler": scheduler_state, "next_loss": next_loss}
 
 
-def fabric_resume(rank: int, world_size: int, workdir: str, location: str) -> dict[str, Any]:
-    _as_torchrun(rank, world_size, workdir)
+def fabric_resume(rank: int, world_size: int, location: str) -> dict[str, Any]:
     fabric = _fabric(world_size)
     model, optimizer, scheduler = _fabric_objects(fabric, seed=123)  # other weights: the load must replace them
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "hparams": None}
     remainder = fabric.load(location, state)
     loaded = _fabric_state(model, optimizer)
     got = {"loaded": loaded, "scheduler": copy.deepcopy(scheduler.state_dict()), "step": state["step"], "hparams": state["hparams"]}
-    return _pack({**got, "remainder": remainder, "next_loss": _fabric_step(fabric, model, optimizer, scheduler, 3)})
+    return {**got, "remainder": remainder, "next_loss": _fabric_step(fabric, model, optimizer, scheduler, 3)}
 
 
 def _assert_equal(a: Any, b: Any, where: str = "") -> None:
@@ -172,25 +171,6 @@ def _assert_no_local_checkpoint(*roots: Path) -> None:
             for name in dirnames + filenames:
                 assert not name.startswith("s3:"), f"{dirpath}/{name}: an s3:// path was used as a local one"
                 assert not any(name.endswith(s) for s in _CHECKPOINT_NAMES), f"checkpoint file on local disk: {dirpath}/{name}"
-
-
-def test_fabric_save_resume_and_reshard(bucket: str, tmp_path: Path) -> None:
-    location = f"s3://{bucket}/fabric/step-3"
-    trained = _ranks(fabric_train, 2, str(tmp_path / "train"), location)
-    assert _bucket_names(f"s3://{bucket}/fabric") == ["step-3"]
-    assert METADATA_KEY in _bucket_names(location) and "meta.pt" not in _bucket_names(location)
-    assert _stored_meta(location) == {
-        "scheduler": trained[0]["scheduler"], "step": 3, "hparams": {"lr": 0.05}
-    }  # the non-tensor state, inside the one DCP checkpoint, loadable weights-only
-
-    for world_size in (2, 1):  # fresh processes; then a resharded load on one rank
-        resumed = _ranks(fabric_resume, world_size, str(tmp_path / f"resume{world_size}"), location)
-        for rank, got in enumerate(resumed):
-            _assert_equal(trained[0]["saved"], got["loaded"], f"{world_size} ranks, rank {rank}")
-            assert got["scheduler"] == trained[0]["scheduler"] and got["scheduler"]["last_epoch"] == 3
-            assert (got["step"], got["hparams"], got["remainder"]) == (3, {"lr": 0.05}, {})
-            assert got["next_loss"] == trained[rank % 2]["next_loss"], (world_size, rank)
-    _assert_no_local_checkpoint(tmp_path)
 
 
 # -- Trainer ----------------------------------------------------------------------------------------
@@ -251,40 +231,97 @@ def _trainer(world_size: int, root: str, max_steps: int, callbacks: list[Any]) -
 
 
 def trainer_fit(rank: int, world_size: int, workdir: str, dirpath: str) -> dict[str, Any]:
-    _as_torchrun(rank, world_size, workdir)
     # every 2 steps = at each epoch's end: a plain DataLoader has no position to resume mid-epoch from
     rotation = S3ModelCheckpoint(dirpath, filename="{step}", every_n_train_steps=2, save_top_k=2, monitor="step",
                                  mode="max")
     module = _Module()
     trainer = _trainer(world_size, os.path.join(workdir, "root"), 6, [rotation])
     trainer.fit(module, _loader())
-    return _pack({"losses": module.losses, "saved": module.saved, "best": sorted(rotation.best_k_models)})
+    return {"losses": module.losses, "saved": module.saved, "best": sorted(rotation.best_k_models)}
 
 
 def trainer_resume(rank: int, world_size: int, workdir: str, ckpt: str) -> dict[str, Any]:
-    _as_torchrun(rank, world_size, workdir)
     module = _Module(seed=99)
     trainer = _trainer(world_size, os.path.join(workdir, "root"), 5, [])
     trainer.fit(module, _loader(), ckpt_path=ckpt)
-    return _pack({"losses": module.losses, "restored": module.restored})
+    return {"losses": module.losses, "restored": module.restored}
 
 
-def test_trainer_rotation_and_resume(bucket: str, tmp_path: Path) -> None:
-    dirpath = f"s3://{bucket}/trainer"
-    trained = _ranks(trainer_fit, 2, str(tmp_path / "fit"), dirpath)
+# -- the runs: three launches of fresh processes, shared by the tests below ------------------------------
+def save_job(rank: int, world_size: int, workdir: str, root: str) -> bytes:
+    _as_torchrun(rank, world_size, workdir)
+    fabric = fabric_train(rank, world_size, f"{root}/fabric/step-3")
+    return _pack({"fabric": fabric, "trainer": trainer_fit(rank, world_size, workdir, f"{root}/trainer")})
+
+
+def resume_job(rank: int, world_size: int, workdir: str, root: str) -> bytes:
+    _as_torchrun(rank, world_size, workdir)
+    fabric = fabric_resume(rank, world_size, f"{root}/fabric/step-3")
+    if world_size == 1:  # the resharded load: Fabric only
+        return _pack({"fabric": fabric})
+    return _pack({"fabric": fabric, "trainer": trainer_resume(rank, world_size, workdir, f"{root}/trainer/step=4.ckpt")})
+
+
+@pytest.fixture(scope="module")
+def runs(seaweed: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("lightning")
+    with pytest.MonkeyPatch.context() as mp:  # what the s3_env and _no_real_aws fixtures set, for the module
+        for name, value in seaweed.env().items():
+            mp.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+            mp.delenv(name, raising=False)
+        mp.setenv("AWS_CONFIG_FILE", str(tmp / "aws-config"))
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp / "aws-credentials"))
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        root = "s3://" + seaweed.create_bucket(f"t-{uuid.uuid4().hex[:16]}")
+        return {
+            "root": root, "tmp": tmp,
+            "saved": _ranks(save_job, 2, str(tmp / "save"), root),
+            "resumed": _ranks(resume_job, 2, str(tmp / "resume2"), root),
+            "resharded": _ranks(resume_job, 1, str(tmp / "resume1"), root),
+        }
+
+
+def test_fabric_checkpoint_is_one_dcp_checkpoint_with_its_metadata(runs: dict[str, Any], s3_env: Any) -> None:
+    location = f"{runs['root']}/fabric/step-3"
+    assert _bucket_names(f"{runs['root']}/fabric") == ["step-3"]
+    assert METADATA_KEY in _bucket_names(location) and "meta.pt" not in _bucket_names(location)
+    assert _stored_meta(location) == {
+        "scheduler": runs["saved"][0]["fabric"]["scheduler"], "step": 3, "hparams": {"lr": 0.05}
+    }  # the non-tensor state, inside the one DCP checkpoint, loadable weights-only
+
+
+@pytest.mark.parametrize("resume", ["resumed", "resharded"])
+def test_fabric_resume_is_bit_exact(runs: dict[str, Any], resume: str) -> None:
+    """Fresh processes on 2 ranks, and a resharded load on 1 rank."""
+    trained = [r["fabric"] for r in runs["saved"]]
+    for rank, got in enumerate(r["fabric"] for r in runs[resume]):
+        _assert_equal(trained[0]["saved"], got["loaded"], f"{resume}, rank {rank}")
+        assert got["scheduler"] == trained[0]["scheduler"] and got["scheduler"]["last_epoch"] == 3
+        assert (got["step"], got["hparams"], got["remainder"]) == (3, {"lr": 0.05}, {})
+        assert got["next_loss"] == trained[rank]["next_loss"], (resume, rank)
+
+
+def test_trainer_rotation_deletes_from_the_bucket(runs: dict[str, Any], s3_env: Any) -> None:
+    dirpath = f"{runs['root']}/trainer"
     # every_n_train_steps=2 saved steps 2, 4, 6; save_top_k=2 rotation deleted step 2 from the bucket
     assert _bucket_names(dirpath) == ["step=4.ckpt", "step=6.ckpt"]
-    assert trained[0]["best"] == [f"{dirpath}/step=4.ckpt", f"{dirpath}/step=6.ckpt"]
+    assert runs["saved"][0]["trainer"]["best"] == [f"{dirpath}/step=4.ckpt", f"{dirpath}/step=6.ckpt"]
     meta = _stored_meta(f"{dirpath}/step=4.ckpt")
     assert meta["global_step"] == 4 and meta["hyper_parameters"] == {"width": 32, "seed": 0}
     assert {"loops", "callbacks", "lr_schedulers"} <= meta.keys() and "state_dict" not in meta
 
-    resumed = _ranks(trainer_resume, 2, str(tmp_path / "resume"), f"{dirpath}/step=4.ckpt")
+
+def test_trainer_resume_is_bit_exact(runs: dict[str, Any]) -> None:
     for rank in range(2):
-        saved, got = dict(trained[rank]["saved"][4]), dict(resumed[rank]["restored"])
+        trained, resumed = runs["saved"][rank]["trainer"], runs["resumed"][rank]["trainer"]
+        saved, got = dict(trained["saved"][4]), dict(resumed["restored"])
         # saved during the last batch of epoch 1; restored, the loop starts epoch 2 (Lightning's rule)
         assert (saved.pop("epoch"), got.pop("epoch")) == (1, 2)
         _assert_equal(saved, got, f"rank {rank}")
         assert got["global_step"] == 4
-        assert resumed[rank]["losses"] == {5: trained[rank]["losses"][5]}
-    _assert_no_local_checkpoint(tmp_path)
+        assert resumed["losses"] == {5: trained["losses"][5]}
+
+
+def test_no_checkpoint_file_on_local_disk(runs: dict[str, Any]) -> None:
+    _assert_no_local_checkpoint(runs["tmp"])
