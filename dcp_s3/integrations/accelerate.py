@@ -26,9 +26,13 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import accelerate.accelerator  # noqa: F401  (binds the four names Accelerator.save_state/load_state call)
+import accelerate.utils  # noqa: F401  (binds them for `from accelerate.utils import ...`, as transformers does)
 import accelerate.utils.fsdp_utils as _fsdp_utils
 import torch.distributed.checkpoint as dcp
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import StateDictType
 
 from dcp_s3.errors import ConfigError
 from dcp_s3.integrations.lightning_io import s3_location
@@ -53,8 +57,6 @@ def _routed(fsdp_plugin: Any, directory: Any, use_dcp: bool, what: str) -> str |
     location = s3_location(directory)
     if location is None:
         return None
-    from torch.distributed.fsdp import StateDictType
-
     if fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT or not use_dcp:
         raise ConfigError(
             f"{what}({location}): only SHARDED_STATE_DICT saved with DCP (use_dcp=True) goes to S3; "
@@ -116,8 +118,6 @@ def save_fsdp_optimizer(
         return _ORIGINAL["save_fsdp_optimizer"](
             fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp=use_dcp
         )
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     optim_state = get_optimizer_state_dict(model, optimizer, options=sd_options)
     writer = StorageOptions.of(options).writer(f"{location}/{OPTIMIZER_NAME}_{optimizer_index}")
@@ -135,8 +135,6 @@ def load_fsdp_optimizer(
             fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index,
             adapter_only=adapter_only, use_dcp=use_dcp,
         )
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
     accelerator.wait_for_everyone()
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     optim_state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=sd_options)}
@@ -169,9 +167,6 @@ def _bind(name: str, options: StorageOptions) -> Any:
 
 def _holders() -> list[Any]:
     """Every loaded accelerate/transformers module, and the three that call the functions."""
-    import accelerate.accelerator  # noqa: F401  (Accelerator.save_state/load_state: bound at its import)
-    import accelerate.utils  # noqa: F401
-
     return [m for n, m in list(sys.modules.items()) if m is not None and n.split(".")[0] in ("accelerate", "transformers")]
 
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -91,12 +92,6 @@ class S3FabricStrategy(ModelParallelStrategy):
                 f"{location} takes sharded checkpoints only"
             )
         sharded_module_key(state, location)
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
         module = next(v for v in state.values() if _is_sharded_module(v))
         sd_options = StateDictOptions(full_state_dict=False, cpu_offload=True)
         tensors: dict[str, Any] = {}

@@ -25,6 +25,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -121,13 +127,6 @@ def load_sharded(
 ) -> dict[str, Any] | None:
     """Load ``module`` and ``optimizers`` in place from the checkpoint at ``location`` (resharding as
     DCP does) in one ``dcp.load``; returns the stored metadata, or None when it holds none."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
     size = _meta_size(location, options)
     request: dict[str, Any] = {module_key: get_model_state_dict(module)}
     for key, optimizer in optimizers.items():

@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -162,8 +163,6 @@ class S3ModelCheckpoint(ModelCheckpoint):
         return {path for path in found if pattern.match(path.rsplit("/", 1)[-1])}
 
     def to_yaml(self, filepath: Any | None = None) -> None:
-        import yaml
-
         assert self.dirpath is not None
         target = _required_location(filepath if filepath is not None else f"{self.dirpath}/best_k_models.yaml")
         parent, name = target.rsplit("/", 1)
