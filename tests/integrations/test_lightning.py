@@ -325,3 +325,42 @@ def test_trainer_resume_is_bit_exact(runs: dict[str, Any]) -> None:
 
 def test_no_checkpoint_file_on_local_disk(runs: dict[str, Any]) -> None:
     _assert_no_local_checkpoint(runs["tmp"])
+
+
+# -- in-process checks (no ranks) -------------------------------------------------------------------
+class _Boom:
+    def __reduce__(self) -> Any:
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_s3_paths_are_taken_as_given_and_repaired() -> None:
+    from dcp_s3.integrations.lightning_io import s3_location
+
+    assert s3_location("s3://b/run/step-1/") == "s3://b/run/step-1"
+    assert s3_location(Path("s3://b/run/step-1")) == "s3://b/run/step-1"  # Path() made it s3:/b/...
+    assert s3_location(os.path.normpath("s3://b/run")) == "s3://b/run"
+    assert s3_location("/tmp/run") is None and s3_location(3) is None
+
+
+def test_s3_model_checkpoint_refuses_local_dirs_and_links() -> None:
+    from dcp_s3 import ConfigError
+
+    with pytest.raises(ConfigError, match="s3:// location"):
+        S3ModelCheckpoint("/tmp/checkpoints")
+    with pytest.raises(ConfigError, match="save_last='link'"):
+        S3ModelCheckpoint("s3://b/run", save_last="link")
+
+
+def test_crafted_metadata_is_refused_not_run(tmp_path: Path) -> None:
+    """The metadata bytes are unpickled weights-only after dcp_s3's check: a pickle that calls
+    ``os.system`` is a CheckpointFormatError naming the checkpoint; plain metadata loads."""
+    from dcp_s3 import CheckpointFormatError
+    from dcp_s3.integrations.lightning_io import load_sharded, save_sharded
+
+    options = StorageOptions()
+    module = nn.Linear(4, 2)
+    for name, meta in (("good", {"step": 7, "hparams": {"lr": 0.1}}), ("evil", {"step": _Boom()})):
+        save_sharded({"model": get_model_state_dict(module)}, meta, str(tmp_path / name), options, rank=0)
+    assert load_sharded(str(tmp_path / "good"), "model", module, {}, options) == {"step": 7, "hparams": {"lr": 0.1}}
+    with pytest.raises(CheckpointFormatError, match="evil"):
+        load_sharded(str(tmp_path / "evil"), "model", module, {}, options)
