@@ -111,13 +111,29 @@ def test_fsdp_utilities_save_and_load_through_s3(bucket: str, tmp_path: Path) ->
         torch.load(io.BytesIO(r), weights_only=False)
         for r in run_ranks(accelerate_job, 2, str(tmp_path / "work"), location)
     ]
-    for rank, got in enumerate(results):
-        assert _equal(got["saved"], got["loaded"]), f"rank {rank}: loaded state differs from the saved one"
-        assert got["saved"]["optim"]["state"], "the optimizer had state to save"
-        assert "FULL_STATE_DICT" in got["refused"] and location in got["refused"]
-        assert got["restored"], "route_fsdp_checkpoints left Accelerate's functions replaced"
+    # first what is where: Accelerate's own code would save to ./s3:/... and load it back bit-exact
     names = sorted(e.name for e in StorageOptions().store(location).list_objects())
     assert f"pytorch_model_fsdp_0/{METADATA_KEY}" in names and f"optimizer_0/{METADATA_KEY}" in names
     assert {n.split("/")[0] for n in names} == {"pytorch_model_fsdp_0", "optimizer_0"}
     local = [os.path.join(d, n) for d, dirs, files in os.walk(tmp_path) for n in dirs + files]
     assert local == [str(tmp_path / "work")], f"files on local disk: {local}"
+    for rank, got in enumerate(results):
+        assert _equal(got["saved"], got["loaded"]), f"rank {rank}: loaded state differs from the saved one"
+        assert got["saved"]["optim"]["state"], "the optimizer had state to save"
+        assert "FULL_STATE_DICT" in got["refused"] and location in got["refused"]
+        assert got["restored"], "route_fsdp_checkpoints left Accelerate's functions replaced"
+
+
+def test_route_binds_every_caller_and_restores_them() -> None:
+    import dcp_s3.integrations.accelerate as routing
+
+    names = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
+    holders = (accelerate.utils, accelerate.accelerator, accelerate.utils.fsdp_utils)
+    before = {(m.__name__, n): getattr(m, n) for m in holders for n in names}
+    with route_fsdp_checkpoints({"max_concurrency": 4}) as options:
+        assert options == StorageOptions(max_concurrency=4)
+        for module in holders:
+            for name in names:
+                routed = getattr(module, name)
+                assert routed is not before[(module.__name__, name)] and routed.__wrapped__ is routing._ORIGINAL[name]
+    assert {(m.__name__, n): getattr(m, n) for m in holders for n in names} == before
