@@ -52,6 +52,10 @@ __all__ = [
 
 logger = logging.getLogger("dcp_s3")
 
+#: The largest stored metadata read (its buffer is allocated before the read; a crafted ``.metadata``
+#: could declare any size). Lightning's is kilobytes.
+MAX_META_BYTES = 1 << 30
+
 #: The state-dict key of Lightning's metadata (the bytes of its ``meta.pt``) inside the DCP checkpoint.
 META_KEY = "lightning.meta.pt"
 
@@ -103,6 +107,10 @@ def _meta_size(location: str, options: StorageOptions) -> int | None:
     size = getattr(entry, "size", None)
     if size is None or len(size) != 1:
         raise CheckpointFormatError(f"{location}: {META_KEY} is not a 1-D byte tensor")
+    if getattr(entry.properties, "dtype", None) != torch.uint8 or not 0 <= int(size[0]) <= MAX_META_BYTES:
+        raise CheckpointFormatError(
+            f"{location}: {META_KEY} is not a uint8 tensor of at most {MAX_META_BYTES} bytes (size {int(size[0])})"
+        )
     return int(size[0])
 
 
