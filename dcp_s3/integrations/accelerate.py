@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import accelerate.accelerator  # noqa: F401  (binds the four names Accelerator.save_state/load_state call)
@@ -144,7 +144,7 @@ def load_fsdp_optimizer(
     accelerator.wait_for_everyone()
 
 
-_MINE = {
+_MINE: dict[str, Callable[..., Any]] = {
     "save_fsdp_model": save_fsdp_model,
     "load_fsdp_model": load_fsdp_model,
     "save_fsdp_optimizer": save_fsdp_optimizer,

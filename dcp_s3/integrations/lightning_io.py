@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -104,10 +105,10 @@ def _meta_size(location: str, options: StorageOptions) -> int | None:
     entry = options.reader(location).read_metadata().state_dict_metadata.get(META_KEY)
     if entry is None:
         return None
-    size = getattr(entry, "size", None)
-    if size is None or len(size) != 1:
+    if not isinstance(entry, TensorStorageMetadata) or len(entry.size) != 1:
         raise CheckpointFormatError(f"{location}: {META_KEY} is not a 1-D byte tensor")
-    if getattr(entry.properties, "dtype", None) != torch.uint8 or not 0 <= int(size[0]) <= MAX_META_BYTES:
+    size = entry.size
+    if entry.properties.dtype != torch.uint8 or not 0 <= int(size[0]) <= MAX_META_BYTES:
         raise CheckpointFormatError(
             f"{location}: {META_KEY} is not a uint8 tensor of at most {MAX_META_BYTES} bytes (size {int(size[0])})"
         )
