@@ -1,0 +1,175 @@
+"""What both Lightning strategies do with an ``s3://`` checkpoint: one DCP checkpoint holding everything.
+
+Lightning's ``ModelParallelStrategy`` writes the tensors with ``dcp.save(checkpoint_id=path)`` and
+then, on rank 0 only, ``torch.save(metadata, path / "meta.pt")``: the non-tensor state (step,
+hyper-parameters, loops, callbacks, schedulers) is a second object that only rank 0 writes and
+every rank must read. Here the metadata travels inside the same DCP checkpoint, as the bytes
+Lightning would have written to ``meta.pt`` held in one ``uint8`` tensor (rank 0's item,
+:data:`META_KEY`), so the checkpoint's ``.metadata`` commits tensors and metadata at once, and every
+rank reads the metadata from the bucket. Loading unpickles those bytes as Lightning loads
+``meta.pt`` — with ``weights_only`` unless the caller passes ``weights_only=False`` (or the storage
+options say ``allow_unsafe_byte_items=True``) — after dcp_s3's own check of the archive
+(:func:`dcp_s3.untrusted.torch_files.torch_load`), so a crafted checkpoint is a
+``CheckpointFormatError``, never code that runs.
+
+Nothing here imports Lightning; the strategies in :mod:`~dcp_s3.integrations.lightning_fabric` and
+:mod:`~dcp_s3.integrations.lightning_trainer` call it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from dcp_s3.admin.cleanup import remove_checkpoint
+from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
+from dcp_s3.layout import METADATA_KEY
+from dcp_s3.store.storage_options import StorageOptions
+from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
+
+__all__ = [
+    "META_KEY",
+    "s3_location",
+    "save_sharded",
+    "load_sharded",
+    "checkpoint_exists",
+    "list_checkpoints",
+    "delete_checkpoint",
+]
+
+logger = logging.getLogger("dcp_s3")
+
+#: The largest stored metadata read (its buffer is allocated before the read; a crafted ``.metadata``
+#: could declare any size). Lightning's is kilobytes.
+MAX_META_BYTES = 1 << 30
+
+#: The state-dict key of Lightning's metadata (the bytes of its ``meta.pt``) inside the DCP checkpoint.
+META_KEY = "lightning.meta.pt"
+
+
+def s3_location(path: Any) -> str | None:
+    """``path`` as an ``s3://bucket/key`` string, or None when it is not an S3 location.
+
+    Takes the text as given, and repairs the ``s3:/bucket/key`` that ``pathlib.Path("s3://...")``
+    and ``os.path.normpath`` make of it (Lightning passes paths through both)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        return None
+    if text.startswith("s3://"):
+        return text.rstrip("/")
+    if text.startswith("s3:/"):
+        return "s3://" + text[len("s3:/"):].lstrip("/").rstrip("/")
+    return None
+
+
+def _meta_tensor(metadata: Mapping[str, Any]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(torch_save_bytes(dict(metadata))), dtype=torch.uint8)
+
+
+def save_sharded(
+    tensor_state: dict[str, Any], metadata: Mapping[str, Any], location: str, options: StorageOptions, *, rank: int
+) -> None:
+    """Save ``tensor_state`` (model and optimizer state dicts) and rank 0's ``metadata`` as one DCP
+    checkpoint at ``location``; every rank calls it (a collective)."""
+    if META_KEY in tensor_state:
+        raise ConfigError(f"state key {META_KEY!r} is reserved for Lightning's metadata in {location}")
+    state = dict(tensor_state)
+    if rank == 0:
+        state[META_KEY] = _meta_tensor(metadata)
+    dcp.save(state, storage_writer=options.writer(location))
+    logger.debug("saved Lightning checkpoint %s (metadata inside)", location)
+
+
+def _trusted(options: StorageOptions, weights_only: bool | None) -> bool:
+    return weights_only is False or bool(options.as_dict().get("allow_unsafe_byte_items"))
+
+
+def _meta_size(location: str, options: StorageOptions) -> int | None:
+    """The byte length of the stored metadata, or None when the checkpoint holds none."""
+    entry = options.reader(location).read_metadata().state_dict_metadata.get(META_KEY)
+    if entry is None:
+        return None
+    if not isinstance(entry, TensorStorageMetadata) or len(entry.size) != 1:
+        raise CheckpointFormatError(f"{location}: {META_KEY} is not a 1-D byte tensor")
+    size = entry.size
+    if entry.properties.dtype != torch.uint8 or not 0 <= int(size[0]) <= MAX_META_BYTES:
+        raise CheckpointFormatError(
+            f"{location}: {META_KEY} is not a uint8 tensor of at most {MAX_META_BYTES} bytes (size {int(size[0])})"
+        )
+    return int(size[0])
+
+
+def _decode_meta(data: torch.Tensor, location: str, options: StorageOptions, weights_only: bool | None) -> dict:
+    meta = torch_load(
+        data.numpy().tobytes(), f"{location} ({META_KEY})", weights_only=not _trusted(options, weights_only)
+    )
+    if not isinstance(meta, dict):
+        raise CheckpointFormatError(f"{location} ({META_KEY}): expected a dict, found {type(meta).__name__}")
+    return meta
+
+
+def load_sharded(
+    location: str,
+    module_key: str,
+    module: Module,
+    optimizers: Mapping[str, Optimizer],
+    options: StorageOptions,
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any] | None:
+    """Load ``module`` and ``optimizers`` in place from the checkpoint at ``location`` (resharding as
+    DCP does) in one ``dcp.load``; returns the stored metadata, or None when it holds none."""
+    size = _meta_size(location, options)
+    request: dict[str, Any] = {module_key: get_model_state_dict(module)}
+    for key, optimizer in optimizers.items():
+        request[key] = get_optimizer_state_dict(module, optimizer)
+    if size is not None:
+        request[META_KEY] = torch.empty(size, dtype=torch.uint8)
+    dcp.load(request, storage_reader=options.reader(location))
+    module.load_state_dict(request[module_key], strict=strict)
+    for key, optimizer in optimizers.items():
+        set_optimizer_state_dict(
+            module, optimizer, optim_state_dict=request[key], options=StateDictOptions(cpu_offload=True)
+        )
+    return None if size is None else _decode_meta(request[META_KEY], location, options, weights_only)
+
+
+def checkpoint_exists(location: str, options: StorageOptions) -> bool:
+    """Whether a committed checkpoint is at ``location`` (its ``.metadata`` is there)."""
+    return options.store(location).size(METADATA_KEY) is not None
+
+
+def list_checkpoints(directory: str, options: StorageOptions) -> list[str]:
+    """The committed checkpoints directly under ``directory``, as locations, sorted."""
+    store = options.store(directory)
+    _, subdirs = store.list_dir("")
+    names = (d.rstrip("/") for d in subdirs)
+    return sorted(f"{directory}/{n}" for n in names if store.size(f"{n}/{METADATA_KEY}") is not None)
+
+
+def delete_checkpoint(location: str, options: StorageOptions) -> None:
+    """Delete the checkpoint at ``location`` (its ``.metadata`` first, so it is never half there);
+    one that is not there is no error (as Lightning's own removal)."""
+    try:
+        removal = remove_checkpoint(location, **options.as_dict())
+    except CheckpointNotFoundError:
+        logger.debug("no checkpoint to remove at %s", location)
+        return
+    logger.debug("removed checkpoint %s (%d objects)", location, len(removal.objects))

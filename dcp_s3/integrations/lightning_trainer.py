@@ -1,0 +1,172 @@
+"""The Lightning ``Trainer``'s ``ModelParallelStrategy`` and ``ModelCheckpoint`` with ``s3://`` checkpoints through dcp_s3.
+
+    trainer = Trainer(
+        strategy=S3TrainerStrategy(options={"endpoint_url": ...}),
+        callbacks=[S3ModelCheckpoint("s3://bucket/run", save_top_k=2, monitor="step", mode="max")],
+    )
+    trainer.fit(model, ckpt_path="s3://bucket/run/epoch=0-step=100.ckpt")   # resume
+
+Each checkpoint is one DCP checkpoint: model and optimizer shards and the rest of Lightning's
+checkpoint (loops, callbacks, schedulers, hyper-parameters: its ``meta.pt``) inside it
+(:mod:`~dcp_s3.integrations.lightning_io`), committed at once and read from the bucket by every
+rank. ``S3ModelCheckpoint`` is ``ModelCheckpoint`` that finds, and through the strategy deletes,
+checkpoints in the bucket (Lightning's asks fsspec/s3fs and deletes only local directories).
+Paths that are not ``s3://`` go to Lightning's own code unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from dcp_s3.errors import CheckpointFormatError, ConfigError
+from dcp_s3.integrations.lightning_io import (
+    checkpoint_exists,
+    delete_checkpoint,
+    list_checkpoints,
+    load_sharded,
+    s3_location,
+    save_sharded,
+)
+from dcp_s3.store.storage_options import StorageOptions
+
+__all__ = ["S3TrainerStrategy", "S3ModelCheckpoint"]
+
+
+class S3TrainerStrategy(ModelParallelStrategy):
+    """``lightning.pytorch.strategies.ModelParallelStrategy`` whose ``s3://`` checkpoints go through dcp_s3.
+
+    ``options``: a :class:`dcp_s3.StorageOptions` or a mapping of its keywords, used for every save,
+    load, listing and removal; the other arguments are ``ModelParallelStrategy``'s.
+    ``save_distributed_checkpoint=False`` is refused for ``s3://`` paths.
+    """
+
+    def __init__(self, *args: Any, options: StorageOptions | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.storage_options = StorageOptions.of(options)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        filepath = self.broadcast(filepath)  # rank 0's path, before Lightning makes a Path of it
+        location = s3_location(filepath)
+        if location is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise ConfigError(
+                f"save_checkpoint(..., {location}, storage_options=...): give the storage options to "
+                f"{type(self).__name__}(options=...)"
+            )
+        if not self._save_distributed_checkpoint:
+            raise ConfigError(
+                f"{type(self).__name__}(save_distributed_checkpoint=False) writes one torch.save file; "
+                f"{location} takes sharded checkpoints only"
+            )
+        checkpoint = dict(checkpoint)
+        tensors: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        for idx, optim_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            tensors[f"optimizer_{idx}"] = optim_state
+        save_sharded(tensors, checkpoint, location, self.storage_options, rank=self.global_rank)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint_path = self.broadcast(checkpoint_path)
+        location = s3_location(checkpoint_path)
+        if location is None:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = {f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(self.optimizers)}
+        metadata = load_sharded(
+            location, "state_dict", self.model, optimizers, self.storage_options,
+            strict=self.lightning_module.strict_loading, weights_only=weights_only,
+        )
+        if metadata is None:
+            raise CheckpointFormatError(
+                f"{location} holds no Lightning metadata (loops, callbacks): it was not saved by a Trainer with "
+                f"{type(self).__name__}"
+            )
+        return metadata
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        location = s3_location(filepath)
+        if location is None:
+            return super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            delete_checkpoint(location, self.storage_options)
+
+    def checkpoint_exists(self, filepath: Any) -> bool:
+        """Whether a committed checkpoint is at ``filepath`` (an ``s3://`` location)."""
+        return checkpoint_exists(_required_location(filepath), self.storage_options)
+
+    def list_checkpoints(self, dirpath: Any) -> list[str]:
+        """The committed checkpoints directly under ``dirpath`` (an ``s3://`` location), sorted."""
+        return list_checkpoints(_required_location(dirpath), self.storage_options)
+
+
+def _required_location(path: Any) -> str:
+    location = s3_location(path)
+    if location is None:
+        raise ConfigError(f"{path!r} is not an s3:// location")
+    return location
+
+
+class S3ModelCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` saving to ``dirpath`` (an ``s3://`` location) with :class:`S3TrainerStrategy`.
+
+    Every ``ModelCheckpoint`` argument works as there (``save_top_k``, ``every_n_train_steps``,
+    ``save_last``, ``filename``...), except ``save_last="link"`` (links are local only). Existence
+    checks and the search for ``last`` checkpoints list the bucket (committed checkpoints only), and
+    rotation deletes the rotated checkpoint from the bucket, through the trainer's strategy.
+    """
+
+    def __init__(self, dirpath: Any, **kwargs: Any) -> None:
+        location = s3_location(dirpath)
+        if location is None:
+            raise ConfigError(
+                f"S3ModelCheckpoint(dirpath={dirpath!r}): expected an s3:// location (for a local directory use "
+                "lightning's ModelCheckpoint)"
+            )
+        if kwargs.get("save_last") == "link":
+            raise ConfigError(f"S3ModelCheckpoint({location}, save_last='link'): links are for local directories only")
+        super().__init__(dirpath=None, **kwargs)  # Lightning's would open an fsspec filesystem (s3fs) for it
+        self.dirpath = location
+        self._storage_options: StorageOptions | None = None  # the strategy's, from setup on
+
+    def _strategy(self, trainer: Any) -> S3TrainerStrategy:
+        strategy = trainer.strategy
+        if not isinstance(strategy, S3TrainerStrategy):
+            raise ConfigError(
+                f"S3ModelCheckpoint({self.dirpath}) needs Trainer(strategy=S3TrainerStrategy(...)); "
+                f"the trainer's strategy is {type(strategy).__name__}"
+            )
+        return strategy
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        strategy = self._strategy(trainer)
+        self.dirpath = _required_location(strategy.broadcast(self.dirpath))
+        self._storage_options = strategy.storage_options
+        if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0 and strategy.list_checkpoints(self.dirpath):
+            rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
+
+    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        strategy = self._strategy(trainer)
+        local_decision = strategy.checkpoint_exists(filepath) if trainer.is_global_zero else False
+        return trainer.strategy.reduce_boolean_decision(local_decision, all=False)
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
+        assert self.dirpath is not None
+        found = self._strategy(trainer).list_checkpoints(self.dirpath)
+        return {path for path in found if pattern.match(path.rsplit("/", 1)[-1])}
+
+    def to_yaml(self, filepath: Any | None = None) -> None:
+        assert self.dirpath is not None
+        target = _required_location(filepath if filepath is not None else f"{self.dirpath}/best_k_models.yaml")
+        parent, name = target.rsplit("/", 1)
+        text = yaml.dump({k: v.item() for k, v in self.best_k_models.items()})
+        if self._storage_options is None:
+            raise ConfigError(f"S3ModelCheckpoint({self.dirpath}).to_yaml: call it once the trainer has set it up")
+        self._storage_options.store(parent).write(name, text.encode())
