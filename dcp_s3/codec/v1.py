@@ -1,6 +1,6 @@
 """Version 1 of the ``dcp_s3.zstd-frames`` codec: encode and decode one frame (format in :mod:`dcp_s3.codec.format`).
 
-Runs on the codec's pool threads; each thread keeps its zstd compressors and a scratch buffer
+Runs on the codec's pool threads; each thread keeps its zstd compressors, its decompressor and a scratch buffer
 in a ``threading.local``.
 """
 
