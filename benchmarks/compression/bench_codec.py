@@ -1,8 +1,11 @@
-"""Benchmark dcp_s3.codec against plain zstd on realistic checkpoint tensors.
+"""Benchmark dcp_s3.codec against plain zstd and Blosc2 on realistic checkpoint tensors.
 
     python benchmarks/compression/bench_codec.py [--steps 20] [--reps 3] [--cache /tmp/bench_data.npz]
 
-Prints a markdown table and writes ``results.json`` next to this file. Ratios
+Prints markdown tables, writes ``results.json`` and the figure ``ratio_vs_decode.png``
+(stored/raw against decode GB/s per codec and data kind) next to this file. Within a data
+kind the contestants (the codec on 1 and 2 threads, the codec's previous decoder, Blosc2's
+shuffle, bytedelta and bitshuffle with zstd on 2 threads) run in turn in every repetition. Ratios
 are stored/raw (lower is better); speeds are GB/s of raw bytes. "zstd-1 item"
 and "zstd-3 item" compress each data kind as one zstd stream on one thread, the
 way torch's ``_extensions=[ZStandard()]`` stores a DCP item. "other load" is how
@@ -46,7 +49,36 @@ def _timed(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
     return min(times), result
 
 
+def _cramjam_decompress_into(local: Any, piece: memoryview, dst: memoryview, i: int) -> None:
+    """The codec's frame decompression before this change (cramjam), for the "codec before" row."""
+    import cramjam
+
+    if cramjam.zstd.decompress_into(piece, dst) != len(dst):
+        raise AssertionError(f"frame {i}: short")
+
+
+def _blosc2_contestants(es: int) -> dict[str, dict[str, Any]]:
+    """Blosc2 settings compared (typesize = element size, zstd, 2 threads, one chunk per codec frame).
+
+    clevel 1 (zstd level 1) is the fastest and, with shuffle, has the ratio closest to the
+    codec's; higher levels store 0.5-1% less on Adam states and compress 3-10x slower."""
+    try:
+        import blosc2
+    except ImportError:  # benchmarks/requirements.txt installs it
+        return {}
+    base = dict(codec=blosc2.Codec.ZSTD, typesize=es, nthreads=2)
+    return {
+        "blosc2 shuffle+zstd-1": dict(base, clevel=1, filters=[blosc2.Filter.SHUFFLE]),
+        "blosc2 bytedelta+zstd-1": dict(base, clevel=1, filters=[blosc2.Filter.SHUFFLE, blosc2.Filter.BYTEDELTA]),
+        "blosc2 bitshuffle+zstd-1": dict(base, clevel=1, filters=[blosc2.Filter.BITSHUFFLE]),
+    }
+
+
 def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[str, Any]:
+    """One data kind; every contestant's decode (and encode) runs once per repetition, in turn,
+    so that machine noise hits them alike; best of ``reps`` is kept."""
+    from dcp_s3.codec import v1
+
     es, floating = ELEMENT[name]
     raw = len(data)
     row: dict[str, Any] = {"kind": name, "raw_mb": raw / 1e6, "element_size": es, "floating": floating}
@@ -60,27 +92,86 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
             t, _ = _timed(lambda: dctx.decompress(comp), reps)
             row["zstd1_decomp_gbs"] = raw / t / 1e9
     out = bytearray(raw)
-    for threads in (1, 2):
-        with Codec(level=1, threads=threads, frame_size=frame_size) as codec:
-            def encode() -> tuple[Any, list[Any]]:
-                parts: list[Any] = []
-                return codec.encode(data.data, es, floating, parts.append), parts
+    new_decompress = v1.decompress_into
+    codecs = {threads: Codec(level=1, threads=threads, frame_size=frame_size) for threads in (1, 2)}
+    blosc = _blosc2_contestants(es)
+    encoded: dict[str, Any] = {}
+    # name -> (encode, decode): encode returns what decode needs and the stored size
+    contestants: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
 
-            t, (index, parts) = _timed(encode, reps)
-            row[f"codec_comp_gbs_t{threads}"] = raw / t / 1e9
-            stored = b"".join(parts)
-            row["codec_ratio"] = len(stored) / raw
-            row["raw_frames"] = bin(index.raw_frames).count("1")
-            row["frames"] = index.num_frames
-            t, _ = _timed(lambda: codec.decode_into(index, stored, 0, 0, raw, out), reps)
-            row[f"codec_decomp_gbs_t{threads}"] = raw / t / 1e9
-            if threads == 2:  # the writer's case: input arrives in 16 MiB chunks (e.g. from a GPU)
-                chunks = [data[p:p + (16 << 20)] for p in range(0, raw, 16 << 20)]
-                t, _ = _timed(lambda: codec.encode(iter(chunks), es, floating, lambda b: None), reps)
-                row["codec_comp_gbs_t2_16mib_chunks"] = raw / t / 1e9
-            if out != data.tobytes():
-                raise AssertionError(f"{name}: round trip mismatch")
+    def codec_pair(threads: int, decompress: Callable[..., None]) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+        codec = codecs[threads]
+
+        def enc() -> Any:
+            parts: list[Any] = []
+            index = codec.encode(data.data, es, floating, parts.append)
+            return index, b"".join(parts)
+
+        def dec(e: Any) -> None:
+            v1.decompress_into = decompress  # type: ignore[assignment]
+            try:
+                codec.decode_into(e[0], e[1], 0, 0, raw, out)
+            finally:
+                v1.decompress_into = new_decompress
+        return enc, dec
+
+    contestants["codec 1t"] = codec_pair(1, new_decompress)
+    contestants["codec 2t"] = codec_pair(2, new_decompress)
+    contestants["codec before 2t"] = codec_pair(2, _cramjam_decompress_into)
+    if blosc:
+        import blosc2
+
+        chunk = frame_size - frame_size % es
+        for label, params in blosc.items():
+            def benc(params: dict[str, Any] = params) -> Any:
+                return [blosc2.compress2(data[p:p + chunk], **params) for p in range(0, raw, chunk)]
+
+            def bdec(chunks: Any) -> None:
+                view = np.frombuffer(out, np.uint8)
+                for k, c in enumerate(chunks):
+                    blosc2.decompress2(c, dst=view[k * chunk:(k + 1) * chunk])
+            contestants[label] = (benc, bdec)
+    enc_t = {k: float("inf") for k in contestants}
+    dec_t = dict(enc_t)
+    try:
+        for _ in range(reps):
+            for label, (enc, dec) in contestants.items():
+                if label == "codec before 2t":  # the encoder did not change: same stored bytes
+                    encoded[label] = encoded["codec 2t"]
+                else:
+                    t0 = time.perf_counter()
+                    encoded[label] = enc()
+                    enc_t[label] = min(enc_t[label], time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                dec(encoded[label])
+                dec_t[label] = min(dec_t[label], time.perf_counter() - t0)
+                if out != data.tobytes():
+                    raise AssertionError(f"{name}: {label} round trip mismatch")
+        chunks = [data[p:p + (16 << 20)] for p in range(0, raw, 16 << 20)]
+        # the writer's case: input arrives in 16 MiB chunks (e.g. from a GPU)
+        t, _ = _timed(lambda: codecs[2].encode(iter(chunks), es, floating, lambda b: None), reps)
+        row["codec_comp_gbs_t2_16mib_chunks"] = raw / t / 1e9
+    finally:
+        for codec in codecs.values():
+            codec.close()
+    index, stored = encoded["codec 2t"]
+    row["codec_ratio"] = len(stored) / raw
+    row["raw_frames"] = bin(index.raw_frames).count("1")
+    row["frames"] = index.num_frames
+    for threads in (1, 2):
+        row[f"codec_comp_gbs_t{threads}"] = raw / enc_t[f"codec {threads}t"] / 1e9
+        row[f"codec_decomp_gbs_t{threads}"] = raw / dec_t[f"codec {threads}t"] / 1e9
+    row["codec_before_comp_gbs_t2"] = row["codec_comp_gbs_t2"]
+    row["codec_before_decomp_gbs_t2"] = raw / dec_t["codec before 2t"] / 1e9
+    row["blosc2"] = {label: {"ratio": sum(map(len, encoded[label])) / raw, "comp_gbs": raw / enc_t[label] / 1e9,
+                             "decomp_gbs": raw / dec_t[label] / 1e9, "settings": _describe(blosc[label])}
+                     for label in blosc}
     return row
+
+
+def _describe(params: dict[str, Any]) -> str:
+    filters = "+".join(getattr(f, "name", str(f)) for f in params["filters"])
+    return f"{filters}, zstd clevel {params['clevel']}, typesize = element size, {params['nthreads']} threads"
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
@@ -122,16 +213,67 @@ def wait_quiet(limit_s: float) -> None:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = ("| data | raw MB | codec stored/raw | zstd-1 item | zstd-3 item | codec comp GB/s 1t / 2t "
-            "| codec decomp GB/s 1t / 2t | zstd-1 item comp / decomp GB/s | other load (cores) |")
-    lines = [head, "|" + "---|" * 9]
+            "| codec decomp GB/s 1t / 2t | codec before: decomp GB/s 2t | zstd-1 item comp / decomp GB/s "
+            "| other load (cores) |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         lines.append(
             f"| {r['kind']} | {r['raw_mb']:.0f} | **{r['codec_ratio']:.3f}** | {r['zstd1_ratio']:.3f} "
             f"| {r['zstd3_ratio']:.3f} | {r['codec_comp_gbs_t1']:.2f} / {r['codec_comp_gbs_t2']:.2f} "
-            f"| {r['codec_decomp_gbs_t1']:.2f} / {r['codec_decomp_gbs_t2']:.2f} "
+            f"| {r['codec_decomp_gbs_t1']:.2f} / **{r['codec_decomp_gbs_t2']:.2f}** "
+            f"| {r['codec_before_decomp_gbs_t2']:.2f} "
             f"| {r['zstd1_comp_gbs']:.2f} / {r['zstd1_decomp_gbs']:.2f} | {r['other_processes_cores']} |"
         )
+    labels = list(rows[0]["blosc2"]) if rows and rows[0].get("blosc2") else []
+    if labels:
+        lines += ["", "Same run, 2 threads each (stored/raw, compress GB/s, decompress GB/s):", "",
+                  "| data | codec | codec before | " + " | ".join(labels) + " |",
+                  "|" + "---|" * (3 + len(labels))]
+        for r in rows:
+            cells = [f"{b['ratio']:.3f}, {b['comp_gbs']:.2f}, {b['decomp_gbs']:.2f}"
+                     for b in (r["blosc2"][k] for k in labels)]
+            lines.append(f"| {r['kind']} | **{r['codec_ratio']:.3f}, {r['codec_comp_gbs_t2']:.2f}, "
+                         f"{r['codec_decomp_gbs_t2']:.2f}** | {r['codec_ratio']:.3f}, "
+                         f"{r['codec_before_comp_gbs_t2']:.2f}, {r['codec_before_decomp_gbs_t2']:.2f} | "
+                         + " | ".join(cells) + " |")
+        lines += ["", "Blosc2 settings: " + "; ".join(f"{k}: {v['settings']}" for k, v in rows[0]["blosc2"].items())]
     return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """One figure: stored/raw against 2-thread decode GB/s, a marker per codec, a colour per data kind."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    markers = {"dcp_s3 codec": "*", "dcp_s3 codec before": "X", "zstd-1 item (1 thread)": "s"}
+    fig, ax = plt.subplots(figsize=(9, 6))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(rows):
+        if not r["floating"]:
+            continue
+        c = colours[i % len(colours)]
+        points = {"dcp_s3 codec": (r["codec_decomp_gbs_t2"], r["codec_ratio"]),
+                  "dcp_s3 codec before": (r["codec_before_decomp_gbs_t2"], r["codec_ratio"]),
+                  "zstd-1 item (1 thread)": (r["zstd1_decomp_gbs"], r["zstd1_ratio"])}
+        points.update({k: (b["decomp_gbs"], b["ratio"]) for k, b in r.get("blosc2", {}).items()})
+        for label, (x, y) in points.items():
+            marker = markers.get(label, "o^vD<>"[list(r.get("blosc2", {})).index(label) % 6]
+                                 if label in r.get("blosc2", {}) else "o")
+            ax.scatter(x, y, color=c, marker=marker, s=140 if marker == "*" else 50,
+                       label=label if i == 0 else None, edgecolors="black", linewidths=0.4)
+        ax.annotate(r["kind"], points["dcp_s3 codec"], textcoords="offset points", xytext=(6, -12), color=c, fontsize=8)
+    ax.set_xlabel("decompress GB/s (2 threads; zstd item: 1)")
+    ax.set_ylabel("stored / raw (lower is better)")
+    ax.set_title("Checkpoint compression: ratio against decode speed, per data kind (colour)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -141,6 +283,8 @@ def main() -> None:
     ap.add_argument("--frame-size", type=int, default=4 << 20)
     ap.add_argument("--cache", type=Path, help="npz file to reuse the generated tensors across runs")
     ap.add_argument("--out", type=Path, default=HERE / "results.json")
+    ap.add_argument("--plot", type=Path, default=HERE / "ratio_vs_decode.png", help="the figure (PNG)")
+    ap.add_argument("--limit-mb", type=float, default=0, help="use only the first N MB of each kind (quick runs)")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each data kind, wait up to S seconds for the machine to be idle")
     ap.add_argument("--retries", type=int, default=0,
@@ -158,6 +302,8 @@ def main() -> None:
         kinds["random bytes (as fp32)"] = rng.integers(0, 256, 64 << 20, dtype=np.uint8)
         if args.cache:
             np.savez(args.cache, names=np.array(list(kinds)), **{f"k{i}": v for i, v in enumerate(kinds.values())})
+    if args.limit_mb:
+        kinds = {k: v[:int(args.limit_mb * 1e6)] for k, v in kinds.items()}
     rows = []
     for name, data in kinds.items():
         best: dict[str, Any] | None = None
@@ -174,7 +320,14 @@ def main() -> None:
         assert best is not None
         rows.append(best)
     print(markdown(rows))
+    plot(rows, args.plot)
+    try:
+        import blosc2
+        blosc2_version = blosc2.__version__
+    except ImportError:
+        blosc2_version = None
     env = {"python": platform.python_version(), "numpy": np.__version__, "zstandard": zstandard.__version__,
+           "blosc2": blosc2_version,
            "zstd": ".".join(map(str, zstandard.ZSTD_VERSION)), "cpus": os.cpu_count(),
            "machine": platform.machine(), "frame_size": args.frame_size, "reps": args.reps}
     args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")

@@ -53,6 +53,8 @@ def group(src: np.ndarray, es: int, out: np.ndarray) -> None:
 def ungroup(planes: np.ndarray, ne: int, es: int, a: int, b: int, out: np.ndarray) -> None:
     """Inverse of :func:`group` for elements ``[a, b)`` of a frame of ``ne`` elements,
     written to ``out`` (``(b - a) * es`` bytes)."""
+    if b <= a:
+        return
     dt = UINT[es]
     bits = dt(8 * es - 1)
     one = dt(1)

@@ -4,7 +4,7 @@ An item's raw bytes are cut into independent *frames* of ``frame_size`` raw byte
 (a multiple of the element size; the last frame may be shorter). Each frame is
 compressed on its own, so a reader fetches and decompresses only the frames a
 ranged read touches, and frames (de)compress in parallel on a thread pool
-(python-zstandard, cramjam and numpy release the GIL).
+(python-zstandard and numpy release the GIL).
 
 Floating-point frames are *byte grouped* first: every element is rotated left by
 one bit (the sign moves next to the mantissa, so the top byte is the whole

@@ -1,6 +1,6 @@
 """Version 1 of the ``dcp_s3.zstd-frames`` codec: encode and decode one frame (format in :mod:`dcp_s3.codec.format`).
 
-Runs on the codec's pool threads; each thread keeps its zstd compressors and a scratch buffer
+Runs on the codec's pool threads; each thread keeps its zstd compressors, its decompressor and a scratch buffer
 in a ``threading.local``.
 """
 
@@ -9,12 +9,11 @@ from __future__ import annotations
 import threading
 from typing import Final
 
-import cramjam
 import numpy as np
 import zstandard
 
 from dcp_s3.codec.byte_planes import UINT, group, ungroup
-from dcp_s3.codec.format import DEFAULT_FRAME_SIZE, GROUP_FLOAT, GROUP_NONE, FrameIndex
+from dcp_s3.codec.format import DEFAULT_FRAME_SIZE, GROUP_FLOAT, GROUP_NONE, MAX_FRAME_SIZE, FrameIndex
 from dcp_s3.errors import CheckpointFormatError
 
 __all__ = ["LITERAL_PARAMS", "check_index", "encode_frame", "decode_frame"]
@@ -78,10 +77,10 @@ def decode_frame(local: threading.local, index: FrameIndex, i: int, piece: memor
         dst[:] = piece[lo:hi]
         return
     if index.grouping == GROUP_NONE and lo == 0 and hi == n:
-        decompress_into(piece, dst, i)
+        decompress_into(local, piece, dst, i)
         return
     buf = scratch(local, n)
-    decompress_into(piece, buf.data, i)
+    decompress_into(local, piece, buf.data, i)
     if index.grouping == GROUP_NONE:
         dst[:] = buf.data[lo:hi]
         return
@@ -108,19 +107,33 @@ def decode_frame(local: threading.local, index: FrameIndex, i: int, piece: memor
             s = stop
 
 
-def decompress_into(piece: memoryview, dst: memoryview, i: int) -> None:
+def decompress_into(local: threading.local, piece: memoryview, dst: memoryview, i: int) -> None:
     """Decompress the zstd frame(s) in ``piece`` into exactly fill ``dst``.
 
-    cramjam decompresses straight into the caller's buffer with the GIL released:
-    twice as fast here as python-zstandard, whose one-shot API allocates the output
-    (page faults on every frame) and whose streaming API copies through a window.
+    python-zstandard's stream reader, fed the whole piece at once, takes zstd's single-pass
+    path: each frame whose header records its content size (every frame this codec writes)
+    decodes straight into ``dst`` with the GIL released, using the bundled libzstd's
+    assembly Huffman decoder, and stored (raw) zstd blocks cost a memcpy. That is 1.3-1.4x
+    faster than cramjam's ``zstd.decompress_into`` on Huffman-coded planes here and ~10x on
+    raw ones (``benchmarks/compression/README.md``). ``local`` keeps this thread's decompressor.
     """
+    dctx = getattr(local, "dctx", None)
+    if dctx is None:
+        # A frame needs no window larger than the largest frame a reader accepts.
+        dctx = local.dctx = zstandard.ZstdDecompressor(max_window_size=MAX_FRAME_SIZE)
     try:
-        got = cramjam.zstd.decompress_into(piece, dst)
-    except cramjam.DecompressionError as e:
-        raise CheckpointFormatError(
-            f"frame {i} is not valid zstd data or decompresses to more than the expected {len(dst)} bytes ({e})"
-        ) from e
+        reader = dctx.stream_reader(piece, read_size=max(1, len(piece)), read_across_frames=True)
+        got = 0
+        while got < len(dst):
+            step = reader.readinto(dst[got:])
+            if not step:
+                break
+            got += step
+        more = got == len(dst) and reader.read(1)
+    except zstandard.ZstdError as e:
+        raise CheckpointFormatError(f"frame {i} is not valid zstd data ({e})") from e
+    if more:
+        raise CheckpointFormatError(f"frame {i} decompresses to more than the expected {len(dst)} bytes")
     if got != len(dst):
         raise CheckpointFormatError(f"frame {i} decompressed to {got} bytes, expected {len(dst)}")
 

@@ -466,3 +466,25 @@ def test_the_registry_decides_what_a_reader_accepts(encoded_items: dict[str, Any
     monkeypatch.setattr(codec_module, "DECODERS", {**codec_module.DECODERS, (CODEC_NAME, 2): "dcp_s3.codec.v1"})
     assert codec_module.accepts([f"{CODEC_NAME}/2"], newer)
     assert f"{CODEC_NAME!r} version 2" in codec_module.supported()
+
+
+def test_reader_decodes_frames_without_a_content_size(codec: Codec) -> None:
+    # Frames written by a streaming compressor record no content size: the decoder cannot take
+    # zstd's single-pass path and streams them into the destination instead.
+    import zstandard
+
+    raw = tensor_bytes(weights(3000)).tobytes()
+    stream = io.BytesIO()
+    with zstandard.ZstdCompressor(level=1, write_content_size=False).stream_writer(stream, closefd=False) as w:
+        w.write(raw[:5000])
+    first = stream.getvalue()
+    assert zstandard.get_frame_parameters(first).content_size == zstandard.CONTENTSIZE_UNKNOWN
+    stored = first + zstandard.ZstdCompressor(level=3).compress(raw[5000:])
+    index = FrameIndex(CODEC_NAME, CODEC_VERSION, 1, GROUP_NONE, len(raw), 1 << 20, (len(stored),))
+    assert decode(codec, index, stored) == raw
+    assert decode(codec, index, stored, 4990, 5010) == raw[4990:5010]
+    short = FrameIndex(CODEC_NAME, CODEC_VERSION, 1, GROUP_NONE, len(raw) + 1, 1 << 20, (len(stored),))
+    with pytest.raises(CheckpointFormatError, match="decompressed to"):
+        decode(codec, short, stored)
+    with pytest.raises(CheckpointFormatError, match="frame 0"):
+        decode(codec, index, b"garbage" + stored[7:])
