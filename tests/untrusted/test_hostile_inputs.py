@@ -3,6 +3,7 @@ endpoint or a log handler can do to a user of dcp_s3 and ``dcp-s3``, against rea
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -465,7 +466,11 @@ def test_one_client_settings_object() -> None:
     cfg = writer._session.client_config
     assert (cfg.read_timeout, cfg.retry_attempts, cfg.region, cfg.max_pool_connections) == (7.0, 3, "eu-west-1", 64)
     client = cfg.make_client()
-    assert client.meta.config.read_timeout == 7.0 and client.meta.config.retries["total_max_attempts"] == 3
+    # With rate control (the default) dcp_s3's retry handler applies retry_attempts (botocore's own makes
+    # one attempt: objstore.rate_hooks); without it, botocore does.
+    assert client.meta.config.read_timeout == 7.0 and client.meta.config.retries["total_max_attempts"] == 1
+    plain = dataclasses.replace(cfg, rate_control=False).make_client()
+    assert plain.meta.config.retries["total_max_attempts"] == 3
     defaults = ClientConfig()
     assert defaults.retry_attempts * defaults.read_timeout <= 100
     with pytest.raises(ConfigError, match="client="):
