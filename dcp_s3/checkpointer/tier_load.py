@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -135,7 +136,7 @@ def _s3_copy(tiers: Tiers, step: str) -> tuple[Any, dict[str, str]]:
 def _attempt(store: Store, dirs: Mapping[str, str], model_dict: Any, optimizer_dict: Any, local: bool) -> str | None:
     try:
         load_alone(store, dirs, model_dict, optimizer_dict, local)
-    except Exception as exc:  # a corrupt or vanished object: reported, decided on by every rank together
+    except (Exception, CheckpointException) as exc:  # a corrupt or vanished object: decided on by all ranks
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -150,6 +151,8 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
     every = _gather(tiers, sorted(mine))
     common = set.intersection(*(set(x) for x in every))
     candidates = sorted(common | s3_steps, key=lambda n: (len(n), n))
+    # Steps some ranks hold locally, others not, and S3 not: never loadable; a newer one is warned about.
+    partial = sorted(set().union(*(set(x) for x in every)) - common - s3_steps, key=lambda n: (len(n), n))
     reasons: dict[str, dict[int, str]] = {}
     me = rank()
     while candidates:
@@ -162,6 +165,7 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
         if bad and step not in s3_steps:
             warn(f"step {step} is not loaded from the local tier, and is not on S3: {_describe(bad)}")
             continue
+        _warn_newer(step, partial, every)
         if len(bad) == len(every):
             log.info("loading step %s from S3: no rank has a usable local copy (%s)", step, _describe(bad))
             tiers.last_load = {"step": step, "source": "s3", "s3_ranks": sorted(bad), "reasons": bad}
@@ -197,6 +201,14 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
         return {"step": step, "marker": marker, "source": source}
     tiers.last_load = {"step": None, "source": None, "s3_ranks": [], "reasons": reasons}
     return None
+
+
+def _warn_newer(step: str, partial: list[str], every: list[list[str]]) -> None:
+    newer = [p for p in partial if (len(p), p) > (len(step), step)]
+    if newer:
+        held = {p: [r for r, x in enumerate(every) if p in x] for p in newer}
+        warn(f"loading step {step}, not the newer " + ", ".join(
+            f"{p} (committed locally on ranks {held[p]} only, and not on S3)" for p in newer))
 
 
 def _describe(bad: Mapping[int, str]) -> str:

@@ -26,6 +26,7 @@ from test_checkpointer import build, same, snapshot, train, trainable
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.checkpointer.generations import find_complete
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.metadata.formats import load_metadata
 from dcp_s3.store import open_store
 
 pytestmark = [pytest.mark.multiproc]
@@ -55,6 +56,19 @@ def check(ref: dict[str, Any], got: dict[str, Any]) -> None:
 
 def local_objects(local: str, rank: int, part: str, step: str) -> list[Path]:
     return sorted((Path(local) / f"rank{rank:05d}").glob(f"{step}.m_{part}*/*.distcp"))
+
+
+def damage(obj: Path, how: str) -> None:
+    """Flip one byte inside the largest item stored in ``obj``, or cut ``obj`` to half its size."""
+    if how == "truncated":
+        with open(obj, "r+b") as f:
+            f.truncate(obj.stat().st_size // 2)
+        return
+    md = load_metadata((obj.parent / ".metadata").read_bytes(), str(obj.parent))
+    info = max((i for i in md.storage_data.values() if i.relative_path == obj.name), key=lambda i: i.length)
+    data = bytearray(obj.read_bytes())
+    data[info.offset + info.length // 2] ^= 0xFF
+    obj.write_bytes(bytes(data))
 
 
 def tiers_job(rank: int, world: int, env: dict[str, str], root: str, base: str, proxy: str) -> dict[str, Any]:
@@ -92,7 +106,25 @@ def tiers_job(rank: int, world: int, env: dict[str, str], root: str, base: str, 
     it, got, where, warned = fresh_load(root, local)
     assert it == 20, it
     check(refs[20], got)
-    out["lost_local_only"] = (where["source"], any("0000030" in w and "not on S3" in w for w in warned))
+    out["lost_local_only"] = (where["source"], any("0000030" in w and "ranks [0] only" in w for w in warned))
+
+    # (3) rank 0's model object of 20 corrupt (a byte of an item flipped): its checksum fails, rank 0
+    # alone reads S3; then rank 1's optimizer object truncated: found before the load, rank 1 reads S3.
+    for damaged, part, how in ((0, "model", "corrupt"), (1, "optim", "truncated")):
+        dist.barrier()
+        if rank == damaged:
+            (obj,) = local_objects(local, rank, part, "0000020")
+            original = obj.read_bytes()
+            damage(obj, how)
+        dist.barrier()
+        it, got, where, warned = fresh_load(root, local)
+        assert it == 20, it
+        check(refs[20], got)
+        out[how] = (where["source"], where["s3_ranks"], how in where["reasons"].get(damaged, "")
+                    or any("0000020" in w and f"rank {damaged}" in w for w in warned))
+        dist.barrier()
+        if rank == damaged:
+            obj.write_bytes(original)
 
     # (3) rank 1's copy of 20 wiped: rank 1 alone reads S3, rank 0 stays local.
     dist.barrier()
@@ -104,33 +136,6 @@ def tiers_job(rank: int, world: int, env: dict[str, str], root: str, base: str, 
     assert it == 20, it
     check(refs[20], got)
     out["wiped"] = (where["source"], where["s3_ranks"], data_gets(rank, proxy))
-
-    # (3) rank 0's model object of 20 corrupt (one byte flipped): caught by its checksum, rank 0 reads S3.
-    dist.barrier()
-    if rank == 0:
-        (obj,) = local_objects(local, 0, "model", "0000020")
-        data = bytearray(obj.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        obj.write_bytes(bytes(data))
-    dist.barrier()
-    it, got, where, warned = fresh_load(root, local)
-    assert it == 20, it
-    check(refs[20], got)
-    out["corrupt"] = (where["source"], where["s3_ranks"], any("0000020" in w and "rank 0" in w for w in warned))
-
-    # (3) rank 0's optimizer object of 20 truncated: found before the load, rank 0 reads S3.
-    dist.barrier()
-    if rank == 0:
-        (obj,) = local_objects(local, 0, "model", "0000020")
-        obj.unlink()  # the corrupt one goes; the truncated optimizer object is what is tested now
-        (obj,) = local_objects(local, 0, "optim", "0000020")
-        with open(obj, "r+b") as f:
-            f.truncate(obj.stat().st_size // 2)
-    dist.barrier()
-    it, got, where, _ = fresh_load(root, local)
-    assert it == 20, it
-    check(refs[20], got)
-    out["truncated"] = (where["source"], where["s3_ranks"], "truncated" in where["reasons"].get(0, ""))
 
     # (2) every local directory gone: the promoted step loads from S3 alone.
     dist.barrier()
@@ -176,8 +181,8 @@ def test_two_tiers_on_2_ranks(bucket: str, s3_env: LocalS3Server, proxy: Countin
     assert r0["lost_local_only"] == ("local", True) and r1["lost_local_only"][1]
     source, s3_ranks, gets = r0["wiped"]
     assert (source, s3_ranks) == ("mixed", [1]) and gets > 0, r0["wiped"]
-    assert r0["corrupt"][:2] == ("mixed", [0]) and r0["corrupt"][2], r0["corrupt"]
-    assert r0["truncated"] == ("mixed", [0], True), r0["truncated"]
+    assert r0["corrupt"] == ("mixed", [0], True), r0["corrupt"]
+    assert r0["truncated"] == ("mixed", [1], True), r0["truncated"]
     assert r0["s3_only"] == "s3"
     # S3 holds exactly the promoted step, complete; no upload report is left behind.
     s3 = open_store(root)
