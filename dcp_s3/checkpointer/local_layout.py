@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from dcp_s3.errors import CheckpointFormatError
 
-__all__ = ["local_view", "layout_of", "globalize", "layout_mismatch"]
+__all__ = ["local_view", "from_view", "layout_of", "globalize", "layout_mismatch"]
 
 #: flattened key -> (global size, shard offsets, shard sizes); None for a non-tensor item.
 Layout = dict[str, tuple[list[int], list[int], list[int]] | None]
@@ -41,6 +41,18 @@ def local_view(obj: Any) -> Any:
     if isinstance(obj, list):
         return [local_view(v) for v in obj]
     return obj
+
+
+def from_view(state: Any, view: Any) -> Any:
+    """``state`` with what a load put into its :func:`local_view` ``view``: the ``DTensor`` of ``state``
+    (its shard was loaded in place), every other value (loaded bytes replace the entry) from ``view``."""
+    if isinstance(state, DTensor):
+        return state
+    if isinstance(state, dict) and isinstance(view, dict):
+        return {k: from_view(state[k], v) if k in state else v for k, v in view.items()}
+    if isinstance(state, list) and isinstance(view, list) and len(state) == len(view):
+        return [from_view(a, b) for a, b in zip(state, view)]
+    return view
 
 
 def layout_of(state: dict[str, Any], planner: Any) -> Layout:

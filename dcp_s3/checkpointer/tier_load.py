@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from dcp_s3.checkpointer.generations import find_complete, part_dirs_of, read_marker
-from dcp_s3.checkpointer.local_layout import layout_mismatch, layout_of, local_view
+from dcp_s3.checkpointer.local_layout import from_view, layout_mismatch, layout_of, local_view
 from dcp_s3.checkpointer.ranks import distributed, rank
 from dcp_s3.checkpointer.tiers import LAYOUT, Tiers
 from dcp_s3.checkpointer.training_state import on_meta, warn
@@ -108,15 +108,18 @@ def load_alone(store: Store, dirs: Mapping[str, str], model_dict: Mapping[str, n
             dcp.load(model.state_dict(), storage_reader=reader, planner=TrainableOnlyLoadPlanner(model), no_dist=True)
             continue
         state = get_model_state_dict(model)
-        dcp.load(view(state), storage_reader=reader, planner=TrainableOnlyLoadPlanner(model), no_dist=True)
-        set_model_state_dict(model, state)
+        into = view(state)
+        dcp.load(into, storage_reader=reader, planner=TrainableOnlyLoadPlanner(model), no_dist=True)
+        set_model_state_dict(model, from_view(state, into) if local else state)
     for key, optim in sorted((optimizer_dict or {}).items()):
         model = model_dict[key]
         if f"{key}_optim" not in dirs:
             raise CheckpointNotFoundError(f"no optimizer checkpoint for {key!r} in {store.url()}")
         state = {} if on_meta(model) else get_optimizer_state_dict(model, optim)
         planner = OptimizerLoadPlanner(check=bool(state))
-        dcp.load(view(state), storage_reader=store.reader(dirs[f"{key}_optim"]), planner=planner, no_dist=True)
+        into = view(state)
+        dcp.load(into, storage_reader=store.reader(dirs[f"{key}_optim"]), planner=planner, no_dist=True)
+        state = from_view(state, into) if local else state
         if planner.problem is not None:
             warn(f"optimizer checkpoint {store.url(dirs[f'{key}_optim'])} does not match the optimizer "
                  f"({planner.problem}); continuing with fresh optimizer state")
