@@ -249,7 +249,11 @@ class Tiers:
         from dcp_s3.checkpointer.retention import retain_last  # noqa: PLC0415 (one module, two users)
 
         try:
-            retain_last(self.s3, self.keep_last, keep=self.s3.url(keep))
+            deleted = set(retain_last(self.s3, self.keep_last, keep=self.s3.url(keep)))
+            with self._lock:
+                for st in self._status.values():
+                    if "s3" in st.tiers and self.s3.url(st.step) in deleted:
+                        st.tiers.remove("s3")
         except (DcpS3Error, OSError) as exc:
             log.warning("keep_last=%d: could not delete old steps under %s: %s", self.keep_last, self.s3.url(), exc)
 
