@@ -50,7 +50,7 @@ from dcp_s3.checkpointer.generations import (
 from dcp_s3.checkpointer.local_layout import layout_of, local_view
 from dcp_s3.checkpointer.promotion import commit_promoted, upload_rank
 from dcp_s3.checkpointer.ranks import Ranks, rank, world_size
-from dcp_s3.checkpointer.retention import delete_step
+from dcp_s3.checkpointer.retention import delete_step, retain_last
 from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
 from dcp_s3.checkpointer.training_state import warn
 from dcp_s3.errors import ConfigError, DcpS3Error
@@ -246,8 +246,6 @@ class Tiers:
     def _retain_s3(self, keep: str) -> None:
         if self.keep_last is None:
             return
-        from dcp_s3.checkpointer.retention import retain_last  # noqa: PLC0415 (one module, two users)
-
         try:
             deleted = set(retain_last(self.s3, self.keep_last, keep=self.s3.url(keep)))
             with self._lock:
