@@ -120,6 +120,10 @@ def merge_metadata(per_rank: Sequence[Metadata]) -> Metadata:
     return out
 
 
+def _read(s3: Store, name: str, attempts: int) -> bytes:
+    return retry(lambda: s3.read(name), f"GET of {s3.url(name)}", attempts)
+
+
 def commit_promoted(
     s3: Store, step: str, parts: Sequence[tuple[str, str]], marker: bytes, token: str, world: int,
     *, timeout: float, attempts: int, poll: float = 0.2,
@@ -142,10 +146,8 @@ def commit_promoted(
             time.sleep(poll)
             poll = min(poll * 1.5, 2.0)
     for _, s3_dir in parts:
-        reports = [retry(lambda r=r: s3.read(report_name(s3_dir, r)), f"GET of rank {r}'s report", attempts)
-                   for r in range(world)]
-        layouts = [retry(lambda r=r: s3.read(layout_name(s3_dir, r)), f"GET of rank {r}'s layout", attempts)
-                   for r in range(world)]
+        reports = [_read(s3, report_name(s3_dir, r), attempts) for r in range(world)]
+        layouts = [_read(s3, layout_name(s3_dir, r), attempts) for r in range(world)]
         merged = merge_metadata([
             globalize(load_metadata(b, s3.url(report_name(s3_dir, r))),
                       torch_load(layouts[r], s3.url(layout_name(s3_dir, r))), s3.url(report_name(s3_dir, r)))

@@ -115,16 +115,16 @@ def load_alone(store: Store, dirs: Mapping[str, str], model_dict: Mapping[str, n
         model = model_dict[key]
         if f"{key}_optim" not in dirs:
             raise CheckpointNotFoundError(f"no optimizer checkpoint for {key!r} in {store.url()}")
-        state = {} if on_meta(model) else get_optimizer_state_dict(model, optim)
-        planner = OptimizerLoadPlanner(check=bool(state))
-        into = view(state)
+        osd: Any = {} if on_meta(model) else get_optimizer_state_dict(model, optim)
+        planner = OptimizerLoadPlanner(check=bool(osd))
+        into = view(osd)
         dcp.load(into, storage_reader=store.reader(dirs[f"{key}_optim"]), planner=planner, no_dist=True)
-        state = from_view(state, into) if local else state
+        osd = from_view(osd, into) if local else osd
         if planner.problem is not None:
             warn(f"optimizer checkpoint {store.url(dirs[f'{key}_optim'])} does not match the optimizer "
                  f"({planner.problem}); continuing with fresh optimizer state")
-        elif state:
-            set_optimizer_state_dict(model, optim, state)
+        elif osd:
+            set_optimizer_state_dict(model, optim, osd)
 
 
 def _s3_copy(tiers: Tiers, step: str) -> tuple[Any, dict[str, str]]:
