@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.checkpointer.generations import find_complete
 from dcp_s3.errors import ConfigError
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.store import open_store
+from dcp_s3.store import Store, open_store
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -77,3 +78,29 @@ def test_bad_arguments(tmp_path: Path) -> None:
         Checkpointer(root, local_root=tmp_path / "l").save({"m": model}, iteration=1, tier="disk")
     with pytest.raises(ConfigError, match="needs local_root"):
         Checkpointer(root).save({"m": model}, iteration=1, tier="s3")
+
+
+def test_local_retention_keeps_a_step_being_promoted(bucket: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    root, local = f"s3://{bucket}/run", str(tmp_path / "local")
+    go = threading.Event()
+    stream_to = Store.stream_to
+
+    def held(self: Store, *args: object) -> None:
+        assert go.wait(120), "never released"  # a hang guard
+        stream_to(self, *args)
+
+    monkeypatch.setattr(Store, "stream_to", held)
+    model, optim, sched = build(seed=0, shard=False)
+    ckpt = Checkpointer(root, local_root=local, keep_last_local=1)
+    mine = open_store(f"{local}/rank00000")
+    ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=10, tier="s3")  # its upload is held
+    for it in (20, 30):
+        train(model, optim, sched, seed=it)
+        ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=it)
+    assert [s.name for s in find_complete(mine, None)] == ["0000010", "0000030"]  # 10: still being promoted
+    go.set()
+    ckpt.wait_promotions()
+    assert [s.name for s in find_complete(open_store(root), None)] == ["0000010"]
+    assert [s.name for s in find_complete(mine, None)] == ["0000030"]  # promoted: now retention's
+    ckpt.close()
