@@ -6,7 +6,10 @@ the on-store layout of its steps and how to find them in a listing;
 which steps ``keep_last`` deletes, and how; :mod:`~dcp_s3.checkpointer.training_state` what it
 saves besides DCP parts; :mod:`~dcp_s3.checkpointer.legacy` single-file (Megatron-style)
 checkpoints; :mod:`~dcp_s3.checkpointer.ranks` rank coordination; :mod:`~dcp_s3.checkpointer.objects`
-``save_object``/``load_object``/``latest_checkpoint``.
+``save_object``/``load_object``/``latest_checkpoint``. The node-local tier (``local_root=``):
+:mod:`~dcp_s3.checkpointer.tiers` (local saves, status, retention), :mod:`~dcp_s3.checkpointer.local_layout`
+(local shards and their layout), :mod:`~dcp_s3.checkpointer.promotion` (to S3),
+:mod:`~dcp_s3.checkpointer.tier_load` (which step, from which tier).
 """
 
 from dcp_s3.checkpointer.manager import AsyncSave, Checkpointer

@@ -57,6 +57,8 @@ from dcp_s3.checkpointer.objects import latest_checkpoint, load_object, save_obj
 from dcp_s3.checkpointer.ranks import Ranks, distributed, rank, world_size
 from dcp_s3.checkpointer.retention import retain_last
 from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
+from dcp_s3.checkpointer.tier_load import tiered_load
+from dcp_s3.checkpointer.tiers import Tiers
 from dcp_s3.checkpointer.training_state import check_dicts, on_meta, restore, state_of, warn
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
 from dcp_s3.planners.optim_match import OptimizerLoadPlanner
@@ -103,6 +105,15 @@ class Checkpointer:
             part and returns an :class:`AsyncSave` handle; the next ``save``/``load`` first waits
             for it. Each part gets its own gloo process group so parts upload concurrently
             without interleaving collectives.
+        local_root: a node-local directory (NVMe, ``/dev/shm``) in front of ``save_dir``: every save
+            goes there first (each rank to ``<local_root>/rank<NNNNN>/``), steps are promoted to
+            ``save_dir`` in the background and ``load`` prefers a complete local copy; see
+            :mod:`dcp_s3.checkpointer.tiers` (not with ``async_save``).
+        s3_every: with ``local_root``, promote the saves whose iteration is a multiple of it (None: only
+            ``save(..., tier="s3")``).
+        keep_last_local: with ``local_root``, local steps kept per rank (never one being promoted).
+        promotion_attempts, promotion_timeout: tries of each promotion request; how long rank 0 waits
+            for the other ranks' uploads of a step.
         storage_options: ``S3StorageWriter``/``S3StorageReader`` keywords (``credential_path``,
             ``endpoint_url``, ``region``, ``profile``, ``part_size``, ``max_concurrency``,
             ``key_prefixes``...), given to every writer/reader of every part; rejected for local
@@ -120,10 +131,17 @@ class Checkpointer:
         *,
         keep_last: int | None = None,
         async_save: bool = False,
+        local_root: str | os.PathLike[str] | None = None,
+        s3_every: int | None = None,
+        keep_last_local: int | None = 2,
+        promotion_attempts: int = 3,
+        promotion_timeout: float = 600.0,
         **storage_options: Any,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last={keep_last} must be >= 1 (or None to keep every step)")
+        if local_root is not None and async_save:
+            raise ConfigError("local_root= and async_save=True: a local-tier save is already the fast path; pick one")
         self.storage_options = storage_options
         self.store = open_store(save_dir, **storage_options)
         self.save_dir = self.store.url()
@@ -133,6 +151,9 @@ class Checkpointer:
         self._pending: AsyncSave | None = None
         self._finisher: ThreadPoolExecutor | None = None
         self._ranks = Ranks()
+        self._tiers = None if local_root is None else Tiers(
+            self.store, self._ranks, local_root, s3_every=s3_every, keep_last_local=keep_last_local,
+            keep_last=keep_last, attempts=promotion_attempts, promotion_timeout=promotion_timeout)
         # Writers/readers are reused across steps (``reset`` retargets them): each S3 one owns a
         # client and an I/O pool, which are costly to create. One per part, so that the
         # concurrent parts of an async save never share one.
@@ -152,6 +173,7 @@ class Checkpointer:
         callbacks: Any = None,
         path: str | os.PathLike[str] | None = None,
         iteration: int = 0,
+        tier: str | None = None,
     ) -> Any:
         """Save one step; returns its location (``<save_dir>/<iteration:07d>`` unless ``path`` is given).
 
@@ -162,13 +184,16 @@ class Checkpointer:
         location is replaced all or nothing (:mod:`dcp_s3.checkpointer.generations`): the parts go to fresh
         ``<step>.<k>_<kind>.<hex>`` directories, the rewritten marker names them, and the old
         parts are deleted only after it. With ``async_save=True`` returns an :class:`AsyncSave`
-        handle instead.
+        handle instead. With ``local_root``: a save to the local tier (``tier="s3"`` also promotes it,
+        ``"local"`` never, None as ``s3_every`` says); returns the local step's location.
         """
         self.wait()
         check_dicts(model_dict, optimizer_dict)
+        if self._tiers is not None and path is not None:
+            raise ConfigError("path= is not supported with local_root (steps are named by iteration)")
+        if self._tiers is None and tier is not None:
+            raise ConfigError(f"tier={tier!r} needs local_root")
         store, step = self._locate(path, iteration)
-        # A marker there: a re-save, into a new generation (the same token on every rank).
-        token = self._ranks.run_on_rank0(lambda: new_token() if store.size(step + MARKER_SUFFIX) is not None else None)
         parts: list[tuple[str, str, dict[str, Any], Any]] = []
         for key, model in model_dict.items():
             parts.append((key, "model", get_model_state_dict(model), TrainableOnlySavePlanner(model)))
@@ -186,6 +211,10 @@ class Checkpointer:
             "world_size": world_size(),
             "saved_at": time.time(),
         }
+        if self._tiers is not None:
+            return self._tiers.save(parts, content, iteration, tier)
+        # A marker there: a re-save, into a new generation (the same token on every rank).
+        token = self._ranks.run_on_rank0(lambda: new_token() if store.size(step + MARKER_SUFFIX) is not None else None)
         if token is not None:
             content[PART_DIRS] = {s: marker_entry(s, token) for s in suffixes}
         marker = torch_save_bytes(content)
@@ -230,6 +259,8 @@ class Checkpointer:
         """Wait for a pending save and stop the background thread."""
         try:
             self.wait()
+            if self._tiers is not None:
+                self._tiers.close()
         finally:
             if self._finisher is not None:
                 self._finisher.shutdown(wait=True)
@@ -240,6 +271,23 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def wait_promotions(self, timeout: float | None = None) -> None:
+        """With ``local_root``: wait for the promotions started so far (a failed one warns, see ``tier_status``)."""
+        if self._tiers is not None:
+            self._tiers.wait_promotions(timeout)
+
+    def tier_status(self) -> list[dict[str, Any]]:
+        """With ``local_root``: per step saved by this process, oldest first, its tiers, promotion state
+        (``pending``/``uploading``/``uploaded``/``done``/``failed``), ``lag`` (s), local save time and
+        last error, as this rank knows them; ``last_load`` tells where the last load read from and why."""
+        return [] if self._tiers is None else self._tiers.status()
+
+    @property
+    def last_load(self) -> dict[str, Any]:
+        """With ``local_root``: the step the last ``load`` took, its source (``local``, ``mixed``, ``s3``),
+        the ranks that read S3 and why."""
+        return {} if self._tiers is None else dict(self._tiers.last_load)
 
     def _commit(self, store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str]) -> None:
         """Rank 0, after every part committed: write the marker (and delete the parts it replaced), then
@@ -278,6 +326,20 @@ class Checkpointer:
         check_dicts(model_dict, optimizer_dict)
         allow_missing_optim = allow_missing_optim or os.environ.get(ALLOW_MISSING_OPTIM_ENV, "") in ("1", "true", "yes")
         optim_keys = sorted(optimizer_dict or {})
+        if self._tiers is not None and path is None:
+            got = tiered_load(self._tiers, model_dict, optimizer_dict)
+            if got is None:
+                log.info("no complete checkpoint in either tier (%s, %s): starting from scratch", self.save_dir,
+                         self._tiers.local_root)
+                return 0
+            if "s3_step" in got:
+                path = self.store.url(got["s3_step"])
+            else:
+                marker = got["marker"]
+                restore(scheduler_dict, marker.get("scheduler"), "scheduler_dict")
+                restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")
+                restore(callbacks, marker.get("callbacks"), "callbacks")
+                return int(marker.get("iteration", 0))
         plan = self._ranks.run_on_rank0(lambda: self._plan_load(path, list(model_dict), optim_keys, allow_missing_optim))
         if plan is None:
             log.info("no complete checkpoint under %s: starting from scratch", self.save_dir)
