@@ -64,6 +64,7 @@ class TensorBlob:
     header: bytes
     tensor: torch.Tensor  # contiguous; its raw bytes are the payload
     trailer: bytes
+    borrowed: bool = False  # the payload is the caller's CPU memory itself (no copy was made)
 
     @property
     def payload_offset(self) -> int:
@@ -125,7 +126,9 @@ def raw_bytes_view(tensor: torch.Tensor) -> memoryview:
 def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
     """Split ``torch.save(tensor)`` into header, payload (the tensor) and trailer."""
     # torch.save writes the whole storage; a view or strided tensor becomes a compact copy.
+    given = tensor
     tensor = compact(tensor)
+    borrowed = tensor.device.type == "cpu" and tensor.data_ptr() == given.data_ptr() and tensor.nbytes == given.nbytes
     recorder = _Recorder()
     with torch.serialization.skip_data():
         torch.save(tensor, cast(IO[bytes], recorder))
@@ -137,7 +140,7 @@ def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
         if pos + len(data) != nxt
     ]
     if not gaps and tensor.nbytes == 0:
-        return TensorBlob(b"".join(d for _, d in writes), tensor, b"")
+        return TensorBlob(b"".join(d for _, d in writes), tensor, b"", borrowed)
     if len(gaps) != 1 or gaps[0][1] - gaps[0][0] != tensor.nbytes:
         raise TorchCompatibilityError(
             f"torch {TORCH_VERSION}: unexpected torch.save layout: storage bytes are not one contiguous record"
@@ -145,7 +148,7 @@ def tensor_blob(tensor: torch.Tensor) -> TensorBlob:
     hole_start = gaps[0][0]
     header = b"".join(d for pos, d in writes if pos < hole_start)
     trailer = b"".join(d for pos, d in writes if pos > hole_start)
-    return TensorBlob(header, tensor, trailer)
+    return TensorBlob(header, tensor, trailer, borrowed)
 
 
 class StagedRows:
