@@ -9,6 +9,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy
+
 __all__ = ["BufferPool", "BufferReader", "fit_part_size", "MAX_PARTS", "MIN_PART_SIZE"]
 
 #: S3 limits: at most 10,000 parts per multipart upload, parts of at least 5 MiB (but the last).
@@ -37,13 +39,13 @@ class BufferPool:
     def __init__(self, count: int, size: int) -> None:
         self.count = count
         self.size = size
-        self._free: list[bytearray] = []
+        self._free: list[memoryview] = []
         self._available = threading.Semaphore(count)
         self._lock = threading.Lock()
         self._held = 0  # bytes of every buffer that exists (in use or free)
         self.peak_bytes = 0
 
-    def acquire(self, size: int | None = None) -> bytearray:
+    def acquire(self, size: int | None = None) -> memoryview:
         """A buffer of at least ``size`` bytes (the pool's size by default), waiting for a free one."""
         self.reserve()
         return self.buffer(size)
@@ -53,7 +55,7 @@ class BufferPool:
         being views of memory the caller keeps); ``buffer`` fills it, ``release`` gives it back."""
         self._available.acquire()
 
-    def buffer(self, size: int | None = None) -> bytearray:
+    def buffer(self, size: int | None = None) -> memoryview:
         """The buffer of a place taken by ``reserve`` (never waits)."""
         need = size or self.size
         with self._lock:
@@ -64,9 +66,11 @@ class BufferPool:
                 self._held -= len(buf)  # too small for this part: dropped
             self._held += need
             self.peak_bytes = max(self.peak_bytes, self._held)
-        return bytearray(need)
+        # Not bytearray(need), which zero-fills (touches) every page: a part whose bytes are mostly
+        # borrowed views copies a few KiB into it, and only those pages become resident.
+        return memoryview(numpy.empty(need, dtype=numpy.uint8))
 
-    def release(self, buf: bytearray | None) -> None:
+    def release(self, buf: memoryview | None) -> None:
         """Give back a place, and its buffer if it had one."""
         if buf is not None:
             with self._lock:

@@ -91,13 +91,13 @@ class _Part:
 
     def __init__(self) -> None:
         self.pieces: list[memoryview | tuple[int, int]] = []  # a borrowed view, or (start, end) in ``buf``
-        self.buf: bytearray | None = None
+        self.buf: memoryview | None = None  # a pool buffer
         self.fill = 0  # bytes of ``buf`` used
         self.size = 0  # bytes of the part
 
     def views(self) -> list[memoryview]:
-        whole = memoryview(self.buf) if self.buf is not None else None
-        return [p if isinstance(p, memoryview) else whole[p[0] : p[1]] for p in self.pieces]  # type: ignore[index]
+        buf = self.buf
+        return [p if isinstance(p, memoryview) else buf[p[0] : p[1]] for p in self.pieces]  # type: ignore[index]
 
 
 class MultipartWriter(ObjectWriter):
