@@ -36,7 +36,8 @@ from benchmarks.contestants import CONTESTANTS, get  # noqa: E402
 OPS = ("save", "load", "partial")
 CEILING = "boto3_ceiling"
 REFERENCE = "local_fs"
-DEFAULT_CONTESTANTS = ["dcp_s3", "dcp_s3_zstd", "fsspec_s3fs", "s3torchconnector", "naive", "local_fs", "boto3_ceiling"]
+DEFAULT_CONTESTANTS = ["dcp_s3", "dcp_s3_zstd", "fsspec_s3fs", "s3torchconnector", "msc", "naive", "local_fs",
+                       "boto3_ceiling"]
 
 
 def main(argv: list[str] | None = None) -> int:
