@@ -106,11 +106,21 @@ class BufferReader(io.RawIOBase):
         self._size = len(self._views[0])
         self._pos = 0
         self._index = 0  # the view that holds ``_pos`` (or the last one)
+        self._min_read = 0
+
+    #: Fewest bytes a read of an upload body returns (``of(..., send_block=True)``), buffer ends aside.
+    SEND_BLOCK = 1 << 20
 
     @classmethod
-    def of(cls, views: Sequence[Any]) -> BufferReader:
-        """A file over ``views`` (buffers, read one after the other)."""
+    def of(cls, views: Sequence[Any], *, send_block: bool = False) -> BufferReader:
+        """A file over ``views`` (buffers, read one after the other).
+
+        ``send_block``: reads of fewer than ``SEND_BLOCK`` bytes return up to ``SEND_BLOCK`` — for a body
+        only senders read, which take what they get: urllib3 reads a file body 16 KiB at a time and
+        sends each piece, 1,000 sends and Python calls a 16 MiB part, which cost 0.3 s of CPU per GB.
+        """
         reader = cls(b"")
+        reader._min_read = cls.SEND_BLOCK if send_block else 0
         reader._views = [memoryview(v).cast("B") for v in views] or reader._views
         reader._starts = list(itertools.accumulate((len(v) for v in reader._views[:-1]), initial=0))
         reader._size = sum(len(v) for v in reader._views)
@@ -139,6 +149,8 @@ class BufferReader(io.RawIOBase):
         any bytes-like object, so a part is never copied on its way out (copies of 1 MiB pieces would
         again be kept resident by the allocator, one set per upload thread). Shorter than ``size`` only
         at the end of a buffer; ``b""``-like (empty) at the end of the file."""
+        if size is not None and 0 <= size < self._min_read:
+            size = self._min_read
         return self._take(size).toreadonly()
 
     def readall(self) -> memoryview:  # type: ignore[override]

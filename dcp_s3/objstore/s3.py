@@ -143,7 +143,7 @@ class S3ObjectStore(ObjectStore):
     def put_views(self, key: str, views: Sequence[memoryview], *, if_none_match: bool = False) -> str:
         """``put`` of the bytes of ``views`` one after the other, sent from them (not copied)."""
         # Not the bytes themselves: botocore would copy them (see BufferReader).
-        with BufferReader.of(views) as stream:
+        with BufferReader.of(views, send_block=True) as stream:
             size = stream.seek(0, os.SEEK_END)
             stream.seek(0)
             return self._put(key, stream if size else b"", if_none_match, self.upload_checksum(views))

@@ -184,7 +184,7 @@ class MultipartWriter(ObjectWriter):
         try:
             views = part.views()
             # A file over the pieces, not bytes: botocore copies bytes-like bodies (see BufferReader).
-            with BufferReader.of(views) as body:
+            with BufferReader.of(views, send_block=True) as body:
                 resp = self.store.call(
                     "upload_part", self.key, Key=self.key, UploadId=self._upload_id, PartNumber=part_number,
                     Body=body, **self.store.upload_checksum(views),
