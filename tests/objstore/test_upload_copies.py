@@ -39,6 +39,7 @@ class _Sent:
 
     def __init__(self, client: Any, on_part: Any = None) -> None:
         self.headers: list[dict[str, str]] = []
+        self.payload_hashes: list[str] = []
         self.on_part = on_part
         client.meta.events.register("before-send.s3", self)
 
@@ -47,6 +48,8 @@ class _Sent:
             return
         self.headers.append({k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()
                              if k.lower().startswith("x-amz-checksum") or k.lower() == "x-amz-sdk-checksum-algorithm"})
+        sha = request.headers.get("x-amz-content-sha256", b"")
+        self.payload_hashes.append(sha.decode() if isinstance(sha, bytes) else sha)
         if self.on_part is not None:
             self.on_part(request)
 
@@ -84,7 +87,8 @@ def test_a_save_sends_contiguous_tensors_from_their_memory(bucket: str, s3_env: 
 
 def test_parts_carry_our_crc32c_and_botocore_computes_none(bucket: str, s3_env: LocalS3Server) -> None:
     """Every part and single PUT carries ``x-amz-checksum-crc32c`` of its bytes; botocore adds no
-    ``x-amz-checksum-crc32`` of its own (it would hash every byte again, in software)."""
+    ``x-amz-checksum-crc32`` of its own (it would hash every byte again, in software), and signs no
+    payload hash."""
     client = ClientConfig(endpoint_url=s3_env.endpoint_url).make_client()
     sent = _Sent(client)
     store = _store(s3_env, bucket, client)
@@ -101,6 +105,7 @@ def test_parts_carry_our_crc32c_and_botocore_computes_none(bucket: str, s3_env: 
         base64.b64encode(c.to_bytes(4, "big")).decode() for c in expected
     ]
     assert not any("x-amz-checksum-crc32" in h for h in sent.headers)
+    assert set(sent.payload_hashes) == {"UNSIGNED-PAYLOAD"}  # no SHA-256 of every byte over plain HTTP
 
 
 def test_a_part_changed_after_its_checksum_is_refused(bucket: str, s3_env: LocalS3Server) -> None:
