@@ -7,9 +7,10 @@ SHA-256 payload signing like the other boto3-based contestants, no cache) and po
 at it before MSC is imported. Paths are ``msc://bench/<prefix>``.
 
 What its path does (read from MSC 1.3's source): ``create_stream`` opens every file with
-``prefetch_file=True``, so a read downloads each whole ``.distcp`` file (into a ``BytesIO`` up to
-512 MB, a temporary file above) before torch seeks to the items it wants — a partial load reads
-whole files; a write buffers each whole file in a ``BytesIO`` and uploads it on close (boto3
+``prefetch_file=True``: a ``.distcp`` file of up to 512 MB (``memory_load_limit``) is downloaded whole
+into a ``BytesIO`` before torch seeks to the items it wants (a partial load reads whole files), a larger
+one is read by ``RemoteFileReader`` with one ranged GET per ``read()`` call, unbuffered, so every small
+read ``torch.load`` makes is a request; a write buffers each whole file in a ``BytesIO`` and uploads it on close (boto3
 ``upload_fileobj``, 32 MiB parts, 8 threads, above 64 MiB); ``rename`` (torch's ``.metadata.tmp``
 → ``.metadata``) is a server-side copy and a delete, not atomic.
 """
