@@ -251,7 +251,7 @@ def _versus(summary: dict[str, Any], alternatives: list[str]) -> str:
         rows.append([label, common.fmt(ours / scale, digits), f"{best_name} {common.fmt(best / scale, digits)}",
                      f"{best / ours:.2f}x" if ours else "—",
                      f"{ours / ceiling:.2f}x" if ceiling else "—"])
-    return ("dcp_s3 vs the best alternative (s3fs, s3torchconnector, naive) and the boto3 ceiling "
+    return ("dcp_s3 vs the best alternative (s3fs, s3torchconnector, msc, naive) and the boto3 ceiling "
             "(ratio > 1 in 'best alt / dcp_s3' means dcp_s3 is better; 'dcp_s3 / ceiling' near 1 means "
             "nothing left to gain):\n\n"
             + common.markdown_table(["metric", "dcp_s3", "best alternative", "best alt / dcp_s3",
