@@ -68,7 +68,7 @@ class BufferPool:
             self.peak_bytes = max(self.peak_bytes, self._held)
         # Not bytearray(need), which zero-fills (touches) every page: a part whose bytes are mostly
         # borrowed views copies a few KiB into it, and only those pages become resident.
-        return memoryview(numpy.empty(need, dtype=numpy.uint8))
+        return numpy.empty(need, dtype=numpy.uint8).data
 
     def release(self, buf: memoryview | None) -> None:
         """Give back a place, and its buffer if it had one."""
