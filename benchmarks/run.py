@@ -36,7 +36,8 @@ from benchmarks.contestants import CONTESTANTS, get  # noqa: E402
 OPS = ("save", "load", "partial")
 CEILING = "boto3_ceiling"
 REFERENCE = "local_fs"
-DEFAULT_CONTESTANTS = ["dcp_s3", "dcp_s3_zstd", "fsspec_s3fs", "s3torchconnector", "naive", "local_fs", "boto3_ceiling"]
+DEFAULT_CONTESTANTS = ["dcp_s3", "dcp_s3_zstd", "fsspec_s3fs", "s3torchconnector", "msc", "naive", "local_fs",
+                       "boto3_ceiling"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +251,7 @@ def _versus(summary: dict[str, Any], alternatives: list[str]) -> str:
         rows.append([label, common.fmt(ours / scale, digits), f"{best_name} {common.fmt(best / scale, digits)}",
                      f"{best / ours:.2f}x" if ours else "—",
                      f"{ours / ceiling:.2f}x" if ceiling else "—"])
-    return ("dcp_s3 vs the best alternative (s3fs, s3torchconnector, naive) and the boto3 ceiling "
+    return ("dcp_s3 vs the best alternative (s3fs, s3torchconnector, msc, naive) and the boto3 ceiling "
             "(ratio > 1 in 'best alt / dcp_s3' means dcp_s3 is better; 'dcp_s3 / ceiling' near 1 means "
             "nothing left to gain):\n\n"
             + common.markdown_table(["metric", "dcp_s3", "best alternative", "best alt / dcp_s3",
@@ -270,10 +271,12 @@ def _plot(summary: dict[str, Any], workload: common.Workload, path: Path, server
     panels = [
         ("save throughput, GB/s (higher is better)", lambda n: _get(summary, n, "save", "gbps")),
         ("full load throughput, GB/s (higher is better)", lambda n: _get(summary, n, "load", "gbps")),
+        ("save: client CPU s per GB (lower is better)", lambda n: _get(summary, n, "save", "cpu_s_per_gb")),
+        ("full load: client CPU s per GB (lower is better)", lambda n: _get(summary, n, "load", "cpu_s_per_gb")),
         ("peak RSS growth, MiB (save | load)", None),
         ("partial load: bytes read / bytes needed", lambda n: _ratio(summary, n)),
     ]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(3, 2, figsize=(12, 11))
     colors = ["#d62728" if n.startswith("dcp_s3") else "#7f7f7f" if n in (CEILING, REFERENCE) else "#1f77b4"
               for n in names]
     for ax, (title, fn) in zip(axes.flat, panels):
@@ -285,7 +288,12 @@ def _plot(summary: dict[str, Any], workload: common.Workload, path: Path, server
             ax.bar([x + 0.2 for x in xs], load, 0.4, label="load", color=colors, alpha=0.5)
             ax.legend()
         else:
-            ax.bar(range(len(names)), [fn(n) or 0 for n in names], color=colors)
+            values = [fn(n) for n in names]
+            bars = ax.bar(range(len(names)), [v or 0 for v in values], color=colors)
+            for bar, v in zip(bars, values):
+                if v is not None:
+                    ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, v),
+                                ha="center", va="bottom", fontsize=7)
         ax.set_title(title, fontsize=10)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)

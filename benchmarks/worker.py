@@ -33,6 +33,8 @@ def _preimport(name: str) -> None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # noqa: F401
     elif name == "s3torchconnector":
         import s3torchconnector.dcp  # noqa: F401
+    elif name == "msc":
+        import multistorageclient.contrib.torch.filesystem  # noqa: F401
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:

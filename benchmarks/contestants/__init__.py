@@ -163,6 +163,25 @@ def _s3tc_unavailable() -> str | None:
     return None
 
 
+# -- NVIDIA multi-storage-client -------------------------------------------------------------------
+def _msc_writer(t: Target) -> Any:
+    from . import msc
+
+    return msc.writer(t)
+
+
+def _msc_reader(t: Target) -> Any:
+    from . import msc
+
+    return msc.reader(t)
+
+
+def _msc_unavailable() -> str | None:
+    from . import msc
+
+    return msc.unavailable()
+
+
 # -- the naive BytesIO backend ----------------------------------------------------------------------
 def _naive_kwargs(t: Target) -> dict[str, Any]:
     return {"client_kwargs": {"endpoint_url": t.endpoint_url, "region_name": t.region}}
@@ -219,6 +238,10 @@ CONTESTANTS: dict[str, Contestant] = {
         _backend("s3torchconnector", "AWS s3torchconnector DCP S3StorageWriter/S3StorageReader "
                  "(Rust CRT client; endpoint from AWS_ENDPOINT_URL, path-style)", _s3tc_writer, _s3tc_reader,
                  _s3tc_unavailable),
+        _backend("msc", "NVIDIA multi-storage-client DCP MultiStorageFileSystemWriter/Reader (boto3; each file "
+                 "buffered whole in a BytesIO and uploaded on close, read by downloading each whole file; "
+                 "path-style, no payload signing, cache off; sync_files=False)", _msc_writer, _msc_reader,
+                 _msc_unavailable),
         _backend("naive", "FileSystemBase subclass buffering each whole file in a BytesIO, boto3 "
                  "upload_fileobj on close, whole-object download_fileobj on read", _naive_writer, _naive_reader),
         Contestant("dcp_s3_reads_naive", "cross-format check (not in the default set): saved by the naive "

@@ -189,11 +189,19 @@ class ObjectWriter(ABC):
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         """Append ``data``; returns ``len(data)``."""
+        return self._append(data, self._write)
+
+    def write_stable(self, data: bytes | bytearray | memoryview) -> int:
+        """``write`` bytes that stay alive and unchanged until ``close`` or ``abort`` returns: a backend
+        may send them from there instead of copying them."""
+        return self._append(data, self._write_stable)
+
+    def _append(self, data: bytes | bytearray | memoryview, how: Callable[[memoryview], None]) -> int:
         if self._closed:
             raise ConfigError(f"write to closed writer of {self._where}")
         view = memoryview(data).cast("B")
         try:
-            self._write(view)
+            how(view)
         except BaseException:
             self.abort()
             raise
@@ -219,6 +227,9 @@ class ObjectWriter(ABC):
 
     @abstractmethod
     def _write(self, view: memoryview) -> None: ...
+
+    def _write_stable(self, view: memoryview) -> None:
+        self._write(view)
 
     @abstractmethod
     def _finish(self) -> None: ...

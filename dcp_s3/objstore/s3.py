@@ -9,6 +9,7 @@ endpoint and bucket in a process and handled by capability, never by server name
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -42,6 +43,7 @@ from dcp_s3.objstore.s3_requests import (
     request_args_for,
     status_of,
     translate_error,
+    upload_checksum,
 )
 
 __all__ = ["S3ObjectStore", "MAX_COPY_SIZE"]
@@ -140,14 +142,25 @@ class S3ObjectStore(ObjectStore):
         an existing key (``CheckpointExistsError``). Some servers ignore the header and overwrite
         (see ``conditional_writes_supported``); one that answers 501 raises ``ServerCapabilityError``.
         """
-        with BufferReader(body) as stream:  # not the bytes themselves: botocore would copy them (see BufferReader)
-            return self._put(key, stream if len(body) else b"", if_none_match)
+        return self.put_views(key, [memoryview(body)], if_none_match=if_none_match)
 
-    def _put(self, key: str, body: BufferReader | bytes, if_none_match: bool) -> str:
+    def put_views(self, key: str, views: Sequence[memoryview], *, if_none_match: bool = False) -> str:
+        """``put`` of the bytes of ``views`` one after the other, sent from them (not copied)."""
+        # Not the bytes themselves: botocore would copy them (see BufferReader).
+        with BufferReader.of(views, send_block=True) as stream:
+            size = stream.seek(0, os.SEEK_END)
+            stream.seek(0)
+            return self._put(key, stream if size else b"", if_none_match, self.upload_checksum(views))
+
+    def upload_checksum(self, views: Sequence[memoryview]) -> dict[str, str]:
+        """The checksum argument of a PUT or UploadPart of ``views`` (``s3_requests.upload_checksum``)."""
+        return upload_checksum(self.client.meta.config, views)
+
+    def _put(self, key: str, body: BufferReader | bytes, if_none_match: bool, checksum: dict[str, str]) -> str:
         if not if_none_match:
-            return str(self.call("put_object", key, Key=key, Body=body).get("ETag", ""))
+            return str(self.call("put_object", key, Key=key, Body=body, **checksum).get("ETag", ""))
         try:
-            return str(self.call("put_object", key, Key=key, Body=body, IfNoneMatch="*").get("ETag", ""))
+            return str(self.call("put_object", key, Key=key, Body=body, IfNoneMatch="*", **checksum).get("ETag", ""))
         except S3TransferError as exc:
             if isinstance(exc.__cause__, ClientError) and is_not_implemented(exc.__cause__):
                 raise ServerCapabilityError(

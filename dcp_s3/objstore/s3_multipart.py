@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -32,6 +33,10 @@ class S3Requests(Protocol):
     def call(self, op: str, key: str | None, **kwargs: Any) -> Any: ...
 
     def put(self, key: str, body: bytes | bytearray, *, if_none_match: bool = False) -> str: ...
+
+    def put_views(self, key: str, views: Sequence[memoryview]) -> str: ...
+
+    def upload_checksum(self, views: Sequence[memoryview]) -> dict[str, str]: ...
 
     def abort_upload(self, upload: PendingUpload) -> None: ...
 
@@ -73,11 +78,36 @@ def copy_multipart(
         raise
 
 
+#: Smallest write taken by reference (``write_stable``): shorter ones are copied, so that a part
+#: is sent in a few large pieces rather than thousands of small ones.
+MIN_BORROW = 256 << 10
+
+
+class _Part:
+    """One part being assembled: views of the caller's memory it borrows, and the bytes copied into
+    its pool buffer (taken only once something is copied), in object order."""
+
+    __slots__ = ("pieces", "buf", "fill", "size")
+
+    def __init__(self) -> None:
+        self.pieces: list[memoryview | tuple[int, int]] = []  # a borrowed view, or (start, end) in ``buf``
+        self.buf: memoryview | None = None  # a pool buffer
+        self.fill = 0  # bytes of ``buf`` used
+        self.size = 0  # bytes of the part
+
+    def views(self) -> list[memoryview]:
+        buf = self.buf
+        return [p if isinstance(p, memoryview) else buf[p[0] : p[1]] for p in self.pieces]  # type: ignore[index]
+
+
 class MultipartWriter(ObjectWriter):
     """Uploads one object in parts as they fill.
 
     Small objects go up in one PUT on ``close``; larger ones as a multipart upload whose
-    parts upload concurrently on ``executor``, their buffers taken from ``pool``.
+    parts upload concurrently on ``executor``. Every part takes one of ``pool``'s places while it
+    is assembled and sent, and a buffer of it for the bytes ``write`` copies; ``write_stable``
+    bytes (at least ``MIN_BORROW`` long) are sent from the caller's memory without a copy. Each
+    part carries its CRC32C (``S3Requests.upload_checksum``), which the server checks.
     """
 
     def __init__(
@@ -93,21 +123,46 @@ class MultipartWriter(ObjectWriter):
         self.store = store
         self._pool = pool
         self._executor = executor
-        self._buf: bytearray | None = None
-        self._fill = 0
+        self._part: _Part | None = None
         self._upload_id: str | None = None
         self._parts: list[Future[dict[str, Any]]] = []
+        self._queued: list[_Part] = []  # the part of each future in ``_parts``
+
+    def _open_part(self) -> _Part:
+        if self._part is None:
+            self._pool.reserve()
+            self._part = _Part()
+        return self._part
 
     def _write(self, view: memoryview) -> None:
         while view:
-            if self._buf is None:
-                self._buf = self._pool.acquire(self.part_size)
-                self._fill = 0
-            n = min(len(view), self.part_size - self._fill)
-            self._buf[self._fill : self._fill + n] = view[:n]
-            self._fill += n
+            part = self._open_part()
+            if part.buf is None:
+                part.buf = self._pool.buffer(self.part_size)
+            n = min(len(view), self.part_size - part.size)
+            part.buf[part.fill : part.fill + n] = view[:n]
+            last = part.pieces[-1] if part.pieces else None
+            if isinstance(last, tuple) and last[1] == part.fill:
+                part.pieces[-1] = (last[0], part.fill + n)
+            else:
+                part.pieces.append((part.fill, part.fill + n))
+            part.fill += n
+            part.size += n
             view = view[n:]
-            if self._fill == self.part_size:
+            if part.size == self.part_size:
+                self._submit_part()
+
+    def _write_stable(self, view: memoryview) -> None:
+        if len(view) < MIN_BORROW:
+            self._write(view)
+            return
+        while view:
+            part = self._open_part()
+            n = min(len(view), self.part_size - part.size)
+            part.pieces.append(view[:n])
+            part.size += n
+            view = view[n:]
+            if part.size == self.part_size:
                 self._submit_part()
 
     def _submit_part(self) -> None:
@@ -118,32 +173,43 @@ class MultipartWriter(ObjectWriter):
         for fut in self._parts:
             if fut.done() and fut.exception() is not None:
                 raise fut.exception()  # type: ignore[misc]
-        buf, fill = self._buf, self._fill
-        assert buf is not None
-        self._buf, self._fill = None, 0
+        part = self._part
+        assert part is not None
+        self._part = None
         part_number = len(self._parts) + 1
-        self._parts.append(self._executor.submit(self._upload_part, part_number, buf, fill))
+        self._queued.append(part)
+        self._parts.append(self._executor.submit(self._upload_part, part_number, part))
 
-    def _upload_part(self, part_number: int, buf: bytearray, fill: int) -> dict[str, Any]:
+    def _upload_part(self, part_number: int, part: _Part) -> dict[str, Any]:
         try:
-            # A file over the buffer, not the buffer: botocore copies bytes-like bodies (see BufferReader).
-            with BufferReader(buf, fill) as body:
+            views = part.views()
+            # A file over the pieces, not bytes: botocore copies bytes-like bodies (see BufferReader).
+            with BufferReader.of(views, send_block=True) as body:
                 resp = self.store.call(
-                    "upload_part", self.key, Key=self.key, UploadId=self._upload_id, PartNumber=part_number, Body=body
+                    "upload_part", self.key, Key=self.key, UploadId=self._upload_id, PartNumber=part_number,
+                    Body=body, **self.store.upload_checksum(views),
                 )
             return {"PartNumber": part_number, "ETag": resp["ETag"]}
         finally:
-            self._pool.release(buf)
+            self._release(part)
+
+    def _release(self, part: _Part) -> None:
+        """Give back the part's place and buffer, and drop its views (memory it borrowed may be freed)."""
+        buf, part.buf = part.buf, None
+        part.pieces.clear()
+        self._pool.release(buf)
 
     def _finish(self) -> None:
         if self._upload_id is None:
-            body = bytes(memoryview(self._buf)[: self._fill]) if self._buf is not None else b""
-            self.store.put(self.key, body)
-            if self._buf is not None:
-                self._pool.release(self._buf)
-                self._buf = None
+            part, self._part = self._part, None
+            try:
+                self.store.put_views(self.key, part.views() if part is not None else [])
+            finally:
+                if part is not None:
+                    self._release(part)
             return
-        if self._fill or not self._parts:
+        if self._part is not None or not self._parts:
+            self._open_part()
             self._submit_part()
         wait_all(self._parts)
         parts = [fut.result() for fut in self._parts]
@@ -157,12 +223,15 @@ class MultipartWriter(ObjectWriter):
         """Cancel queued parts and abort the multipart upload."""
         for fut in self._parts:
             fut.cancel()
-        for fut in self._parts:
-            if not fut.cancelled():
+        for fut, part in zip(self._parts, self._queued):
+            if fut.cancelled():  # never ran: its place (and buffer) is still taken
+                self._release(part)
+            else:
                 fut.exception()  # wait: a part still uploading would outlive the abort
-        if self._buf is not None:
-            self._pool.release(self._buf)
-            self._buf = None
+        self._parts, self._queued = [], []  # a second abort releases nothing twice
+        if self._part is not None:
+            part, self._part = self._part, None
+            self._release(part)
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
             _abort(self.store, self.key, upload_id, "multipart upload")

@@ -7,7 +7,8 @@ message text.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import base64
+from collections.abc import Mapping, Sequence
 from http.client import HTTPException
 from typing import Any
 
@@ -27,6 +28,7 @@ from botocore.exceptions import (
     TokenRetrievalError,
     UnknownCredentialError,
 )
+from crc32c import crc32c
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from dcp_s3.errors import (
@@ -42,7 +44,7 @@ from dcp_s3.errors import (
 from dcp_s3.objstore.throttle import is_throttle
 
 __all__ = ["translate_error", "check_request_args", "range_header", "status_of", "is_not_implemented", "op_label", "request_args_for",
-           "BODY_ERRORS"]
+           "BODY_ERRORS", "upload_checksum"]
 
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "404", "NotFound"}
 _DENIED = {
@@ -166,3 +168,19 @@ def check_request_args(args: Mapping[str, Any]) -> dict[str, Any]:
 def request_args_for(args: Mapping[str, Any], op: str) -> dict[str, Any]:
     """The options of ``args`` that operation ``op`` takes."""
     return {k: v for k, v in args.items() if op in _REQUEST_ARG_OPS[k]}
+
+
+def upload_checksum(config: Any, views: Sequence[memoryview]) -> dict[str, str]:
+    """The ``ChecksumCRC32C`` argument of a PUT or UploadPart whose body is ``views``, for the server to check.
+
+    Computed here (hardware CRC32C, ~10 GB/s) rather than left to botocore, whose default (CRC32, in
+    software with and without ``awscrt``) cost 0.4 s of CPU per GB sent; botocore computes none when
+    the request carries one. None where the client (botocore ``config``) asks for checksums only
+    when required (``request_checksum_calculation="when_required"``, for servers that refuse them).
+    """
+    if getattr(config, "request_checksum_calculation", None) == "when_required":
+        return {}
+    crc = 0
+    for view in views:
+        crc = crc32c(view, crc)
+    return {"ChecksumCRC32C": base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")}

@@ -72,9 +72,12 @@ def _write_tensor(writer: ObjectWriter, name: str, tensor: torch.Tensor, codec: 
     if codec is None:
         blob = tensor_blob(tensor)
         writer.write(blob.header)
+        # The caller's own CPU memory stays as it is until the save returns: sent from there, not copied
+        # (host copies of device tensors and compacted copies go through the part buffers, bounded).
+        write = writer.write_stable if blob.borrowed else writer.write
         checksum = 0
         for chunk in blob.payload_chunks():
-            writer.write(chunk)
+            write(chunk)
             checksum = crc32c(chunk, checksum)
         writer.write(blob.trailer)
         return ItemLocation(
