@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import torch
 from dist_utils import full, run_ranks
 from fault_proxy import FaultProxy, Rule
