@@ -68,10 +68,6 @@ class StorageOptions:
         merged = {**self._options, **changes}
         return StorageOptions(**{k: v for k, v in merged.items() if v is not None})
 
-    def _local(self, location: str) -> dict[str, Any]:
-        """The options for a local path: those left at None dropped (the rest are checked there)."""
-        return {k: v for k, v in self._options.items() if v is not None} if "://" not in location else self._options
-
     def writer(self, checkpoint: str | os.PathLike[str], *, overwrite: bool | None = None) -> S3StorageWriter:
         """An ``S3StorageWriter`` for ``checkpoint`` (``s3://bucket/key`` or a local directory) with
         the writer's share of these options; ``overwrite`` overrides the option of that name."""
@@ -86,12 +82,10 @@ class StorageOptions:
     def store(self, root: str | os.PathLike[str]) -> Store:
         """A :class:`~dcp_s3.store.Store` rooted at ``root`` with these options (what the
         ``Checkpointer`` and the command-line tools use: listings, deletes, writers and readers)."""
-        text = os.fspath(root)
-        return open_store(text, **self._local(text))
+        return open_store(root, **self._options)
 
     def _parent(self, checkpoint: str | os.PathLike[str]) -> tuple[Store, str]:
-        text = os.fspath(checkpoint)
-        return open_object(text, **self._local(text))
+        return open_object(checkpoint, **self._options)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StorageOptions) and other._options == self._options

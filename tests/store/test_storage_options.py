@@ -44,6 +44,8 @@ def test_local_paths_take_the_options_that_mean_something_there(tmp_path) -> Non
     assert options.store(tmp_path).size("c/.metadata")
     with pytest.raises(ConfigError, match="endpoint_url"):
         StorageOptions(endpoint_url="http://127.0.0.1:1").writer(tmp_path / "d")
+    # An S3-only option left at None means nothing on a local path, and is no error there.
+    assert StorageOptions(endpoint_url=None, compression="zstd").writer(tmp_path / "e") is not None
 
 
 @pytest.mark.parametrize(
