@@ -95,7 +95,7 @@ def globalize(md: Metadata, layout: Any, where: str) -> Metadata:
         spot = layout.get(fqn)
         if not spot or len(spot) != 3 or list(spot[2]) != list(entry.size):
             raise CheckpointFormatError(f"{where}: the layout of {fqn!r} ({spot}) does not match its size {list(entry.size)}")
-        size, offsets = torch.Size(spot[0]), [int(x) for x in spot[1]]
+        size, offsets = _placement(spot, list(entry.size), fqn, where)
         shift[fqn] = offsets
         chunks = [ChunkStorageMetadata(torch.Size([o + s for o, s in zip(c.offsets, offsets)]), c.sizes)
                   for c in entry.chunks]
@@ -108,3 +108,20 @@ def globalize(md: Metadata, layout: Any, where: str) -> Metadata:
     out = Metadata(state_dict_metadata=state, planner_data=md.planner_data, storage_data=storage, storage_meta=None)
     out.version = getattr(md, "version", None)
     return out
+
+
+def _placement(spot: Any, shard: list[int], fqn: str, where: str) -> tuple[torch.Size, list[int]]:
+    """(global size, offsets) of a shard of size ``shard`` as a marker records it, checked: whole numbers, one
+    per dimension, and the shard inside the global tensor (a marker is stored bytes: never trusted)."""
+    size, offsets = spot[0], spot[1]
+    ok = (
+        isinstance(size, (list, tuple)) and isinstance(offsets, (list, tuple))
+        and len(size) == len(offsets) == len(shard)
+        and all(type(x) is int for x in (*size, *offsets))
+        and all(0 <= o and o + n <= g for o, n, g in zip(offsets, shard, size))
+    )
+    if not ok:
+        raise CheckpointFormatError(
+            f"{where}: the layout of {fqn!r} places a shard of size {shard} at {offsets!r} in {size!r}: not inside it"
+        )
+    return torch.Size(size), list(offsets)
