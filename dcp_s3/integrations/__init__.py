@@ -10,7 +10,8 @@ framework (an optional dependency, never one of dcp_s3's) when the user imports 
   with saves, loads, step discovery and ``keep_latest_k`` purges through dcp_s3, chosen with
   ``checkpoint=S3CheckpointManager.Config(...)`` in a torchtitan config.
 - ``dcp_s3.integrations.lightning*`` and ``dcp_s3.integrations.accelerate``: Lightning strategies,
-  and Accelerate / transformers ``Trainer`` FSDP saves (their own modules).
+  and Accelerate / transformers ``Trainer`` FSDP saves (their own modules; the Trainer's local
+  ``output_dir`` mapped to S3 by :mod:`dcp_s3.integrations.trainer_dirs`).
 
 Every integration takes its storage settings as ``options`` (a :class:`dcp_s3.StorageOptions` or a
 mapping of its keywords), one set for saving and loading.

@@ -17,25 +17,35 @@ and loaded through dcp_s3 in Accelerate's own layout (``<dir>/pytorch_model_fsdp
 key ``model``, ``<dir>/optimizer_<i>`` with ``optimizer``) and nothing is written to local disk;
 every other call goes to Accelerate's function unchanged. On exit the names are Accelerate's again.
 The four functions are public here too, with an ``options`` keyword, for code that calls them itself.
+
+The transformers ``Trainer`` passes local directories (``<output_dir>/checkpoint-<step>``): with
+``local_dirs={output_dir: "s3://bucket/run"}`` a directory under ``output_dir`` stands for the same
+place under the S3 root (:mod:`dcp_s3.integrations.trainer_dirs`); its shards go to S3, the Trainer's
+small files stay in ``output_dir``, and the checkpoints its ``save_total_limit`` rotation deletes
+locally are deleted in the bucket too (transformers' ``rotate_checkpoints`` is wrapped in the block).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import accelerate.accelerator  # noqa: F401  (binds the four names Accelerator.save_state/load_state call)
 import accelerate.utils  # noqa: F401  (binds them for `from accelerate.utils import ...`, as transformers does)
 import accelerate.utils.fsdp_utils as _fsdp_utils
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import StateDictType
 
-from dcp_s3.errors import ConfigError
+from dcp_s3.errors import ConfigError, DcpS3Error
 from dcp_s3.integrations.lightning_io import s3_location
+from dcp_s3.integrations.trainer_dirs import LocalDirs
 from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = [
@@ -51,10 +61,19 @@ _NAMES = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsd
 _ORIGINAL = {name: getattr(_fsdp_utils, name) for name in _NAMES}
 
 
-def _routed(fsdp_plugin: Any, directory: Any, use_dcp: bool, what: str) -> str | None:
-    """The S3 location when this call is dcp_s3's, None when it is Accelerate's; ``ConfigError``
-    for an ``s3://`` directory with a state-dict type or FSDP version that is not supported there."""
-    location = s3_location(directory)
+#: ``local_dirs`` as the public functions take it: a mapping local directory -> S3 root, or its LocalDirs.
+LocalDirsArg = Mapping[Any, str] | LocalDirs | None
+
+
+def _local_dirs(local_dirs: LocalDirsArg, options: StorageOptions) -> LocalDirs:
+    return local_dirs if isinstance(local_dirs, LocalDirs) else LocalDirs(local_dirs, options)
+
+
+def _routed(fsdp_plugin: Any, directory: Any, use_dcp: bool, what: str, local_dirs: LocalDirs) -> str | None:
+    """The S3 location when this call is dcp_s3's (an ``s3://`` directory, or one under a mapped local
+    directory), None when it is Accelerate's; ``ConfigError`` for a state-dict type or FSDP version
+    that is not supported there."""
+    location = s3_location(directory) or local_dirs.locate(directory)
     if location is None:
         return None
     if fsdp_plugin.state_dict_type != StateDictType.SHARDED_STATE_DICT or not use_dcp:
@@ -67,6 +86,17 @@ def _routed(fsdp_plugin: Any, directory: Any, use_dcp: bool, what: str) -> str |
     return location
 
 
+def _mirror(local_dirs: LocalDirs, *, every_rank: bool = False) -> None:
+    """Delete in S3 the seen checkpoints whose local directory is gone (rank 0 only unless
+    ``every_rank``); a failure is a warning: the checkpoint stays in the bucket, training goes on."""
+    if not local_dirs or (not every_rank and dist.is_initialized() and dist.get_rank() != 0):
+        return
+    try:
+        local_dirs.mirror_deletions()
+    except DcpS3Error as exc:
+        warnings.warn(f"dcp_s3: a checkpoint deleted locally could not be deleted in S3: {exc}", stacklevel=3)
+
+
 def _part(location: str, name: str) -> str:
     """Accelerate's rule: the directory itself when it is already named ``name``, else ``name`` in it."""
     return location if location.rsplit("/", 1)[-1] == name else f"{location}/{name}"
@@ -75,25 +105,33 @@ def _part(location: str, name: str) -> str:
 def save_fsdp_model(
     fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: Any, model_index: int = 0,
     adapter_only: bool = False, use_dcp: bool = True, *, options: StorageOptions | Mapping[str, Any] | None = None,
+    local_dirs: LocalDirsArg = None,
 ) -> None:
-    """Accelerate's ``save_fsdp_model``; an ``s3://`` ``output_dir`` saves through dcp_s3."""
-    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_model")
+    """Accelerate's ``save_fsdp_model``; an ``s3://`` (or mapped local) ``output_dir`` saves through dcp_s3."""
+    storage_options = StorageOptions.of(options)
+    dirs = _local_dirs(local_dirs, storage_options)
+    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_model", dirs)
     if location is None:
         return _ORIGINAL["save_fsdp_model"](
             fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only=adapter_only, use_dcp=use_dcp
         )
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     state_dict = _fsdp_utils._get_model_state_dict(model, adapter_only=adapter_only, sd_options=sd_options)
-    writer = StorageOptions.of(options).writer(f"{location}/{FSDP_MODEL_NAME}_{model_index}")
+    _mirror(dirs)
+    writer = storage_options.writer(f"{location}/{FSDP_MODEL_NAME}_{model_index}")
     dcp.save({"model": state_dict}, storage_writer=writer)
+    if s3_location(output_dir) is None:  # a mapped local directory: the sign the Trainer's resume looks for
+        os.makedirs(os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"), exist_ok=True)
 
 
 def load_fsdp_model(
     fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: Any, model_index: int = 0,
     adapter_only: bool = False, use_dcp: bool = True, *, options: StorageOptions | Mapping[str, Any] | None = None,
+    local_dirs: LocalDirsArg = None,
 ) -> Any:
-    """Accelerate's ``load_fsdp_model``; an ``s3://`` ``input_dir`` loads through dcp_s3."""
-    location = _routed(fsdp_plugin, input_dir, use_dcp, "load_fsdp_model")
+    """Accelerate's ``load_fsdp_model``; an ``s3://`` (or mapped local) ``input_dir`` loads through dcp_s3."""
+    storage_options = StorageOptions.of(options)
+    location = _routed(fsdp_plugin, input_dir, use_dcp, "load_fsdp_model", _local_dirs(local_dirs, storage_options))
     if location is None:
         return _ORIGINAL["load_fsdp_model"](
             fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only=adapter_only, use_dcp=use_dcp
@@ -101,7 +139,7 @@ def load_fsdp_model(
     accelerator.wait_for_everyone()
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     state_dict = {"model": _fsdp_utils._get_model_state_dict(model, adapter_only=adapter_only, sd_options=sd_options)}
-    reader = StorageOptions.of(options).reader(_part(location, f"{FSDP_MODEL_NAME}_{model_index}"))
+    reader = storage_options.reader(_part(location, f"{FSDP_MODEL_NAME}_{model_index}"))
     dcp.load(state_dict, storage_reader=reader)
     result = _fsdp_utils._set_model_state_dict(model, state_dict["model"], adapter_only=adapter_only, sd_options=sd_options)
     accelerator.wait_for_everyone()
@@ -111,25 +149,29 @@ def load_fsdp_model(
 def save_fsdp_optimizer(
     fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: Any, optimizer_index: int = 0,
     use_dcp: bool = True, *, options: StorageOptions | Mapping[str, Any] | None = None,
+    local_dirs: LocalDirsArg = None,
 ) -> None:
-    """Accelerate's ``save_fsdp_optimizer``; an ``s3://`` ``output_dir`` saves through dcp_s3."""
-    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_optimizer")
+    """Accelerate's ``save_fsdp_optimizer``; an ``s3://`` (or mapped local) ``output_dir`` saves through dcp_s3."""
+    storage_options = StorageOptions.of(options)
+    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_optimizer", _local_dirs(local_dirs, storage_options))
     if location is None:
         return _ORIGINAL["save_fsdp_optimizer"](
             fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp=use_dcp
         )
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     optim_state = get_optimizer_state_dict(model, optimizer, options=sd_options)
-    writer = StorageOptions.of(options).writer(f"{location}/{OPTIMIZER_NAME}_{optimizer_index}")
+    writer = storage_options.writer(f"{location}/{OPTIMIZER_NAME}_{optimizer_index}")
     dcp.save({"optimizer": optim_state}, storage_writer=writer)
 
 
 def load_fsdp_optimizer(
     fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: Any, optimizer_index: int = 0,
     adapter_only: bool = False, use_dcp: bool = True, *, options: StorageOptions | Mapping[str, Any] | None = None,
+    local_dirs: LocalDirsArg = None,
 ) -> None:
-    """Accelerate's ``load_fsdp_optimizer``; an ``s3://`` ``input_dir`` loads through dcp_s3."""
-    location = _routed(fsdp_plugin, input_dir, use_dcp, "load_fsdp_optimizer")
+    """Accelerate's ``load_fsdp_optimizer``; an ``s3://`` (or mapped local) ``input_dir`` loads through dcp_s3."""
+    storage_options = StorageOptions.of(options)
+    location = _routed(fsdp_plugin, input_dir, use_dcp, "load_fsdp_optimizer", _local_dirs(local_dirs, storage_options))
     if location is None:
         return _ORIGINAL["load_fsdp_optimizer"](
             fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index,
@@ -138,7 +180,7 @@ def load_fsdp_optimizer(
     accelerator.wait_for_everyone()
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     optim_state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=sd_options)}
-    reader = StorageOptions.of(options).reader(_part(location, f"{OPTIMIZER_NAME}_{optimizer_index}"))
+    reader = storage_options.reader(_part(location, f"{OPTIMIZER_NAME}_{optimizer_index}"))
     dcp.load(optim_state, storage_reader=reader)
     set_optimizer_state_dict(model, optimizer, optim_state["optimizer"], options=sd_options)
     accelerator.wait_for_everyone()
@@ -152,11 +194,12 @@ _MINE: dict[str, Callable[..., Any]] = {
 }
 
 
-def _bind(name: str, options: StorageOptions) -> Any:
+def _bind(name: str, options: StorageOptions, local_dirs: LocalDirs) -> Any:
     mine = _MINE[name]
 
     def routed(*args: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("options", options)
+        kwargs.setdefault("local_dirs", local_dirs)
         return mine(*args, **kwargs)
 
     routed.__name__ = routed.__qualname__ = name
@@ -165,23 +208,49 @@ def _bind(name: str, options: StorageOptions) -> Any:
     return routed
 
 
+def _mirrored_rotation(original: Callable[..., Any], local_dirs: LocalDirs) -> Callable[..., Any]:
+    """transformers' ``rotate_checkpoints``, then the same deletions in S3."""
+
+    def rotate_checkpoints(output_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        local_dirs.see_checkpoints(output_dir)
+        try:
+            return original(output_dir, *args, **kwargs)
+        finally:
+            _mirror(local_dirs, every_rank=True)  # where the Trainer rotates: its saving process
+
+    rotate_checkpoints.__doc__ = original.__doc__
+    rotate_checkpoints.__wrapped__ = original  # type: ignore[attr-defined]
+    return rotate_checkpoints
+
+
 def _holders() -> list[Any]:
     """Every loaded accelerate/transformers module, and the three that call the functions."""
     return [m for n, m in list(sys.modules.items()) if m is not None and n.split(".")[0] in ("accelerate", "transformers")]
 
 
 @contextlib.contextmanager
-def route_fsdp_checkpoints(options: StorageOptions | Mapping[str, Any] | None = None) -> Iterator[StorageOptions]:
+def route_fsdp_checkpoints(
+    options: StorageOptions | Mapping[str, Any] | None = None, *, local_dirs: Mapping[Any, str] | None = None,
+) -> Iterator[StorageOptions]:
     """Within the block, Accelerate's four FSDP checkpoint functions — wherever Accelerate, the
-    transformers ``Trainer`` or your code call them by name — send ``s3://`` directories
-    (``SHARDED_STATE_DICT``, FSDP2) through dcp_s3 with ``options``; yields the options. Not reentrant
-    across threads: enter it once, around training, in each process."""
+    transformers ``Trainer`` or your code call them by name — send ``s3://`` directories, and
+    directories under a key of ``local_dirs`` (a local directory such as the Trainer's
+    ``output_dir`` -> the ``s3://`` root it stands for), through dcp_s3 with ``options``
+    (``SHARDED_STATE_DICT``, FSDP2); with ``local_dirs``, transformers' checkpoint rotation deletes
+    the rotated checkpoints in S3 too. Yields the options. Not reentrant across threads: enter it
+    once, around training, in each process, after importing transformers."""
     storage_options = StorageOptions.of(options)
-    routed = {name: _bind(name, storage_options) for name in _NAMES}
+    dirs = LocalDirs(local_dirs, storage_options)
+    routed: dict[str, Any] = {name: _bind(name, storage_options, dirs) for name in _NAMES}
+    originals: dict[str, Any] = dict(_ORIGINAL)
+    trainer_utils = sys.modules.get("transformers.trainer_utils")
+    if dirs and trainer_utils is not None:
+        originals["rotate_checkpoints"] = trainer_utils.rotate_checkpoints
+        routed["rotate_checkpoints"] = _mirrored_rotation(trainer_utils.rotate_checkpoints, dirs)
     replaced: list[tuple[Any, str]] = []
     for module in _holders():
-        for name in _NAMES:
-            if module.__dict__.get(name) is _ORIGINAL[name]:
+        for name, original in originals.items():
+            if module.__dict__.get(name) is original:
                 setattr(module, name, routed[name])
                 replaced.append((module, name))
     try:
@@ -189,4 +258,5 @@ def route_fsdp_checkpoints(options: StorageOptions | Mapping[str, Any] | None = 
     finally:
         for module, name in replaced:
             if module.__dict__.get(name) is routed[name]:
-                setattr(module, name, _ORIGINAL[name])
+                setattr(module, name, originals[name])
+        _mirror(dirs)  # what the Trainer deleted after its last rotation (save_total_limit=1 at the end)
