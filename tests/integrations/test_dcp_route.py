@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from objects import TOKEN, object_keys
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_s3 import StorageOptions
 from dcp_s3._torch_compat import async_save, get_storage_setup, storage_setup_sites
@@ -90,8 +91,8 @@ def _ranks_route(rank: int, world: int, endpoint: str, bucket: str, local: str) 
         out["outside"] = "saved"
     except DcpS3Error as exc:
         out["outside"] = f"dcp_s3: {exc}"
-    except Exception as exc:  # torch's fsspec route (no s3fs here: an ImportError)
-        out["outside"] = type(exc).__name__
+    except (Exception, CheckpointException) as exc:  # torch's fsspec route: ImportError without s3fs, else
+        out["outside"] = type(exc).__name__  # s3fs's failure (no endpoint) in DCP's CheckpointException
     _assert_torch_hooks()
     return out
 
