@@ -109,15 +109,13 @@ def save_fsdp_model(
 ) -> None:
     """Accelerate's ``save_fsdp_model``; an ``s3://`` (or mapped local) ``output_dir`` saves through dcp_s3."""
     storage_options = StorageOptions.of(options)
-    dirs = _local_dirs(local_dirs, storage_options)
-    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_model", dirs)
+    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_model", _local_dirs(local_dirs, storage_options))
     if location is None:
         return _ORIGINAL["save_fsdp_model"](
             fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only=adapter_only, use_dcp=use_dcp
         )
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     state_dict = _fsdp_utils._get_model_state_dict(model, adapter_only=adapter_only, sd_options=sd_options)
-    _mirror(dirs)
     writer = storage_options.writer(f"{location}/{FSDP_MODEL_NAME}_{model_index}")
     dcp.save({"model": state_dict}, storage_writer=writer)
     if s3_location(output_dir) is None:  # a mapped local directory: the sign the Trainer's resume looks for

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from dcp_s3.admin.cleanup import remove_checkpoint
-from dcp_s3.errors import CheckpointNotFoundError, ConfigError
+from dcp_s3.errors import CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
 from dcp_s3.integrations.lightning_io import s3_location
+from dcp_s3.objstore.config import parse_s3_uri
 from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["LocalDirs", "CHECKPOINT_DIR"]
@@ -52,10 +53,11 @@ class LocalDirs:
         for local, target in (local_dirs or {}).items():
             if not isinstance(local, (str, os.PathLike)):
                 raise ConfigError(f"local_dirs: key {local!r} is not a local directory path")
-            location = s3_location(target)
-            if location is None or location.count("/") < 2 or location == "s3://":
-                raise ConfigError(f"local_dirs[{os.fspath(local)!r}]: {target!r} is not an s3://bucket[/prefix] location")
-            self.roots[_real(local)] = location
+            try:
+                parse_s3_uri(target, require_key=False)
+            except InvalidCheckpointIdError as exc:
+                raise ConfigError(f"local_dirs[{os.fspath(local)!r}]: {exc}") from None
+            self.roots[_real(local)] = target.rstrip("/")
         #: mapped checkpoint directory (real local path) -> its S3 location
         self.seen: dict[str, str] = {}
 
@@ -81,8 +83,12 @@ class LocalDirs:
         parent, name = os.path.split(path)
         while parent not in self.roots and name:
             parent, name = os.path.split(parent)
-        if CHECKPOINT_DIR.fullmatch(name) and parent in self.roots:
-            self.seen[os.path.join(parent, name)] = f"{self.roots[parent]}/{name}"
+        if parent in self.roots:
+            self._remember(parent, name)
+
+    def _remember(self, root: str, name: str) -> None:
+        if CHECKPOINT_DIR.fullmatch(name):
+            self.seen[os.path.join(root, name)] = f"{self.roots[root]}/{name}"
 
     def see_checkpoints(self, directory: Any) -> None:
         """Remember the mapped checkpoint directories now in ``directory`` (before the Trainer rotates)."""
@@ -90,8 +96,8 @@ class LocalDirs:
         if root not in self.roots or not os.path.isdir(root):
             return
         for name in os.listdir(root):
-            if CHECKPOINT_DIR.fullmatch(name) and os.path.isdir(os.path.join(root, name)):
-                self.seen[os.path.join(root, name)] = f"{self.roots[root]}/{name}"
+            if os.path.isdir(os.path.join(root, name)):
+                self._remember(root, name)
 
     def mirror_deletions(self) -> list[str]:
         """Remove from S3 every seen checkpoint directory that is gone locally; returns their locations."""

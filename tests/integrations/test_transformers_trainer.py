@@ -129,17 +129,17 @@ def test_local_dirs_map_only_what_is_under_them(tmp_path: Path) -> None:
     out = tmp_path / "out"
     (out / "checkpoint-5").mkdir(parents=True)
     (tmp_path / "link").symlink_to(out, target_is_directory=True)
-    dirs = LocalDirs({out: "s3://b/run", out / "nested": "s3://other/x"}, StorageOptions())
-    assert dirs.locate(out / "checkpoint-5") == "s3://b/run/checkpoint-5"
-    assert dirs.locate(tmp_path / "link" / "checkpoint-5" / "optimizer_0") == "s3://b/run/checkpoint-5/optimizer_0"
-    assert dirs.locate(out / "nested" / "checkpoint-1") == "s3://other/x/checkpoint-1"  # the longest root wins
-    assert dirs.locate(out) == "s3://b/run"
+    dirs = LocalDirs({out: "s3://bkt/run", out / "nested": "s3://other-bkt/x"}, StorageOptions())
+    assert dirs.locate(out / "checkpoint-5") == "s3://bkt/run/checkpoint-5"
+    assert dirs.locate(tmp_path / "link" / "checkpoint-5" / "optimizer_0") == "s3://bkt/run/checkpoint-5/optimizer_0"
+    assert dirs.locate(out / "nested" / "checkpoint-1") == "s3://other-bkt/x/checkpoint-1"  # the longest root wins
+    assert dirs.locate(out) == "s3://bkt/run"
     assert dirs.locate(out / ".." / "outside") is None
     assert dirs.locate(str(out) + "-sibling") is None
-    assert dirs.locate("s3://b/run/checkpoint-5") is None  # an S3 location is not a local directory
+    assert dirs.locate("s3://bkt/run/checkpoint-5") is None  # an S3 location is not a local directory
     assert set(dirs.seen) == {os.path.realpath(out / "checkpoint-5"), os.path.realpath(out / "nested" / "checkpoint-1")}
-    for bad in ("/local/path", "s3://", "gs://b/x", ""):
+    for bad in ("/local/path", "s3://", "s3:///x", "s3://Not_A_Bucket/x", "gs://b/x", ""):
         with pytest.raises(ConfigError, match="local_dirs"):
             LocalDirs({out: bad}, StorageOptions())
     with pytest.raises(ConfigError, match="local_dirs"):
-        LocalDirs({3: "s3://b/x"}, StorageOptions())  # type: ignore[dict-item]
+        LocalDirs({3: "s3://bkt/x"}, StorageOptions())  # type: ignore[dict-item]
