@@ -37,6 +37,7 @@ from torch.futures import Future
 from dcp_s3._torch_compat import _StoragePrefix
 from dcp_s3.codec import Codec
 from dcp_s3.errors import (
+    BucketNotFoundError,
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -380,10 +381,10 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         """The objects the checkpoint now committed at this path uses (empty if there is none)."""
         object_store = self._session.object_store
         try:
-            data = object_store.get(key) if object_store.head(key) is not None else None
-        except CheckpointNotFoundError:  # deleted between the HEAD and the GET
-            data = None
-        if data is None:
+            data = object_store.get(key)  # one GET, no HEAD first: a 404 answers "no checkpoint" as well
+        except BucketNotFoundError:
+            raise
+        except CheckpointNotFoundError:
             return set()
         try:
             return replaceable_objects(load_metadata(data, object_store.url(key)))
