@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from counting_proxy import CountingProxy, reset
 from dist_utils import run_ranks
-
 from torch import nn
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
