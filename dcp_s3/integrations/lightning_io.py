@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -100,9 +101,9 @@ def _trusted(options: StorageOptions, weights_only: bool | None) -> bool:
     return weights_only is False or bool(options.as_dict().get("allow_unsafe_byte_items"))
 
 
-def _meta_size(location: str, options: StorageOptions) -> int | None:
+def _meta_size(metadata: Metadata, location: str) -> int | None:
     """The byte length of the stored metadata, or None when the checkpoint holds none."""
-    entry = options.reader(location).read_metadata().state_dict_metadata.get(META_KEY)
+    entry = metadata.state_dict_metadata.get(META_KEY)
     if entry is None:
         return None
     if not isinstance(entry, TensorStorageMetadata) or len(entry.size) != 1:
@@ -113,6 +114,22 @@ def _meta_size(location: str, options: StorageOptions) -> int | None:
             f"{location}: {META_KEY} is not a uint8 tensor of at most {MAX_META_BYTES} bytes (size {int(size[0])})"
         )
     return int(size[0])
+
+
+class _MetaLoadPlanner(DefaultLoadPlanner):
+    """torch's default load planner that also loads the stored metadata, sized from the ``.metadata`` the
+    load has read (once, on its coordinator, shared): no read of ``.metadata`` before the load, on any rank."""
+
+    def __init__(self, location: str) -> None:
+        super().__init__()
+        self.location = location
+        self.meta: torch.Tensor | None = None
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        size = None if metadata is None else _meta_size(metadata, self.location)
+        if size is not None:
+            self.meta = state_dict[META_KEY] = torch.empty(size, dtype=torch.uint8)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
 def _decode_meta(data: torch.Tensor, location: str, options: StorageOptions, weights_only: bool | None) -> dict:
@@ -136,19 +153,17 @@ def load_sharded(
 ) -> dict[str, Any] | None:
     """Load ``module`` and ``optimizers`` in place from the checkpoint at ``location`` (resharding as
     DCP does) in one ``dcp.load``; returns the stored metadata, or None when it holds none."""
-    size = _meta_size(location, options)
     request: dict[str, Any] = {module_key: get_model_state_dict(module)}
     for key, optimizer in optimizers.items():
         request[key] = get_optimizer_state_dict(module, optimizer)
-    if size is not None:
-        request[META_KEY] = torch.empty(size, dtype=torch.uint8)
-    dcp.load(request, storage_reader=options.reader(location))
+    planner = _MetaLoadPlanner(location)
+    dcp.load(request, storage_reader=options.reader(location), planner=planner)
     module.load_state_dict(request[module_key], strict=strict)
     for key, optimizer in optimizers.items():
         set_optimizer_state_dict(
             module, optimizer, optim_state_dict=request[key], options=StateDictOptions(cpu_offload=True)
         )
-    return None if size is None else _decode_meta(request[META_KEY], location, options, weights_only)
+    return None if planner.meta is None else _decode_meta(planner.meta, location, options, weights_only)
 
 
 def checkpoint_exists(location: str, options: StorageOptions) -> bool:

@@ -15,8 +15,9 @@ and deletes steps through s3fs (whose listing cache silently stops ``keep_latest
 - saves and async saves (``async_mode="async"``: the upload runs while training goes on) write with
   ``S3StorageWriter`` (dcp_s3's commit protocol: a step exists once its ``.metadata`` does);
 - loads read with ``S3StorageReader``; the latest step is the newest ``step-N`` whose ``.metadata``
-  exists (a save that never committed is not a step), found with one delimiter listing of the folder
-  and one HEAD per step tried, newest first; ``initial_load_path`` may be an ``s3://`` checkpoint;
+  exists (a save that never committed is not a step), found by rank 0 alone with one delimiter listing
+  of the folder and one HEAD per step tried, newest first, and shared with the other ranks (one
+  broadcast per load); ``initial_load_path`` may be an ``s3://`` checkpoint;
 - the ``keep_latest_k`` purge deletes old steps' objects through the same store (``.metadata``
   first, so a half-deleted step is never taken for a checkpoint);
 - ``endpoint_url`` and ``storage_options`` (``dcp_s3.StorageOptions`` keywords) are given once, for
@@ -48,6 +49,7 @@ from torchtitan.components.checkpointer.base import purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools.utils import GarbageCollection
 
+from dcp_s3.checkpointer.ranks import Ranks
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store.base import Store
@@ -93,6 +95,7 @@ class S3CheckpointManager(CheckpointManager):
         self._folder_store: Store | None = None
         self._store_lock = threading.Lock()  # the purge thread and the training thread share the store
         self._last_saved: str | None = None
+        self._ranks = Ranks()  # rank 0 finds what to load and tells the others
         super().__init__(config, **kwargs)
         if not self.enable or self.purge_thread is None:  # type: ignore[has-type]  # torchtitan's, untyped
             return
@@ -181,40 +184,46 @@ class S3CheckpointManager(CheckpointManager):
 
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
-        """torchtitan's load, with step discovery and every existence check through the store."""
-        load_step = self._find_load_step() if step == -1 else step
-        if step != -1 and not self._committed(self._create_checkpoint_id(step)):
-            raise CheckpointNotFoundError(
-                f"checkpoint.load_step={step}: no committed checkpoint at {self._create_checkpoint_id(step)}"
-            )
-        from_hf = from_quantized = False
-        if load_step == -1:
-            model_only = self.initial_load_model_only
-            from_hf, from_quantized = self.initial_load_in_hf, self.initial_load_in_hf_quantized
-            if self.initial_load_path:
-                checkpoint_id = self.initial_load_path
-                if from_hf:
-                    if not os.path.isdir(checkpoint_id):
-                        raise CheckpointNotFoundError(f"checkpoint.initial_load_path {checkpoint_id}: no such directory")
-                elif not self._committed(checkpoint_id):
-                    raise CheckpointNotFoundError(
-                        f"checkpoint.initial_load_path {checkpoint_id}: no committed checkpoint there (no .metadata)"
-                    )
-            elif from_hf:
-                assert self.sd_adapter and self.sd_adapter.hf_assets_path, "from_hf needs sd_adapter.hf_assets_path"
-                checkpoint_id = self.sd_adapter.hf_assets_path
-            else:
-                logger.info("No checkpoint in %s: a fresh start.", self.folder)
-                return False
-        else:
-            model_only = load_step == 0  # torchtitan's seed checkpoint holds the model only
-            checkpoint_id = self._create_checkpoint_id(load_step)
+        """torchtitan's load, with step discovery and every existence check through the store, made on
+        rank 0 alone and shared (errors included): one listing and its HEADs per load, not one per rank,
+        and every rank loads the same step."""
+        plan = self._ranks.run_on_rank0(lambda: self._plan_load(step))
+        if plan is None:
+            logger.info("No checkpoint in %s: a fresh start.", self.folder)
+            return False
+        checkpoint_id, model_only, from_hf, from_quantized = plan
         logger.info("Loading the checkpoint from %s.", checkpoint_id)
         self.dcp_load(
             self._states_to_load(model_only), checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized
         )
         GarbageCollection.collect("GC collection for checkpoint loading.")
         return True
+
+    def _plan_load(self, step: int) -> tuple[str, bool, bool, bool] | None:
+        """Rank 0: (checkpoint id, model only, from HF, quantized) of what to load, or None for a fresh start."""
+        load_step = self._find_load_step() if step == -1 else step
+        if step != -1 and not self._committed(self._create_checkpoint_id(step)):
+            raise CheckpointNotFoundError(
+                f"checkpoint.load_step={step}: no committed checkpoint at {self._create_checkpoint_id(step)}"
+            )
+        if load_step != -1:  # step 0 is torchtitan's seed checkpoint: the model only
+            return self._create_checkpoint_id(load_step), load_step == 0, False, False
+        from_hf, from_quantized = self.initial_load_in_hf, self.initial_load_in_hf_quantized
+        if self.initial_load_path:
+            checkpoint_id = self.initial_load_path
+            if from_hf:
+                if not os.path.isdir(checkpoint_id):
+                    raise CheckpointNotFoundError(f"checkpoint.initial_load_path {checkpoint_id}: no such directory")
+            elif not self._committed(checkpoint_id):
+                raise CheckpointNotFoundError(
+                    f"checkpoint.initial_load_path {checkpoint_id}: no committed checkpoint there (no .metadata)"
+                )
+        elif from_hf:
+            assert self.sd_adapter and self.sd_adapter.hf_assets_path, "from_hf needs sd_adapter.hf_assets_path"
+            checkpoint_id = self.sd_adapter.hf_assets_path
+        else:
+            return None
+        return checkpoint_id, self.initial_load_model_only, from_hf, from_quantized
 
     def _should_purge(self) -> bool:
         return self.keep_latest_k > 0 and dist.get_rank() == 0

@@ -163,3 +163,16 @@ def _retry_after(headers: Any) -> float | None:
         except ValueError:
             continue  # an HTTP date: fall back to pacing
     return None
+
+
+def request_stats_since(before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """What this process sent since ``before`` (an earlier :func:`request_stats`), per key it used since:
+    the attempts, refusals and ``wait_s`` added; ``rate`` and ``peak_rate`` as they are now (the peak is
+    the process's highest, which the interval may not have reached)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, now in request_stats().items():
+        then = before.get(key, {})
+        delta = {**now, **{f: now[f] - then.get(f, 0) for f in ("attempts", "refusals", "wait_s")}}
+        if delta["attempts"] > 0:
+            out[key] = delta
+    return out

@@ -38,6 +38,7 @@ from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.planners.sharing import broadcast_bytes, metadata_source
 from dcp_s3.storage.options import check_allow_unsafe_byte_items, check_replica_group, check_share_metadata
 from dcp_s3.storage.replicated import read_replicated
+from dcp_s3.storage.request_report import Meter, RankFigures, summary
 from dcp_s3.storage.session import Location, Session
 from dcp_s3.storage.tensor_bytes import StagedRows, raw_bytes_view
 from dcp_s3.untrusted.byte_items import check_byte_item
@@ -111,6 +112,10 @@ class S3StorageReader(Location, StorageReader):
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: ChunkLookup | None = None  # set up from the load's metadata
         self._metadata_error: DcpS3Error | None = None  # see read_metadata
+        self._meter = Meter()
+        #: After a load: this rank's request figures for it, ``{rank: figures}`` (each rank its own:
+        #: a load has no step where they could reach one rank; see ``dcp_s3.storage.request_report``).
+        self.request_stats: dict[int, RankFigures] = {}
 
     def __repr__(self) -> str:
         return f"S3StorageReader({str(self._session.location)!r})"
@@ -122,7 +127,8 @@ class S3StorageReader(Location, StorageReader):
                 "share_metadata": self.share_metadata is True, "allow_unsafe_byte_items": self.allow_unsafe_byte_items}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, storage_data={}, _chunks=None, replica_group=None, _metadata_error=None)
+        self.__dict__.update(state, storage_data={}, _chunks=None, replica_group=None, _metadata_error=None,
+                             _meter=Meter(), request_stats={})
 
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -143,6 +149,9 @@ class S3StorageReader(Location, StorageReader):
         """
         if "rank" in kwargs and self._metadata_error is not None:
             return placeholder_metadata()
+        if "rank" not in kwargs:  # the load's first call: its requests count from here
+            self._meter.start()
+            self.request_stats = {}
         source = metadata_source(self.share_metadata)  # ConfigError for a wrong explicit group, on both calls
         key = self._session.key(METADATA_KEY)
         try:
@@ -197,6 +206,10 @@ class S3StorageReader(Location, StorageReader):
             fut.set_result(None)
         except Exception as exc:  # delivered through the future, as DCP expects
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.request_stats = {rank: self._meter.since_start()}
+        level = logging.INFO if any(f["refusals"] for f in self.request_stats[rank].values()) else logging.DEBUG
+        log.log(level, "%s", summary(f"load of {self.checkpoint_id}, rank {rank}", self.request_stats))
         return fut
 
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:

@@ -37,6 +37,7 @@ from torch.futures import Future
 from dcp_s3._torch_compat import _StoragePrefix
 from dcp_s3.codec import Codec
 from dcp_s3.errors import (
+    BucketNotFoundError,
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -63,6 +64,7 @@ from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.packed.results import PackedResults
 from dcp_s3.storage.data_objects import planned_size, split_items, write_item
 from dcp_s3.storage.options import check_compression
+from dcp_s3.storage.request_report import Meter, RankFigures, RankResults, split_results, summary
 from dcp_s3.storage.session import Location, Session
 
 __all__ = ["S3StorageWriter"]
@@ -161,6 +163,10 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         self.save_id = str(uuid.uuid4())
         self.rank: int | None = None
         self.is_coordinator = False
+        self._meter = Meter()
+        #: After a save: this save's request figures (``dcp_s3.storage.request_report``) by rank —
+        #: every rank's on the coordinator, its own on the others.
+        self.request_stats: dict[int, RankFigures] = {}
 
     def __repr__(self) -> str:
         return f"S3StorageWriter({str(self._session.location)!r}, overwrite={self.overwrite})"
@@ -177,6 +183,8 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank")
+        self._meter.start()
+        self.request_stats = {}
         if kwargs.get("use_collectives") is False:
             raise ConfigError("S3StorageWriter needs use_collectives=True: the coordinator commits one .metadata")
         self._session.require_location()
@@ -224,13 +232,24 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         """Stream this rank's items into ``files_per_rank`` objects; no object for an empty plan.
 
         The results are a ``PackedResults`` (a read-only sequence of ``WriteResult``): gathered
-        to the coordinator as arrays, not one pickled object per item."""
+        to the coordinator as arrays, not one pickled object per item; wrapped in a ``RankResults``
+        with this rank's request figures, which ``finish`` takes out (they are never stored)."""
         fut: Future[list[WriteResult]] = Future()
         try:
-            fut.set_result(self._write_all(plan, planner))
+            results = self._write_all(plan, planner)
         except Exception as exc:  # delivered through the future, as DCP expects
+            self._note_own_stats()
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result
+            return fut
+        own = self._note_own_stats()
+        fut.set_result(RankResults(results, self.rank, own))  # type: ignore[arg-type]  # a Sequence
         return fut
+
+    def _note_own_stats(self) -> RankFigures:
+        own = self._meter.since_start()
+        self.request_stats = {self.rank or 0: own}
+        log.debug("%s", summary(f"save of {self.checkpoint_id}, rank {self.rank or 0}", self.request_stats))
+        return own
 
     def _write_all(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         if not plan.items:
@@ -281,8 +300,18 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
 
         ``metadata`` becomes the committed metadata (torch broadcasts it to every rank and
         ``dcp.save`` returns it): for the compact format, a lazy view of the bytes committed,
-        which pickles as those bytes rather than as one object per item.
+        which pickles as those bytes rather than as one object per item. Each rank's request figures
+        (``RankResults``) are taken out of ``results`` first and kept in ``request_stats``.
         """
+        results, gathered = split_results(results)
+        try:
+            self._finish(metadata, results)
+        finally:
+            gathered[self.rank or 0] = self._meter.since_start()  # with the commit's own requests
+            self.request_stats = dict(sorted(gathered.items()))
+            log.info("%s", summary(f"save of {self.checkpoint_id}", self.request_stats))
+
+    def _finish(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]]) -> None:
         metadata.storage_meta = self.storage_meta()
         metadata.version = "1.0.0"
         object_store = self._session.object_store
@@ -352,10 +381,10 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         """The objects the checkpoint now committed at this path uses (empty if there is none)."""
         object_store = self._session.object_store
         try:
-            data = object_store.get(key) if object_store.head(key) is not None else None
-        except CheckpointNotFoundError:  # deleted between the HEAD and the GET
-            data = None
-        if data is None:
+            data = object_store.get(key)  # one GET, no HEAD first: a 404 answers "no checkpoint" as well
+        except BucketNotFoundError:
+            raise
+        except CheckpointNotFoundError:
             return set()
         try:
             return replaceable_objects(load_metadata(data, object_store.url(key)))

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from counting_proxy import CountingProxy, reset
 from dist_utils import full, run_ranks
 from fault_proxy import FaultProxy, Rule
 from objects import object_keys
@@ -203,6 +204,51 @@ def _resharded(rank: int, world: int, run_kwargs: dict[str, Any], seed_kwargs: d
     out["initial_model"] = full(t["model"].state_dict())
     t["manager"].close()
     return _packed(out)
+
+
+def _counted_load(rank: int, world: int, config_kwargs: dict[str, Any], urls: list[str], dump: str,
+                  tmp: str) -> dict[str, int]:
+    """Save step 2 (and leave an uncommitted step-3 directory), then resume in a new manager: this rank's
+    requests of the resume, by operation (each rank has a counting proxy of its own)."""
+    _child_env(tmp)
+    config_kwargs = {**config_kwargs, "endpoint_url": urls[rank]}
+    t = _trainer(rank, world, config_kwargs, dump)
+    _step(t)
+    t["manager"].save(2)
+    t["manager"].close()
+    if rank == 0:  # an upload that never committed: rank 0 tries step 3 first, then takes step 2
+        t["manager"].storage_options.store(config_kwargs["folder"]).write("step-3/__0_0.distcp", b"partial")
+    t = _trainer(rank, world, config_kwargs, dump)
+    torch.distributed.barrier()
+    reset(urls[rank])
+    assert t["manager"].load() is True
+    torch.distributed.barrier()
+    ops: dict[str, int] = {}
+    for op, _, n, _ in reset(urls[rank]).rows:
+        ops[op] = ops.get(op, 0) + n
+    t["manager"].close()
+    return ops
+
+
+def test_only_rank_0_lists_and_probes_steps_on_resume(seaweed: Any, bucket: str, tmp_path: Path) -> None:
+    """Step discovery is made once for the job: rank 0 lists the folder and HEADs the steps it tries;
+    the other ranks send only the reads of their shards."""
+    dump, tmp = tmp_path / "dump", tmp_path / "tmp"
+    dump.mkdir()
+    tmp.mkdir()
+    proxies = [CountingProxy(seaweed.endpoint_url) for _ in range(2)]
+    for p in proxies:
+        p.__enter__()
+    try:
+        run = {"folder": f"s3://{bucket}/{RUN}", "interval": 2, "async_mode": "disabled",
+               "storage_options": {"region": seaweed.region}}
+        per_rank = run_ranks(_counted_load, 2, run, [p.url for p in proxies], str(dump), str(tmp), timeout=180)
+    finally:
+        for p in proxies:
+            p.__exit__(None, None, None)
+    print(per_rank)
+    assert per_rank[0].get("ListObjects") == 1 and per_rank[0].get("HeadObject") == 2, per_rank
+    assert set(per_rank[1]) == {"GetObjectRange"}, per_rank  # no LIST, no HEAD, not even .metadata
 
 
 def _diff(a: Any, b: Any, where: str = "") -> list[str]:

@@ -359,9 +359,10 @@ def test_request_args_reach_every_request(bucket: str) -> None:
 
     with hooked(writer, "provide-client-params.s3", record):
         dcp.save({"big": torch.randn(3 * MiB // 2)}, storage_writer=writer)  # 6 MiB: multipart
+        dcp.save({"big": torch.randn(3 * MiB // 2)}, storage_writer=writer)  # replacing it: a GET and a HEAD
     for op in ("PutObject", "CreateMultipartUpload"):
         assert seen[op]["ServerSideEncryption"] == "AES256" and seen[op]["StorageClass"] == "STANDARD", op
-    for op in ("UploadPart", "CompleteMultipartUpload", "HeadObject"):
+    for op in ("UploadPart", "CompleteMultipartUpload", "HeadObject", "GetObject"):
         assert "ServerSideEncryption" not in seen[op], op  # S3 rejects it there
     out = {"big": torch.zeros(3 * MiB // 2)}
     dcp.load(out, storage_reader=S3StorageReader(uri, request_args={"RequestPayer": "requester"}))
