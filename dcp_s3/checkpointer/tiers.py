@@ -12,7 +12,11 @@ Which step ``load()`` takes (all ranks agree, by one all-gather): the newest of
 
 * the steps committed on S3, and
 * the steps whose local copy is committed on *every* rank, saved by the same rank of a job of the
-  same world size.
+  same world size, and
+* the steps whose copies of *all* their saving ranks are under every rank's local root, all of one
+  save (a job of another world size: a resharded load, :mod:`dcp_s3.checkpointer.tier_reshard`).
+
+Copies of different saves of one step (the save token in :data:`LOCAL_ENTRY`) never count as one step.
 
 Each rank then checks its local copy of that step against what it is about to load: every chunk
 its load needs is stored (same offsets and sizes: a different sharding is refused), and every object
