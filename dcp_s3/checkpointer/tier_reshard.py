@@ -48,7 +48,10 @@ from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.store import Store, open_store
 
-__all__ = ["Copy", "Shared", "shared_copies", "merged_metadata", "MergedReader", "check_shared", "load_merged", "rank_dir"]
+__all__ = [
+    "Copy", "Shared", "rank_dir", "rank_dirs", "scan_copies", "copies_problem", "shared_copies", "merged_metadata",
+    "MergedReader", "check_shared", "load_merged",
+]
 
 _RANK_DIR_RE = re.compile(r"rank(\d{5})/")
 
@@ -65,6 +68,7 @@ class Copy(NamedTuple):
     store: Store  # the rank's directory
     marker: dict[str, Any]
     dirs: dict[str, str]  # part directory by part
+    committed_at: float  # the marker's modification time (epoch s)
 
 
 class Shared(NamedTuple):
@@ -75,47 +79,61 @@ class Shared(NamedTuple):
     copies: list[Copy]  # by saving rank
 
 
-def shared_copies(local_root: str) -> tuple[dict[str, Shared], dict[str, str]]:
-    """(the steps under ``local_root`` complete across rank directories, by step; why each other step seen
-    there is not, by step). Unreadable or hostile markers make their step unusable, never raise."""
+def rank_dirs(local_root: str) -> dict[int, Store]:
+    """The ``rank<NNNNN>/`` directories under ``local_root``, by rank (none if it is not a directory)."""
     if not os.path.isdir(local_root):
-        return {}, {}
-    root = open_store(local_root)
-    found: dict[str, dict[int, Copy | str]] = {}
-    for sub in sorted(root.list_dir("")[1]):
+        return {}
+    out = {}
+    for sub in sorted(open_store(local_root).list_dir("")[1]):
         m = _RANK_DIR_RE.fullmatch(sub)
-        if m is None:
-            continue
-        r, store = int(m.group(1)), open_store(os.path.join(local_root, sub[:-1]))
+        if m is not None:
+            out[int(m.group(1))] = open_store(os.path.join(local_root, sub[:-1]))
+    return out
+
+
+def scan_copies(local_root: str) -> dict[str, dict[int, Copy | str]]:
+    """Every committed local copy under ``local_root``, by step and by the rank directory holding it; a copy
+    whose marker cannot be read or is hostile (stored bytes) is the reason instead, never an exception."""
+    found: dict[str, dict[int, Copy | str]] = {}
+    for r, store in rank_dirs(local_root).items():
         try:
-            steps = [s.name for s in find_complete(store, None)]
+            steps = find_complete(store, None)
         except (DcpS3Error, OSError) as exc:
-            found.setdefault("", {})[r] = f"{store.url()}: {exc}"
+            found.setdefault("", {})[r] = f"{store.url()}: {type(exc).__name__}: {exc}"
             continue
         for step in steps:
             try:
-                got = local_copy(store, step)
+                got = local_copy(store, step.name)
             except (DcpS3Error, OSError) as exc:
-                found.setdefault(step, {})[r] = f"{type(exc).__name__}: {exc}"
+                found.setdefault(step.name, {})[r] = f"{type(exc).__name__}: {exc}"
                 continue
             if got is not None:
-                found.setdefault(step, {})[r] = Copy(r, store, *got[:2])
+                at = step.marker.mtime if step.marker is not None else 0.0
+                found.setdefault(step.name, {})[r] = Copy(r, store, got[0], got[1], at)
     found.pop("", None)
+    return found
+
+
+def shared_copies(local_root: str) -> tuple[dict[str, Shared], dict[str, str]]:
+    """(the steps under ``local_root`` complete across rank directories, by step; why each other step seen
+    there is not, by step). Unreadable or hostile markers make their step unusable, never raise."""
     shared: dict[str, Shared] = {}
     why: dict[str, str] = {}
-    for step, by_rank in found.items():
-        problem = _problem(by_rank)
+    for step, by_rank in scan_copies(local_root).items():
+        problem = copies_problem(by_rank)
         if problem:
             why[step] = problem
             continue
         copies = [c for _, c in sorted(by_rank.items()) if isinstance(c, Copy)]
         save = save_of(copies[0].marker)
-        assert save is not None  # checked by _problem
+        assert save is not None  # checked by copies_problem
         shared[step] = Shared(save, len(copies), copies)
     return shared, why
 
 
-def _problem(by_rank: Mapping[int, Copy | str]) -> str | None:
+def copies_problem(by_rank: Mapping[int, Copy | str]) -> str | None:
+    """Why the copies of one step (by rank directory, from :func:`scan_copies`) are not one complete save
+    of it by every rank of its world size, or None."""
     bad = {r: c for r, c in by_rank.items() if isinstance(c, str)}
     if bad:
         return "; ".join(f"rank {r}: {c}" for r, c in sorted(bad.items()))
