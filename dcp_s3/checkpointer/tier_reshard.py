@@ -30,7 +30,6 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from itertools import combinations
 from typing import Any, NamedTuple
 
 import torch
@@ -200,11 +199,21 @@ def merged_metadata(shared: Shared, part: str, where: str) -> Metadata:
 
 
 def _check_cover(fqn: str, entry: TensorStorageMetadata, where: str) -> None:
-    """Every element of the tensor is in exactly one chunk (else DCP would leave the rest unloaded)."""
-    boxes = [(list(c.offsets), list(c.sizes)) for c in entry.chunks]
+    """Every element of the tensor is in exactly one chunk (else DCP would leave the rest unloaded): the
+    chunks' volumes add up to the tensor's and no two overlap (a sweep along the first dimension, so
+    shards along it — FSDP's — cost n log n)."""
+    boxes = sorted((list(c.offsets), list(c.sizes)) for c in entry.chunks if math.prod(c.sizes))
     covered = sum(math.prod(s) for _, s in boxes)
-    overlap = any(all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]))
-                  and math.prod(a[1]) and math.prod(b[1]) for a, b in combinations(boxes, 2))
+    overlap = False
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1:]:
+            if oa and ob[0] >= oa[0] + sa[0]:
+                break  # sorted by the first offset: no later box reaches back into this one
+            if all(x < y + m and y < x + n for x, n, y, m in zip(oa, sa, ob, sb)):
+                overlap = True
+                break
+        if overlap:
+            break
     if overlap or covered != math.prod(entry.size):
         raise CheckpointFormatError(
             f"{where}: the ranks' shards of {fqn!r} cover {covered} of its {math.prod(entry.size)} elements"
