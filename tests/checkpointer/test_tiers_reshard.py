@@ -5,7 +5,8 @@ step 10 also promoted to S3, step 20 local only, and saved twice (a rerun: the f
 is kept aside). Jobs of 1 and of 3 ranks then load step 20 from the local tier, bit-exact, with no GET of a
 data object from S3 (counted by a proxy). On 1 rank: a corrupt item (checksum), a lying layout in a marker
 (stored bytes) and copies of two different saves of step 20 are each refused, and step 10 loads instead
-(never a mix); with one saving rank's directory wiped, step 10 is read from S3.
+(never a mix); with step 10's copy corrupt too, or one saving rank's directory wiped, step 10 is read
+from S3.
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ def model_object(local: str, rank: int, step: str) -> Path:
     return obj
 
 
+def flip(obj: Path) -> None:
+    """Flip one byte in the middle of the largest item stored in ``obj``."""
+    md = load_metadata((obj.parent / ".metadata").read_bytes(), str(obj.parent))
+    info = max((i for i in md.storage_data.values() if i.relative_path == obj.name), key=lambda i: i.length)
+    data = bytearray(obj.read_bytes())
+    data[info.offset + info.length // 2] ^= 0xFF
+    obj.write_bytes(bytes(data))
+
+
 def refused(root: str, base: str, refs: dict[int, Any], proxy: str) -> dict[str, Any]:
     """One rank: step 20's copies made unusable in three ways, then one saving rank's directory wiped."""
     local, out = f"{base}/shared", {}
@@ -105,16 +115,22 @@ def refused(root: str, base: str, refs: dict[int, Any], proxy: str) -> dict[str,
     obj = model_object(local, 1, "0000020")
     originals = {marker: marker.read_bytes(), obj: obj.read_bytes()}
 
-    # A flipped byte inside an item: its checksum fails in the load.
-    md = load_metadata((obj.parent / ".metadata").read_bytes(), str(obj.parent))
-    info = max((i for i in md.storage_data.values() if i.relative_path == obj.name), key=lambda i: i.length)
-    data = bytearray(originals[obj])
-    data[info.offset + info.length // 2] ^= 0xFF
-    obj.write_bytes(bytes(data))
+    # A flipped byte inside an item: its checksum fails in the load; step 20 is not on S3, step 10 loads.
+    flip(obj)
     it, got, where, warned = fresh_load(root, local)
     check(refs[10], got)
     out["corrupt"] = (it, where["source"], any("0000020" in w and "checksum" in w for w in warned))
-    obj.write_bytes(originals[obj])
+    # Step 10's copy corrupt too: it is on S3, and read from there.
+    obj10 = model_object(local, 1, "0000010")
+    originals[obj10] = obj10.read_bytes()
+    flip(obj10)
+    data_gets(0, proxy)
+    it, got, where, warned = fresh_load(root, local)
+    check(refs[10], got)
+    out["corrupt_on_s3"] = (it, where["source"], data_gets(0, proxy),
+                            any("0000010" in w and "read from S3" in w for w in warned))
+    for path in (obj, obj10):
+        path.write_bytes(originals[path])
 
     # A marker whose layout places rank 1's shard outside its tensor.
     content = torch.load(marker, weights_only=True)
@@ -157,6 +173,8 @@ def test_resharded_load_from_the_local_tier(bucket: str, s3_env: LocalS3Server, 
     (one,) = run_ranks(load_job, 1, env, root, str(tmp_path), proxy.url, timeout=300)
     assert one["local"] == ("local", 2, 0), one  # resharded from the 2 saving ranks, no data GET from S3
     assert one["corrupt"] == (10, "local", True), one
+    it, source, gets, warned = one["corrupt_on_s3"]
+    assert (it, source, warned) == (10, "s3", True) and gets > 0, one
     assert one["layout"] == (10, "local", True), one
     assert one["two_saves"] == (10, "local", True), one
     it, source, gets = one["wiped"]
