@@ -5,7 +5,7 @@ step 10 also promoted to S3, step 20 local only, and saved twice (a rerun: the f
 is kept aside). Jobs of 1 and of 3 ranks then load step 20 from the local tier, bit-exact, with no GET of a
 data object from S3 (counted by a proxy). On 1 rank: a corrupt item (checksum), a lying layout in a marker
 (stored bytes) and copies of two different saves of step 20 are each refused, and step 10 loads instead
-(never a mix); with step 10's copy corrupt too, or one saving rank's directory wiped, step 10 is read
+(never a mix; nor on 2 ranks, where each rank holds its own copy of one of the two saves); with step 10's copy corrupt too, or one saving rank's directory wiped, step 10 is read
 from S3.
 """
 
@@ -159,6 +159,21 @@ def refused(root: str, base: str, refs: dict[int, Any], proxy: str) -> dict[str,
     return out
 
 
+def rerun_job(rank: int, world: int, env: dict[str, str], root: str, base: str) -> tuple[int, str, bool]:
+    """The saving job's own size: rank 1's directory holds the first save of step 20, rank 0's the rerun's.
+    Each rank could load its own copy, but they are of different saves: step 10 is loaded instead."""
+    os.environ.update(env)
+    local = f"{base}/shared"
+    dist.barrier()
+    if rank == 0:
+        os.rename(f"{local}/rank00001", f"{base}/rerun_rank00001")
+        shutil.copytree(f"{base}/first_save_rank00001", f"{local}/rank00001")
+    dist.barrier()
+    it, got, where, warned = fresh_load(root, local)
+    check(torch.load(f"{base}/refs.pt", weights_only=True)[10], got)
+    return it, where["source"], any("0000020" in w and "different saves" in w for w in warned)
+
+
 @pytest.fixture
 def proxy(s3_env: LocalS3Server) -> Iterator[CountingProxy]:
     with CountingProxy(s3_env.endpoint_url) as p:
@@ -181,3 +196,4 @@ def test_resharded_load_from_the_local_tier(bucket: str, s3_env: LocalS3Server, 
     assert (it, source) == (10, "s3") and gets > 0, one
     three = run_ranks(load_job, 3, env, root, str(tmp_path), proxy.url, timeout=300)
     assert three[0]["local"] == ("local", 2, 0), three
+    assert run_ranks(rerun_job, 2, env, root, str(tmp_path), timeout=300) == [(10, "local", True)] * 2
