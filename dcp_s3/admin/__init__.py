@@ -9,7 +9,8 @@ A location may be a run directory holding several steps, one step of
 
 This module gathers them; each lives in its own: :mod:`~dcp_s3.admin.listing` (ls, inspect),
 :mod:`~dcp_s3.admin.verify`, :mod:`~dcp_s3.admin.copying` (cp), :mod:`~dcp_s3.admin.cleanup` (gc, rm),
-:mod:`~dcp_s3.admin.convert`; :mod:`~dcp_s3.admin.locations` says what a location denotes.
+:mod:`~dcp_s3.admin.convert`, :mod:`~dcp_s3.admin.local_tier` (ls of a tiered Checkpointer's local root);
+:mod:`~dcp_s3.admin.locations` says what a location denotes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dcp_s3.admin.cleanup import Garbage, Removal, collect_garbage, find_garbage
 from dcp_s3.admin.convert import ConvertReport, convert_checkpoint
 from dcp_s3.admin.copying import CopyReport, copy_checkpoint
 from dcp_s3.admin.listing import StepSummary, TensorInfo, inspect_checkpoint, list_steps
+from dcp_s3.admin.local_tier import LocalStep, is_local_tier_root, list_local_tier
 from dcp_s3.admin.locations import Progress, resolve
 from dcp_s3.admin.verify import Problem, VerifyReport, verify_checkpoint
 
@@ -25,4 +27,5 @@ __all__ = [
     "StepSummary", "TensorInfo", "Problem", "VerifyReport", "Garbage", "Removal", "CopyReport", "ConvertReport",
     "list_steps", "inspect_checkpoint", "verify_checkpoint", "find_garbage", "collect_garbage",
     "copy_checkpoint", "remove_checkpoint", "convert_checkpoint", "resolve", "Progress",
+    "LocalStep", "list_local_tier", "is_local_tier_root",
 ]

@@ -1,6 +1,8 @@
 """The checkpoint manager: :class:`Checkpointer`, and single objects without one.
 
-:mod:`~dcp_s3.checkpointer.manager` is the :class:`Checkpointer`; :mod:`~dcp_s3.checkpointer.steps`
+:mod:`~dcp_s3.checkpointer.manager` is the :class:`Checkpointer`; :mod:`~dcp_s3.checkpointer.step_io` its
+step I/O (locations, the parts' reusable writers/readers, load planning, loading one part);
+:mod:`~dcp_s3.checkpointer.steps`
 the on-store layout of its steps and how to find them in a listing;
 :mod:`~dcp_s3.checkpointer.generations` all-or-nothing re-saves; :mod:`~dcp_s3.checkpointer.retention`
 which steps ``keep_last`` deletes, and how; :mod:`~dcp_s3.checkpointer.training_state` what it

@@ -15,7 +15,9 @@ one DCP checkpoint per model and per optimizer, and a small ``<step>.pth`` marke
 rank 0 writes last; a re-save of a complete step is all or nothing (:mod:`dcp_s3.checkpointer.generations`).
 Works the same on ``s3://bucket/prefix`` and on a local directory.
 
-This module holds the manager; its parts live beside it: :mod:`~dcp_s3.checkpointer.objects` (single
+This module holds the manager; its parts live beside it: :mod:`~dcp_s3.checkpointer.step_io` (where a step
+lives, the parts' writers/readers, which step a load takes, loading one part),
+:mod:`~dcp_s3.checkpointer.objects` (single
 objects, ``latest_checkpoint``), :mod:`~dcp_s3.checkpointer.ranks` (run on rank 0, share the outcome),
 :mod:`~dcp_s3.checkpointer.training_state` (argument checks, scheduler/scaler/callback state),
 :mod:`~dcp_s3.planners.optim_match` (optimizer compatibility, checked inside the load),
@@ -35,35 +37,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from dcp_s3._torch_compat import async_save
-from dcp_s3.checkpointer.generations import (
-    PART_DIRS,
-    commit_step,
-    find_complete,
-    generation_name,
-    marker_entry,
-    new_token,
-    plan_parts,
-)
-from dcp_s3.checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV, is_foreign_step_marker, load_legacy
+from dcp_s3.checkpointer.generations import PART_DIRS, commit_step, generation_name, marker_entry, new_token
+from dcp_s3.checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV, load_legacy
 from dcp_s3.checkpointer.objects import latest_checkpoint, load_object, save_object
 from dcp_s3.checkpointer.ranks import Ranks, distributed, rank, world_size
 from dcp_s3.checkpointer.retention import retain_last
-from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
+from dcp_s3.checkpointer.step_io import StepIO, load_model, load_optim
+from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX
 from dcp_s3.checkpointer.tier_load import tiered_load
 from dcp_s3.checkpointer.tiers import Tiers
-from dcp_s3.checkpointer.training_state import check_dicts, on_meta, restore, state_of, warn
-from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
-from dcp_s3.planners.optim_match import OptimizerLoadPlanner
-from dcp_s3.planners.trainable import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
-from dcp_s3.store import Store, open_object, open_store
+from dcp_s3.checkpointer.training_state import check_dicts, restore, state_of, warn
+from dcp_s3.errors import ConfigError, DcpS3Error
+from dcp_s3.planners.trainable import TrainableOnlySavePlanner
+from dcp_s3.store import Store, open_store
 from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object"]
@@ -147,18 +136,13 @@ class Checkpointer:
         self.save_dir = self.store.url()
         self.keep_last = keep_last
         self.async_save = async_save
-        self._stores: dict[str, Store] = {self.save_dir: self.store}
         self._pending: AsyncSave | None = None
         self._finisher: ThreadPoolExecutor | None = None
         self._ranks = Ranks()
         self._tiers = None if local_root is None else Tiers(
             self.store, self._ranks, local_root, s3_every=s3_every, keep_last_local=keep_last_local,
             keep_last=keep_last, attempts=promotion_attempts, promotion_timeout=promotion_timeout)
-        # Writers/readers are reused across steps (``reset`` retargets them): each S3 one owns a
-        # client and an I/O pool, which are costly to create. One per part, so that the
-        # concurrent parts of an async save never share one.
-        self._writers: dict[tuple[str, str, str], Any] = {}
-        self._readers: dict[tuple[str, str, str], Any] = {}
+        self._io = StepIO(self.store, storage_options)  # locations, reusable writers/readers
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.save_dir!r}, keep_last={self.keep_last}, async_save={self.async_save})"
@@ -193,7 +177,7 @@ class Checkpointer:
             raise ConfigError("path= is not supported with local_root (steps are named by iteration)")
         if self._tiers is None and tier is not None:
             raise ConfigError(f"tier={tier!r} needs local_root")
-        store, step = self._locate(path, iteration)
+        store, step = self._io.locate(path, iteration)
         parts: list[tuple[str, str, dict[str, Any], Any]] = []
         for key, model in model_dict.items():
             parts.append((key, "model", get_model_state_dict(model), TrainableOnlySavePlanner(model)))
@@ -222,7 +206,7 @@ class Checkpointer:
         if not self.async_save:
             t0 = time.perf_counter()
             for key, kind, state, planner in parts:
-                writer, url = self._writer(store, generation_name(step, key, kind, token), key, kind)
+                writer, url = self._io.writer(store, generation_name(step, key, kind, token), key, kind)
                 dcp.save(state, checkpoint_id=url, storage_writer=writer, planner=planner, no_dist=not distributed())
             self._ranks.run_on_rank0(lambda: self._commit(store, step, marker, token, suffixes))
             log.info("saved step %s in %.1fs", location, time.perf_counter() - t0)
@@ -231,7 +215,7 @@ class Checkpointer:
         groups = [self._ranks.group_for(f"{key}_{kind}") for key, kind, _, _ in parts]  # before any part starts
         futures = []
         for (key, kind, state, planner), group in zip(parts, groups):
-            writer, url = self._writer(store, generation_name(step, key, kind, token), key, kind)
+            writer, url = self._io.writer(store, generation_name(step, key, kind, token), key, kind)
             futures.append(async_save(
                 state, checkpoint_id=url, storage_writer=writer, planner=planner, process_group=group,
                 no_dist=not distributed(),
@@ -340,11 +324,11 @@ class Checkpointer:
                 restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")
                 restore(callbacks, marker.get("callbacks"), "callbacks")
                 return int(marker.get("iteration", 0))
-        plan = self._ranks.run_on_rank0(lambda: self._plan_load(path, list(model_dict), optim_keys, allow_missing_optim))
+        plan = self._ranks.run_on_rank0(lambda: self._io.plan_load(path, list(model_dict), optim_keys, allow_missing_optim))
         if plan is None:
             log.info("no complete checkpoint under %s: starting from scratch", self.save_dir)
             return 0
-        store = self._store(plan["root"])
+        store = self._io.store(plan["root"])
         step: str = plan["step"]
         dirs: dict[str, str] = plan["dirs"]
         # The marker rank 0 planned with (a re-save committing meanwhile cannot mix into this load);
@@ -357,121 +341,17 @@ class Checkpointer:
                                     allow_missing_optim)
         else:
             for key, model in model_dict.items():
-                self._load_model(store, dirs[f"{key}_model"], key, model)
+                load_model(self._io.reader(store, dirs[f"{key}_model"], key, "model"), model)
             for key, status in plan["optim"].items():
                 name = dirs[f"{key}_optim"]
                 if status == "missing":
                     warn(f"optimizer checkpoint {store.url(name)} is missing; {key!r} continues with fresh state")
                     continue
-                self._load_optim(store, name, key, model_dict[key], (optimizer_dict or {}).get(key))
+                load_optim(self._io.reader(store, name, key, "optim"), store.url(name), model_dict[key],
+                           (optimizer_dict or {}).get(key))
             iteration = int(marker.get("iteration", 0))
         restore(scheduler_dict, marker.get("scheduler"), "scheduler_dict")
         restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")
         restore(callbacks, marker.get("callbacks"), "callbacks")
         log.info("loaded step %s (iteration %d) in %.1fs", store.url(step), iteration, time.perf_counter() - t0)
         return iteration
-
-    def _plan_load(
-        self, path: str | os.PathLike[str] | None, model_keys: list[str], optim_keys: list[str], allow_missing: bool
-    ) -> dict[str, Any] | None:
-        """Rank 0: find the step, read its marker, check that its parts exist."""
-        if path is None:
-            store: Store = self.store
-            found = find_complete(store)
-            if not found:
-                return None
-            step = found[-1].name
-        else:
-            store, step = self._object(path)
-            if step.endswith(MARKER_SUFFIX):
-                step = step[: -len(MARKER_SUFFIX)]
-        marker_name = step + MARKER_SUFFIX
-        if path is not None and store.size(marker_name) is None and store.size(step) is not None:
-            marker_name = step  # a legacy single file under another name (model.pt)
-        if store.size(marker_name) is None:
-            partial = [s for s in scan(store.list_objects(f"{step}.")) if s.name == step]
-            why = "the save did not complete (no marker)" if partial else "nothing is saved there"
-            raise CheckpointNotFoundError(f"no complete checkpoint at {store.url(step)}: {why}")
-        marker_data = store.read(marker_name)
-        marker = torch_load(marker_data, store.url(marker_name))
-        if not isinstance(marker, dict):
-            raise CheckpointFormatError(f"{store.url(marker_name)} holds a {type(marker).__name__}, not a checkpoint")
-        legacy = marker.get("format") != MARKER_FORMAT and not is_foreign_step_marker(marker)
-        plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {},
-                                "marker_data": None if legacy else marker_data, "dirs": {}}
-        if legacy:
-            if "model" not in marker:
-                raise CheckpointFormatError(
-                    f"{store.url(marker_name)} is neither a step marker (dcp_s3's, or one with 'iteration' and "
-                    "no model state beside <step>.<key>_model/ checkpoints) nor a single-file checkpoint with "
-                    "a 'model' entry"
-                )
-            return plan
-        plan["dirs"], plan["optim"] = plan_parts(store, step, marker, marker_name, model_keys, optim_keys, allow_missing)
-        return plan
-
-    def _load_model(self, store: Store, name: str, key: str, model: nn.Module) -> None:
-        reader = self._reader(store, name, key, "model")
-        if on_meta(model):
-            # All collectives, no reads: the planner gives this rank an empty plan.
-            dcp.load(model.state_dict(), storage_reader=reader, planner=TrainableOnlyLoadPlanner(model),
-                     no_dist=not distributed())
-            return
-        state = get_model_state_dict(model)
-        dcp.load(state, storage_reader=reader, planner=TrainableOnlyLoadPlanner(model), no_dist=not distributed())
-        set_model_state_dict(model, state)
-
-    def _load_optim(
-        self, store: Store, name: str, key: str, model: nn.Module, optim: torch.optim.Optimizer | None
-    ) -> None:
-        state: dict[str, Any] = {}
-        if optim is not None and not on_meta(model):
-            state = get_optimizer_state_dict(model, optim)  # initializes fresh state, so DTensor state loads
-        # The compatibility check runs inside the load, on the .metadata it reads once and shares
-        # (a meta rank, with nothing to load into, plans no reads and never objects).
-        planner = OptimizerLoadPlanner(check=bool(state))
-        dcp.load(state, storage_reader=self._reader(store, name, key, "optim"), planner=planner,
-                 no_dist=not distributed())
-        if planner.problem is not None:
-            warn(f"optimizer checkpoint {store.url(name)} does not match the optimizer ({planner.problem}); "
-                 "continuing with fresh optimizer state")
-            return
-        if state and optim is not None:
-            set_optimizer_state_dict(model, optim, state)
-
-    # -- locations ------------------------------------------------------------------------------------
-    def _store(self, root: str) -> Store:
-        if root not in self._stores:
-            self._stores[root] = open_store(root, **self.storage_options)
-        return self._stores[root]
-
-    def _object(self, path: str | os.PathLike[str]) -> tuple[Store, str]:
-        store, name = open_object(path, **self.storage_options)
-        return self._stores.setdefault(store.url(), store), name
-
-    def _locate(self, path: str | os.PathLike[str] | None, iteration: int) -> tuple[Store, str]:
-        if path is None:
-            return self.store, f"{int(iteration):07d}"
-        store, name = self._object(path)
-        if name.endswith(MARKER_SUFFIX):
-            name = name[: -len(MARKER_SUFFIX)]
-        if not name:
-            raise ConfigError(f"path={os.fspath(path)!r} names no step")
-        return store, name
-
-    def _writer(self, store: Store, name: str, key: str, kind: str) -> tuple[Any, str]:
-        """(the reusable writer of part ``key``/``kind``, the location of its directory ``name`` to pass
-        as ``checkpoint_id``)."""
-        cache = (store.url(), key, kind)
-        if cache not in self._writers:
-            self._writers[cache] = store.writer(name)
-        return self._writers[cache], store.url(name)
-
-    def _reader(self, store: Store, name: str, key: str, kind: str) -> Any:
-        """The reusable reader of part ``key``/``kind``, pointed at its directory ``name``."""
-        cache = (store.url(), key, kind)
-        if cache not in self._readers:
-            self._readers[cache] = store.reader(name)
-        reader = self._readers[cache]
-        reader.reset(store.url(name))
-        return reader

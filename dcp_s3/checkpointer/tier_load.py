@@ -1,7 +1,10 @@
 """``Checkpointer.load()`` with a local tier: pick the step, check each rank's local copy, load.
 
-The rule (also in :mod:`dcp_s3.checkpointer.tiers`): the newest step that is committed on S3 or whose
-local copy is committed on every rank (same rank, same world size); each rank loads its local copy of
+The rule (also in :mod:`dcp_s3.checkpointer.tiers`): the newest step that is committed on S3, or whose
+local copy is committed on every rank (same rank, same world size, same save), or whose copies of all
+its saving ranks are under the local root of every rank (a job of another world size on a shared disk:
+loaded collectively through their merged metadata, :mod:`dcp_s3.checkpointer.tier_reshard`; if that
+fails, from S3 if the step is there). Each rank loads its local copy of
 it if that copy holds every chunk its load needs, in objects that are all there and long enough (and
 the load checks every item's checksum); ranks whose copy fails load that step from S3 alone; a step
 that some rank cannot load locally and that is not on S3 is skipped, with a warning. All ranks
@@ -29,8 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dcp_s3.checkpointer.generations import find_complete, part_dirs_of, read_marker
 from dcp_s3.checkpointer.local_layout import from_view, layout_mismatch, layout_of, local_view
-from dcp_s3.checkpointer.ranks import distributed, rank
-from dcp_s3.checkpointer.tiers import LAYOUT, Tiers
+from dcp_s3.checkpointer.ranks import distributed, rank, world_size
+from dcp_s3.checkpointer.tier_reshard import Shared, check_shared, load_merged, shared_copies
+from dcp_s3.checkpointer.tiers import LAYOUT, Tiers, save_of
 from dcp_s3.checkpointer.training_state import on_meta, warn
 from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
@@ -151,15 +155,26 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
     load); None when no step is complete anywhere."""
     s3_steps = set(tiers.ranks.run_on_rank0(lambda: [s.name for s in find_complete(tiers.s3, None)]))
     mine = tiers.local_steps()
-    every = _gather(tiers, sorted(mine))
-    common = set.intersection(*(set(x) for x in every))
-    candidates = sorted(common | s3_steps, key=lambda n: (len(n), n))
-    # Steps some ranks hold locally, others not, and S3 not: never loadable; a newer one is warned about.
-    partial = sorted(set().union(*(set(x) for x in every)) - common - s3_steps, key=lambda n: (len(n), n))
+    shared, refused = shared_copies(tiers.local_root)
+    views = _gather(tiers, ({s: save_of(m) for s, (m, _) in mine.items()}, {s: c.save for s, c in shared.items()}))
+    every = [own for own, _ in views]
+    # A step counts in a tier view only if every rank sees it, as a copy of one and the same save.
+    common = _agreed(every)
+    merged_ok = _agreed([seen for _, seen in views]) - common
+    candidates = sorted(common | s3_steps | merged_ok, key=lambda n: (len(n), n))
+    # Steps some ranks hold locally, others not (or of another save), and S3 not: never loadable; a newer
+    # one is warned about.
+    partial = sorted(set().union(*(set(x) for x in every)) - common - s3_steps - merged_ok, key=lambda n: (len(n), n))
     reasons: dict[str, dict[int, str]] = {}
     me = rank()
     while candidates:
         step = candidates.pop()
+        if step in merged_ok:
+            got = _load_merged(tiers, step, shared[step], step in s3_steps, model_dict, optimizer_dict, reasons)
+            if got is None:
+                continue
+            _warn_newer(step, partial, every, refused)
+            return got
         problem = check_copy(tiers.local, *mine[step], model_dict, optimizer_dict) if step in mine \
             else "no local copy"
         bad = {r: p for r, p in enumerate(_gather(tiers, problem)) if p}
@@ -168,7 +183,7 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
         if bad and step not in s3_steps:
             warn(f"step {step} is not loaded from the local tier, and is not on S3: {_describe(bad)}")
             continue
-        _warn_newer(step, partial, every)
+        _warn_newer(step, partial, every, refused)
         if len(bad) == len(every):
             log.info("loading step %s from S3: no rank has a usable local copy (%s)", step, _describe(bad))
             tiers.last_load = {"step": step, "source": "s3", "s3_ranks": sorted(bad), "reasons": bad}
@@ -206,12 +221,54 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
     return None
 
 
-def _warn_newer(step: str, partial: list[str], every: list[list[str]]) -> None:
+def _agreed(views: list[dict[str, str | None]]) -> set[str]:
+    """The steps every rank's view holds, with one save token."""
+    return {s for s, save in views[0].items() if all(s in v and v[s] == save for v in views)}
+
+
+def _warn_newer(step: str, partial: list[str], every: list[dict[str, str | None]], refused: Mapping[str, str]) -> None:
     newer = [p for p in partial if (len(p), p) > (len(step), step)]
     if newer:
         held = {p: [r for r, x in enumerate(every) if p in x] for p in newer}
         warn(f"loading step {step}, not the newer " + ", ".join(
-            f"{p} (committed locally on ranks {held[p]} only, and not on S3)" for p in newer))
+            f"{p} (committed locally on ranks {held[p]} only, and not on S3)" if len(held[p]) < len(every)
+            else f"{p} (the ranks' local copies are of different saves of it, and it is not on S3)" for p in newer))
+    seen = [p for p in sorted(refused) if (len(p), p) > (len(step), step) and p not in partial]
+    if seen:
+        warn(f"loading step {step}, not the newer " + ", ".join(
+            f"{p} (its copies under the local root cannot be combined: {refused[p]})" for p in seen))
+
+
+def _load_merged(tiers: Tiers, step: str, shared: Shared, on_s3: bool, model_dict: Mapping[str, nn.Module],
+                 optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
+                 reasons: dict[str, dict[int, str]]) -> dict[str, Any] | None:
+    """Every rank: load ``step`` from the copies of all its saving ranks (:mod:`dcp_s3.checkpointer.tier_reshard`).
+    Returns what :func:`tiered_load` returns, or None when the step cannot be had (warned): the next is tried."""
+    merged, problem = check_shared(tiers.local_root, shared, model_dict, optimizer_dict)
+    bad = {r: p for r, p in enumerate(_gather(tiers, problem)) if p}
+    if not bad:
+        try:
+            load_merged(tiers.local_root, merged, model_dict, optimizer_dict)
+            error = None
+        except (Exception, CheckpointException) as exc:  # a corrupt or vanished object: decided on by all ranks
+            error = f"{type(exc).__name__}: {exc}"
+        bad = {r: e for r, e in enumerate(_gather(tiers, error)) if e}
+    if not bad:
+        log.info("loaded step %s from the local tier: the copies of its %d saving ranks under %s, resharded",
+                 step, shared.world_size, tiers.local_root)
+        tiers.last_load = {"step": step, "source": "local", "s3_ranks": [], "reasons": {},
+                           "resharded_from": shared.world_size}
+        return {"step": step, "marker": shared.copies[0].marker, "source": "local"}
+    reasons[step] = bad
+    if not on_s3:
+        warn(f"step {step} is not loaded from the copies of its {shared.world_size} saving ranks under "
+             f"{tiers.local_root}, and is not on S3: {_describe(bad)}")
+        return None
+    warn(f"step {step}: the copies of its {shared.world_size} saving ranks under {tiers.local_root} cannot serve "
+         f"this load, it is read from S3: {_describe(bad)}")
+    tiers.last_load = {"step": step, "source": "s3", "s3_ranks": list(range(world_size())),
+                       "reasons": bad}
+    return {"s3_step": step}
 
 
 def _describe(bad: Mapping[int, str]) -> str:

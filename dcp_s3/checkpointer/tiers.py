@@ -12,7 +12,11 @@ Which step ``load()`` takes (all ranks agree, by one all-gather): the newest of
 
 * the steps committed on S3, and
 * the steps whose local copy is committed on *every* rank, saved by the same rank of a job of the
-  same world size.
+  same world size, and
+* the steps whose copies of *all* their saving ranks are under every rank's local root, all of one
+  save (a job of another world size: a resharded load, :mod:`dcp_s3.checkpointer.tier_reshard`).
+
+Copies of different saves of one step (the save token in :data:`LOCAL_ENTRY`) never count as one step.
 
 Each rank then checks its local copy of that step against what it is about to load: every chunk
 its load needs is stored (same offsets and sizes: a different sharding is refused), and every object
@@ -51,19 +55,21 @@ from dcp_s3.checkpointer.local_layout import layout_of, local_view
 from dcp_s3.checkpointer.promotion import commit_promoted, upload_rank
 from dcp_s3.checkpointer.ranks import Ranks, rank, world_size
 from dcp_s3.checkpointer.retention import delete_step, retain_last
-from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
+from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, PART_SUFFIX_RE, scan
 from dcp_s3.checkpointer.training_state import warn
-from dcp_s3.errors import ConfigError, DcpS3Error
+from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
 from dcp_s3.store import Store, open_store
 from dcp_s3.untrusted.torch_files import torch_save_bytes
 
-__all__ = ["TIERS", "StepStatus", "Tiers"]
+__all__ = ["TIERS", "StepStatus", "Tiers", "local_copy", "save_of"]
 
 log = logging.getLogger("dcp_s3")
 
 #: Values of ``save(..., tier=...)``: the local tier only, or local and then promoted to S3.
 TIERS = ("local", "s3")
-#: The marker entry of a local step: which rank of which world size saved it.
+#: The marker entry of a local step: which rank of which world size saved it, and which save (``save``: a
+#: token drawn by rank 0 for each save, the same on every rank, so that copies of different saves of one
+#: step — a rerun — are never taken for one step).
 LOCAL_ENTRY = "local_tier"
 #: The marker entry of a local step: each part's layout (:func:`dcp_s3.checkpointer.local_layout.layout_of`).
 LAYOUT = "local_layout"
@@ -141,7 +147,7 @@ class Tiers:
             layouts[f"{key}_{kind}"] = layout_of(state, copy.copy(planner))
             dcp.save(local_view(state), checkpoint_id=local.url(name),
                      storage_writer=local.writer(name, overwrite=True), planner=planner, no_dist=True)
-        mine = {**content, LOCAL_ENTRY: {"rank": rank(), "world_size": world_size()}, LAYOUT: layouts}
+        mine = {**content, LOCAL_ENTRY: {"rank": rank(), "world_size": world_size(), "save": token}, LAYOUT: layouts}
         if ltoken is not None:
             mine[PART_DIRS] = {s: marker_entry(s, ltoken) for s in suffixes}
         commit_step(local, step, torch_save_bytes(mine), ltoken, suffixes)
@@ -262,16 +268,42 @@ class Tiers:
         out: dict[str, tuple[Any, dict[str, str]]] = {}
         for step in find_complete(self.local, None):
             try:
-                found = read_marker(self.local, step.name)
+                found = local_copy(self.local, step.name)
                 if found is None:
                     continue
-                marker = found[1]
-                entry = marker.get(LOCAL_ENTRY) if isinstance(marker, dict) else None
-                if marker.get("format") != MARKER_FORMAT or entry != {"rank": rank(), "world_size": world_size()}:
+                marker, dirs, entry = found
+                if (entry["rank"], entry["world_size"]) != (rank(), world_size()):
                     continue
-                where = self.local.url(step.name + MARKER_SUFFIX)
-                dirs = part_dirs_of(marker, step.name, where) or {p: f"{step.name}.{p}" for p in marker["parts"]}
                 out[step.name] = (marker, dirs)
-            except (DcpS3Error, OSError, KeyError, TypeError) as exc:
+            except (DcpS3Error, OSError) as exc:
                 log.warning("local step %s is not usable: %s", self.local.url(step.name), exc)
         return out
+
+
+def save_of(marker: Any) -> str | None:
+    """The save token of a local copy's marker (None: a marker written before tokens were recorded)."""
+    save = marker[LOCAL_ENTRY].get("save")
+    return save if isinstance(save, str) else None
+
+
+def local_copy(store: Store, step: str) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]] | None:
+    """(marker, part directory by part, its :data:`LOCAL_ENTRY`) of the local step ``step`` in ``store`` (one
+    rank's directory), or None if it has no marker or is not a local-tier step. The marker is stored bytes:
+    ``CheckpointFormatError`` (naming it) for an entry whose rank or world size is not a whole number in
+    range, or parts that are not part names."""
+    found = read_marker(store, step)
+    if found is None:
+        return None
+    marker, where = found[1], store.url(step + MARKER_SUFFIX)
+    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT or LOCAL_ENTRY not in marker:
+        return None
+    entry = marker[LOCAL_ENTRY]
+    ok = isinstance(entry, dict) and type(entry.get("rank")) is int and type(entry.get("world_size")) is int \
+        and 0 <= entry["rank"] < entry["world_size"]
+    if not ok:
+        raise CheckpointFormatError(f"{where}: {LOCAL_ENTRY!r} = {entry!r} names no rank of a world size")
+    parts = marker.get("parts")
+    if not isinstance(parts, list) or not all(isinstance(p, str) and PART_SUFFIX_RE.fullmatch(p) for p in parts):
+        raise CheckpointFormatError(f"{where}: 'parts' = {parts!r} is not a list of part names")
+    dirs = part_dirs_of(marker, step, where) or {p: f"{step}.{p}" for p in parts}
+    return marker, dirs, entry

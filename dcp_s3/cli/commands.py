@@ -20,6 +20,7 @@ from dcp_s3.cli.text import human_size, parse_duration, parse_request_arg, print
 from dcp_s3.cli.text import say as _say
 from dcp_s3.cli.text import table as _table
 from dcp_s3.cli.text import when as _when
+from dcp_s3.cli.tier_table import print_local_tier as _print_local_tier
 from dcp_s3.errors import ConfigError
 
 __all__ = ["main", "human_size", "parse_duration", "parse_request_arg", "printable"]
@@ -27,7 +28,9 @@ __all__ = ["main", "human_size", "parse_duration", "parse_request_arg", "printab
 EXAMPLES = {
     "ls": """examples:
   dcp-s3 ls s3://bucket/run1                 # steps of a run, oldest first
-  dcp-s3 ls ./checkpoints --endpoint-url http://127.0.0.1:9000""",
+  dcp-s3 ls ./checkpoints --endpoint-url http://127.0.0.1:9000
+  dcp-s3 ls /local_nvme/run1 --s3 s3://bucket/run1   # a tiered Checkpointer's local root: per step, the
+                                             # ranks holding a local copy, S3 state, promotion lag""",
     "inspect": """examples:
   dcp-s3 inspect s3://bucket/run1/0001000    # every part of a step
   dcp-s3 inspect s3://bucket/run1/0001000.model_model --json""",
@@ -81,8 +84,12 @@ def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from dcp_s3.admin import list_steps
+    from dcp_s3.admin import is_local_tier_root, list_local_tier, list_steps
 
+    if args.s3 is not None or is_local_tier_root(args.uri):
+        tier_rows = list_local_tier(args.uri, args.s3, **({} if args.s3 is None else _options(args, args.s3)))
+        _print_local_tier(args.uri, tier_rows, args.s3)
+        return 0
     steps = list_steps(args.uri, **_options(args, args.uri))
     rows = [["STEP", "STATUS", "STORED", "LOGICAL", "RATIO", "OBJECTS", "TIME"]]
     for s in steps:
@@ -276,8 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("ls", cmd_ls, "list steps under a prefix",
             "List steps (and plain DCP checkpoints) under a prefix: complete or not, bytes stored, tensor bytes "
-            "per the metadata, their ratio (compression), object count and time.")
+            "per the metadata, their ratio (compression), object count and time. For the local root of a "
+            "Checkpointer(local_root=...) (rank<NNNNN>/ directories): per step, the ranks holding a committed "
+            "local copy, whether it is complete (every rank of the job that saved it, one save), and with --s3 "
+            "its state on S3 and the promotion lag (S3 marker's LastModified minus the newest local marker's "
+            "modification time).")
     p.add_argument("uri", help="s3://bucket/prefix or a local directory")
+    p.add_argument("--s3", metavar="S3_ROOT",
+                   help="with a local tier root: the Checkpointer's S3 root, to show each step's state there")
 
     p = add("inspect", cmd_inspect, "show the tensors of a checkpoint",
             "Show every entry of a checkpoint (all parts of a step): shape, dtype, number of chunks (shards), "

@@ -1,4 +1,5 @@
-"""A local-tier marker's shard layout is stored bytes: a lying one is refused before it becomes metadata."""
+"""A local-tier marker's shard layout is stored bytes: a lying one is refused before it becomes metadata
+(alone, and merged with the other ranks' for a resharded load)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_s3.checkpointer.local_layout import globalize
+from dcp_s3.checkpointer.tier_reshard import _check_cover
 from dcp_s3.errors import CheckpointFormatError
 
 
@@ -45,3 +47,22 @@ def test_a_lying_layout_is_refused(spot: tuple) -> None:
 def test_a_layout_that_is_not_a_mapping_is_refused() -> None:
     with pytest.raises(CheckpointFormatError, match="no layout"):
         globalize(_metadata(), ["w"], "rank 1")
+
+
+def _chunks(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> TensorStorageMetadata:
+    return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
+                                 [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes])
+
+
+def test_merged_shards_must_cover_each_tensor_exactly_once() -> None:
+    """A resharded load from the local tier merges every rank's layout: shards that leave a gap or overlap
+    (lying markers that each pass on their own) are refused before the load."""
+    _check_cover("w", _chunks([8], [([0], [4]), ([4], [4])]), "root")
+    _check_cover("w", _chunks([4, 4], [([0, 0], [2, 2]), ([0, 2], [2, 2]), ([2, 0], [2, 2]), ([2, 2], [2, 2])]), "root")
+    _check_cover("w", _chunks([8], [([0], [8]), ([8], [0])]), "root")  # an empty shard of an uneven split
+    with pytest.raises(CheckpointFormatError, match="'w'.* cover 4 of its 8"):
+        _check_cover("w", _chunks([8], [([0], [4])]), "root")
+    with pytest.raises(CheckpointFormatError, match="overlap"):
+        _check_cover("w", _chunks([8], [([0], [4]), ([2], [4])]), "root")
+    with pytest.raises(CheckpointFormatError, match="overlap"):
+        _check_cover("w", _chunks([4, 4], [([0, 0], [4, 2]), ([0, 1], [4, 2])]), "root")

@@ -1,0 +1,262 @@
+"""A resharded load from the local tier: every saving rank's copy, read through one merged global metadata.
+
+The local tier keeps each rank's state in its own directory, ``<local_root>/rank<NNNNN>/``
+(:mod:`dcp_s3.checkpointer.tiers`). A job of another world size cannot load its own copy, but when the
+copies of *all* the saving ranks of a step are readable from this process (all rank directories under
+one local root, e.g. on a node's shared disk) it can still load the step without S3:
+
+1. :func:`shared_copies`: every ``rank<NNNNN>/`` directory under the local root is listed and the
+   committed copies of each step collected. A step counts when its markers name ranks ``0..W-1`` of one
+   world size ``W``, each in its own directory, and the same save (the ``save`` token rank 0 drew for it:
+   copies of two saves of one step — a rerun that did not complete on every rank — are never combined).
+2. :func:`merged_metadata`: for each part, every saving rank's local ``.metadata`` is moved into global
+   coordinates by its marker's layout (:func:`~dcp_s3.checkpointer.local_layout.globalize`, which
+   checks the layout: stored bytes) and the ranks' metadata merged as promotion merges them
+   (:func:`~dcp_s3.checkpointer.promotion.merge_metadata`); each item's object is named by its rank
+   directory. It is checked before use: every tensor's chunks cover it exactly once, every object the
+   items need is there and long enough.
+3. :func:`load_merged`: the ordinary collective DCP load (the step I/O's part loaders,
+   :mod:`dcp_s3.checkpointer.step_io`), through a reader (:class:`MergedReader`) that serves the merged
+   metadata from memory and reads the items from the rank directories, checking every item's checksum.
+   DCP reshards: each loading rank reads only the byte ranges its own shards need.
+
+Which step is loaded, and the fallback to S3, are decided in :mod:`dcp_s3.checkpointer.tier_load`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from dcp_s3.checkpointer.generations import find_complete
+from dcp_s3.checkpointer.local_layout import globalize
+from dcp_s3.checkpointer.promotion import merge_metadata
+from dcp_s3.checkpointer.step_io import load_model, load_optim
+from dcp_s3.checkpointer.tiers import LAYOUT, LOCAL_ENTRY, local_copy, save_of
+from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
+from dcp_s3.layout import METADATA_KEY
+from dcp_s3.metadata.formats import dump_metadata, load_metadata
+from dcp_s3.storage.reader import S3StorageReader
+from dcp_s3.store import Store, open_store
+
+__all__ = [
+    "Copy", "Shared", "rank_dir", "rank_dirs", "scan_copies", "copies_problem", "shared_copies", "merged_metadata",
+    "MergedReader", "check_shared", "load_merged",
+]
+
+_RANK_DIR_RE = re.compile(r"rank(\d{5})/")
+
+
+def rank_dir(rank: int) -> str:
+    """The directory of rank ``rank`` under a local root."""
+    return f"rank{rank:05d}"
+
+
+class Copy(NamedTuple):
+    """One saving rank's committed local copy of a step."""
+
+    rank: int
+    store: Store  # the rank's directory
+    marker: dict[str, Any]
+    dirs: dict[str, str]  # part directory by part
+    committed_at: float  # the marker's modification time (epoch s)
+
+
+class Shared(NamedTuple):
+    """A step whose copies of every saving rank are under the local root, all of one save."""
+
+    save: str
+    world_size: int
+    copies: list[Copy]  # by saving rank
+
+
+def rank_dirs(local_root: str) -> dict[int, Store]:
+    """The ``rank<NNNNN>/`` directories under ``local_root``, by rank (none if it is not a directory)."""
+    if not os.path.isdir(local_root):
+        return {}
+    out = {}
+    for sub in sorted(open_store(local_root).list_dir("")[1]):
+        m = _RANK_DIR_RE.fullmatch(sub)
+        if m is not None:
+            out[int(m.group(1))] = open_store(os.path.join(local_root, sub[:-1]))
+    return out
+
+
+def scan_copies(local_root: str) -> dict[str, dict[int, Copy | str]]:
+    """Every committed local copy under ``local_root``, by step and by the rank directory holding it; a copy
+    whose marker cannot be read or is hostile (stored bytes) is the reason instead, never an exception."""
+    found: dict[str, dict[int, Copy | str]] = {}
+    for r, store in rank_dirs(local_root).items():
+        try:
+            steps = find_complete(store, None)
+        except (DcpS3Error, OSError) as exc:
+            found.setdefault("", {})[r] = f"{store.url()}: {type(exc).__name__}: {exc}"
+            continue
+        for step in steps:
+            try:
+                got = local_copy(store, step.name)
+            except (DcpS3Error, OSError) as exc:
+                found.setdefault(step.name, {})[r] = f"{type(exc).__name__}: {exc}"
+                continue
+            if got is not None:
+                at = step.marker.mtime if step.marker is not None else 0.0
+                found.setdefault(step.name, {})[r] = Copy(r, store, got[0], got[1], at)
+    found.pop("", None)
+    return found
+
+
+def shared_copies(local_root: str) -> tuple[dict[str, Shared], dict[str, str]]:
+    """(the steps under ``local_root`` complete across rank directories, by step; why each other step seen
+    there is not, by step). Unreadable or hostile markers make their step unusable, never raise."""
+    shared: dict[str, Shared] = {}
+    why: dict[str, str] = {}
+    for step, by_rank in scan_copies(local_root).items():
+        problem = copies_problem(by_rank)
+        if problem:
+            why[step] = problem
+            continue
+        copies = [c for _, c in sorted(by_rank.items()) if isinstance(c, Copy)]
+        save = save_of(copies[0].marker)
+        assert save is not None  # checked by copies_problem
+        shared[step] = Shared(save, len(copies), copies)
+    return shared, why
+
+
+def copies_problem(by_rank: Mapping[int, Copy | str]) -> str | None:
+    """Why the copies of one step (by rank directory, from :func:`scan_copies`) are not one complete save
+    of it by every rank of its world size, or None."""
+    bad = {r: c for r, c in by_rank.items() if isinstance(c, str)}
+    if bad:
+        return "; ".join(f"rank {r}: {c}" for r, c in sorted(bad.items()))
+    copies = [c for _, c in sorted(by_rank.items()) if isinstance(c, Copy)]
+    entries = [c.marker[LOCAL_ENTRY] for c in copies]
+    misplaced = [c.rank for c, e in zip(copies, entries) if e["rank"] != c.rank]
+    if misplaced:
+        return f"the copies in the directories of ranks {misplaced} were saved by other ranks"
+    worlds = {e["world_size"] for e in entries}
+    if len(worlds) != 1:
+        return f"its copies were saved by jobs of different world sizes {sorted(worlds)}"
+    (world,) = worlds
+    missing = sorted(set(range(world)) - {c.rank for c in copies})
+    if missing:
+        return f"saved by {world} ranks, the copies of ranks {missing} are not there"
+    saves = {save_of(c.marker) for c in copies}
+    if None in saves:
+        return "its markers record no save token (saved by an older dcp_s3)"
+    if len(saves) != 1:
+        held = {s: [c.rank for c in copies if save_of(c.marker) == s] for s in saves}
+        return "its copies are of different saves of the step (ranks " + "; ".join(
+            map(str, held.values())) + "): a rerun that did not complete on every rank"
+    parts = {tuple(sorted(c.dirs)) for c in copies}
+    if len(parts) != 1:
+        return f"its copies hold different parts {sorted(parts)}"
+    return None
+
+
+def merged_metadata(shared: Shared, part: str, where: str) -> Metadata:
+    """The global metadata of ``part`` over every saving rank's copy, each item named by its rank directory
+    (``rank<NNNNN>/<part dir>/<object>``), checked (module docstring). ``CheckpointFormatError`` or
+    ``CheckpointNotFoundError`` (naming the object) when it cannot serve a load."""
+    per_rank = []
+    for c in shared.copies:
+        name = c.dirs.get(part)
+        if name is None:
+            raise CheckpointNotFoundError(f"{c.store.url()}: the step has no part {part!r}")
+        meta_where = c.store.url(f"{name}/{METADATA_KEY}")
+        layouts = c.marker.get(LAYOUT)
+        layout = layouts.get(part) if isinstance(layouts, dict) else None
+        md = globalize(load_metadata(c.store.read(f"{name}/{METADATA_KEY}"), meta_where), layout, meta_where)
+        need: dict[str, int] = {}
+        storage = {}
+        for index, info in md.storage_data.items():
+            rel = info.relative_path
+            if not isinstance(rel, str) or not rel or "/" in rel or rel in (".", ".."):
+                raise CheckpointFormatError(f"{meta_where}: item {index.fqn!r} names the object {rel!r}")
+            need[rel] = max(need.get(rel, 0), info.offset + info.length)
+            storage[index] = dataclasses.replace(info, relative_path=f"{rank_dir(c.rank)}/{name}/{rel}")
+        for rel, n in sorted(need.items()):
+            size = c.store.size(f"{name}/{rel}")
+            if size is None:
+                raise CheckpointNotFoundError(f"{c.store.url(f'{name}/{rel}')} is missing")
+            if size < n:
+                raise CheckpointFormatError(f"{c.store.url(f'{name}/{rel}')} holds {size} bytes, its items need {n}")
+        md.storage_data = storage
+        per_rank.append(md)
+    merged = merge_metadata(per_rank)
+    for fqn, entry in merged.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_cover(fqn, entry, where)
+    # Through the same restricted reading as any stored metadata, so the load sees what an S3 load sees.
+    return load_metadata(dump_metadata(merged, "dcp"), where)
+
+
+def _check_cover(fqn: str, entry: TensorStorageMetadata, where: str) -> None:
+    """Every element of the tensor is in exactly one chunk (else DCP would leave the rest unloaded): the
+    chunks' volumes add up to the tensor's and no two overlap (a sweep along the first dimension, so
+    shards along it — FSDP's — cost n log n)."""
+    boxes = sorted((list(c.offsets), list(c.sizes)) for c in entry.chunks if math.prod(c.sizes))
+    covered = sum(math.prod(s) for _, s in boxes)
+    overlap = False
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1:]:
+            if oa and ob[0] >= oa[0] + sa[0]:
+                break  # sorted by the first offset: no later box reaches back into this one
+            if all(x < y + m and y < x + n for x, n, y, m in zip(oa, sa, ob, sb)):
+                overlap = True
+                break
+        if overlap:
+            break
+    if overlap or covered != math.prod(entry.size):
+        raise CheckpointFormatError(
+            f"{where}: the ranks' shards of {fqn!r} cover {covered} of its {math.prod(entry.size)} elements"
+            + (" and overlap" if overlap else "")
+        )
+
+
+class MergedReader(S3StorageReader):
+    """A reader over the local root that loads with the merged metadata it is given (held in memory, not
+    read) and reads each item from the rank directory that metadata names; checksums as any load."""
+
+    def __init__(self, local_root: str, metadata: Metadata) -> None:
+        super().__init__(local_root, share_metadata=False)
+        self._merged = metadata
+
+    # The parameter must be literally named ``kwargs`` for DCP to pass rank/use_collectives.
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The merged metadata (no read)."""
+        md = self._merged
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+def check_shared(local_root: str, shared: Shared, model_dict: Mapping[str, nn.Module],
+                 optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> tuple[dict[str, Metadata], str | None]:
+    """(merged metadata by part, None) for the parts this load needs, or ({}, why not)."""
+    parts = [f"{k}_model" for k in model_dict] + [f"{k}_optim" for k in sorted(optimizer_dict or {})]
+    out = {}
+    try:
+        for part in parts:
+            out[part] = merged_metadata(shared, part, f"{local_root} ({part}, merged over {shared.world_size} ranks)")
+    except (DcpS3Error, OSError) as exc:
+        return {}, f"{type(exc).__name__}: {exc}"
+    return out, None
+
+
+def load_merged(local_root: str, merged: Mapping[str, Metadata], model_dict: Mapping[str, nn.Module],
+                optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> None:
+    """Every rank, collectively: load every part through a :class:`MergedReader` of ``merged``."""
+    for key, model in model_dict.items():
+        load_model(MergedReader(local_root, merged[f"{key}_model"]), model)
+    for key, optim in sorted((optimizer_dict or {}).items()):
+        where = f"{local_root} ({key}_optim, merged)"
+        load_optim(MergedReader(local_root, merged[f"{key}_optim"]), where, model_dict[key], optim)
