@@ -38,7 +38,7 @@ from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.planners.sharing import broadcast_bytes, metadata_source
 from dcp_s3.storage.options import check_allow_unsafe_byte_items, check_replica_group, check_share_metadata
 from dcp_s3.storage.replicated import read_replicated
-from dcp_s3.storage.request_report import Meter, RankFigures, summary
+from dcp_s3.storage.request_report import Meter, RankFigures, own_rank, summary
 from dcp_s3.storage.session import Location, Session
 from dcp_s3.storage.tensor_bytes import StagedRows, raw_bytes_view
 from dcp_s3.untrusted.byte_items import check_byte_item
@@ -206,7 +206,7 @@ class S3StorageReader(Location, StorageReader):
             fut.set_result(None)
         except Exception as exc:  # delivered through the future, as DCP expects
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank = own_rank(None)
         self.request_stats = {rank: self._meter.since_start()}
         level = logging.INFO if any(f["refusals"] for f in self.request_stats[rank].values()) else logging.DEBUG
         log.log(level, "%s", summary(f"load of {self.checkpoint_id}, rank {rank}", self.request_stats))

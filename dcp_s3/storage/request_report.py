@@ -18,11 +18,12 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_s3.objstore.rate_hooks import request_stats, request_stats_since
 
-__all__ = ["KeyFigures", "RankFigures", "RankResults", "Meter", "split_results", "summary"]
+__all__ = ["KeyFigures", "RankFigures", "RankResults", "Meter", "own_rank", "split_results", "summary"]
 
 log = logging.getLogger("dcp_s3")
 
@@ -31,6 +32,14 @@ log = logging.getLogger("dcp_s3")
 KeyFigures = dict[str, float]
 #: A rank's figures, per paced key (``"s3://bucket/prefix/ (write)"``).
 RankFigures = dict[str, KeyFigures]
+
+
+def own_rank(rank: int | None) -> int:
+    """The rank whose figures these are: ``rank`` as DCP gave it, else (torch < 2.9 gives the writer none) the
+    process's rank in the default group, else 0."""
+    if rank is not None:
+        return rank
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Meter:

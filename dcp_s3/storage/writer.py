@@ -64,7 +64,7 @@ from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.packed.results import PackedResults
 from dcp_s3.storage.data_objects import planned_size, split_items, write_item
 from dcp_s3.storage.options import check_compression
-from dcp_s3.storage.request_report import Meter, RankFigures, RankResults, split_results, summary
+from dcp_s3.storage.request_report import Meter, RankFigures, RankResults, own_rank, split_results, summary
 from dcp_s3.storage.session import Location, Session
 
 __all__ = ["S3StorageWriter"]
@@ -247,8 +247,9 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
 
     def _note_own_stats(self) -> RankFigures:
         own = self._meter.since_start()
-        self.request_stats = {self.rank or 0: own}
-        log.debug("%s", summary(f"save of {self.checkpoint_id}, rank {self.rank or 0}", self.request_stats))
+        me = own_rank(self.rank)
+        self.request_stats = {me: own}
+        log.debug("%s", summary(f"save of {self.checkpoint_id}, rank {me}", self.request_stats))
         return own
 
     def _write_all(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -307,7 +308,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         try:
             self._finish(metadata, results)
         finally:
-            gathered[self.rank or 0] = self._meter.since_start()  # with the commit's own requests
+            gathered[own_rank(self.rank)] = self._meter.since_start()  # with the commit's own requests
             self.request_stats = dict(sorted(gathered.items()))
             log.info("%s", summary(f"save of {self.checkpoint_id}", self.request_stats))
 
