@@ -1,23 +1,33 @@
-"""Savers against a prefix that throttles: botocore's ``standard`` and ``adaptive`` retries against dcp_s3's rate
-controller (issue 27), through the loopback throttling proxy of the tests (``tests/throttle_proxy.py``), which
-enforces a per-prefix write rate like S3's (scaled down) and answers ``503 SlowDown``.
+"""Saves and loads against a prefix that throttles: botocore's ``standard`` and ``adaptive`` retries against dcp_s3's
+rate controller (issue 27), through the loopback throttling proxy of the tests (``tests/throttle_proxy.py``), which
+enforces per-prefix request rates like S3's (scaled down) and answers ``503 SlowDown``.
 
-    python -m benchmarks.throttle                  # 8 savers, overload 5x / 20x / 50x, 3 modes (~15 min)
-    python -m benchmarks.throttle --overloads 20 --savers 4
+    python -m benchmarks.throttle                  # 8 ranks, every scenario, 3 modes (11 min on 2 cores)
+    python -m benchmarks.throttle --scenarios hot --overloads 20 --ranks 4
 
-Each saver is its own process (its own client), all start at the same instant, and each saves one checkpoint of
-``--objects`` data objects (plus ``.metadata``) under one prefix. Overload = the writes' offered rate (all writes
-in ``--burst-s`` seconds) over the enforced rate, so the ideal makespan is writes / enforced rate. Reported per
-mode and overload: failed saves, makespan / ideal, attempts per accepted write, refused fraction, goodput (accepted
-writes per second over the enforced rate), p99 of a write request's latency (retries included) and the spread of
-finish times; and, with no throttling, the controller's overhead against botocore alone (same run).
+The savers are the ranks of one gloo job (each rank its own process and client), all calling ``dcp.save`` of one
+checkpoint together, so each rank starts at its plan-time share of the per-prefix budget (``prefix_write_rate``,
+standing for S3's published figure; here the proxy's enforced rate: "budget known", or a multiple of it: "budget
+too high", as for a new S3 prefix that starts below the published figure). Each rank writes ``--objects`` data
+objects (rank 0 also ``.metadata``). Overload = the writes' offered rate (all writes in ``--burst-s`` seconds) over
+the enforced rate; the ideal makespan is (accepted writes - the proxy's bucket depth) / enforced rate. Every job-mode row runs on one
+gloo job, one after the other (each row its own proxy and top-level prefix), modes interleaved per scenario. Scenarios: ``none`` (no throttling: the
+controller's overhead against botocore alone), ``hot`` (one prefix at each overload), ``unknown`` (the controller
+told ``--budget-multiples`` x the enforced rate), ``prefixes`` (``key_prefixes=4``, one of them hot),
+``drop`` (the capacity halves mid-save), ``load`` (every rank loads its shards with throttled ranged GETs),
+``independent`` (contrast: separate processes, each its own no_dist save and told the whole budget).
+Reported: failed saves, makespan / ideal, attempts per accepted request, refused fraction (all, and in steady
+state: the second half of the makespan), goodput (accepted requests per second over the enforced rate), p99
+request latency (retries included), spread of finish times.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -31,55 +41,101 @@ MODES = {  # ClientConfig settings of each contestant
     "adaptive": {"rate_control": False, "retry_mode": "adaptive"},
     "controller": {"rate_control": True},
 }
+WRITES = ("PutObject", "UploadPart", "CompleteMultipartUpload", "CreateMultipartUpload")
 
 
-def child(args: argparse.Namespace) -> None:
-    """One saver: prints one JSON line."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from dcp_s3 import ClientConfig, S3StorageWriter
-
-    settings = dict(MODES[args.mode], endpoint_url=args.endpoint, prefix_write_rate=args.rate)
-    client = ClientConfig(**settings)
+def _timed_client(writer_or_reader: Any, ops: tuple[str, ...]) -> list[float]:
+    """Latencies (retries included) of ``ops`` made by the writer's or reader's (shared, cached) client."""
     latencies: list[float] = []
 
     def start(context: dict[str, Any], **_: Any) -> None:
         context["bench_t0"] = time.monotonic()
 
     def end(context: dict[str, Any], model: Any, **_: Any) -> None:
-        if model.name in ("PutObject", "UploadPart", "CompleteMultipartUpload", "CreateMultipartUpload"):
+        if model.name in ops:
             latencies.append(time.monotonic() - context.get("bench_t0", time.monotonic()))
 
-    state = {f"t{i}": torch.full((256,), float(i)) for i in range(args.objects)}
-    writer = S3StorageWriter(args.uri, client=client, files_per_rank=args.objects)
-    events = writer._session.client_config.client().meta.events  # the writer's (shared, cached) client
+    events = writer_or_reader._session.client_config.client().meta.events
     events.register("before-call.s3", start)
     events.register("after-call.s3", end)
     events.register("after-call-error.s3", end)
-    time.sleep(max(0.0, args.start_at - time.time()))
+    return latencies
+
+
+def _state(rank: int, objects: int) -> dict[str, Any]:
+    import torch
+
+    return {f"r{rank}.t{i}": torch.full((256,), float(rank * 1000 + i)) for i in range(objects)}
+
+
+def job_rank(rank: int, world: int, env: dict[str, str], specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One rank of the job: for each spec in turn, save (or load) one checkpoint with every other rank. Each spec
+    has its own proxy (endpoint), so its own controller; its checkpoint has its own top-level prefix, so nothing
+    learnt in one carries to the next."""
+    os.environ.update(env)
+    return [_one(rank, spec) for spec in specs]
+
+
+def _one(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter
+
+    client = ClientConfig(**MODES[spec["mode"]], endpoint_url=spec["endpoint"], prefix_write_rate=spec["write_budget"],
+                          prefix_read_rate=spec["read_budget"])
+    state = _state(rank, spec["objects"])
+    if spec["load"]:
+        io: Any = S3StorageReader(spec["uri"], client=client)
+        latencies = _timed_client(io, ("GetObject", "HeadObject"))
+    else:
+        io = S3StorageWriter(spec["uri"], client=client, files_per_rank=spec["objects"],
+                             key_prefixes=spec["key_prefixes"])
+        latencies = _timed_client(io, WRITES)
+    dist.barrier()
     t0 = time.monotonic()
     try:
-        dcp.save(state, storage_writer=writer, no_dist=True)
+        if spec["load"]:
+            dcp.load(state, storage_reader=io)
+        else:
+            dcp.save(state, storage_writer=io)
         error = None
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print("RESULT " + json.dumps({"error": error, "seconds": time.monotonic() - t0, "latencies": latencies}),
+    return {"error": error, "t0": t0, "t1": time.monotonic(), "latencies": latencies}
+
+
+def child(args: argparse.Namespace) -> None:
+    """One independent saver (the contrast mode): prints one JSON line."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_s3 import ClientConfig, S3StorageWriter
+
+    client = ClientConfig(**MODES[args.mode], endpoint_url=args.endpoint, prefix_write_rate=args.rate)
+    writer = S3StorageWriter(args.uri, client=client, files_per_rank=args.objects)
+    latencies = _timed_client(writer, WRITES)
+    time.sleep(max(0.0, args.start_at - time.time()))
+    t0 = time.monotonic()
+    try:
+        dcp.save(_state(0, args.objects), storage_writer=writer, no_dist=True)
+        error = None
+    except BaseException as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print("RESULT " + json.dumps({"error": error, "t0": t0, "t1": time.monotonic(), "latencies": latencies}),
           flush=True)
 
 
-def run_savers(proxy: Any, bucket: str, env: dict[str, str], mode: str, args: argparse.Namespace,
-               rate: float) -> list[dict[str, Any]]:
-    start_at = time.time() + 8 + 2 * args.savers  # every saver has imported torch by then
-    run = f"{mode}-{int(time.time() * 1000)}"
+def run_independent(proxy: Any, bucket: str, env: dict[str, str], mode: str, args: argparse.Namespace,
+                    budget: float, run: str) -> list[dict[str, Any]]:
+    start_at = time.time() + 8 + 2 * args.ranks  # every saver has imported torch by then
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "benchmarks.throttle", "--child", "--mode", mode, "--endpoint", proxy.url,
-             "--uri", f"s3://{bucket}/hot/{run}-{i}", "--rate", str(rate), "--objects", str(args.objects),
+             "--uri", f"s3://{bucket}/{run}/saver-{i}", "--rate", str(budget), "--objects", str(args.objects),
              "--start-at", str(start_at)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=common.REPO_ROOT,
         )
-        for i in range(args.savers)
+        for i in range(args.ranks)
     ]
     results = []
     for proc in procs:
@@ -91,32 +147,140 @@ def run_savers(proxy: Any, bucket: str, env: dict[str, str], mode: str, args: ar
     return results
 
 
-def measure(server: Any, bucket: str, mode: str, args: argparse.Namespace, rate: float | None) -> dict[str, Any]:
-    from throttle_proxy import ThrottleProxy
-
-    enforced = rate if rate is not None else 1e6
-    env = {**os.environ, **server.env(), "PYTHONPATH": str(common.REPO_ROOT)}
-    with ThrottleProxy(server.endpoint_url, write_rate=enforced, read_rate=1e6, prefix_depth=1) as proxy:
-        # The controller is told the enforced rate as its per-prefix budget (the setting for it); with no
-        # throttling it gets S3's default.
-        results = run_savers(proxy, bucket, env, mode, args, enforced if rate is not None else 3500.0)
-        stats = proxy.stats()
-    accepted, refused = stats["accepted"].get("write", 0), stats["refused"].get("write", 0)
-    seconds = [r["seconds"] for r in results]
+def summarize(results: list[dict[str, Any]], events: list[tuple[float, str, bool, str]], kind: str,
+              rate: float | None, drop: tuple[float, float] | None, prefix: str | None = None,
+              burst: float = 0.0) -> dict[str, Any]:
+    t0, t1 = min(r["t0"] for r in results), max(r["t1"] for r in results)
+    makespan = t1 - t0
+    mine = [(t, ok) for t, k, ok, p in events if k == kind and (prefix is None or p == prefix)]
+    accepted = sum(ok for _, ok in mine)
+    refused = len(mine) - accepted
+    half = [ok for t, ok in mine if t >= t0 + makespan / 2]
     latencies = sorted(x for r in results for x in r["latencies"])
-    makespan = max(seconds)
     row: dict[str, Any] = {
-        "mode": mode, "enforced_rate": rate, "failed": sum(r["error"] is not None for r in results),
-        "savers": len(results), "makespan_s": makespan, "accepted": accepted, "refused": refused,
-        "refused_fraction": refused / max(1, accepted + refused), "attempts_per_write": (accepted + refused) / max(1, accepted),
+        "failed": sum(r["error"] is not None for r in results), "ranks": len(results), "makespan_s": makespan,
+        "accepted": accepted, "refused": refused, "refused_fraction": refused / max(1, len(mine)),
+        "steady_refused_fraction": (len(half) - sum(half)) / max(1, len(half)),
+        "attempts_per_success": len(mine) / max(1, accepted),
         "p99_latency_s": latencies[int(0.99 * (len(latencies) - 1))] if latencies else None,
-        "finish_spread_s": makespan - min(seconds), "errors": sorted({r["error"] for r in results if r["error"]}),
+        "finish_spread_s": t1 - min(r["t1"] for r in results),
+        "errors": sorted({r["error"] for r in results if r["error"]}),
     }
     if rate is not None:
-        row["ideal_s"] = accepted / rate
-        row["makespan_over_ideal"] = makespan / row["ideal_s"]
-        row["goodput"] = accepted / makespan / rate
+        # The proxy's bucket starts full: that many requests need no time (subtracting them makes the ideal
+        # shorter, the ratio harder).
+        paced = max(1.0, accepted - burst)
+        ideal = paced / rate
+        if drop is not None:  # rate until drop_at, then drop_factor x rate
+            at, factor = drop
+            ideal = ideal if ideal <= at else at + (paced - at * rate) / (rate * factor)
+        row["ideal_s"] = ideal
+        row["makespan_over_ideal"] = makespan / ideal
+        row["goodput"] = ideal / makespan  # accepted / makespan over the enforced (mean) rate
     return row
+
+
+def prepare(server: Any, bucket: str, args: argparse.Namespace, *, scenario: str, mode: str, overload: float,
+            budget_multiple: float = 1.0) -> dict[str, Any]:
+    """One row's proxy settings and the spec its ranks run."""
+    writes = args.ranks * args.objects + 1
+    offered = writes / args.burst_s
+    rate = offered / overload if overload else None
+    enforced = rate if rate is not None else 1e6
+    run = f"{scenario}-{mode}-{overload:g}-{budget_multiple:g}-{int(time.time() * 1000)}"
+    load = scenario == "load"
+    key_prefixes = 4 if scenario == "prefixes" else 1
+    drop = (args.drop_at, 0.5) if scenario == "drop" else None
+    proxy_kw: dict[str, Any] = {"write_rate": enforced, "read_rate": 1e6, "prefix_depth": 1, "min_burst": args.ranks}
+    if scenario == "prefixes":  # p-0/ is hot, the other prefixes are not throttled
+        rate = enforced = offered / key_prefixes / overload
+        proxy_kw.update(write_rate=1e6, prefix_depth=3, prefix_write_rates={f"{run}/ckpt/p-0": enforced})
+    if load:
+        proxy_kw.update(write_rate=1e6, read_rate=enforced)
+    if drop is not None:
+        proxy_kw.update(drop_at_s=drop[0], drop_factor=drop[1])
+    # "budget known": the per-prefix budget setting is the enforced rate; with no throttling, S3's default.
+    budget = enforced * budget_multiple if rate is not None else 3500.0
+    spec = {"mode": mode, "endpoint": "", "uri": f"s3://{bucket}/{run}/ckpt", "objects": args.objects,
+            "key_prefixes": key_prefixes, "load": load, "write_budget": 3500.0 if load else budget,
+            "read_budget": budget if load else 5500.0}
+    row = {"scenario": scenario, "mode": mode, "overload": overload, "budget_multiple": budget_multiple,
+           "enforced_rate": rate}
+    return {"row": row, "proxy_kw": proxy_kw, "spec": spec, "drop": drop, "run": run, "budget": budget,
+            "burst": max(args.ranks, enforced * 0.2), "hot": f"{run}/ckpt/p-0" if scenario == "prefixes" else None}
+
+
+def measure_job(server: Any, bucket: str, args: argparse.Namespace, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every item on one gloo job of ``args.ranks`` ranks (each with its own proxy), one after the other."""
+    from dist_utils import run_ranks
+    from throttle_proxy import ThrottleProxy
+
+    env = {**os.environ, **server.env(), "PYTHONPATH": str(common.REPO_ROOT)}
+    preps = [prepare(server, bucket, args, **item) for item in items]
+    with contextlib.ExitStack() as stack:
+        specs = []
+        for prep in preps:
+            proxy = prep["proxy"] = stack.enter_context(ThrottleProxy(server.endpoint_url, **prep["proxy_kw"]))
+            if prep["spec"]["load"]:  # the checkpoint to load, saved unthrottled just before
+                plain = stack.enter_context(ThrottleProxy(server.endpoint_url, write_rate=1e6, read_rate=1e6))
+                specs.append({**prep["spec"], "endpoint": plain.url, "load": False, "mode": "standard"})
+            specs.append({**prep["spec"], "endpoint": proxy.url})
+        per_rank = run_ranks(job_rank, args.ranks, env, specs, timeout=3600)
+        rows, at = [], 0
+        for prep in preps:
+            at += prep["spec"]["load"]  # skip the unthrottled save before a load
+            results = [r[at] for r in per_rank]
+            at += 1
+            row = summarize(results, list(prep["proxy"].events), "read" if prep["spec"]["load"] else "write",
+                            prep["row"]["enforced_rate"], prep["drop"], prep["hot"], prep["burst"])
+            rows.append({**row, **prep["row"]})
+    return rows
+
+
+def measure_independent(server: Any, bucket: str, args: argparse.Namespace, item: dict[str, Any]) -> dict[str, Any]:
+    """The contrast: separate processes, each its own no_dist save, each told the whole budget."""
+    from throttle_proxy import ThrottleProxy
+
+    env = {**os.environ, **server.env(), "PYTHONPATH": str(common.REPO_ROOT)}
+    prep = prepare(server, bucket, args, **item)
+    with ThrottleProxy(server.endpoint_url, **prep["proxy_kw"]) as proxy:
+        results = run_independent(proxy, bucket, env, item["mode"], args, prep["budget"], prep["run"])
+        events = list(proxy.events)
+    return {**summarize(results, events, "write", prep["row"]["enforced_rate"], None, None, prep["burst"]),
+            **prep["row"]}
+
+
+def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    base = {m: statistics.median(r["makespan_s"] for r in rows if r["scenario"] == "none" and r["mode"] == m)
+            for m in {r["mode"] for r in rows if r["scenario"] == "none"}}
+    fixed = base.get("controller", 0.0)  # what a save takes with nothing throttled: DCP's own steps, not pacing
+
+    def net(r: dict[str, Any]) -> str:
+        return common.fmt((r["makespan_s"] - fixed) / r["ideal_s"]) if r["overload"] and not r["failed"] else "—"
+
+    table = [
+        [r["scenario"], f"{r['overload']:g}x" if r["overload"] else "none",
+         f"{r['budget_multiple']:g}x" if r["overload"] else "S3 default", r["mode"], f"{r['failed']}/{r['ranks']}",
+         common.fmt(r.get("makespan_over_ideal")) if r["overload"] else common.fmt(r["makespan_s"]) + " s", net(r),
+         common.fmt(r["attempts_per_success"]), common.fmt(r["refused_fraction"]),
+         common.fmt(r["steady_refused_fraction"]), common.fmt(r.get("goodput")), common.fmt(r["p99_latency_s"]),
+         common.fmt(r["finish_spread_s"])]
+        for r in rows
+    ]
+    md = common.markdown_table(
+        ["scenario", "overload", "budget / capacity", "mode", "ranks failed", "makespan / ideal",
+         "(makespan - unthrottled) / ideal", "attempts per success", "refused", "refused, 2nd half", "goodput",
+         "p99 latency s", "finish spread s"], table)
+    overhead = (f"No throttling: controller makespan {base['controller']:.2f} s against {base['standard']:.2f} s for "
+                f"botocore alone, medians of 3 interleaved runs ({base['controller'] / base['standard'] - 1:+.1%}).\n"
+                if {"controller", "standard"} <= set(base) else "")
+    return (f"{args.ranks} ranks of one gloo job x {args.objects} objects (+ .metadata), offered = all writes in "
+            f"{args.burst_s:g} s, enforced rate = offered / overload, proxy bucket depth max(0.2 s, {args.ranks} "
+            f"requests), ideal = (accepted - bucket depth) / enforced rate; \"unthrottled\" = the controller's median "
+            f"save with nothing throttled ({fixed:.2f} s: DCP's planning and finish steps). \"ranks failed\": ranks whose "
+            f"dcp.save/load raised (for those rows makespan is the time to fail). p99 latency: a request's, from the "
+            f"call to its answer, retries and (controller) the wait for a token included. SeaweedFS behind "
+            f"tests/throttle_proxy.py\n\n{md}\n\n{overhead}")
 
 
 def main() -> None:
@@ -128,52 +292,52 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=3500.0)
     ap.add_argument("--start-at", type=float, default=0.0)
     ap.add_argument("--objects", type=int, default=16)
-    ap.add_argument("--savers", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--overloads", default="5,20,50")
-    ap.add_argument("--burst-s", type=float, default=2.0, help="offered load: every write in this many seconds")
+    ap.add_argument("--budget-multiples", default="4,20")
+    ap.add_argument("--burst-s", type=float, default=1.0, help="offered load: every write in this many seconds")
+    ap.add_argument("--drop-at", type=float, default=8.0, help="drop scenario: capacity halves after this many s")
+    ap.add_argument("--scenarios", default="none,hot,unknown,prefixes,drop,load,independent")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--out", default=str(common.RESULTS_DIR / "throttle.json"))
+    ap.add_argument("--render", action="store_true", help="only rewrite the .md of --out from its .json")
     args = ap.parse_args()
+    if args.render:
+        saved = json.loads(Path(args.out).read_text())
+        Path(args.out).with_suffix(".md").write_text(render(saved["rows"], argparse.Namespace(**saved["args"])))
+        return
     if args.child:
         child(args)
         return
-    sys.path.insert(0, str(common.REPO_ROOT / "tests"))  # the tests' throttling proxy (stdlib only)
+    sys.path.insert(0, str(common.REPO_ROOT / "tests"))  # the tests' throttling proxy and gloo launcher
     from dcp_s3.local_server import LocalS3Server
 
-    writes = args.savers * (args.objects + 1)
-    offered = writes / args.burst_s
-    rows: list[dict[str, Any]] = []
+    scenarios, modes = args.scenarios.split(","), args.modes.split(",")
+    overloads = [float(x) for x in args.overloads.split(",")]
+    plan: list[dict[str, Any]] = []
+    if "none" in scenarios:  # three of each, interleaved; the table gives each one, the overhead the medians
+        plan += [{"scenario": "none", "mode": m, "overload": 0.0} for _ in range(3) for m in ("standard", "controller")]
+    for overload in overloads if "hot" in scenarios else []:
+        plan += [{"scenario": "hot", "mode": m, "overload": overload} for m in modes]
+    for multiple in [float(x) for x in args.budget_multiples.split(",")] if "unknown" in scenarios else []:
+        plan += [{"scenario": "unknown", "mode": "controller", "overload": 20.0, "budget_multiple": multiple}]
+    for scenario in ("prefixes", "drop", "load"):
+        if scenario in scenarios:
+            plan += [{"scenario": scenario, "mode": m, "overload": 20.0} for m in modes]
+    if "independent" in scenarios:
+        plan += [{"scenario": "independent", "mode": "controller", "overload": 20.0}]
     t0 = time.monotonic()
+    out = Path(args.out)
     with LocalS3Server.start("seaweedfs") as server:
         bucket = server.create_bucket(common.new_bucket_name("throttle"))
-        modes = args.modes.split(",")
-        for mode in ("standard", "controller"):  # overhead when nothing throttles, same run
-            rows.append({**measure(server, bucket, mode, args, None), "overload": 0})
-            print(json.dumps(rows[-1]), flush=True)
-        for overload in (float(x) for x in args.overloads.split(",")):
-            for mode in modes:  # interleaved: background load hits every mode alike
-                rows.append({**measure(server, bucket, mode, args, offered / overload), "overload": overload})
-                print(json.dumps(rows[-1]), flush=True)
-    table = [
-        [f"{r['overload']:g}x" if r["overload"] else "none", r["mode"], f"{r['failed']}/{r['savers']}",
-         common.fmt(r.get("makespan_over_ideal")) if r["overload"] else common.fmt(r["makespan_s"]) + " s",
-         common.fmt(r["attempts_per_write"]), common.fmt(r["refused_fraction"]), common.fmt(r.get("goodput")),
-         common.fmt(r["p99_latency_s"]), common.fmt(r["finish_spread_s"])]
-        for r in rows
-    ]
-    md = common.markdown_table(
-        ["overload", "mode", "failed saves", "makespan / ideal", "attempts per write", "refused", "goodput",
-         "p99 write latency s", "finish spread s"], table)
-    base = {r["mode"]: r["makespan_s"] for r in rows if not r["overload"]}
-    overhead = base["controller"] / base["standard"] - 1 if "standard" in base else None
-    text = (f"{args.savers} savers x {args.objects + 1} writes, one prefix, offered {offered:.0f} writes/s "
-            f"(enforced rate = offered / overload); SeaweedFS behind tests/throttle_proxy.py\n\n{md}\n\n"
-            f"No throttling: controller makespan {base.get('controller', 0):.2f} s against {base.get('standard', 0):.2f} s "
-            f"for botocore alone ({overhead:+.1%}).\n")
-    print(text)
-    out = Path(args.out)
+        rows = measure_job(server, bucket, args, [i for i in plan if i["scenario"] != "independent"])
+        rows += [measure_independent(server, bucket, args, i) for i in plan if i["scenario"] == "independent"]
+    for row in rows:
+        print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
     common.write_json(out, {"benchmark": "throttle", "rows": rows, "machine": common.machine_info(),
                             "seconds": time.monotonic() - t0, "args": vars(args)})
+    text = render(rows, args)
+    print(text)
     out.with_suffix(".md").write_text(text)
     print(f"wrote {out} and {out.with_suffix('.md')}")
 

@@ -1,7 +1,10 @@
 """A loopback S3 proxy that enforces request rates like S3 does, scaled down (stdlib only).
 
 Per (key prefix, class) a token bucket: ``write_rate`` PUT/POST/DELETE and ``read_rate`` GET/HEAD
-requests per second, ``burst`` seconds of them at once. A request over the rate is answered
+requests per second, ``burst_s`` seconds of them at once but at least ``min_burst`` (S3's real rates
+take hundreds of requests arriving together; scaled down to a request per second, a bucket one token
+deep would refuse any two senders that happen to send within a second of each other, which no
+independent senders can avoid, so the benchmark sets ``min_burst`` to the number of senders). A request over the rate is answered
 ``503 SlowDown`` with AWS's XML body, and not forwarded; under ``Expect: 100-continue`` before its
 body is read (the client then sends none), as S3 does. The prefix is the key's first
 ``prefix_depth`` path components (1: ``run1/`` for ``run1/step-1/__0_0.distcp``), so every
@@ -10,8 +13,9 @@ checkpoint under one root shares one budget, like one S3 partition.
 ``grow_after_s``: capacity doubles (up to ``max_growth``×) after that many seconds of continuous
 refusals on a prefix (S3 adds capacity under sustained load). ``prefix_write_rates``: write rates of
 particular prefixes (a hot one). ``drop_at_s``/``drop_factor``: the
-rates fall to ``drop_factor``× that many seconds after the proxy starts (a capacity drop mid-run).
-``stats()`` gives accepted and refused requests per class; the proxy runs in its own thread and
+rates fall to ``drop_factor``× that many seconds after the first request (a capacity drop mid-run).
+``stats()`` gives accepted and refused requests per class, ``events`` each admission decision as
+``(time.monotonic(), class, accepted, prefix)``; the proxy runs in its own thread and
 can serve several client processes (its ``url`` goes to their environment).
 """
 
@@ -29,15 +33,15 @@ __all__ = ["ThrottleProxy"]
 
 
 class _Bucket:
-    def __init__(self, rate: float, burst_s: float, now: float) -> None:
-        self.rate, self.burst_s = rate, burst_s
-        self.tokens, self.stamp = max(1.0, rate * burst_s), now
+    def __init__(self, rate: float, burst_s: float, now: float, min_burst: float = 1.0) -> None:
+        self.rate, self.burst_s, self.min_burst = rate, burst_s, min_burst
+        self.tokens, self.stamp = max(min_burst, rate * burst_s), now
         self.refusing_since: float | None = None
         self.growth = 1.0
 
     def take(self, now: float, factor: float) -> bool:
         rate = self.rate * self.growth * factor
-        self.tokens = min(max(1.0, rate * self.burst_s), self.tokens + (now - self.stamp) * rate)
+        self.tokens = min(max(self.min_burst, rate * self.burst_s), self.tokens + (now - self.stamp) * rate)
         self.stamp = now
         if self.tokens >= 1.0:
             self.tokens -= 1.0
@@ -50,19 +54,21 @@ class ThrottleProxy(FaultProxy):
     def __init__(
         self, upstream: str, *, write_rate: float, read_rate: float, burst_s: float = 0.2, prefix_depth: int = 1,
         grow_after_s: float | None = None, max_growth: float = 4.0, drop_at_s: float | None = None,
-        drop_factor: float = 0.5, prefix_write_rates: dict[str, float] | None = None, **kwargs: object,
+        drop_factor: float = 0.5, prefix_write_rates: dict[str, float] | None = None, min_burst: float = 1.0,
+        **kwargs: object,
     ) -> None:
         kwargs.setdefault("max_connections", 256)
         super().__init__(upstream, **kwargs)  # type: ignore[arg-type]
         self.rates = {"write": write_rate, "read": read_rate}
         self.prefix_write_rates = dict(prefix_write_rates or {})
-        self.burst_s, self.prefix_depth = burst_s, prefix_depth
+        self.burst_s, self.prefix_depth, self.min_burst = burst_s, prefix_depth, min_burst
         self.grow_after_s, self.max_growth = grow_after_s, max_growth
         self.drop_at_s, self.drop_factor = drop_at_s, drop_factor
         self._buckets: dict[tuple[str, str], _Bucket] = {}
         self.accepted: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()
-        self.started = time.monotonic()
+        self.started: float | None = None  # the first request
+        self.events: list[tuple[float, str, bool, str]] = []
         self._rate_lock = threading.Lock()
 
     def _prefix(self, target: str) -> str:
@@ -75,13 +81,15 @@ class ThrottleProxy(FaultProxy):
     def _admit(self, method: str, target: str) -> bool:
         kind = "read" if method in ("GET", "HEAD") else "write"
         now = time.monotonic()
-        factor = self.drop_factor if self.drop_at_s is not None and now - self.started >= self.drop_at_s else 1.0
         with self._rate_lock:
+            self.started = self.started if self.started is not None else now
+            dropped = self.drop_at_s is not None and now - self.started >= self.drop_at_s
+            factor = self.drop_factor if dropped else 1.0
             key = (self._prefix(target), kind)
             bucket = self._buckets.get(key)
             if bucket is None:
                 rate = self.prefix_write_rates.get(key[0], self.rates[kind]) if kind == "write" else self.rates[kind]
-                bucket = self._buckets[key] = _Bucket(rate, self.burst_s, now)
+                bucket = self._buckets[key] = _Bucket(rate, self.burst_s, now, self.min_burst)
             ok = bucket.take(now, factor)
             if not ok:
                 bucket.refusing_since = bucket.refusing_since or now
@@ -89,6 +97,7 @@ class ThrottleProxy(FaultProxy):
                     bucket.growth = min(self.max_growth, bucket.growth * 2)
                     bucket.refusing_since = now
             (self.accepted if ok else self.refused)[kind] += 1
+            self.events.append((now, kind, ok, key[0]))
             return ok
 
     def _answer_before_body(self, method: str, target: str, headers: dict[str, str]) -> bytes | None:

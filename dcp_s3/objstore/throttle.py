@@ -7,15 +7,25 @@ of a job saves at the same moment, so a large job meets it exactly when it check
 
 - it starts at the rank's share of a per-prefix budget (:meth:`RateController.set_share`: the
   writer and reader give it the world size and the prefix layout at plan time), with a random
-  phase, so a job's ranks do not all burst at once;
+  phase (the first request waits up to one interval, ``1 / rate``), so a job's ranks do not all
+  burst at once; a key under the same parent prefix as one that met refusals (the next checkpoint
+  of a run) starts from the rate that one learnt, if lower;
 - every attempt, retries included, takes a token first, and at most ``max(2, rate)`` attempts of a
   key are in flight;
-- until its first refusal a key is in slow start: each answer while requests wait for tokens adds
-  ``SLOW_START_GAIN`` requests/s (the rate grows by half of itself per second), so a conservative
-  share costs little where the store has capacity to spare;
-- a refusal cuts the rate to ``DECREASE`` × the rate the key was achieving (at most once per
-  ``decrease_interval``, so one burst of refusals counts once); from then on, while requests are
-  paced and none is refused, the rate grows by ``INCREASE`` × the rate at the last refusal per second.
+- above its start rate a key probes additively: while requests wait for tokens and none is refused,
+  the rate grows by ``INCREASE`` × the rate it started from (or was last cut to) per second. With a
+  known budget every rank's share is exact, and ranks that all grew exponentially would overshoot it
+  together;
+- a refusal cuts the rate to ``DECREASE`` × the rate sent × the fraction of the answers since the
+  last cut that were accepted (at least ``MIN_ANSWERS`` of them, else the fraction counts as 1; at
+  most a quarter at once): a budget far above the capacity, most of it refused, is left in a step or
+  two, while a rank that meets one refusal among many answers loses only ``1 - DECREASE``. At most
+  one cut per ``decrease_interval`` and per request interval, so a burst of refusals counts once.
+  After a cut the rate regains ``RECOVER`` × the level it was cut from exponentially
+  (``RECOVERY_GAIN`` of itself per second, per second of answers, never per answer: no jump at a low
+  rate), then probes additively again;
+- no cut goes below ``MIN_RATE``, or below the start rate where that is lower: a rank's share of
+  0.17 requests/s is honoured, not rounded up (``ranks × MIN_RATE`` can exceed a small capacity).
 
 Pure Python, no botocore: :mod:`dcp_s3.objstore.rate_hooks` connects it to a client. The clock
 and sleep are injectable, so the policy is tested as a function of time.
@@ -27,6 +37,7 @@ import math
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,10 +58,12 @@ READ_OPERATIONS = frozenset({
     "GetObject", "HeadObject", "HeadBucket", "ListObjects", "ListObjectsV2", "ListParts", "ListMultipartUploads",
 })
 
-DECREASE = 0.8  # multiplicative decrease on a refusal (a sawtooth between 0.8 and 1 of the capacity: ~90% goodput)
-INCREASE = 0.02  # additive increase per second while paced, as a fraction of the rate at the last refusal
-MIN_RATE = 0.5  # requests per second below which no key is paced
-SLOW_START_GAIN = 0.5  # requests/s added per answer before the first refusal
+DECREASE = 0.8  # multiplicative decrease on a refusal
+INCREASE = 0.01  # additive increase per second while paced, as a fraction of the start rate or the last cut
+RECOVER = 0.85  # after a decrease the rate grows back exponentially to this fraction of the rate cut, then additively
+MIN_RATE = 0.05  # requests per second: the lowest rate a decrease reaches (lower if the key started lower)
+RECOVERY_GAIN = 0.2  # below the level to regain, the rate grows by this fraction of itself per second while paced
+MIN_ANSWERS = 4  # answers since the last decrease before their accepted fraction may set the next one
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +76,11 @@ class RateKey:
 
     def __str__(self) -> str:
         return f"s3://{self.bucket}/{self.prefix} ({self.kind})"
+
+    @property
+    def parent(self) -> tuple[str, str, str]:
+        """Bucket, parent prefix and class: what the keys of successive checkpoints under one root share."""
+        return self.bucket, self.prefix.rstrip("/").rpartition("/")[0], self.kind
 
 
 def rate_key(operation: str, bucket: str, key: str | None) -> RateKey:
@@ -91,17 +109,19 @@ class KeyStats:
 class _Bucket:
     """Token bucket and AIMD state of one key (guarded by the controller's condition)."""
 
-    def __init__(self, rate: float, now: float) -> None:
-        self.start_rate = self.rate = rate
+    def __init__(self, rate: float, now: float, learnt: float | None = None) -> None:
+        self.start_rate = rate
+        self.floor = min(MIN_RATE, rate)  # never above the rank's share: a share of 0.17/s is honoured
+        self.unrefused = learnt is None
+        self.rate = rate if learnt is None else max(self.floor, min(rate, learnt))
+        self.ceiling = self.rate
         self.tokens = random.random()  # a random phase: ranks starting together do not send together
-        self.stamp = now
+        self.stamp = self.grown_at = now
         self.in_flight = 0
         self.last_decrease = -math.inf
         self.paced_at = -math.inf  # when a request last had to wait for a token
-        self.window_start, self.window_ok, self.achieved = now, 0, rate
-        self.slow_start = True
-        self.ceiling = rate
-        self.stats = KeyStats(rate=rate, peak_rate=rate)
+        self.answers: deque[bool] = deque(maxlen=4 * MIN_ANSWERS)  # since the last decrease: accepted or not
+        self.stats = KeyStats(rate=self.rate, peak_rate=self.rate)
 
     def refill(self, now: float) -> None:
         burst = max(1.0, self.rate / 10)  # at most 100 ms of requests at once
@@ -109,27 +129,32 @@ class _Bucket:
         self.stamp = now
 
     def succeeded(self, now: float) -> None:
-        self.window_ok += 1
-        if now - self.window_start >= 1.0:
-            self.achieved = self.window_ok / (now - self.window_start)
-            self.window_start, self.window_ok = now, 0
-        if now - self.paced_at < 1.0:  # only a rate that limits grows: no unbounded climb while idle
-            if self.slow_start:
-                self.rate += SLOW_START_GAIN
-            else:
-                self.rate += INCREASE * self.ceiling / max(self.rate, MIN_RATE)
+        self.answers.append(True)
+        if now - self.paced_at < max(1.0, 2.0 / self.rate):  # only a rate that limits grows: no climb while idle
+            dt = min(1.0, now - self.grown_at)  # growth per second, not per answer: no jump at a low rate
+            if self.rate < self.ceiling:  # back to the last rate that was not refused: exponential
+                self.rate = min(self.ceiling, self.rate * (1.0 + RECOVERY_GAIN * dt))
+            else:  # above it (above the share, before any refusal): probing, additive
+                self.rate += INCREASE * self.ceiling * dt
             self._note_rate()
+        self.grown_at = now
 
     def refused(self, now: float, decrease_interval: float) -> None:
         self.stats.refusals += 1
-        self.slow_start = False
+        self.answers.append(False)
+        self.unrefused = False
+        self.grown_at = now
         if now - self.last_decrease < max(decrease_interval, 1.0 / self.rate):
             return
         self.last_decrease = now
-        window = now - self.window_start
-        achieved = self.window_ok / window if window >= 0.25 else self.achieved
-        self.ceiling = max(MIN_RATE, min(self.rate, max(achieved, MIN_RATE)))  # what the store gave: its capacity
-        self.rate = max(MIN_RATE, DECREASE * self.ceiling)
+        # Cut to DECREASE x the rate, or lower to what the store accepted of the attempts since the last cut
+        # (a budget far above the capacity, most of it refused, is left in a step or two; never below a
+        # quarter at once, and only from enough answers: a slow rank's few answers say little).
+        accepted = sum(self.answers) / len(self.answers) if len(self.answers) >= MIN_ANSWERS else 1.0
+        level = self.rate * max(0.25, min(1.0, accepted))  # what the store took
+        self.rate = max(self.floor, DECREASE * level)
+        self.ceiling = max(self.rate, RECOVER * level)  # regained quickly, then probed for additively
+        self.answers.clear()
         self.tokens = min(self.tokens, 0.0)
         self._note_rate()
 
@@ -157,28 +182,37 @@ class RateController:
         self._cond = threading.Condition()
         self._sleep = sleep
         self._buckets: dict[RateKey, _Bucket] = {}
+        self._learnt: dict[tuple[str, str, str], float] = {}  # rate learnt from refusals, per parent prefix
 
     def set_share(self, ranks: int, prefixes: int = 1) -> None:
         """Start keys at ``prefixes / ranks`` of the budget (``ranks`` ranks spread over ``prefixes``
-        key prefixes share each prefix's budget). Keys still in slow start restart from it; those that
+        key prefixes share each prefix's budget). Keys that met no refusal yet restart from it; those that
         met refusals keep the rate they learnt."""
         share = min(1.0, max(1, prefixes) / max(1, ranks))
         with self._cond:
             self.share = share
             for key, bucket in self._buckets.items():
                 bucket.start_rate = self._start_rate(key)
-                if bucket.slow_start:
-                    bucket.rate = bucket.start_rate
+                bucket.floor = min(MIN_RATE, bucket.start_rate)
+                if bucket.unrefused:
+                    bucket.rate = bucket.ceiling = bucket.start_rate
                     bucket._note_rate()
 
     def _start_rate(self, key: RateKey) -> float:
-        return max(MIN_RATE, self.budget[key.kind] * self.share)
+        return max(1e-3, self.budget[key.kind] * self.share)
 
     def _bucket(self, key: RateKey) -> _Bucket:
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = _Bucket(self._start_rate(key), self._clock())
+            # A new key (a new checkpoint's directory) starts from what a key under the same parent prefix
+            # learnt from refusals, if that is below its share: the store's partition is usually the parent's.
+            learnt = self._learnt.get(key.parent)
+            bucket = self._buckets[key] = _Bucket(self._start_rate(key), self._clock(), learnt)
         return bucket
+
+    def _learn(self, key: RateKey, bucket: _Bucket) -> None:
+        if not bucket.unrefused:
+            self._learnt[key.parent] = bucket.rate
 
     def acquire(self, key: RateKey) -> float:
         """Wait for a token and an in-flight slot of ``key``; the seconds waited."""
@@ -224,6 +258,7 @@ class RateController:
                 bucket.refused(now, self.decrease_interval)
             else:
                 bucket.succeeded(now)
+            self._learn(key, bucket)
             self._cond.notify_all()
 
     def rate(self, key: RateKey) -> float:
