@@ -46,6 +46,7 @@ def fresh_load(root: str, local: str, **kw: Any) -> tuple[int, dict[str, Any], d
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         it = ckpt.load({"m": model}, {"m": optim}, {"m": sched})
+    ckpt.close()
     return it, snapshot(model, optim), ckpt.last_load, [str(w.message) for w in caught]
 
 

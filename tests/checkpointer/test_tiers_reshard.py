@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,38 +20,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from counting_proxy import CountingProxy, reset
+from counting_proxy import CountingProxy
 from dist_utils import run_ranks
-from test_checkpointer import build, same, snapshot, train, trainable
+from test_checkpointer import build, snapshot, train
+from test_tiers import check, data_gets, fresh_load
 
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.metadata.formats import load_metadata
 
 pytestmark = [pytest.mark.multiproc]
-
-
-def data_gets(rank: int, proxy: str) -> int | None:
-    """Barrier, then (rank 0) the GETs of data objects since the previous call, zeroed."""
-    dist.barrier()
-    got = reset(proxy) if rank == 0 else None
-    dist.barrier()
-    return None if got is None else got.requests("GetObject", ".distcp")
-
-
-def fresh_load(root: str, local: str) -> tuple[int, dict[str, Any], dict[str, Any], list[str]]:
-    model, optim, sched = build(seed=99)
-    ckpt = Checkpointer(root, local_root=local)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        it = ckpt.load({"m": model}, {"m": optim}, {"m": sched})
-    ckpt.close()
-    return it, snapshot(model, optim), ckpt.last_load, [str(w.message) for w in caught]
-
-
-def check(ref: dict[str, Any], got: dict[str, Any]) -> None:
-    same(trainable(ref["model"]), trainable(got["model"]))
-    same(ref["optim"], got["optim"])
 
 
 def save_job(rank: int, world: int, env: dict[str, str], root: str, base: str) -> None:
