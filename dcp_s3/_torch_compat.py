@@ -61,6 +61,7 @@ __all__ = [
     "_load_state_dict",
     "element_size",
     "default_group_has_cpu",
+    "default_store",
     "group_device_types",
     "async_save",
     "require_transform_descriptors",
@@ -136,6 +137,17 @@ def default_group_has_cpu() -> bool:
     """True if the default process group has a backend for CPU tensors (e.g. gloo)."""
     group: Any = dist.distributed_c10d._get_default_group()
     return torch.device("cpu") in group._device_types
+
+
+def default_store() -> dist.Store | None:
+    """The default process group's key-value store (``TCPStore`` for a ``torchrun`` job), or None without
+    one. Private in every supported release (``distributed_c10d._get_default_store``)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return cast(dist.Store, dist.distributed_c10d._get_default_store())
+    except (AttributeError, RuntimeError, ValueError):  # a renamed helper or a group with no store
+        return None
 
 
 def async_save(state_dict: Any, *, no_dist: bool, **kwargs: Any) -> Future[Any]:

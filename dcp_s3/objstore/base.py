@@ -17,12 +17,14 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
+from dcp_s3.objstore.throttle import JobProgress
 
 __all__ = [
     "ObjectStore", "ObjectWriter", "ObjectInfo", "PendingUpload", "RangeRead", "coalesce", "wait_all",
@@ -263,6 +265,12 @@ class ObjectStore(ABC):
     def plan_requests(self, ranks: int, prefixes: int) -> None:
         """A job of ``ranks`` ranks spreading its keys over ``prefixes`` prefixes is about to send its
         requests: a store that paces them (S3) starts this process at its share of the budget."""
+
+    @contextmanager
+    def following(self, progress: JobProgress) -> Iterator[None]:
+        """While a save or load runs, ``progress`` counts the job's ranks still sending: a store that paces
+        requests (S3) lets the ranks still sending take up what finished ones leave."""
+        yield
 
     @abstractmethod
     def check_container(self) -> None:

@@ -33,9 +33,9 @@ from botocore.retries.standard import (
     StandardRetryConditions,
 )
 
-from dcp_s3.objstore.throttle import RateController, RateKey, is_throttle, rate_key
+from dcp_s3.objstore.throttle import JobProgress, RateController, RateKey, is_throttle, rate_key
 
-__all__ = ["install_rate_control", "controller_for", "plan_share", "request_stats"]
+__all__ = ["install_rate_control", "controller_for", "plan_share", "plan_progress", "end_progress", "request_stats"]
 
 log = logging.getLogger("dcp_s3")
 
@@ -59,10 +59,26 @@ def controller_for(endpoint: str, write_rate: float, read_rate: float) -> RateCo
 def plan_share(endpoint: str, ranks: int, prefixes: int) -> None:
     """Start this process's keys to ``endpoint`` at ``prefixes / ranks`` of the budget (see
     :meth:`RateController.set_share`)."""
-    with _LOCK:
-        controllers = [c for (e, _, _), c in _CONTROLLERS.items() if e == endpoint]
-    for controller in controllers:
+    for controller in _controllers(endpoint):
         controller.set_share(ranks, prefixes)
+
+
+def plan_progress(endpoint: str, progress: JobProgress) -> None:
+    """Scale this process's rates to ``endpoint`` by the job's ranks still sending in ``progress`` (see
+    :meth:`RateController.follow`) until :func:`end_progress`."""
+    for controller in _controllers(endpoint):
+        controller.follow(progress)
+
+
+def end_progress(endpoint: str, progress: JobProgress) -> None:
+    """The save or load that ``progress`` counts is over: back to the whole job's rates."""
+    for controller in _controllers(endpoint):
+        controller.unfollow(progress)
+
+
+def _controllers(endpoint: str) -> list[RateController]:
+    with _LOCK:
+        return [c for (e, _, _), c in _CONTROLLERS.items() if e == endpoint]
 
 
 def request_stats() -> dict[str, dict[str, float]]:

@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
@@ -32,7 +33,7 @@ from dcp_s3.errors import (
 from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size, open_destination
 from dcp_s3.objstore.buffers import BufferPool, BufferReader
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
-from dcp_s3.objstore.rate_hooks import plan_share
+from dcp_s3.objstore.rate_hooks import end_progress, plan_progress, plan_share
 from dcp_s3.objstore.s3_multipart import MultipartWriter, copy_multipart
 from dcp_s3.objstore.s3_requests import (
     BODY_ERRORS,
@@ -45,6 +46,7 @@ from dcp_s3.objstore.s3_requests import (
     translate_error,
     upload_checksum,
 )
+from dcp_s3.objstore.throttle import JobProgress
 
 __all__ = ["S3ObjectStore", "MAX_COPY_SIZE"]
 
@@ -95,6 +97,15 @@ class S3ObjectStore(ObjectStore):
 
     def plan_requests(self, ranks: int, prefixes: int) -> None:
         plan_share(str(self.client.meta.endpoint_url), ranks, prefixes)
+
+    @contextmanager
+    def following(self, progress: JobProgress) -> Iterator[None]:
+        endpoint = str(self.client.meta.endpoint_url)
+        plan_progress(endpoint, progress)
+        try:
+            yield
+        finally:
+            end_progress(endpoint, progress)
 
     def call(self, op: str, key: str | None, **kwargs: Any) -> Any:
         """``client.<op>(Bucket=..., **kwargs)`` plus the request options ``op`` takes."""

@@ -25,7 +25,13 @@ of a job saves at the same moment, so a large job meets it exactly when it check
   (``RECOVERY_GAIN`` of itself per second, per second of answers, never per answer: no jump at a low
   rate), then probes additively again;
 - no cut goes below ``MIN_RATE``, or below the start rate where that is lower: a rank's share of
-  0.17 requests/s is honoured, not rounded up (``ranks × MIN_RATE`` can exceed a small capacity).
+  0.17 requests/s is honoured, not rounded up (``ranks × MIN_RATE`` can exceed a small capacity);
+- while a save or load runs, the controller can follow the job's progress (:meth:`RateController.follow`:
+  a :class:`JobProgress` counting the ranks still sending, which the storage layer keeps in the job's
+  c10d store): when ranks finish, every key's rate is scaled by ``active before / active now``, so the
+  ranks still sending take up the capacity the finished ones leave, instead of finishing at their share
+  while it lies idle. Polled at most every ``max(1 s, ranks / 2000 s)``, only by a rank that waits for a
+  token; never per request.
 
 Pure Python, no botocore: :mod:`dcp_s3.objstore.rate_hooks` connects it to a client. The clock
 and sleep are injectable, so the policy is tested as a function of time.
@@ -40,9 +46,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 __all__ = [
-    "RateKey", "RateController", "KeyStats", "is_throttle", "rate_key", "THROTTLE_CODES", "THROTTLE_STATUSES",
+    "RateKey", "RateController", "KeyStats", "JobProgress", "is_throttle", "rate_key", "THROTTLE_CODES",
+    "THROTTLE_STATUSES",
 ]
 
 #: Error codes that mean "too many requests" (S3's SlowDown and the codes botocore treats as throttling).
@@ -64,6 +72,14 @@ RECOVER = 0.85  # after a decrease the rate grows back exponentially to this fra
 MIN_RATE = 0.05  # requests per second: the lowest rate a decrease reaches (lower if the key started lower)
 RECOVERY_GAIN = 0.2  # below the level to regain, the rate grows by this fraction of itself per second while paced
 MIN_ANSWERS = 4  # answers since the last decrease before their accepted fraction may set the next one
+POLLS_PER_SECOND = 2000.0  # a job's ranks ask its JobProgress at most this often in all (and each at most once a second)
+
+
+class JobProgress(Protocol):
+    """How many ranks of the running save or load still send requests (the others have finished theirs)."""
+
+    def active(self) -> int | None:
+        """Ranks still sending, or None when it cannot be told (then nothing changes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +174,13 @@ class _Bucket:
         self.tokens = min(self.tokens, 0.0)
         self._note_rate()
 
+    def scale(self, factor: float) -> None:
+        """The ranks sending changed: the same capacity shared by ``1 / factor`` as many."""
+        self.start_rate *= factor
+        self.rate = max(self.floor, self.rate * factor)
+        self.ceiling = max(self.rate, self.ceiling * factor)
+        self._note_rate()
+
     def _note_rate(self) -> None:
         self.stats.rate = self.rate
         self.stats.peak_rate = max(self.stats.peak_rate, self.rate)
@@ -182,7 +205,11 @@ class RateController:
         self._cond = threading.Condition()
         self._sleep = sleep
         self._buckets: dict[RateKey, _Bucket] = {}
-        self._learnt: dict[tuple[str, str, str], float] = {}  # rate learnt from refusals, per parent prefix
+        self._learnt: dict[tuple[str, str, str], float] = {}  # per parent prefix: learnt rate x active / ranks
+        self._ranks = 1  # the job's ranks (set_share)
+        self._active = 1  # of them, still sending as last polled: rates are scaled by ranks / active
+        self._progress: JobProgress | None = None
+        self._polled_at = -math.inf
 
     def set_share(self, ranks: int, prefixes: int = 1) -> None:
         """Start keys at ``prefixes / ranks`` of the budget (``ranks`` ranks spread over ``prefixes``
@@ -190,7 +217,9 @@ class RateController:
         met refusals keep the rate they learnt."""
         share = min(1.0, max(1, prefixes) / max(1, ranks))
         with self._cond:
+            self._rescale(self._ranks)  # back to the whole job's scale before the new share
             self.share = share
+            self._ranks = self._active = max(1, ranks)
             for key, bucket in self._buckets.items():
                 bucket.start_rate = self._start_rate(key)
                 bucket.floor = min(MIN_RATE, bucket.start_rate)
@@ -198,8 +227,54 @@ class RateController:
                     bucket.rate = bucket.ceiling = bucket.start_rate
                     bucket._note_rate()
 
+    def follow(self, progress: JobProgress) -> None:
+        """Scale the rates by the ranks still sending in ``progress`` (a save or load starts) until
+        :meth:`unfollow`."""
+        with self._cond:
+            self._rescale(self._ranks)
+            self._progress = progress
+            self._polled_at = self._clock()  # every rank is sending at the start
+
+    def unfollow(self, progress: JobProgress) -> None:
+        """The save or load ``progress`` counts is over: back to the whole job's rates (unless another one
+        started following since)."""
+        with self._cond:
+            if self._progress is progress:
+                self._progress = None
+                self._rescale(self._ranks)
+
+    def _rescale(self, active: int) -> None:
+        """``active`` ranks of the job send now: scale every key by ``self._active / active`` (caller holds the lock)."""
+        active = max(1, min(self._ranks, active))
+        if active == self._active:
+            return
+        factor = self._active / active
+        self._active = active
+        for bucket in self._buckets.values():
+            bucket.scale(factor)
+
+    def _poll_due(self) -> bool:
+        return self._progress is not None and self._clock() - self._polled_at >= max(
+            1.0, self._ranks / POLLS_PER_SECOND
+        )
+
+    def _poll(self) -> None:
+        """Ask the job's progress how many ranks still send, at most every ``max(1 s, ranks / POLLS_PER_SECOND)``
+        (called without the lock: the answer may take a network round trip)."""
+        with self._cond:
+            progress = self._progress
+            if progress is None or not self._poll_due():
+                return
+            self._polled_at = self._clock()  # this thread asks; the others go on waiting for tokens
+        active = progress.active()
+        if active is not None:
+            with self._cond:
+                if self._progress is progress:
+                    self._rescale(active)
+                    self._cond.notify_all()
+
     def _start_rate(self, key: RateKey) -> float:
-        return max(1e-3, self.budget[key.kind] * self.share)
+        return max(1e-3, self.budget[key.kind] * self.share * self._ranks / self._active)
 
     def _bucket(self, key: RateKey) -> _Bucket:
         bucket = self._buckets.get(key)
@@ -207,18 +282,28 @@ class RateController:
             # A new key (a new checkpoint's directory) starts from what a key under the same parent prefix
             # learnt from refusals, if that is below its share: the store's partition is usually the parent's.
             learnt = self._learnt.get(key.parent)
-            bucket = self._buckets[key] = _Bucket(self._start_rate(key), self._clock(), learnt)
+            scale = self._ranks / self._active
+            bucket = self._buckets[key] = _Bucket(
+                self._start_rate(key), self._clock(), None if learnt is None else learnt * scale
+            )
         return bucket
 
     def _learn(self, key: RateKey, bucket: _Bucket) -> None:
-        if not bucket.unrefused:
-            self._learnt[key.parent] = bucket.rate
+        if not bucket.unrefused:  # kept at the whole job's scale: the next checkpoint starts with every rank
+            self._learnt[key.parent] = bucket.rate * self._active / self._ranks
 
     def acquire(self, key: RateKey) -> float:
         """Wait for a token and an in-flight slot of ``key``; the seconds waited."""
         start = self._clock()
         with self._cond:
             while (wait := self._try_acquire(key)) > 0:
+                if self._poll_due():  # a rank that waits asks whether others have finished
+                    self._cond.release()
+                    try:
+                        self._poll()
+                    finally:
+                        self._cond.acquire()
+                    continue
                 if self._sleep is not None:  # a test's clock: sleep outside the lock
                     self._cond.release()
                     try:
@@ -232,7 +317,13 @@ class RateController:
             return waited
 
     def try_acquire(self, key: RateKey) -> float:
-        """Take a token and an in-flight slot of ``key`` now (0.0), or the seconds to wait before asking again."""
+        """Take a token and an in-flight slot of ``key`` now (0.0), or the seconds to wait before asking again
+        (a wait is when the job's progress is polled, as in :meth:`acquire`)."""
+        with self._cond:
+            wait = self._try_acquire(key)
+            if wait <= 0 or not self._poll_due():
+                return wait
+        self._poll()
         with self._cond:
             return self._try_acquire(key)
 

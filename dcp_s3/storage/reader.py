@@ -11,6 +11,7 @@ bounded staging buffer that is copied (and cast) into it.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import math
@@ -30,7 +31,7 @@ from torch.futures import Future
 from dcp_s3._torch_compat import element_size, narrow_tensor_by_index, placeholder_metadata
 from dcp_s3.codec import Codec, FrameIndex, accepts, stored_span, supported
 from dcp_s3.errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
-from dcp_s3.layout import METADATA_KEY, checksum_error
+from dcp_s3.layout import METADATA_KEY, checksum_error, new_token
 from dcp_s3.metadata.compact_chunks import ChunkLookup
 from dcp_s3.metadata.formats import load_metadata
 from dcp_s3.objstore.base import RangeRead
@@ -194,15 +195,21 @@ class S3StorageReader(Location, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Coordinator only: name the load in the job's progress count (``job_progress``); a plan that
+        already carries storage data (another reader's, wrapped) keeps it."""
+        job = new_token()
+        return [plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=job)
+                for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fut: Future[None] = Future()
+        job = plan.storage_data if isinstance(plan.storage_data, str) else None
         try:
-            if self.replica_group is not None:
-                read_replicated(self._read_all, self.storage_data, plan, planner, self.replica_group)
-            else:
-                self._read_all(plan, planner)
+            with self._session.following(job):
+                if self.replica_group is not None:
+                    read_replicated(self._read_all, self.storage_data, plan, planner, self.replica_group)
+                else:
+                    self._read_all(plan, planner)
             fut.set_result(None)
         except Exception as exc:  # delivered through the future, as DCP expects
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +25,13 @@ from dcp_s3.objstore.config import ClientConfig, S3Uri, TransferConfig, parse_s3
 from dcp_s3.objstore.local import LocalObjectStore
 from dcp_s3.objstore.s3 import S3ObjectStore
 from dcp_s3.objstore.s3_requests import check_request_args
+from dcp_s3.storage.job_progress import following_job
 
 __all__ = ["Session", "Location", "LocalDir", "parse_location", "file_url_path"]
+
+
+def _ranks() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +152,12 @@ class Session:
 
     def plan_requests(self, prefixes: int = 1) -> None:
         """Tell the object store the job's size before its requests (see ``ObjectStore.plan_requests``)."""
-        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.object_store.plan_requests(ranks, prefixes)
+        self.object_store.plan_requests(_ranks(), prefixes)
+
+    def following(self, token: str | None) -> AbstractContextManager[None]:
+        """Send this rank's requests of the save or load ``token`` names counted with the job's other ranks
+        (:mod:`dcp_s3.storage.job_progress`)."""
+        return following_job(self.object_store, token, _ranks())
 
     def key(self, name: str) -> str:
         """The store key of ``name`` (relative to the checkpoint)."""

@@ -63,6 +63,7 @@ from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.packed.results import PackedResults
 from dcp_s3.storage.data_objects import planned_size, split_items, write_item
+from dcp_s3.storage.job_progress import forget_job
 from dcp_s3.storage.options import check_compression
 from dcp_s3.storage.request_report import Meter, RankFigures, RankResults, own_rank, split_results, summary
 from dcp_s3.storage.session import Location, Session
@@ -70,6 +71,13 @@ from dcp_s3.storage.session import Location, Session
 __all__ = ["S3StorageWriter"]
 
 log = logging.getLogger("dcp_s3")
+
+
+@dataclasses.dataclass
+class _RankStorage(_StoragePrefix):
+    """A rank's object-name prefix (``prefix``) and the save's token in the job's progress count."""
+
+    job: str = ""
 
 
 class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
@@ -167,6 +175,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         #: After a save: this save's request figures (``dcp_s3.storage.request_report``) by rank —
         #: every rank's on the coordinator, its own on the others.
         self.request_stats: dict[int, RankFigures] = {}
+        self._job: str | None = None  # the coordinator's token of this save in the job's progress count
 
     def __repr__(self) -> str:
         return f"S3StorageWriter({str(self._session.location)!r}, overwrite={self.overwrite})"
@@ -219,8 +228,9 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
                     "with a HEAD before the commit only (best effort; a racing save can be replaced)",
                     RuntimeWarning, stacklevel=2,
                 )
+        job = self._job = new_token()  # counts the ranks still sending (job_progress)
         return [
-            dataclasses.replace(plan, storage_data=_StoragePrefix(rank_prefix(i, self.key_prefixes)))
+            dataclasses.replace(plan, storage_data=_RankStorage(rank_prefix(i, self.key_prefixes), job))
             for i, plan in enumerate(plans)
         ]
 
@@ -236,7 +246,8 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         with this rank's request figures, which ``finish`` takes out (they are never stored)."""
         fut: Future[list[WriteResult]] = Future()
         try:
-            results = self._write_all(plan, planner)
+            with self._session.following(getattr(plan.storage_data, "job", None)):
+                results = self._write_all(plan, planner)
         except Exception as exc:  # delivered through the future, as DCP expects
             self._note_own_stats()
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result
@@ -255,7 +266,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
     def _write_all(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         if not plan.items:
             return []
-        prefix: _StoragePrefix = plan.storage_data
+        prefix: _RankStorage = plan.storage_data
         token = new_token()  # fresh for every write: even a reused writer never names an object twice
         transfer = self._session.transfer
         buckets = [b for b in split_items(plan.items, transfer.files_per_rank) if b]
@@ -308,6 +319,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         try:
             self._finish(metadata, results)
         finally:
+            forget_job(self._job)
             gathered[own_rank(self.rank)] = self._meter.since_start()  # with the commit's own requests
             self.request_stats = dict(sorted(gathered.items()))
             log.info("%s", summary(f"save of {self.checkpoint_id}", self.request_stats))

@@ -133,3 +133,39 @@ def test_rate_control_settings_are_checked() -> None:
         ClientConfig(prefix_write_rate="fast")  # type: ignore[arg-type]
     assert ClientConfig(rate_control=False).make_client().meta.config.retries["total_max_attempts"] == 5
 
+
+
+def _uneven_job(rank: int, world: int, env: dict[str, str], uri: str, endpoint: str) -> dict:
+    """Rank 0 saves and loads 12 objects, rank 1 one: the job's budget is the proxy's enforced rate."""
+    os.environ.update(env)
+    client = ClientConfig(endpoint_url=endpoint, prefix_write_rate=6, prefix_read_rate=6)
+    n = 12 if rank == 0 else 1
+    state = {f"r{rank}.{i}": torch.arange(256.0) + 1000 * rank + i for i in range(n)}
+    writer = S3StorageWriter(uri, client=client, files_per_rank=n)
+    dcp.save(state, storage_writer=writer)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    reader = S3StorageReader(uri, client=client)
+    dcp.load(got, storage_reader=reader)
+    exact = all(torch.equal(got[k], v) for k, v in state.items())
+
+    def peak(stats: dict, kind: str) -> float:
+        return max(s["peak_rate"] for k, s in stats.items() if k.endswith(f"({kind})") and "ckpt/" in k)
+
+    return {"exact": exact, "write_peak": peak(writer.request_stats[rank], "write"),
+            "read_peak": peak(reader.request_stats[rank], "read")}
+
+
+def test_ranks_still_sending_take_up_what_finished_ranks_leave(seaweed: LocalS3Server, bucket: str) -> None:
+    """2 gloo ranks, each starting at half of a 6 requests/s budget that the proxy enforces for writes and for
+    reads. Rank 1 has one object, rank 0 twelve: once rank 1 has finished (counted in the job's c10d store),
+    rank 0 paces at about the whole budget, for its save and for its load, with few refusals. (Paced at its share,
+    rank 0 would stay near 3/s: above it the rate grows by 1% of the share per second.)"""
+    uri = f"s3://{bucket}/uneven/ckpt"
+    with ThrottleProxy(seaweed.endpoint_url, write_rate=6, read_rate=6, min_burst=2) as proxy:
+        results = run_ranks(_uneven_job, 2, seaweed.env(), uri, proxy.url, timeout=300)
+        stats = proxy.stats()
+    assert all(r["exact"] for r in results), results
+    assert results[0]["write_peak"] >= 5.0 and results[0]["read_peak"] >= 5.0, results
+    assert results[1]["write_peak"] <= 3.5, results  # rank 1 finished at its share
+    refused = sum(stats["refused"].values())
+    assert refused <= 0.2 * sum(stats["accepted"].values()), stats
