@@ -14,7 +14,8 @@ the enforced rate; the ideal makespan is (accepted writes - the proxy's bucket d
 gloo job, one after the other (each row its own proxy and top-level prefix), modes interleaved per scenario. Scenarios: ``none`` (no throttling: the
 controller's overhead against botocore alone), ``hot`` (one prefix at each overload), ``unknown`` (the controller
 told ``--budget-multiples`` x the enforced rate), ``prefixes`` (``key_prefixes=4``, one of them hot),
-``drop`` (the capacity halves mid-save), ``load`` (every rank loads its shards with throttled ranged GETs),
+``drop`` (the capacity halves mid-save), ``uneven`` (rank 0 has 4x the objects of the others: the
+ranks still sending must take up what the finished ones leave), ``load`` (every rank loads its shards with throttled ranged GETs),
 ``independent`` (contrast: separate processes, each its own no_dist save and told the whole budget).
 Reported: failed saves, makespan / ideal, attempts per accepted request, refused fraction (all, and in steady
 state: the second half of the makespan), goodput (accepted requests per second over the enforced rate), p99
@@ -84,13 +85,13 @@ def _one(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     client = ClientConfig(**MODES[spec["mode"]], endpoint_url=spec["endpoint"], prefix_write_rate=spec["write_budget"],
                           prefix_read_rate=spec["read_budget"])
-    state = _state(rank, spec["objects"])
+    objects = spec["objects"] * (spec["rank0_factor"] if rank == 0 else 1)
+    state = _state(rank, objects)
     if spec["load"]:
         io: Any = S3StorageReader(spec["uri"], client=client)
         latencies = _timed_client(io, ("GetObject", "HeadObject"))
     else:
-        io = S3StorageWriter(spec["uri"], client=client, files_per_rank=spec["objects"],
-                             key_prefixes=spec["key_prefixes"])
+        io = S3StorageWriter(spec["uri"], client=client, files_per_rank=objects, key_prefixes=spec["key_prefixes"])
         latencies = _timed_client(io, WRITES)
     dist.barrier()
     t0 = time.monotonic()
@@ -177,13 +178,19 @@ def summarize(results: list[dict[str, Any]], events: list[tuple[float, str, bool
         row["ideal_s"] = ideal
         row["makespan_over_ideal"] = makespan / ideal
         row["goodput"] = ideal / makespan  # accepted / makespan over the enforced (mean) rate
+        # The same over the time requests were sent (first request to last accepted one): without DCP's planning
+        # before and its gather and commit after, which no pacing can shorten.
+        sent = [t for t, ok in mine if ok]
+        if sent:
+            row["goodput_sending"] = ideal / max(1e-9, max(sent) - min(t for t, _ in mine))
     return row
 
 
 def prepare(server: Any, bucket: str, args: argparse.Namespace, *, scenario: str, mode: str, overload: float,
             budget_multiple: float = 1.0) -> dict[str, Any]:
     """One row's proxy settings and the spec its ranks run."""
-    writes = args.ranks * args.objects + 1
+    rank0_factor = 4 if scenario == "uneven" else 1
+    writes = (args.ranks - 1 + rank0_factor) * args.objects + 1
     offered = writes / args.burst_s
     rate = offered / overload if overload else None
     enforced = rate if rate is not None else 1e6
@@ -202,7 +209,7 @@ def prepare(server: Any, bucket: str, args: argparse.Namespace, *, scenario: str
     # "budget known": the per-prefix budget setting is the enforced rate; with no throttling, S3's default.
     budget = enforced * budget_multiple if rate is not None else 3500.0
     spec = {"mode": mode, "endpoint": "", "uri": f"s3://{bucket}/{run}/ckpt", "objects": args.objects,
-            "key_prefixes": key_prefixes, "load": load, "write_budget": 3500.0 if load else budget,
+            "key_prefixes": key_prefixes, "load": load, "rank0_factor": rank0_factor, "write_budget": 3500.0 if load else budget,
             "read_budget": budget if load else 5500.0}
     row = {"scenario": scenario, "mode": mode, "overload": overload, "budget_multiple": budget_multiple,
            "enforced_rate": rate}
@@ -263,14 +270,15 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
          f"{r['budget_multiple']:g}x" if r["overload"] else "S3 default", r["mode"], f"{r['failed']}/{r['ranks']}",
          common.fmt(r.get("makespan_over_ideal")) if r["overload"] else common.fmt(r["makespan_s"]) + " s", net(r),
          common.fmt(r["attempts_per_success"]), common.fmt(r["refused_fraction"]),
-         common.fmt(r["steady_refused_fraction"]), common.fmt(r.get("goodput")), common.fmt(r["p99_latency_s"]),
+         common.fmt(r["steady_refused_fraction"]), common.fmt(r.get("goodput")), common.fmt(r.get("goodput_sending")),
+         common.fmt(r["p99_latency_s"]),
          common.fmt(r["finish_spread_s"])]
         for r in rows
     ]
     md = common.markdown_table(
         ["scenario", "overload", "budget / capacity", "mode", "ranks failed", "makespan / ideal",
          "(makespan - unthrottled) / ideal", "attempts per success", "refused", "refused, 2nd half", "goodput",
-         "p99 latency s", "finish spread s"], table)
+         "goodput while sending", "p99 latency s", "finish spread s"], table)
     overhead = (f"No throttling: controller makespan {base['controller']:.2f} s against {base['standard']:.2f} s for "
                 f"botocore alone, medians of 3 interleaved runs ({base['controller'] / base['standard'] - 1:+.1%}).\n"
                 if {"controller", "standard"} <= set(base) else "")
@@ -297,7 +305,7 @@ def main() -> None:
     ap.add_argument("--budget-multiples", default="4,20")
     ap.add_argument("--burst-s", type=float, default=1.0, help="offered load: every write in this many seconds")
     ap.add_argument("--drop-at", type=float, default=8.0, help="drop scenario: capacity halves after this many s")
-    ap.add_argument("--scenarios", default="none,hot,unknown,prefixes,drop,load,independent")
+    ap.add_argument("--scenarios", default="none,hot,unknown,prefixes,drop,uneven,load,independent")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--out", default=str(common.RESULTS_DIR / "throttle.json"))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md of --out from its .json")
@@ -321,7 +329,7 @@ def main() -> None:
         plan += [{"scenario": "hot", "mode": m, "overload": overload} for m in modes]
     for multiple in [float(x) for x in args.budget_multiples.split(",")] if "unknown" in scenarios else []:
         plan += [{"scenario": "unknown", "mode": "controller", "overload": 20.0, "budget_multiple": multiple}]
-    for scenario in ("prefixes", "drop", "load"):
+    for scenario in ("prefixes", "drop", "uneven", "load"):
         if scenario in scenarios:
             plan += [{"scenario": scenario, "mode": m, "overload": 20.0} for m in modes]
     if "independent" in scenarios:

@@ -27,11 +27,11 @@ of a job saves at the same moment, so a large job meets it exactly when it check
 - no cut goes below ``MIN_RATE``, or below the start rate where that is lower: a rank's share of
   0.17 requests/s is honoured, not rounded up (``ranks × MIN_RATE`` can exceed a small capacity);
 - while a save or load runs, the controller can follow the job's progress (:meth:`RateController.follow`:
-  a :class:`JobProgress` counting the ranks still sending, which the storage layer keeps in the job's
-  c10d store): when ranks finish, every key's rate is scaled by ``active before / active now``, so the
-  ranks still sending take up the capacity the finished ones leave, instead of finishing at their share
-  while it lies idle. Polled at most every ``max(1 s, ranks / 2000 s)``, only by a rank that waits for a
-  token; never per request.
+  a :class:`JobProgress` counting which of the ranks sharing this rank's prefixes still send, kept by the
+  storage layer in the job's c10d store): with ``active`` of its ``ranks`` still sending, every key's rate
+  is scaled by ``ranks / active``, so the ranks still sending take up the capacity the finished ones leave,
+  instead of finishing at their share while it lies idle. Polled at most every ``max(1 s, ranks / 2000 s)``,
+  only by a rank that waits for a token; never per request.
 
 Pure Python, no botocore: :mod:`dcp_s3.objstore.rate_hooks` connects it to a client. The clock
 and sleep are injectable, so the policy is tested as a function of time.
@@ -76,7 +76,10 @@ POLLS_PER_SECOND = 2000.0  # a job's ranks ask its JobProgress at most this ofte
 
 
 class JobProgress(Protocol):
-    """How many ranks of the running save or load still send requests (the others have finished theirs)."""
+    """Of the ``ranks`` ranks sharing this rank's prefixes in the running save or load, how many still send
+    requests (the others have finished theirs)."""
+
+    ranks: int
 
     def active(self) -> int | None:
         """Ranks still sending, or None when it cannot be told (then nothing changes)."""
@@ -205,9 +208,8 @@ class RateController:
         self._cond = threading.Condition()
         self._sleep = sleep
         self._buckets: dict[RateKey, _Bucket] = {}
-        self._learnt: dict[tuple[str, str, str], float] = {}  # per parent prefix: learnt rate x active / ranks
-        self._ranks = 1  # the job's ranks (set_share)
-        self._active = 1  # of them, still sending as last polled: rates are scaled by ranks / active
+        self._learnt: dict[tuple[str, str, str], float] = {}  # per parent prefix: learnt rate / scale
+        self._scale = 1.0  # ranks / active of the progress followed: every key's rate is scaled by it
         self._progress: JobProgress | None = None
         self._polled_at = -math.inf
 
@@ -217,9 +219,8 @@ class RateController:
         met refusals keep the rate they learnt."""
         share = min(1.0, max(1, prefixes) / max(1, ranks))
         with self._cond:
-            self._rescale(self._ranks)  # back to the whole job's scale before the new share
+            self._rescale(1.0)  # back to the whole job's scale before the new share
             self.share = share
-            self._ranks = self._active = max(1, ranks)
             for key, bucket in self._buckets.items():
                 bucket.start_rate = self._start_rate(key)
                 bucket.floor = min(MIN_RATE, bucket.start_rate)
@@ -231,7 +232,7 @@ class RateController:
         """Scale the rates by the ranks still sending in ``progress`` (a save or load starts) until
         :meth:`unfollow`."""
         with self._cond:
-            self._rescale(self._ranks)
+            self._rescale(1.0)
             self._progress = progress
             self._polled_at = self._clock()  # every rank is sending at the start
 
@@ -241,21 +242,19 @@ class RateController:
         with self._cond:
             if self._progress is progress:
                 self._progress = None
-                self._rescale(self._ranks)
+                self._rescale(1.0)
 
-    def _rescale(self, active: int) -> None:
-        """``active`` ranks of the job send now: scale every key by ``self._active / active`` (caller holds the lock)."""
-        active = max(1, min(self._ranks, active))
-        if active == self._active:
+    def _rescale(self, scale: float) -> None:
+        """Scale every key's rate to ``scale`` x its whole-job level (caller holds the lock)."""
+        if scale == self._scale:
             return
-        factor = self._active / active
-        self._active = active
+        factor, self._scale = scale / self._scale, scale
         for bucket in self._buckets.values():
             bucket.scale(factor)
 
     def _poll_due(self) -> bool:
         return self._progress is not None and self._clock() - self._polled_at >= max(
-            1.0, self._ranks / POLLS_PER_SECOND
+            1.0, self._progress.ranks / POLLS_PER_SECOND
         )
 
     def _poll(self) -> None:
@@ -270,11 +269,11 @@ class RateController:
         if active is not None:
             with self._cond:
                 if self._progress is progress:
-                    self._rescale(active)
+                    self._rescale(progress.ranks / min(progress.ranks, max(1, active)))
                     self._cond.notify_all()
 
     def _start_rate(self, key: RateKey) -> float:
-        return max(1e-3, self.budget[key.kind] * self.share * self._ranks / self._active)
+        return max(1e-3, self.budget[key.kind] * self.share * self._scale)
 
     def _bucket(self, key: RateKey) -> _Bucket:
         bucket = self._buckets.get(key)
@@ -282,15 +281,14 @@ class RateController:
             # A new key (a new checkpoint's directory) starts from what a key under the same parent prefix
             # learnt from refusals, if that is below its share: the store's partition is usually the parent's.
             learnt = self._learnt.get(key.parent)
-            scale = self._ranks / self._active
             bucket = self._buckets[key] = _Bucket(
-                self._start_rate(key), self._clock(), None if learnt is None else learnt * scale
+                self._start_rate(key), self._clock(), None if learnt is None else learnt * self._scale
             )
         return bucket
 
     def _learn(self, key: RateKey, bucket: _Bucket) -> None:
         if not bucket.unrefused:  # kept at the whole job's scale: the next checkpoint starts with every rank
-            self._learnt[key.parent] = bucket.rate * self._active / self._ranks
+            self._learnt[key.parent] = bucket.rate / self._scale
 
     def acquire(self, key: RateKey) -> float:
         """Wait for a token and an in-flight slot of ``key``; the seconds waited."""

@@ -2,13 +2,14 @@
 
 The rate controller starts every rank at its share of a prefix's request budget; when ranks finish their
 requests, the ranks still sending should take up the capacity they leave, or the save ends with a tail of
-ranks paced at their share while the store sits idle. To tell them, the coordinator names each save and
-load with a fresh token in the global plan (the plans DCP already scatters: no collective is added); a
-rank adds 1 under ``dcp_s3/progress/<token>`` in the default process group's store once it has sent all
-its requests, and a rank waiting for tokens reads the count (``add(key, 0)``) at most every
-``max(1 s, ranks / 2000 s)`` (:mod:`dcp_s3.objstore.throttle`). Nothing is polled while no rank waits.
-A save's coordinator removes the count at ``finish``; a load leaves its one counter in the store (a load
-has no step that runs after every rank's reads).
+ranks paced at their share while the store sits idle. To tell them, the coordinator gives each rank a
+:class:`JobCount` in the global plan (the plans DCP already scatters: no collective is added): a fresh key
+``dcp_s3/progress/<token>`` for the save or load (``/<h>`` added for the ranks that write under key prefix
+``p-<h>/``) and the number of ranks counted under it. A rank adds 1 under its key in the default process
+group's store once it has sent all its requests, and a rank waiting for tokens reads the count
+(``add(key, 0)``) at most every ``max(1 s, ranks / 2000 s)`` (:mod:`dcp_s3.objstore.throttle`). Nothing is
+polled while no rank waits. A save's coordinator removes its counts at ``finish``; a load leaves its one
+counter in the store (a load has no step that runs after every rank's reads).
 
 Without a process group or store, or when the store fails, nothing changes: the ranks keep their share.
 """
@@ -16,27 +17,42 @@ Without a process group or store, or when the store fails, nothing changes: the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from dcp_s3._torch_compat import default_store
+from dcp_s3.layout import new_token
 from dcp_s3.objstore.base import ObjectStore
 
-__all__ = ["StoreProgress", "following_job", "forget_job", "progress_key"]
+__all__ = ["JobCount", "StoreProgress", "job_counts", "following_job", "forget_counts"]
 
 log = logging.getLogger("dcp_s3")
 
 
-def progress_key(token: str) -> str:
-    return f"dcp_s3/progress/{token}"
+@dataclass(frozen=True, slots=True)
+class JobCount:
+    """Where the ranks sharing a rank's key prefix count themselves finished, and how many they are."""
+
+    key: str
+    ranks: int
+
+
+def job_counts(ranks: int, prefixes: int = 1) -> list[JobCount]:
+    """Each rank's count for a save or load of ``ranks`` ranks, rank ``r`` writing under prefix
+    ``r % prefixes`` (``layout.rank_prefix``)."""
+    key = f"dcp_s3/progress/{new_token()}"
+    if prefixes <= 1:
+        return [JobCount(key, ranks)] * ranks
+    return [JobCount(f"{key}/{r % prefixes}", len(range(r % prefixes, ranks, prefixes))) for r in range(ranks)]
 
 
 class StoreProgress:
-    """The ranks of ``ranks`` that have not finished the save or load ``token`` names (a ``JobProgress``)."""
+    """Of the ranks of ``count``, those that have not finished (a ``JobProgress``), read from ``store``."""
 
-    def __init__(self, store: Any, token: str, ranks: int) -> None:
-        self._store, self._key, self._ranks = store, progress_key(token), ranks
+    def __init__(self, store: Any, count: JobCount) -> None:
+        self._store, self._key, self.ranks = store, count.key, count.ranks
         self._failed = False
 
     def active(self) -> int | None:
@@ -48,7 +64,7 @@ class StoreProgress:
             self._failed = True
             log.debug("job progress %s unreadable (%s): the ranks keep their share", self._key, type(exc).__name__)
             return None
-        return max(1, self._ranks - finished)
+        return max(1, self.ranks - finished)
 
     def finished(self) -> None:
         try:
@@ -58,15 +74,15 @@ class StoreProgress:
 
 
 @contextmanager
-def following_job(object_store: ObjectStore, token: str | None, ranks: int) -> Iterator[None]:
-    """Send this rank's requests of the save or load ``token`` names (None: not named, e.g. a planner
-    that dropped the plan's storage data) counted with the job's other ``ranks``; this rank counts as
-    finished when the block ends, however it ends."""
-    store = default_store() if token and ranks > 1 else None
+def following_job(object_store: ObjectStore, count: Any) -> Iterator[None]:
+    """Send this rank's requests counted with the other ranks of ``count`` (anything but a
+    :class:`JobCount`, e.g. a planner that dropped the plan's storage data: not counted); this rank counts
+    as finished when the block ends, however it ends."""
+    store = default_store() if isinstance(count, JobCount) and count.ranks > 1 else None
     if store is None:
         yield
         return
-    progress = StoreProgress(store, token, ranks)  # type: ignore[arg-type]  # token is set
+    progress = StoreProgress(store, count)
     try:
         with object_store.following(progress):
             yield
@@ -74,13 +90,11 @@ def following_job(object_store: ObjectStore, token: str | None, ranks: int) -> I
         progress.finished()
 
 
-def forget_job(token: str | None) -> None:
-    """Remove the count of the save ``token`` names from the store (the coordinator, once every rank has
-    finished: at ``finish``)."""
-    store = default_store() if token else None
-    if store is None:
-        return
-    try:
-        store.delete_key(progress_key(token))  # type: ignore[arg-type]  # token is set
-    except Exception as exc:  # noqa: BLE001 - a store without deletes keeps one small counter
-        log.debug("job progress of %s not removed (%s)", token, type(exc).__name__)
+def forget_counts(counts: Sequence[JobCount]) -> None:
+    """Remove a save's counts from the store (its coordinator, once every rank has finished: at ``finish``)."""
+    store = default_store() if counts else None
+    for key in sorted({c.key for c in counts}) if store is not None else ():
+        try:
+            store.delete_key(key)  # type: ignore[union-attr]  # store is set
+        except Exception as exc:  # noqa: BLE001 - a store without deletes keeps one small counter
+            log.debug("job progress %s not removed (%s)", key, type(exc).__name__)

@@ -31,12 +31,13 @@ from torch.futures import Future
 from dcp_s3._torch_compat import element_size, narrow_tensor_by_index, placeholder_metadata
 from dcp_s3.codec import Codec, FrameIndex, accepts, stored_span, supported
 from dcp_s3.errors import BucketNotFoundError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
-from dcp_s3.layout import METADATA_KEY, checksum_error, new_token
+from dcp_s3.layout import METADATA_KEY, checksum_error
 from dcp_s3.metadata.compact_chunks import ChunkLookup
 from dcp_s3.metadata.formats import load_metadata
 from dcp_s3.objstore.base import RangeRead
 from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.planners.sharing import broadcast_bytes, metadata_source
+from dcp_s3.storage.job_progress import job_counts
 from dcp_s3.storage.options import check_allow_unsafe_byte_items, check_replica_group, check_share_metadata
 from dcp_s3.storage.replicated import read_replicated
 from dcp_s3.storage.request_report import Meter, RankFigures, own_rank, summary
@@ -195,17 +196,16 @@ class S3StorageReader(Location, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Coordinator only: name the load in the job's progress count (``job_progress``); a plan that
-        already carries storage data (another reader's, wrapped) keeps it."""
-        job = new_token()
-        return [plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=job)
-                for plan in plans]
+        """Coordinator only: where each rank counts itself finished (``job_progress``); a plan that already
+        carries storage data (another reader's, wrapped) keeps it."""
+        counts = job_counts(len(plans))
+        return [plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=count)
+                for plan, count in zip(plans, counts)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fut: Future[None] = Future()
-        job = plan.storage_data if isinstance(plan.storage_data, str) else None
         try:
-            with self._session.following(job):
+            with self._session.following(plan.storage_data):
                 if self.replica_group is not None:
                     read_replicated(self._read_all, self.storage_data, plan, planner, self.replica_group)
                 else:

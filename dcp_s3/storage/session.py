@@ -30,10 +30,6 @@ from dcp_s3.storage.job_progress import following_job
 __all__ = ["Session", "Location", "LocalDir", "parse_location", "file_url_path"]
 
 
-def _ranks() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 @dataclass(frozen=True, slots=True)
 class LocalDir:
     """A checkpoint directory on local disk (an absolute path); object names are relative to it.
@@ -152,12 +148,13 @@ class Session:
 
     def plan_requests(self, prefixes: int = 1) -> None:
         """Tell the object store the job's size before its requests (see ``ObjectStore.plan_requests``)."""
-        self.object_store.plan_requests(_ranks(), prefixes)
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.object_store.plan_requests(ranks, prefixes)
 
-    def following(self, token: str | None) -> AbstractContextManager[None]:
-        """Send this rank's requests of the save or load ``token`` names counted with the job's other ranks
-        (:mod:`dcp_s3.storage.job_progress`)."""
-        return following_job(self.object_store, token, _ranks())
+    def following(self, count: Any) -> AbstractContextManager[None]:
+        """Send this rank's requests counted with the other ranks of ``count``, the ``JobCount`` the
+        coordinator put in its plan (:mod:`dcp_s3.storage.job_progress`)."""
+        return following_job(self.object_store, count)
 
     def key(self, name: str) -> str:
         """The store key of ``name`` (relative to the checkpoint)."""

@@ -63,7 +63,7 @@ from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.packed.results import PackedResults
 from dcp_s3.storage.data_objects import planned_size, split_items, write_item
-from dcp_s3.storage.job_progress import forget_job
+from dcp_s3.storage.job_progress import JobCount, forget_counts, job_counts
 from dcp_s3.storage.options import check_compression
 from dcp_s3.storage.request_report import Meter, RankFigures, RankResults, own_rank, split_results, summary
 from dcp_s3.storage.session import Location, Session
@@ -75,9 +75,9 @@ log = logging.getLogger("dcp_s3")
 
 @dataclasses.dataclass
 class _RankStorage(_StoragePrefix):
-    """A rank's object-name prefix (``prefix``) and the save's token in the job's progress count."""
+    """A rank's object-name prefix (``prefix``) and where it counts itself finished (``job_progress``)."""
 
-    job: str = ""
+    count: JobCount | None = None
 
 
 class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
@@ -175,7 +175,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         #: After a save: this save's request figures (``dcp_s3.storage.request_report``) by rank —
         #: every rank's on the coordinator, its own on the others.
         self.request_stats: dict[int, RankFigures] = {}
-        self._job: str | None = None  # the coordinator's token of this save in the job's progress count
+        self._counts: list[JobCount] = []  # the coordinator's: where this save's ranks count themselves finished
 
     def __repr__(self) -> str:
         return f"S3StorageWriter({str(self._session.location)!r}, overwrite={self.overwrite})"
@@ -228,9 +228,9 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
                     "with a HEAD before the commit only (best effort; a racing save can be replaced)",
                     RuntimeWarning, stacklevel=2,
                 )
-        job = self._job = new_token()  # counts the ranks still sending (job_progress)
+        counts = self._counts = job_counts(len(plans), self.key_prefixes)  # the ranks still sending
         return [
-            dataclasses.replace(plan, storage_data=_RankStorage(rank_prefix(i, self.key_prefixes), job))
+            dataclasses.replace(plan, storage_data=_RankStorage(rank_prefix(i, self.key_prefixes), counts[i]))
             for i, plan in enumerate(plans)
         ]
 
@@ -246,7 +246,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         with this rank's request figures, which ``finish`` takes out (they are never stored)."""
         fut: Future[list[WriteResult]] = Future()
         try:
-            with self._session.following(getattr(plan.storage_data, "job", None)):
+            with self._session.following(getattr(plan.storage_data, "count", None)):
                 results = self._write_all(plan, planner)
         except Exception as exc:  # delivered through the future, as DCP expects
             self._note_own_stats()
@@ -319,7 +319,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         try:
             self._finish(metadata, results)
         finally:
-            forget_job(self._job)
+            forget_counts(self._counts)
             gathered[own_rank(self.rank)] = self._meter.since_start()  # with the commit's own requests
             self.request_stats = dict(sorted(gathered.items()))
             log.info("%s", summary(f"save of {self.checkpoint_id}", self.request_stats))
