@@ -394,6 +394,10 @@ def render(result: dict[str, Any]) -> str:
         ["controller / off", "ratio of medians", "paired ratio, median (min–max)"],
         [[what, common.fmt(saves[f"{key}_ratio_of_medians"], 3), _range(saves[f"{key}_paired_ratio"], digits=3)]
          for what, key in (("wall", "seconds"), ("CPU", "cpu_s"))])
+    pr = saves["cpu_s_paired_ratio"]
+    resolved = (f"The paired CPU ratios span {pr['min']:.3f}–{pr['max']:.3f}, {(pr['max'] - pr['min']) * 100:.0f} "
+                f"points: whole saves {'resolve' if pr['max'] - pr['min'] < 0.02 else 'cannot resolve'} a 2% "
+                f"difference here; part 3 estimates it from part 1.")
     if exp.get("requests") is None:
         part3 = "requests per save unknown (the request counters are SeaweedFS'), so not computed."
     else:
@@ -428,7 +432,7 @@ def render(result: dict[str, Any]) -> str:
         + ", ".join(f"`{k}` {hp[k]:.1f}" for k in HOOK_NAMES.values())
         + f" µs; {hp['total']:.1f} µs per request in all.\n\n"
         f"**2. A save** (`dcp.save`, {a['size_mib']} MiB {a['workload']} state, fresh process each, "
-        f"{a['reps']} per mode ABBA; median (min–max)):\n\n{t2}\n\n{ratios}\n\n"
+        f"{a['reps']} per mode ABBA; median (min–max)):\n\n{t2}\n\n{ratios}\n\n{resolved}\n\n"
         f"**3. Expected overhead** = extra CPU per request x requests per save / save CPU: {part3}\n")
 
 
