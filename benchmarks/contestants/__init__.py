@@ -77,10 +77,17 @@ def _backend(name: str, description: str, writer: Factory, reader: Factory,
 
 
 # -- dcp_s3 -------------------------------------------------------------------------------------
+def _dcp_s3_client(opts: dict[str, Any]) -> Any:
+    """``rate_control=0|1``: ``ClientConfig(rate_control=...)`` (benchmarks.throttle_overhead); unset: the default."""
+    from dcp_s3 import ClientConfig
+
+    return ClientConfig(rate_control=bool(opts["rate_control"])) if "rate_control" in opts else None
+
+
 def _dcp_s3_writer(t: Target, **opts: Any) -> Any:
     from dcp_s3 import S3StorageWriter
 
-    return S3StorageWriter(t.uri, endpoint_url=t.endpoint_url, region=t.region,
+    return S3StorageWriter(t.uri, endpoint_url=t.endpoint_url, region=t.region, client=_dcp_s3_client(opts),
                            **{k: v for k, v in opts.items() if k in ("part_size", "max_concurrency", "files_per_rank",
                                                                      "compression", "compression_level",
                                                                      "compression_threads")})
@@ -89,12 +96,13 @@ def _dcp_s3_writer(t: Target, **opts: Any) -> Any:
 def _dcp_s3_reader(t: Target, **opts: Any) -> Any:
     from dcp_s3 import S3StorageReader
 
-    return S3StorageReader(t.uri, endpoint_url=t.endpoint_url, region=t.region,
+    return S3StorageReader(t.uri, endpoint_url=t.endpoint_url, region=t.region, client=_dcp_s3_client(opts),
                            **{k: v for k, v in opts.items() if k in ("max_concurrency", "max_range_size")})
 
 
 def dcp_s3_variant(spec: str) -> Contestant:
-    """``dcp_s3`` with non-default options, e.g. ``dcp_s3:part_size_mib=8,max_concurrency=4``."""
+    """``dcp_s3`` with non-default options, e.g. ``dcp_s3:part_size_mib=8,max_concurrency=4``, or
+    ``dcp_s3:rate_control=0`` (botocore's retries alone, no rate controller)."""
     _, _, rest = spec.partition(":")
     opts: dict[str, Any] = {}
     for kv in filter(None, rest.split(",")):
