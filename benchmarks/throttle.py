@@ -10,7 +10,8 @@ checkpoint together, so each rank starts at its plan-time share of the per-prefi
 standing for S3's published figure; here the proxy's enforced rate: "budget known", or a multiple of it: "budget
 too high", as for a new S3 prefix that starts below the published figure). Each rank writes ``--objects`` data
 objects (rank 0 also ``.metadata``). Overload = the writes' offered rate (all writes in ``--burst-s`` seconds) over
-the enforced rate; the ideal makespan is (accepted writes - the proxy's bucket depth) / enforced rate. Every job-mode row runs on one
+the enforced rate; the ideal makespan is (accepted writes - the proxy's bucket depth) / enforced rate (the depth:
+max(0.2 s of requests, the ranks sending to the prefix)). Every job-mode row runs on one
 gloo job, one after the other (each row its own proxy and top-level prefix), modes interleaved per scenario. Scenarios: ``none`` (no throttling: the
 controller's overhead against botocore alone), ``hot`` (one prefix at each overload), ``unknown`` (the controller
 told ``--budget-multiples`` x the enforced rate), ``prefixes`` (``key_prefixes=4``, one of them hot),
@@ -198,7 +199,8 @@ def prepare(server: Any, bucket: str, args: argparse.Namespace, *, scenario: str
     load = scenario == "load"
     key_prefixes = 4 if scenario == "prefixes" else 1
     drop = (args.drop_at, 0.5) if scenario == "drop" else None
-    proxy_kw: dict[str, Any] = {"write_rate": enforced, "read_rate": 1e6, "prefix_depth": 1, "min_burst": args.ranks}
+    senders = -(-args.ranks // key_prefixes)  # ranks writing to one prefix (rank r: p-(r % key_prefixes))
+    proxy_kw: dict[str, Any] = {"write_rate": enforced, "read_rate": 1e6, "prefix_depth": 1, "min_burst": senders}
     if scenario == "prefixes":  # p-0/ is hot, the other prefixes are not throttled
         rate = enforced = offered / key_prefixes / overload
         proxy_kw.update(write_rate=1e6, prefix_depth=3, prefix_write_rates={f"{run}/ckpt/p-0": enforced})
@@ -214,7 +216,7 @@ def prepare(server: Any, bucket: str, args: argparse.Namespace, *, scenario: str
     row = {"scenario": scenario, "mode": mode, "overload": overload, "budget_multiple": budget_multiple,
            "enforced_rate": rate}
     return {"row": row, "proxy_kw": proxy_kw, "spec": spec, "drop": drop, "run": run, "budget": budget,
-            "burst": max(args.ranks, enforced * 0.2), "hot": f"{run}/ckpt/p-0" if scenario == "prefixes" else None}
+            "burst": max(senders, enforced * 0.2), "hot": f"{run}/ckpt/p-0" if scenario == "prefixes" else None}
 
 
 def measure_job(server: Any, bucket: str, args: argparse.Namespace, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -283,8 +285,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"botocore alone, medians of 3 interleaved runs ({base['controller'] / base['standard'] - 1:+.1%}).\n"
                 if {"controller", "standard"} <= set(base) else "")
     return (f"{args.ranks} ranks of one gloo job x {args.objects} objects (+ .metadata), offered = all writes in "
-            f"{args.burst_s:g} s, enforced rate = offered / overload, proxy bucket depth max(0.2 s, {args.ranks} "
-            f"requests), ideal = (accepted - bucket depth) / enforced rate; \"unthrottled\" = the controller's median "
+            f"{args.burst_s:g} s, enforced rate = offered / overload, proxy bucket depth max(0.2 s, the ranks "
+            f"sending to the prefix: {args.ranks}, or {-(-args.ranks // 4)} with 4 prefixes), ideal = (accepted - bucket depth) / enforced rate; \"unthrottled\" = the controller's median "
             f"save with nothing throttled ({fixed:.2f} s: DCP's planning and finish steps). \"ranks failed\": ranks whose "
             f"dcp.save/load raised (for those rows makespan is the time to fail). p99 latency: a request's, from the "
             f"call to its answer, retries and (controller) the wait for a token included. SeaweedFS behind "
