@@ -2,7 +2,7 @@
 rate controller (issue 27), through the loopback throttling proxy of the tests (``tests/throttle_proxy.py``), which
 enforces per-prefix request rates like S3's (scaled down) and answers ``503 SlowDown``.
 
-    python -m benchmarks.throttle                  # 8 ranks, every scenario, 3 modes (11 min on 2 cores)
+    python -m benchmarks.throttle                  # 8 ranks, every scenario, 3 modes (10 min on 2 cores)
     python -m benchmarks.throttle --scenarios hot --overloads 20 --ranks 4
 
 The savers are the ranks of one gloo job (each rank its own process and client), all calling ``dcp.save`` of one

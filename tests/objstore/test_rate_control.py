@@ -136,10 +136,10 @@ def test_rate_control_settings_are_checked() -> None:
 
 
 def _uneven_job(rank: int, world: int, env: dict[str, str], uri: str, endpoint: str) -> dict:
-    """Rank 0 saves and loads 12 objects, rank 1 one: the job's budget is the proxy's enforced rate."""
+    """Rank 0 saves and loads 16 objects, rank 1 one: the job's budget is the proxy's enforced rate."""
     os.environ.update(env)
     client = ClientConfig(endpoint_url=endpoint, prefix_write_rate=6, prefix_read_rate=6)
-    n = 12 if rank == 0 else 1
+    n = 16 if rank == 0 else 1
     state = {f"r{rank}.{i}": torch.arange(256.0) + 1000 * rank + i for i in range(n)}
     writer = S3StorageWriter(uri, client=client, files_per_rank=n)
     dcp.save(state, storage_writer=writer)
@@ -157,7 +157,7 @@ def _uneven_job(rank: int, world: int, env: dict[str, str], uri: str, endpoint: 
 
 def test_ranks_still_sending_take_up_what_finished_ranks_leave(seaweed: LocalS3Server, bucket: str) -> None:
     """2 gloo ranks, each starting at half of a 6 requests/s budget that the proxy enforces for writes and for
-    reads. Rank 1 has one object, rank 0 twelve: once rank 1 has finished (counted in the job's c10d store),
+    reads. Rank 1 has one object, rank 0 sixteen: once rank 1 has finished (counted in the job's c10d store),
     rank 0 paces at about the whole budget, for its save and for its load, with few refusals. (Paced at its share,
     rank 0 would stay near 3/s: above it the rate grows by 1% of the share per second.)"""
     uri = f"s3://{bucket}/uneven/ckpt"
