@@ -20,7 +20,8 @@ ranks still sending must take up what the finished ones leave), ``load`` (every 
 ``independent`` (contrast: separate processes, each its own no_dist save and told the whole budget).
 Reported: failed saves, makespan / ideal, attempts per accepted request, refused fraction (all, and in steady
 state: the second half of the makespan), goodput (accepted requests per second over the enforced rate), p99
-request latency (retries included), spread of finish times.
+request latency (retries included), spread of finish times, and in the JSON the refused fraction per 5 s from the
+first request (``refused_by_5s``: when a ramp or a capacity drop has passed).
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ def summarize(results: list[dict[str, Any]], events: list[tuple[float, str, bool
         "p99_latency_s": latencies[int(0.99 * (len(latencies) - 1))] if latencies else None,
         "finish_spread_s": t1 - min(r["t1"] for r in results),
         "errors": sorted({r["error"] for r in results if r["error"]}),
+        # Refused fraction per 5 s from the first request: when a transient (the ramp, a capacity drop) has passed.
+        "refused_by_5s": _by_window(mine, 5.0),
     }
     if rate is not None:
         # The proxy's bucket starts full: that many requests need no time (subtracting them makes the ideal
@@ -185,6 +188,16 @@ def summarize(results: list[dict[str, Any]], events: list[tuple[float, str, bool
         if sent:
             row["goodput_sending"] = ideal / max(1e-9, max(sent) - min(t for t, _ in mine))
     return row
+
+
+def _by_window(answers: list[tuple[float, bool]], width: float) -> list[float | None]:
+    if not answers:
+        return []
+    first = min(t for t, _ in answers)
+    windows: list[list[bool]] = [[] for _ in range(int((max(t for t, _ in answers) - first) // width) + 1)]
+    for t, ok in answers:
+        windows[int((t - first) // width)].append(ok)
+    return [round(1 - sum(w) / len(w), 3) if w else None for w in windows]
 
 
 def prepare(server: Any, bucket: str, args: argparse.Namespace, *, scenario: str, mode: str, overload: float,
