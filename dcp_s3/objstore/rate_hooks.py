@@ -188,6 +188,8 @@ def request_stats_since(before: dict[str, dict[str, float]]) -> dict[str, dict[s
     out: dict[str, dict[str, float]] = {}
     for key, now in request_stats().items():
         then = before.get(key, {})
+        if now["attempts"] < then.get("attempts", 0):  # forgotten since (idle) and made again: counted from zero
+            then = {}
         delta = {**now, **{f: now[f] - then.get(f, 0) for f in ("attempts", "refusals", "wait_s")}}
         if delta["attempts"] > 0:
             out[key] = delta

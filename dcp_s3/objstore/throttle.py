@@ -72,6 +72,7 @@ RECOVER = 0.85  # after a decrease the rate grows back exponentially to this fra
 MIN_RATE = 0.05  # requests per second: the lowest rate a decrease reaches (lower if the key started lower)
 RECOVERY_GAIN = 0.2  # below the level to regain, the rate grows by this fraction of itself per second while paced
 MIN_ANSWERS = 4  # answers since the last decrease before their accepted fraction may set the next one
+IDLE_FORGET_S = 600.0  # a key unused this long is forgotten when the next save or load plans (its parent's learnt rate stays)
 POLLS_PER_SECOND = 2000.0  # a job's ranks ask its JobProgress at most this often in all (and each at most once a second)
 
 
@@ -216,11 +217,14 @@ class RateController:
     def set_share(self, ranks: int, prefixes: int = 1) -> None:
         """Start keys at ``prefixes / ranks`` of the budget (``ranks`` ranks spread over ``prefixes``
         key prefixes share each prefix's budget). Keys that met no refusal yet restart from it; those that
-        met refusals keep the rate they learnt."""
+        met refusals keep the rate they learnt; keys unused for ``IDLE_FORGET_S`` are forgotten."""
         share = min(1.0, max(1, prefixes) / max(1, ranks))
         with self._cond:
             self._rescale(1.0)  # back to the whole job's scale before the new share
             self.share = share
+            now = self._clock()  # every checkpoint has keys of its own: forget those of long-finished ones
+            for key in [k for k, b in self._buckets.items() if not b.in_flight and now - b.stamp > IDLE_FORGET_S]:
+                del self._buckets[key]
             for key, bucket in self._buckets.items():
                 bucket.start_rate = self._start_rate(key)
                 bucket.floor = min(MIN_RATE, bucket.start_rate)

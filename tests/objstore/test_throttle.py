@@ -16,6 +16,7 @@ import pytest
 
 from dcp_s3.objstore.throttle import (
     DECREASE,
+    IDLE_FORGET_S,
     INCREASE,
     MIN_RATE,
     RECOVER,
@@ -325,6 +326,26 @@ def test_following_a_job_scales_the_rates_and_ends_at_the_share() -> None:
     assert controller.rate(KEY) == pytest.approx(10, rel=0.1)
 
 
+def test_keys_of_long_finished_checkpoints_are_forgotten() -> None:
+    """Every checkpoint has keys of its own: a long run would keep a bucket per checkpoint directory. Keys unused for
+    IDLE_FORGET_S are dropped when the next save plans; what their parent prefix learnt still starts the next key."""
+    now = [0.0]
+    controller = RateController(write_rate=40, clock=lambda: now[0])
+    old, busy = RateKey("b", "run/step-1/", "write"), RateKey("b", "run/step-2/", "write")
+    controller.rate(old), controller.rate(busy)  # made now: tokens by the time they are asked
+    for _ in range(3):  # three cuts, far apart
+        now[0] += 10
+        assert controller.try_acquire(old) == 0
+        controller.release(old, refused=True)
+    learnt = controller.rate(old)
+    now[0] += IDLE_FORGET_S / 2
+    assert controller.try_acquire(busy) == 0  # in flight across the plan: kept
+    now[0] += IDLE_FORGET_S
+    controller.set_share(1, 1)
+    assert set(controller.stats()) == {busy}
+    assert controller.rate(RateKey("b", "run/step-3/", "write")) == pytest.approx(learnt)
+
+
 def test_in_flight_attempts_are_capped() -> None:
     now = [0.0]
     controller = RateController(write_rate=2, clock=lambda: now[0])
@@ -344,3 +365,17 @@ def test_keys_and_throttle_answers() -> None:
     assert rate_key("DeleteObjects", "b", None).kind == "write"
     assert is_throttle(503, None) and is_throttle(429, "") and is_throttle(400, "SlowDown")
     assert not is_throttle(500, "InternalError") and not is_throttle(403, "AccessDenied")
+
+
+def test_a_key_forgotten_and_made_again_counts_from_zero() -> None:
+    """A save's figures are its requests since its start; a key forgotten (idle) after that snapshot and made again
+    by the save counts from zero, not as a negative difference that would drop it from the figures."""
+    from dcp_s3.objstore.rate_hooks import controller_for, request_stats_since
+
+    controller = controller_for("http://forgotten.invalid", 1e6, 1e6)
+    key = RateKey("b", "run/step-9/", "write")
+    before = {str(key): {"attempts": 50, "refusals": 3, "wait_s": 1.0, "rate": 1.0, "peak_rate": 1.0}}
+    for _ in range(2):
+        assert controller.acquire(key) >= 0
+        controller.release(key, refused=False)
+    assert request_stats_since(before)[str(key)]["attempts"] == 2
