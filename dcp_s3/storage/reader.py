@@ -37,7 +37,7 @@ from dcp_s3.metadata.formats import load_metadata
 from dcp_s3.objstore.base import RangeRead
 from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.planners.sharing import broadcast_bytes, metadata_source
-from dcp_s3.storage.job_progress import job_counts
+from dcp_s3.storage.job_progress import following_job, job_counts
 from dcp_s3.storage.options import check_allow_unsafe_byte_items, check_replica_group, check_share_metadata
 from dcp_s3.storage.replicated import read_replicated
 from dcp_s3.storage.request_report import Meter, RankFigures, own_rank, summary
@@ -205,7 +205,7 @@ class S3StorageReader(Location, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fut: Future[None] = Future()
         try:
-            with self._session.following(plan.storage_data):
+            with following_job(self._session.object_store, plan.storage_data):
                 if self.replica_group is not None:
                     read_replicated(self._read_all, self.storage_data, plan, planner, self.replica_group)
                 else:

@@ -13,7 +13,6 @@ import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,6 @@ from dcp_s3.objstore.config import ClientConfig, S3Uri, TransferConfig, parse_s3
 from dcp_s3.objstore.local import LocalObjectStore
 from dcp_s3.objstore.s3 import S3ObjectStore
 from dcp_s3.objstore.s3_requests import check_request_args
-from dcp_s3.storage.job_progress import following_job
 
 __all__ = ["Session", "Location", "LocalDir", "parse_location", "file_url_path"]
 
@@ -150,11 +148,6 @@ class Session:
         """Tell the object store the job's size before its requests (see ``ObjectStore.plan_requests``)."""
         ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.object_store.plan_requests(ranks, prefixes)
-
-    def following(self, count: Any) -> AbstractContextManager[None]:
-        """Send this rank's requests counted with the other ranks of ``count``, the ``JobCount`` the
-        coordinator put in its plan (:mod:`dcp_s3.storage.job_progress`)."""
-        return following_job(self.object_store, count)
 
     def key(self, name: str) -> str:
         """The store key of ``name`` (relative to the checkpoint)."""

@@ -63,7 +63,7 @@ from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.packed.results import PackedResults
 from dcp_s3.storage.data_objects import planned_size, split_items, write_item
-from dcp_s3.storage.job_progress import JobCount, forget_counts, job_counts
+from dcp_s3.storage.job_progress import JobCount, following_job, forget_counts, job_counts
 from dcp_s3.storage.options import check_compression
 from dcp_s3.storage.request_report import Meter, RankFigures, RankResults, own_rank, split_results, summary
 from dcp_s3.storage.session import Location, Session
@@ -246,7 +246,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         with this rank's request figures, which ``finish`` takes out (they are never stored)."""
         fut: Future[list[WriteResult]] = Future()
         try:
-            with self._session.following(getattr(plan.storage_data, "count", None)):
+            with following_job(self._session.object_store, getattr(plan.storage_data, "count", None)):
                 results = self._write_all(plan, planner)
         except Exception as exc:  # delivered through the future, as DCP expects
             self._note_own_stats()

@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from dcp_s3.objstore.rate_hooks import controller_for, request_stats_since
 from dcp_s3.objstore.throttle import (
     DECREASE,
     IDLE_FORGET_S,
@@ -370,8 +371,6 @@ def test_keys_and_throttle_answers() -> None:
 def test_a_key_forgotten_and_made_again_counts_from_zero() -> None:
     """A save's figures are its requests since its start; a key forgotten (idle) after that snapshot and made again
     by the save counts from zero, not as a negative difference that would drop it from the figures."""
-    from dcp_s3.objstore.rate_hooks import controller_for, request_stats_since
-
     controller = controller_for("http://forgotten.invalid", 1e6, 1e6)
     key = RateKey("b", "run/step-9/", "write")
     before = {str(key): {"attempts": 50, "refusals": 3, "wait_s": 1.0, "rate": 1.0, "peak_rate": 1.0}}
