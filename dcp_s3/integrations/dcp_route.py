@@ -23,11 +23,20 @@ another way makes turning the route on raise ``TorchCompatibilityError`` rather 
 async save is made when it is called (from torch 2.9 torch would pick it in its upload thread, when
 a ``with`` block may already have ended); code that bound ``async_save`` before the route was
 turned on still gets dcp_s3 while the route is on.
+
+``s3_route`` blocks belong to the context that opened them (a ``contextvars`` stack: a thread, or an
+asyncio task): a save inside thread A's block uses A's options even while thread B is inside a
+block of its own. Code running where no block of its own is open (a thread torch or the user
+started inside a block) gets the options of the blocks open in other threads when they all agree,
+else a ``ConfigError``: with two different routes open, which one it meant cannot be told, and
+guessing would send a checkpoint to another endpoint. The process-wide route (``enable``) applies
+where no block is open at all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -36,6 +45,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from dcp_s3._torch_compat import async_save_sites, get_storage_setup, set_storage_setup, storage_setup_sites
+from dcp_s3.errors import ConfigError
 from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["enable", "disable", "s3_route", "active_options", "is_routed"]
@@ -45,7 +55,11 @@ logger = logging.getLogger("dcp_s3")
 _lock = threading.RLock()
 #: The process-wide route's options (``enable``), if on.
 _enabled: StorageOptions | None = None
-#: The options of the ``s3_route`` blocks now open, innermost last (they win over ``_enabled``).
+#: The options of the ``s3_route`` blocks open in this context, innermost last (they win over ``_enabled``).
+_context_blocks: contextvars.ContextVar[tuple[StorageOptions, ...]] = contextvars.ContextVar(
+    "dcp_s3_route_blocks", default=()
+)
+#: The options of every ``s3_route`` block open in the process, any context, in opening order.
 _blocks: list[StorageOptions] = []
 #: What the route replaced while it is on: (module, attribute, torch's own value).
 _replaced: list[tuple[Any, str, Any]] = []
@@ -57,9 +71,24 @@ def is_routed(checkpoint_id: object) -> bool:
 
 
 def active_options() -> StorageOptions | None:
-    """The options ``s3://`` ids are saved and loaded with now, or None when no route is on."""
+    """The options ``s3://`` ids are saved and loaded with now, in this context, or None when no route
+    is on. ``ConfigError`` where this context has no block of its own and blocks with different
+    options are open in others."""
+    own = _context_blocks.get()
+    if own:
+        return own[-1]
     with _lock:
-        return _blocks[-1] if _blocks else _enabled
+        if not _blocks:
+            return _enabled
+        first = _blocks[0]
+        if any(opts != first for opts in _blocks):
+            endpoints = sorted({str(opts.as_dict().get("endpoint_url", "default endpoint")) for opts in _blocks})
+            raise ConfigError(
+                "an s3:// checkpoint id outside any dcp_s3 route block of this thread, while blocks with different "
+                f"options are open in other threads (endpoints {endpoints}): open an s3_route block in this "
+                "thread, or pass storage_writer/storage_reader"
+            )
+        return first
 
 
 def enable(options: StorageOptions | Mapping[str, Any] | None = None) -> None:
@@ -83,19 +112,19 @@ def disable() -> None:
 
 @contextlib.contextmanager
 def s3_route(options: StorageOptions | Mapping[str, Any] | None = None) -> Iterator[StorageOptions]:
-    """The route, with ``options``, for the ``with`` block (nested blocks: the innermost's options);
-    yields the ``StorageOptions``. An async save started in the block finishes through dcp_s3."""
+    """The route, with ``options``, for the ``with`` block in this context (thread or task; nested blocks: the
+    innermost's options); yields the ``StorageOptions``. An async save started in the block finishes through dcp_s3."""
     opts = StorageOptions.of(options)
     with _lock:
         _install()
         _blocks.append(opts)
+    reset = _context_blocks.set((*_context_blocks.get(), opts))
     try:
         yield opts
     finally:
+        _context_blocks.reset(reset)
         with _lock:
-            _blocks.reverse()
-            _blocks.remove(opts)  # the innermost occurrence (blocks of other threads may interleave)
-            _blocks.reverse()
+            del _blocks[max(i for i, o in enumerate(_blocks) if o is opts)]  # this block (others may interleave)
             _uninstall_if_idle()
 
 

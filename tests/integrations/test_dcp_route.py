@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_s3 import StorageOptions
 from dcp_s3._torch_compat import async_save, get_storage_setup, storage_setup_sites
-from dcp_s3.errors import DcpS3Error, TorchCompatibilityError
+from dcp_s3.errors import ConfigError, DcpS3Error, TorchCompatibilityError
 from dcp_s3.integrations import dcp_route
 
 pytestmark = [pytest.mark.torch_range, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -154,6 +155,73 @@ def test_nested_blocks_use_the_innermost_options_and_restore_torch(seaweed: Any,
     # the inner block's compression was used: the stored items say so
     metadata = outer.reader(f"s3://{bucket}/inner").read_metadata()
     assert any(getattr(info, "transform_descriptors", None) for info in metadata.storage_data.values())
+
+
+def _in_threads(*targets: Any) -> list[Any]:
+    """Run each target in its own thread; what each returned or raised, in order."""
+    results: list[Any] = [None] * len(targets)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = targets[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(targets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    return results
+
+
+def test_blocks_of_two_threads_each_keep_their_own_endpoint(seaweed: Any, moto_server: Any, bucket: str) -> None:
+    """Thread A in a block for SeaweedFS, thread B in one for moto, open at once: each save lands at its own
+    block's endpoint (a process-wide stack sent both to the block opened last)."""
+    moto_server.create_bucket(bucket)
+    opened, saved = threading.Barrier(2, timeout=60), threading.Barrier(2, timeout=60)
+
+    def save_in_block(options: StorageOptions, name: str, first: bool) -> str:
+        if not first:
+            opened.wait()  # B's block opens after A's: the innermost of a process-wide stack
+        with dcp_route.s3_route(options):
+            if first:
+                opened.wait()
+            saved.wait()  # both blocks open now
+            dcp.save(_state(4), checkpoint_id=f"s3://{bucket}/{name}", no_dist=True)
+            saved.wait()
+        return name
+
+    results = _in_threads(
+        lambda: save_in_block(_options(seaweed), "to-seaweed", True),
+        lambda: save_in_block(_options(moto_server), "to-moto", False),
+    )
+    assert results == ["to-seaweed", "to-moto"], results
+    _assert_dcp_s3_checkpoint(seaweed.client(), bucket, "to-seaweed")
+    _assert_dcp_s3_checkpoint(moto_server.client(), bucket, "to-moto")
+    assert object_keys(seaweed.client(), bucket, "to-moto/") == []
+    assert object_keys(moto_server.client(), bucket, "to-seaweed/") == []
+    _assert_torch_hooks()
+
+
+def test_a_thread_without_a_block_refuses_when_open_blocks_disagree(
+    seaweed: Any, moto_server: Any, bucket: str
+) -> None:
+    """A thread with no block of its own takes the route of the blocks open elsewhere only when they agree;
+    with two different ones open it is refused, naming both endpoints, and nothing is written."""
+    alone = lambda: dcp.save(_state(5), checkpoint_id=f"s3://{bucket}/alone", no_dist=True)  # noqa: E731
+    moto_server.create_bucket(bucket)
+    with dcp_route.s3_route(_options(seaweed)):
+        (agreed,) = _in_threads(alone)  # one route open: the thread takes it
+        assert agreed is not None and not isinstance(agreed, BaseException), agreed
+        with dcp_route.s3_route(_options(moto_server)):
+            (refused,) = _in_threads(alone)
+    assert isinstance(refused, ConfigError), refused
+    assert seaweed.endpoint_url in str(refused) and moto_server.endpoint_url in str(refused)
+    _assert_dcp_s3_checkpoint(seaweed.client(), bucket, "alone")
+    assert object_keys(moto_server.client(), bucket) == []
+    _assert_torch_hooks()
 
 
 def test_calls_that_name_their_storage_keep_it(seaweed: Any, bucket: str, tmp_path: Path) -> None:
