@@ -43,11 +43,13 @@ from dcp_s3._torch_compat import (
 )
 from dcp_s3.untrusted.metadata_pickle import MAX_INT_KEY, budget_for, describe
 from dcp_s3.untrusted.weights_only_calls import (
+    EXTRA_GLOBALS,
     MAX_SAME_HASH,
     Global,
     Node,
     Refused,
     check_call,
+    check_state,
     is_bytes,
     label,
     real,
@@ -113,9 +115,9 @@ def _torch_ids() -> frozenset[int]:
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
-    """Torch's weights-only allowlist plus what the user registered with ``add_safe_globals``."""
+    """Torch's weights-only allowlist, ``io.BytesIO`` and what the user registered with ``add_safe_globals``."""
     user = weights_only_user_allowed_globals()
-    return {**_torch_allowlist(), **_table(user)} if user else _torch_allowlist()
+    return {**_torch_allowlist(), **EXTRA_GLOBALS, **(_table(user) if user else {})}
 
 
 class _Checker:
@@ -219,6 +221,7 @@ class _Checker:
         if (inst.callee.obj is torch.Tensor or name.startswith(REBUILD_PREFIX)) and "parameter" not in name:
             if not (isinstance(state, Node) and state.kind == "tuple" and len(state.items) == 4):
                 raise Refused(f"it would set the state of the result of {name} other than with set_")
+        check_state(inst, state)
         self.charge(state)
         inst.items.append(state)
 

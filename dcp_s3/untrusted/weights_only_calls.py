@@ -9,12 +9,19 @@ invariant checks (out-of-range indices crash the process on first use). So, of t
 allowlist, only what ``torch.save``'s pickles call may be called, each with the arguments
 the pickler emits (:func:`check_call`); classes you register with ``add_safe_globals`` are
 yours to vouch for and may be called as before.
+
+Beyond torch's allowlist, one standard class is allowed: ``io.BytesIO`` (torch's own DCP tests keep
+a train state's ``losses`` in one, and torch's planner pickles it). Rebuilding one runs no code and
+costs its stored bytes: it is created empty and its state set, exactly as the pickler emits it
+(:data:`EXTRA_GLOBALS`, :func:`check_state`); ``bytes()`` with no argument is allowed for the empty
+bytes that protocol 2 pickles as that call.
 """
 
 from __future__ import annotations
 
 import _codecs
 import functools
+import io
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +31,14 @@ import torch
 from dcp_s3._torch_compat import REBUILD_FROM_TYPE_V2, REBUILD_PREFIX, get_layout, rebuild_functions
 from dcp_s3.untrusted.metadata_pickle import describe
 
-__all__ = ["Refused", "Global", "Node", "label", "is_bytes", "real", "check_call", "MAX_SAME_HASH"]
+__all__ = [
+    "Refused", "Global", "Node", "label", "is_bytes", "bytes_size", "real", "check_call", "check_state",
+    "MAX_SAME_HASH", "EXTRA_GLOBALS",
+]
+
+#: Globals allowed beyond torch's weights-only allowlist, each with the calls and state :func:`check_call`
+#: and :func:`check_state` accept for it.
+EXTRA_GLOBALS: dict[tuple[str, str], Any] = {("_io", "BytesIO"): io.BytesIO, ("builtins", "bytes"): bytes}
 
 
 class Refused(Exception):
@@ -60,8 +74,13 @@ def label(value: object) -> str:
 
 
 def is_bytes(value: object) -> bool:
-    """Protocol 2 pickles bytes as a call of ``_codecs.encode``."""
-    return isinstance(value, Node) and value.callee is not None and value.callee.name == "_codecs.encode"
+    """Protocol 2 pickles bytes as a call of ``_codecs.encode`` (empty bytes: of ``bytes``)."""
+    return isinstance(value, Node) and value.callee is not None and value.callee.obj in (_codecs.encode, bytes)
+
+
+def bytes_size(value: Node) -> int:
+    """The size of the bytes an :func:`is_bytes` node makes (``_codecs.encode(<str>, "latin1")``: one a character)."""
+    return len(value.items[0].items[0]) if value.callee is not None and value.callee.obj is _codecs.encode else 0
 
 
 def real(key: object, depth: int = 0) -> object:
@@ -166,9 +185,26 @@ def check_call(
                 key(element.items[0] if obj is OrderedDict and pair else element, seen)
         elif not (isinstance(source, Node) and source.kind == "dict"):  # a dict's keys were checked
             raise Refused(f"it would build a {func.name} from {label(source)}")
+    if obj in (io.BytesIO, bytes) and items:
+        raise Refused(f"it would call {func.name} with arguments (torch.save's pickles call it without)")
     if any(obj is v for v in _views()):
         _view(func, items)
     if func.name == REBUILD_FROM_TYPE_V2 and not (
         items and isinstance(items[0], Global) and items[0].name.startswith(REBUILD_PREFIX)
     ):
         raise Refused("it would rebuild a tensor subclass through something other than a tensor rebuild function")
+
+
+def check_state(inst: Node, state: object) -> None:
+    """Refuse setting ``state`` on ``inst`` (a created object) where its class is one of :data:`EXTRA_GLOBALS`
+    and ``state`` is not what the pickler emits for it: for ``io.BytesIO`` ``(bytes, position, None or dict)``,
+    the position within the bytes."""
+    if inst.callee is None or inst.callee.obj is not io.BytesIO:
+        return
+    items = state.items if isinstance(state, Node) and state.kind == "tuple" else None
+    if not (items is not None and len(items) == 3 and is_bytes(items[0]) and type(items[1]) is int
+            and (items[2] is None or (isinstance(items[2], Node) and items[2].kind == "dict"))):
+        raise Refused(f"it would set the state of _io.BytesIO to {label(state)}, not (bytes, position, None or dict)")
+    size = bytes_size(items[0])
+    if not 0 <= items[1] <= size:
+        raise Refused(f"it would set an _io.BytesIO of {size} bytes to position {items[1]}")

@@ -25,6 +25,7 @@ import zstandard
 from hostile import (
     MiB,
     global_op,
+    int_op,
     pickle_ops,
     read_metadata,
     replace_items,
@@ -178,6 +179,34 @@ def test_byte_item_bombs_the_c_unpickler_would_run_are_refused(
     ckpt = tmp_path / name
     _byte_item_checkpoint(ckpt, make())
     refused(run_child(ckpt, {"w": [4], "cfg": {"lr": None}}), match)
+
+
+def _bytes_io(*state: bytes, args: bytes = pickle.EMPTY_TUPLE) -> bytes:
+    """A pickle creating ``_io.BytesIO`` (with ``args``) and setting ``state`` (opcodes building a tuple)."""
+    return pickle_ops(global_op("_io", "BytesIO"), args, pickle.NEWOBJ, *state, pickle.BUILD)
+
+
+_LATIN1 = (global_op("_codecs", "encode"), unicode_op("hello"), unicode_op("latin1"), pickle.TUPLE2, pickle.REDUCE)
+
+
+def test_bytesio_loads_as_torch_save_writes_it_and_nothing_else() -> None:
+    """torch's own DCP tests keep ``losses`` in an ``io.BytesIO``: what torch.save writes for one passes; a
+    BytesIO called with arguments, a position past its bytes, other state or a forbidden global in its state
+    dict is refused."""
+    for value in (io.BytesIO(b"hello"), io.BytesIO(), {"losses": io.BytesIO(torch.randn(4).numpy().tobytes())}):
+        assert byte_item_problem(torch_saved(value)) is None, value
+    at = io.BytesIO(b"hello")
+    at.seek(5)
+    assert byte_item_problem(torch_saved(at)) is None
+    refusals = {
+        "with arguments": _bytes_io(pickle.NONE, args=int_op(1 << 30) + pickle.TUPLE1),
+        "to position 6": _bytes_io(*_LATIN1, int_op(6), pickle.NONE, pickle.TUPLE3),
+        "not (bytes, position": _bytes_io(int_op(1 << 30), pickle.TUPLE1),
+        "posix.system": _bytes_io(*_LATIN1, int_op(0), pickle.EMPTY_DICT, unicode_op("x"),
+                                  global_op("posix", "system"), pickle.SETITEM, pickle.TUPLE3),
+    }
+    for match, pkl in refusals.items():
+        assert match in str(byte_item_problem(_archive(pkl))), match
 
 
 def test_checker_refuses_other_uncosted_calls_and_passes_what_torch_save_writes() -> None:

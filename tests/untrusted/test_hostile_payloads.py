@@ -113,6 +113,30 @@ def test_reduce_payload_in_byte_items_never_runs_through_dcp_load(
     assert not marker.exists()
 
 
+class TrainState:
+    """The stateful train state of torch's own DCP end-to-end tests: ``losses`` travels as an ``io.BytesIO``."""
+
+    def __init__(self, step: int = 0, losses: list[float] | None = None) -> None:
+        self.step, self.losses = step, losses or []
+
+    def state_dict(self) -> dict[str, Any]:
+        buf = io.BytesIO()
+        torch.save(self.losses, buf)
+        return {"step": self.step, "losses": buf}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state["losses"].seek(0)
+        self.step, self.losses = state["step"], torch.load(state["losses"], weights_only=True)
+
+
+def test_torchs_own_train_state_with_a_bytesio_loads_by_default(bucket: str, s3_env: LocalS3Server) -> None:
+    uri = f"s3://{bucket}/train"
+    dcp.save({"w": torch.ones(3), "train": TrainState(5, [0.5, 0.25])}, storage_writer=S3StorageWriter(uri))
+    out: dict[str, Any] = {"w": torch.zeros(3), "train": TrainState()}
+    dcp.load(out, storage_reader=S3StorageReader(uri))
+    assert out["train"].step == 5 and out["train"].losses == [0.5, 0.25] and torch.equal(out["w"], torch.ones(3))
+
+
 def test_opt_in_and_safe_globals_load_trusted_byte_items(bucket: str, s3_env: LocalS3Server, tmp_path: Path) -> None:
     uri = f"s3://{bucket}/frac"
     dcp.save({"w": torch.ones(2), "ratio": Fraction(1, 3)}, storage_writer=S3StorageWriter(uri))
