@@ -26,12 +26,14 @@ Which step is loaded, and the fallback to S3, are decided in :mod:`dcp_s3.checkp
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -46,6 +48,7 @@ from dcp_s3.layout import METADATA_KEY
 from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.store import Store, open_store
+from dcp_s3.untrusted.metadata_check import tiling_problem
 
 __all__ = [
     "Copy", "Shared", "rank_dir", "rank_dirs", "scan_copies", "copies_problem", "shared_copies", "merged_metadata",
@@ -197,26 +200,51 @@ def merged_metadata(shared: Shared, part: str, where: str) -> Metadata:
 
 
 def _check_cover(fqn: str, entry: TensorStorageMetadata, where: str) -> None:
-    """Every element of the tensor is in exactly one chunk (else DCP would leave the rest unloaded): the
-    chunks' volumes add up to the tensor's and no two overlap (a sweep along the first dimension, so
-    shards along it — FSDP's — cost n log n)."""
-    boxes = sorted((list(c.offsets), list(c.sizes)) for c in entry.chunks if math.prod(c.sizes))
-    covered = sum(math.prod(s) for _, s in boxes)
-    overlap = False
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1:]:
-            if oa and ob[0] >= oa[0] + sa[0]:
-                break  # sorted by the first offset: no later box reaches back into this one
-            if all(x < y + m and y < x + n for x, n, y, m in zip(oa, sa, ob, sb)):
-                overlap = True
-                break
-        if overlap:
-            break
-    if overlap or covered != math.prod(entry.size):
+    """Every element of the tensor is in exactly one chunk (else DCP would leave the rest unloaded): the chunks'
+    volumes add up to the tensor's and no two overlap (each chunk lies inside the tensor: its rank's metadata
+    and layout were checked, so then they overlap iff they do not tile it, :func:`_tiles`)."""
+    size = list(entry.size)
+    boxes = [(list(c.offsets), list(c.sizes)) for c in entry.chunks if math.prod(c.sizes)]
+    covered, numel = sum(math.prod(s) for _, s in boxes), math.prod(size)
+    overlap = covered > numel or (covered == numel and not _tiles(size, boxes))
+    if overlap or covered != numel:
         raise CheckpointFormatError(
-            f"{where}: the ranks' shards of {fqn!r} cover {covered} of its {math.prod(entry.size)} elements"
+            f"{where}: the ranks' shards of {fqn!r} cover {covered} of its {numel} elements"
             + (" and overlap" if overlap else "")
         )
+
+
+#: Corners :func:`_tiles` may count (chunks times 2 ** split dimensions); past it the bounded check of every
+#: stored ``.metadata`` decides.
+_MAX_CORNERS = 1 << 22
+
+
+def _tiles(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> bool:
+    """Whether ``boxes`` (offsets, sizes; each inside a tensor of ``size``) cover it exactly once, in time linear
+    in their number (shards along any dimension cost the same: no pair is compared).
+
+    A box's indicator is the signed sum of the orthants at its corners (``+`` at a corner with an even number
+    of upper coordinates, ``-`` at an odd one), and orthants at distinct points are linearly independent; so
+    the boxes' indicators add up to the tensor's iff, at every point, their corners' signs add up to the
+    tensor's own corners' signs. Only the dimensions some box splits count (in the others every box spans
+    the tensor). Beyond :data:`_MAX_CORNERS`, :func:`~dcp_s3.untrusted.metadata_check.tiling_problem` decides
+    (n log n for a grid, a bounded sweep otherwise)."""
+    split = [k for k in range(len(size)) if any(o[k] or s[k] != size[k] for o, s in boxes)]
+    if len(boxes) << len(split) > _MAX_CORNERS:
+        offsets = np.array([o for o, _ in boxes], dtype=np.int64).reshape(len(boxes), len(size))
+        sizes = np.array([s for _, s in boxes], dtype=np.int64).reshape(offsets.shape)
+        return tiling_problem(size, offsets, sizes) is None
+    signs: dict[str, int] = {}
+
+    def add(low: list[int], high: list[int], step: int) -> None:
+        for corner in itertools.product(*(((a, 1), (b, -1)) for a, b in zip(low, high))):
+            key = ",".join(str(c) for c, _ in corner)  # a str: tuples of ints can be chosen to collide in hash
+            signs[key] = signs.get(key, 0) + step * math.prod(sign for _, sign in corner)
+
+    for o, s in boxes:
+        add([o[k] for k in split], [o[k] + s[k] for k in split], 1)
+    add([0] * len(split), [size[k] for k in split], -1)  # the tensor's own corners
+    return not any(signs.values())
 
 
 class MergedReader(S3StorageReader):
