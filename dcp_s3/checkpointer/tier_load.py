@@ -32,7 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dcp_s3.checkpointer.generations import find_complete, part_dirs_of, read_marker
 from dcp_s3.checkpointer.local_layout import from_view, layout_mismatch, layout_of, local_view
+from dcp_s3.checkpointer.markers import check_marker
 from dcp_s3.checkpointer.ranks import distributed, rank, world_size
+from dcp_s3.checkpointer.steps import MARKER_SUFFIX
 from dcp_s3.checkpointer.tier_reshard import Shared, check_shared, load_merged, shared_copies
 from dcp_s3.checkpointer.tiers import LAYOUT, Tiers, save_of
 from dcp_s3.checkpointer.training_state import on_meta, warn
@@ -135,7 +137,7 @@ def _s3_copy(tiers: Tiers, step: str) -> tuple[Any, dict[str, str]]:
     found = read_marker(tiers.s3, step)
     if found is None:
         raise CheckpointNotFoundError(f"{tiers.s3.url(step)}: its marker is gone")
-    marker = found[1]
+    marker = check_marker(found[1], tiers.s3.url(step + MARKER_SUFFIX))
     dirs = part_dirs_of(marker, step, tiers.s3.url(step)) or {p: f"{step}.{p}" for p in marker["parts"]}
     return marker, dirs
 
@@ -152,7 +154,18 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
                 optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> dict[str, Any] | None:
     """Load the newest step of either tier (module docstring). Returns ``{"step", "marker", "source"}``
     once loaded here; ``{"s3_step"}`` when no rank has it locally (the caller runs the ordinary S3
-    load); None when no step is complete anywhere."""
+    load); None when no step is complete anywhere. ``last_load["unusable_local"]``: this rank's local steps
+    that could not be used at all (an unreadable or hostile marker), and why; ``last_load["local_refused"]``:
+    why this rank's local directory was not read at all (a symbolic link), if it was not."""
+    got = _tiered_load(tiers, model_dict, optimizer_dict)
+    tiers.last_load["unusable_local"] = dict(tiers.unusable)
+    if tiers.refused is not None:
+        tiers.last_load["local_refused"] = tiers.refused
+    return got
+
+
+def _tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
+                 optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> dict[str, Any] | None:
     s3_steps = set(tiers.ranks.run_on_rank0(lambda: [s.name for s in find_complete(tiers.s3, None)]))
     mine = tiers.local_steps()
     shared, refused = shared_copies(tiers.local_root)
@@ -176,7 +189,7 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
             _warn_newer(step, partial, every, refused)
             return got
         problem = check_copy(tiers.local, *mine[step], model_dict, optimizer_dict) if step in mine \
-            else "no local copy"
+            else tiers.unusable.get(step, tiers.refused or "no local copy")
         bad = {r: p for r, p in enumerate(_gather(tiers, problem)) if p}
         if bad:
             reasons[step] = bad
