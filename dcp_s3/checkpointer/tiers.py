@@ -17,6 +17,9 @@ Which step ``load()`` takes (all ranks agree, by one all-gather): the newest of
   save (a job of another world size: a resharded load, :mod:`dcp_s3.checkpointer.tier_reshard`).
 
 Copies of different saves of one step (the save token in :data:`LOCAL_ENTRY`) never count as one step.
+A ``rank<NNNNN>`` entry that is a symbolic link is never written, read or deleted through
+(:mod:`dcp_s3.checkpointer.local_root`), and every marker field is checked before use
+(:mod:`dcp_s3.checkpointer.markers`).
 
 Each rank then checks its local copy of that step against what it is about to load: every chunk
 its load needs is stored (same offsets and sizes: a different sharding is refused), and every object

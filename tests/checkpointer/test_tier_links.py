@@ -11,9 +11,12 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
 from test_checkpointer import build, same, snapshot, train, trainable
 
 from dcp_s3.checkpointer import Checkpointer
@@ -200,3 +203,54 @@ def test_the_resharded_path_and_ls_report_a_linked_rank_dir(tmp_path: Path,
     out, err = capsys.readouterr()
     assert code == 0 and "rank 1 not read" in out + err and "0 steps in the local tier" in out, (out, err)
     assert tree(tmp_path / "elsewhere") == before
+
+
+def linked_rank_job(rank: int, world: int, env: dict[str, str], root: str, base: str) -> dict[str, Any]:
+    os.environ.update(env)
+    local = f"{base}/local"  # one local root for both ranks (one node's disk)
+    model, optim, sched = build(seed=1)
+    with Checkpointer(root, local_root=local) as ckpt:
+        train(model, optim, sched, seed=10)
+        ckpt.save({"m": model}, {"m": optim}, iteration=10, tier="s3")  # local, and promoted
+        ckpt.wait_promotions()
+    ref = snapshot(model, optim)
+    dist.barrier()
+    elsewhere = Path(base, "elsewhere")
+    if rank == 1:  # rank 1's genuine directory moved out, a link in its place
+        shutil.move(f"{local}/rank00001", elsewhere)
+        (elsewhere / "sentinel").write_text("not dcp_s3's")
+        os.symlink(elsewhere, f"{local}/rank00001")
+    dist.barrier()
+    before = tree(elsewhere)
+    out: dict[str, Any] = {}
+    model2, optim2, _ = build(seed=99)
+    ckpt = Checkpointer(root, local_root=local)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out["iteration"] = ckpt.load({"m": model2}, {"m": optim2})
+    got = snapshot(model2, optim2)
+    same(trainable(ref["model"]), trainable(got["model"]))
+    same(ref["optim"], got["optim"])
+    out["last_load"] = {k: ckpt.last_load.get(k) for k in ("source", "s3_ranks", "reasons", "local_refused")}
+    try:
+        ckpt.save({"m": model2}, {"m": optim2}, iteration=20, tier="local")
+        out["save"] = "saved"
+    except CheckpointFormatError as exc:
+        out["save"] = str(exc)
+    ckpt.close()
+    dist.barrier()
+    out["untouched"] = tree(elsewhere) == before
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_linked_rank_dir_on_2_ranks(bucket: str, s3_env: Any, tmp_path: Path) -> None:
+    """Rank 1's directory is a link (to its own genuine copy): rank 1 reads S3 for that step, rank 0 its local
+    copy, every rank agrees; rank 1's next save refuses, naming the link; nothing there is touched."""
+    r0, r1 = run_ranks(linked_rank_job, 2, s3_env.env(), f"s3://{bucket}/run", str(tmp_path))
+    assert r0["iteration"] == r1["iteration"] == 10
+    assert r1["last_load"]["s3_ranks"] == [1] and r0["last_load"]["s3_ranks"] == [1], r1["last_load"]
+    assert "rank00001 is a symbolic link" in r1["last_load"]["reasons"][1], r1["last_load"]
+    assert "rank00001 is a symbolic link" in r1["last_load"]["local_refused"] and not r0["last_load"]["local_refused"]
+    assert r0["save"] == "saved" and "rank00001 is a symbolic link" in r1["save"], (r0["save"], r1["save"])
+    assert r1["untouched"]
