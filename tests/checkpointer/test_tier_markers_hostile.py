@@ -18,6 +18,7 @@ from test_checkpointer import build, same, snapshot, train, trainable
 
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.checkpointer.tiers import LOCAL_ENTRY
+from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -75,3 +76,15 @@ def test_an_iteration_that_is_not_a_number_makes_its_step_unusable(tmp_path: Pat
     why = last["unusable_local"]["0000020"]
     assert "CheckpointFormatError" in why and "'iteration' = [1] is not a whole number" in why, why
     assert "0000020.pth" in why, why
+
+
+def test_the_plain_load_checks_the_same_fields(tmp_path: Path) -> None:
+    """Without a local tier the same check runs on the step's marker: a clear error naming the field and the
+    marker, not a ``TypeError`` after the tensors were loaded."""
+    root = str(tmp_path / "root")
+    model, optim, _ = build(seed=0, shard=False)
+    with Checkpointer(root) as ckpt:
+        ckpt.save({"m": model}, {"m": optim}, iteration=10)
+    rewrite(Path(root, "0000010.pth"), lambda m: m.update(iteration=[1]))
+    with pytest.raises(CheckpointFormatError, match=r"0000010\.pth: 'iteration' = \[1\] is not a whole number"):
+        Checkpointer(root).load({"m": model}, {"m": optim})
