@@ -34,7 +34,6 @@ from dcp_s3.checkpointer.generations import find_complete, part_dirs_of, read_ma
 from dcp_s3.checkpointer.local_layout import from_view, layout_mismatch, layout_of, local_view
 from dcp_s3.checkpointer.markers import check_marker
 from dcp_s3.checkpointer.ranks import distributed, rank, world_size
-from dcp_s3.checkpointer.steps import MARKER_SUFFIX
 from dcp_s3.checkpointer.tier_reshard import Shared, check_shared, load_merged, shared_copies
 from dcp_s3.checkpointer.tiers import LAYOUT, Tiers, save_of
 from dcp_s3.checkpointer.training_state import on_meta, warn
@@ -137,7 +136,7 @@ def _s3_copy(tiers: Tiers, step: str) -> tuple[Any, dict[str, str]]:
     found = read_marker(tiers.s3, step)
     if found is None:
         raise CheckpointNotFoundError(f"{tiers.s3.url(step)}: its marker is gone")
-    marker = check_marker(found[1], tiers.s3.url(step + MARKER_SUFFIX))
+    marker = found[1]
     dirs = part_dirs_of(marker, step, tiers.s3.url(step)) or {p: f"{step}.{p}" for p in marker["parts"]}
     return marker, dirs
 
@@ -161,6 +160,9 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
     tiers.last_load["unusable_local"] = dict(tiers.unusable)
     if tiers.refused is not None:
         tiers.last_load["local_refused"] = tiers.refused
+    if got is not None and "marker" in got:  # a local marker was checked when read; one from S3 is checked here,
+        # after every collective of the load (so no rank is left waiting), before the caller reads its fields
+        check_marker(got["marker"], f"the marker of step {got['step']} ({got['source']})")
     return got
 
 
