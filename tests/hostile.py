@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import resource
 import shlex
 import threading
 import zipfile
@@ -149,6 +150,18 @@ class PeakRss:
     @property
     def growth(self) -> int:
         return self.peak - self.start
+
+
+@contextmanager
+def memory_cap(headroom: int) -> Iterator[None]:
+    """At most ``headroom`` more address space (``RLIMIT_AS``) for the block, so that a regression fails with
+    ``MemoryError`` instead of exhausting the machine; the limit before is restored after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (psutil.Process().memory_info().vms + headroom, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def pickle_ops(*parts: bytes) -> bytes:

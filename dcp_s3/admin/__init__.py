@@ -19,7 +19,7 @@ from dcp_s3.admin.cleanup import Garbage, Removal, collect_garbage, find_garbage
 from dcp_s3.admin.convert import ConvertReport, convert_checkpoint
 from dcp_s3.admin.copying import CopyReport, copy_checkpoint
 from dcp_s3.admin.listing import StepSummary, TensorInfo, inspect_checkpoint, list_steps
-from dcp_s3.admin.local_tier import LocalStep, is_local_tier_root, list_local_tier
+from dcp_s3.admin.local_tier import LocalStep, is_local_tier_root, list_local_tier, refused_rank_dirs
 from dcp_s3.admin.locations import Progress, resolve
 from dcp_s3.admin.verify import Problem, VerifyReport, verify_checkpoint
 
@@ -27,5 +27,5 @@ __all__ = [
     "StepSummary", "TensorInfo", "Problem", "VerifyReport", "Garbage", "Removal", "CopyReport", "ConvertReport",
     "list_steps", "inspect_checkpoint", "verify_checkpoint", "find_garbage", "collect_garbage",
     "copy_checkpoint", "remove_checkpoint", "convert_checkpoint", "resolve", "Progress",
-    "LocalStep", "list_local_tier", "is_local_tier_root",
+    "LocalStep", "list_local_tier", "is_local_tier_root", "refused_rank_dirs",
 ]

@@ -23,13 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_s3.checkpointer.generations import find_complete, part_dirs_of, read_marker
+from dcp_s3.checkpointer.local_root import rank_dirs
+from dcp_s3.checkpointer.markers import LOCAL_ENTRY
 from dcp_s3.checkpointer.steps import MARKER_SUFFIX, root_steps
-from dcp_s3.checkpointer.tier_reshard import Copy, copies_problem, rank_dirs, scan_copies
-from dcp_s3.checkpointer.tiers import LOCAL_ENTRY, save_of
+from dcp_s3.checkpointer.tier_reshard import Copy, copies_problem, scan_copies
+from dcp_s3.checkpointer.tiers import save_of
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, DcpS3Error
 from dcp_s3.store import Store, open_store
 
-__all__ = ["LocalStep", "is_local_tier_root", "list_local_tier"]
+__all__ = ["LocalStep", "is_local_tier_root", "list_local_tier", "refused_rank_dirs"]
 
 
 @dataclass
@@ -56,34 +58,45 @@ class LocalStep:
 
 
 def is_local_tier_root(uri: str) -> bool:
-    """Whether ``uri`` is a local directory holding ``rank<NNNNN>/`` directories (a tiered Checkpointer's
-    local root)."""
-    return "://" not in uri and bool(rank_dirs(os.path.abspath(uri)))
+    """Whether ``uri`` is a local directory holding ``rank<NNNNN>`` entries (a tiered Checkpointer's local root;
+    entries that are not rank directories of ours, such as links, count: they are reported, never read)."""
+    if "://" in uri:
+        return False
+    ours, refused = rank_dirs(os.path.abspath(uri))
+    return bool(ours or refused)
+
+
+def refused_rank_dirs(local_root: str) -> dict[int, str]:
+    """Why each ``rank<NNNNN>`` entry under ``local_root`` that is not a rank directory of ours (a symbolic
+    link, a file) is not read, by rank (:mod:`dcp_s3.checkpointer.local_root`)."""
+    return rank_dirs(os.path.abspath(local_root))[1]
 
 
 def list_local_tier(local_root: str, s3: str | None = None, **s3_options: Any) -> list[LocalStep]:
     """Every step under the local root ``local_root``, oldest first; with ``s3`` (the Checkpointer's S3 root
-    and its storage options) also its state there (module docstring)."""
+    and its storage options) also its state there (module docstring). Rank entries that are links are not
+    read (:func:`refused_rank_dirs` says why); a step missing their copies says so."""
     if "://" in local_root:
         raise ConfigError(f"{local_root}: a local tier root is a local directory")
     root = os.path.abspath(local_root)
-    if not rank_dirs(root):
+    if not is_local_tier_root(root):
         raise CheckpointNotFoundError(
             f"{local_root}: no rank<NNNNN>/ directories: not the local root of a Checkpointer(local_root=...)")
-    rows = [_row(step, by_rank) for step, by_rank in scan_copies(root).items()]
+    found, refused = scan_copies(root)
+    rows = [_row(step, by_rank, refused) for step, by_rank in found.items()]
     rows.sort(key=lambda r: (len(r.name), r.name))
     if s3 is not None:
         _add_s3(rows, open_store(s3, **s3_options))
     return rows
 
 
-def _row(step: str, by_rank: dict[int, Copy | str]) -> LocalStep:
+def _row(step: str, by_rank: dict[int, Copy | str], refused: dict[int, str]) -> LocalStep:
     copies = [c for _, c in sorted(by_rank.items()) if isinstance(c, Copy)]
     problems = {r: c for r, c in by_rank.items() if isinstance(c, str)}
     worlds = {c.marker[LOCAL_ENTRY]["world_size"] for c in copies}
     iterations = {c.marker.get("iteration") for c in copies}
     (iteration,) = iterations if len(iterations) == 1 else (None,)
-    why = copies_problem(by_rank) or ""
+    why = copies_problem(by_rank, refused) or ""
     saves = {save_of(c.marker) for c in copies}
     return LocalStep(
         name=step, iteration=iteration if type(iteration) is int else None,

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dcp_s3.checkpointer.generations import find_complete, plan_parts
 from dcp_s3.checkpointer.legacy import is_foreign_step_marker
+from dcp_s3.checkpointer.markers import check_marker
 from dcp_s3.checkpointer.ranks import distributed
 from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
 from dcp_s3.checkpointer.training_state import on_meta, warn
@@ -146,6 +147,8 @@ class StepIO:
         if not isinstance(marker, dict):
             raise CheckpointFormatError(f"{store.url(marker_name)} holds a {type(marker).__name__}, not a checkpoint")
         legacy = marker.get("format") != MARKER_FORMAT and not is_foreign_step_marker(marker)
+        if not legacy:
+            check_marker(marker, store.url(marker_name))  # its fields by type, before any is used
         plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {},
                                 "marker_data": None if legacy else marker_data, "dirs": {}}
         if legacy:

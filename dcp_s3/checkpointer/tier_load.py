@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dcp_s3.checkpointer.generations import find_complete, part_dirs_of, read_marker
 from dcp_s3.checkpointer.local_layout import from_view, layout_mismatch, layout_of, local_view
+from dcp_s3.checkpointer.markers import check_marker
 from dcp_s3.checkpointer.ranks import distributed, rank, world_size
 from dcp_s3.checkpointer.tier_reshard import Shared, check_shared, load_merged, shared_copies
 from dcp_s3.checkpointer.tiers import LAYOUT, Tiers, save_of
@@ -152,7 +153,21 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
                 optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> dict[str, Any] | None:
     """Load the newest step of either tier (module docstring). Returns ``{"step", "marker", "source"}``
     once loaded here; ``{"s3_step"}`` when no rank has it locally (the caller runs the ordinary S3
-    load); None when no step is complete anywhere."""
+    load); None when no step is complete anywhere. ``last_load["unusable_local"]``: this rank's local steps
+    that could not be used at all (an unreadable or hostile marker), and why; ``last_load["local_refused"]``:
+    why this rank's local directory was not read at all (a symbolic link), if it was not."""
+    got = _tiered_load(tiers, model_dict, optimizer_dict)
+    tiers.last_load["unusable_local"] = dict(tiers.unusable)
+    if tiers.refused is not None:
+        tiers.last_load["local_refused"] = tiers.refused
+    if got is not None and "marker" in got:  # a local marker was checked when read; one from S3 is checked here,
+        # after every collective of the load (so no rank is left waiting), before the caller reads its fields
+        check_marker(got["marker"], f"the marker of step {got['step']} ({got['source']})")
+    return got
+
+
+def _tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
+                 optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> dict[str, Any] | None:
     s3_steps = set(tiers.ranks.run_on_rank0(lambda: [s.name for s in find_complete(tiers.s3, None)]))
     mine = tiers.local_steps()
     shared, refused = shared_copies(tiers.local_root)
@@ -176,7 +191,7 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
             _warn_newer(step, partial, every, refused)
             return got
         problem = check_copy(tiers.local, *mine[step], model_dict, optimizer_dict) if step in mine \
-            else "no local copy"
+            else tiers.unusable.get(step, tiers.refused or "no local copy")
         bad = {r: p for r, p in enumerate(_gather(tiers, problem)) if p}
         if bad:
             reasons[step] = bad

@@ -5,8 +5,8 @@ The local tier keeps each rank's state in its own directory, ``<local_root>/rank
 copies of *all* the saving ranks of a step are readable from this process (all rank directories under
 one local root, e.g. on a node's shared disk) it can still load the step without S3:
 
-1. :func:`shared_copies`: every ``rank<NNNNN>/`` directory under the local root is listed and the
-   committed copies of each step collected. A step counts when its markers name ranks ``0..W-1`` of one
+1. :func:`shared_copies`: every ``rank<NNNNN>/`` directory under the local root is listed (one that is a
+   link is not read: :mod:`dcp_s3.checkpointer.local_root`) and the committed copies of each step collected. A step counts when its markers name ranks ``0..W-1`` of one
    world size ``W``, each in its own directory, and the same save (the ``save`` token rank 0 drew for it:
    copies of two saves of one step — a rerun that did not complete on every rank — are never combined).
 2. :func:`merged_metadata`: for each part, every saving rank's local ``.metadata`` is moved into global
@@ -26,39 +26,34 @@ Which step is loaded, and the fallback to S3, are decided in :mod:`dcp_s3.checkp
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-import os
-import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from dcp_s3.checkpointer.generations import find_complete
 from dcp_s3.checkpointer.local_layout import globalize
+from dcp_s3.checkpointer.local_root import rank_dir, rank_dirs
+from dcp_s3.checkpointer.markers import LAYOUT, LOCAL_ENTRY
 from dcp_s3.checkpointer.promotion import merge_metadata
 from dcp_s3.checkpointer.step_io import load_model, load_optim
-from dcp_s3.checkpointer.tiers import LAYOUT, LOCAL_ENTRY, local_copy, save_of
+from dcp_s3.checkpointer.tiers import local_copy, save_of
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from dcp_s3.storage.reader import S3StorageReader
-from dcp_s3.store import Store, open_store
+from dcp_s3.store import Store
+from dcp_s3.untrusted.metadata_check import tiling_problem
 
 __all__ = [
     "Copy", "Shared", "rank_dir", "rank_dirs", "scan_copies", "copies_problem", "shared_copies", "merged_metadata",
     "MergedReader", "check_shared", "load_merged",
 ]
-
-_RANK_DIR_RE = re.compile(r"rank(\d{5})/")
-
-
-def rank_dir(rank: int) -> str:
-    """The directory of rank ``rank`` under a local root."""
-    return f"rank{rank:05d}"
-
 
 class Copy(NamedTuple):
     """One saving rank's committed local copy of a step."""
@@ -78,23 +73,14 @@ class Shared(NamedTuple):
     copies: list[Copy]  # by saving rank
 
 
-def rank_dirs(local_root: str) -> dict[int, Store]:
-    """The ``rank<NNNNN>/`` directories under ``local_root``, by rank (none if it is not a directory)."""
-    if not os.path.isdir(local_root):
-        return {}
-    out = {}
-    for sub in sorted(open_store(local_root).list_dir("")[1]):
-        m = _RANK_DIR_RE.fullmatch(sub)
-        if m is not None:
-            out[int(m.group(1))] = open_store(os.path.join(local_root, sub[:-1]))
-    return out
-
-
-def scan_copies(local_root: str) -> dict[str, dict[int, Copy | str]]:
-    """Every committed local copy under ``local_root``, by step and by the rank directory holding it; a copy
-    whose marker cannot be read or is hostile (stored bytes) is the reason instead, never an exception."""
+def scan_copies(local_root: str) -> tuple[dict[str, dict[int, Copy | str]], dict[int, str]]:
+    """(every committed local copy under ``local_root``, by step and by the rank directory holding it; why each
+    entry named like a rank directory is not one of ours, by rank: nothing below it is read,
+    :func:`~dcp_s3.checkpointer.local_root.rank_dirs`). A copy whose marker cannot be read or is hostile
+    (stored bytes) is the reason instead, never an exception."""
     found: dict[str, dict[int, Copy | str]] = {}
-    for r, store in rank_dirs(local_root).items():
+    ours, refused = rank_dirs(local_root)
+    for r, store in ours.items():
         try:
             steps = find_complete(store, None)
         except (DcpS3Error, OSError) as exc:
@@ -110,7 +96,7 @@ def scan_copies(local_root: str) -> dict[str, dict[int, Copy | str]]:
                 at = step.marker.mtime if step.marker is not None else 0.0
                 found.setdefault(step.name, {})[r] = Copy(r, store, got[0], got[1], at)
     found.pop("", None)
-    return found
+    return found, refused
 
 
 def shared_copies(local_root: str) -> tuple[dict[str, Shared], dict[str, str]]:
@@ -118,8 +104,9 @@ def shared_copies(local_root: str) -> tuple[dict[str, Shared], dict[str, str]]:
     there is not, by step). Unreadable or hostile markers make their step unusable, never raise."""
     shared: dict[str, Shared] = {}
     why: dict[str, str] = {}
-    for step, by_rank in scan_copies(local_root).items():
-        problem = copies_problem(by_rank)
+    found, refused = scan_copies(local_root)
+    for step, by_rank in found.items():
+        problem = copies_problem(by_rank, refused)
         if problem:
             why[step] = problem
             continue
@@ -130,9 +117,11 @@ def shared_copies(local_root: str) -> tuple[dict[str, Shared], dict[str, str]]:
     return shared, why
 
 
-def copies_problem(by_rank: Mapping[int, Copy | str]) -> str | None:
+def copies_problem(by_rank: Mapping[int, Copy | str], refused: Mapping[int, str] | None = None) -> str | None:
     """Why the copies of one step (by rank directory, from :func:`scan_copies`) are not one complete save
-    of it by every rank of its world size, or None."""
+    of it by every rank of its world size, or None. ``refused``: why rank directories were not read (by rank,
+    from :func:`scan_copies`), named when their copies are missing. The world size is a stored number: only the
+    copies present are counted and listed, never a range of it."""
     bad = {r: c for r, c in by_rank.items() if isinstance(c, str)}
     if bad:
         return "; ".join(f"rank {r}: {c}" for r, c in sorted(bad.items()))
@@ -145,9 +134,8 @@ def copies_problem(by_rank: Mapping[int, Copy | str]) -> str | None:
     if len(worlds) != 1:
         return f"its copies were saved by jobs of different world sizes {sorted(worlds)}"
     (world,) = worlds
-    missing = sorted(set(range(world)) - {c.rank for c in copies})
-    if missing:
-        return f"saved by {world} ranks, the copies of ranks {missing} are not there"
+    if len(copies) < world:  # each copy is of a distinct rank below ``world`` (checked above and by its marker)
+        return f"saved by {world} ranks, " + _missing(world, {c.rank for c in copies}, refused or {})
     saves = {save_of(c.marker) for c in copies}
     if None in saves:
         return "its markers record no save token (saved by an older dcp_s3)"
@@ -159,6 +147,26 @@ def copies_problem(by_rank: Mapping[int, Copy | str]) -> str | None:
     if len(parts) != 1:
         return f"its copies hold different parts {sorted(parts)}"
     return None
+
+
+def _missing(world: int, present: set[int], refused: Mapping[int, str]) -> str:
+    """Which ranks below ``world`` have no copy in ``present``: the first few, the count of the rest (at most
+    ``len(present) + _SHOWN`` ranks are looked at, whatever ``world`` says), and why a refused directory was
+    not read."""
+    shown: list[int] = []
+    r = 0
+    while len(shown) < _SHOWN and r < world:
+        if r not in present:
+            shown.append(r)
+        r += 1
+    more = world - len(present) - len(shown)
+    text = f"the copies of ranks {shown}" + (f" and {more} more" if more else "") + " are not there"
+    why = [refused[r] for r in shown if r in refused]
+    return text + (f" ({'; '.join(why)})" if why else "")
+
+
+#: How many missing ranks a reason names.
+_SHOWN = 8
 
 
 def merged_metadata(shared: Shared, part: str, where: str) -> Metadata:
@@ -197,26 +205,51 @@ def merged_metadata(shared: Shared, part: str, where: str) -> Metadata:
 
 
 def _check_cover(fqn: str, entry: TensorStorageMetadata, where: str) -> None:
-    """Every element of the tensor is in exactly one chunk (else DCP would leave the rest unloaded): the
-    chunks' volumes add up to the tensor's and no two overlap (a sweep along the first dimension, so
-    shards along it — FSDP's — cost n log n)."""
-    boxes = sorted((list(c.offsets), list(c.sizes)) for c in entry.chunks if math.prod(c.sizes))
-    covered = sum(math.prod(s) for _, s in boxes)
-    overlap = False
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1:]:
-            if oa and ob[0] >= oa[0] + sa[0]:
-                break  # sorted by the first offset: no later box reaches back into this one
-            if all(x < y + m and y < x + n for x, n, y, m in zip(oa, sa, ob, sb)):
-                overlap = True
-                break
-        if overlap:
-            break
-    if overlap or covered != math.prod(entry.size):
+    """Every element of the tensor is in exactly one chunk (else DCP would leave the rest unloaded): the chunks'
+    volumes add up to the tensor's and no two overlap (each chunk lies inside the tensor: its rank's metadata
+    and layout were checked, so then they overlap iff they do not tile it, :func:`_tiles`)."""
+    size = list(entry.size)
+    boxes = [(list(c.offsets), list(c.sizes)) for c in entry.chunks if math.prod(c.sizes)]
+    covered, numel = sum(math.prod(s) for _, s in boxes), math.prod(size)
+    overlap = covered > numel or (covered == numel and not _tiles(size, boxes))
+    if overlap or covered != numel:
         raise CheckpointFormatError(
-            f"{where}: the ranks' shards of {fqn!r} cover {covered} of its {math.prod(entry.size)} elements"
+            f"{where}: the ranks' shards of {fqn!r} cover {covered} of its {numel} elements"
             + (" and overlap" if overlap else "")
         )
+
+
+#: Corners :func:`_tiles` may count (chunks times 2 ** split dimensions); past it the bounded check of every
+#: stored ``.metadata`` decides.
+_MAX_CORNERS = 1 << 22
+
+
+def _tiles(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> bool:
+    """Whether ``boxes`` (offsets, sizes; each inside a tensor of ``size``) cover it exactly once, in time linear
+    in their number (shards along any dimension cost the same: no pair is compared).
+
+    A box's indicator is the signed sum of the orthants at its corners (``+`` at a corner with an even number
+    of upper coordinates, ``-`` at an odd one), and orthants at distinct points are linearly independent; so
+    the boxes' indicators add up to the tensor's iff, at every point, their corners' signs add up to the
+    tensor's own corners' signs. Only the dimensions some box splits count (in the others every box spans
+    the tensor). Beyond :data:`_MAX_CORNERS`, :func:`~dcp_s3.untrusted.metadata_check.tiling_problem` decides
+    (n log n for a grid, a bounded sweep otherwise)."""
+    split = [k for k in range(len(size)) if any(o[k] or s[k] != size[k] for o, s in boxes)]
+    if len(boxes) << len(split) > _MAX_CORNERS:
+        offsets = np.array([o for o, _ in boxes], dtype=np.int64).reshape(len(boxes), len(size))
+        sizes = np.array([s for _, s in boxes], dtype=np.int64).reshape(offsets.shape)
+        return tiling_problem(size, offsets, sizes) is None
+    signs: dict[str, int] = {}
+
+    def add(low: list[int], high: list[int], step: int) -> None:
+        for corner in itertools.product(*(((a, 1), (b, -1)) for a, b in zip(low, high))):
+            key = ",".join(str(c) for c, _ in corner)  # a str: tuples of ints can be chosen to collide in hash
+            signs[key] = signs.get(key, 0) + step * math.prod(sign for _, sign in corner)
+
+    for o, s in boxes:
+        add([o[k] for k in split], [o[k] + s[k] for k in split], 1)
+    add([0] * len(split), [size[k] for k in split], -1)  # the tensor's own corners
+    return not any(signs.values())
 
 
 class MergedReader(S3StorageReader):

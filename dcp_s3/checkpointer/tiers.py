@@ -17,6 +17,9 @@ Which step ``load()`` takes (all ranks agree, by one all-gather): the newest of
   save (a job of another world size: a resharded load, :mod:`dcp_s3.checkpointer.tier_reshard`).
 
 Copies of different saves of one step (the save token in :data:`LOCAL_ENTRY`) never count as one step.
+A ``rank<NNNNN>`` entry that is a symbolic link is never written, read or deleted through
+(:mod:`dcp_s3.checkpointer.local_root`), and every marker field is checked before use
+(:mod:`dcp_s3.checkpointer.markers`).
 
 Each rank then checks its local copy of that step against what it is about to load: every chunk
 its load needs is stored (same offsets and sizes: a different sharding is refused), and every object
@@ -52,27 +55,23 @@ from dcp_s3.checkpointer.generations import (
     read_marker,
 )
 from dcp_s3.checkpointer.local_layout import layout_of, local_view
+from dcp_s3.checkpointer.local_root import is_tier_step, rank_dir, rank_dir_problem, rank_store
+from dcp_s3.checkpointer.markers import LAYOUT, LOCAL_ENTRY, check_marker
 from dcp_s3.checkpointer.promotion import commit_promoted, upload_rank
 from dcp_s3.checkpointer.ranks import Ranks, rank, world_size
 from dcp_s3.checkpointer.retention import delete_step, retain_last
-from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, PART_SUFFIX_RE, scan
+from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
 from dcp_s3.checkpointer.training_state import warn
 from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
-from dcp_s3.store import Store, open_store
+from dcp_s3.store import Store
 from dcp_s3.untrusted.torch_files import torch_save_bytes
 
-__all__ = ["TIERS", "StepStatus", "Tiers", "local_copy", "save_of"]
+__all__ = ["TIERS", "LOCAL_ENTRY", "LAYOUT", "StepStatus", "Tiers", "local_copy", "save_of"]
 
 log = logging.getLogger("dcp_s3")
 
 #: Values of ``save(..., tier=...)``: the local tier only, or local and then promoted to S3.
 TIERS = ("local", "s3")
-#: The marker entry of a local step: which rank of which world size saved it, and which save (``save``: a
-#: token drawn by rank 0 for each save, the same on every rank, so that copies of different saves of one
-#: step — a rerun — are never taken for one step).
-LOCAL_ENTRY = "local_tier"
-#: The marker entry of a local step: each part's layout (:func:`dcp_s3.checkpointer.local_layout.layout_of`).
-LAYOUT = "local_layout"
 
 
 @dataclass
@@ -119,13 +118,23 @@ class Tiers:
         self._promotions: list[Future[None]] = []
         self._failures: list[str] = []
         self.last_load: dict[str, Any] = {}
+        #: This rank's local steps the last :meth:`local_steps` could not use, and why (a hostile marker...).
+        self.unusable: dict[str, str] = {}
+        #: Why this rank's directory was not read by the last :meth:`local_steps` (a symbolic link), or None.
+        self.refused: str | None = None
 
     @property
     def local(self) -> Store:
-        """This rank's local root, ``<local_root>/rank<NNNNN>`` (opened at first use: the rank is known then)."""
+        """This rank's local root, ``<local_root>/rank<NNNNN>`` (opened at first use: the rank is known then),
+        rooted at the local root so that nothing is followed through a link at the rank directory
+        (:mod:`dcp_s3.checkpointer.local_root`)."""
         if self._local is None:
-            self._local = open_store(os.path.join(self.local_root, f"rank{rank():05d}"))
+            self._local = rank_store(self.local_root, rank())
         return self._local
+
+    def rank_dir_problem(self) -> str | None:
+        """Why this rank's directory under the local root is not one of ours (a link...), or None."""
+        return rank_dir_problem(self.local_root, rank_dir(rank()))
 
     # -- save -------------------------------------------------------------------------------------
     def save(self, parts: list[tuple[str, str, dict[str, Any], Any]], content: dict[str, Any], iteration: int,
@@ -137,6 +146,9 @@ class Tiers:
         promote = tier == "s3" or (tier is None and self.s3_every is not None and iteration % self.s3_every == 0)
         step = f"{int(iteration):07d}"
         token = self.ranks.run_on_rank0(new_token)  # the S3 generation: the same on every rank
+        hostile = self.rank_dir_problem()
+        if hostile is not None:  # after the collective above: the other ranks are not left waiting in it
+            raise CheckpointFormatError(f"not saving step {step} to the local tier: {hostile}")
         local = self.local
         t0 = time.perf_counter()
         ltoken = new_token() if local.size(step + MARKER_SUFFIX) is not None else None
@@ -233,10 +245,15 @@ class Tiers:
         """``keep_last_local`` on this rank's root; never a step being promoted, never the newest."""
         if self.keep_last_local is None:
             return
+        hostile = self.rank_dir_problem()
+        if hostile is not None:
+            log.warning("keep_last_local: deleting nothing: %s", hostile)
+            return
         with self._lock:
             local = self.local
             try:
-                done = [s for s in find_complete(local, None) if s.parts]
+                # Only steps named as the tier names them: never another checkpoint lying in the rank directory.
+                done = [s for s in find_complete(local, None) if s.parts and is_tier_step(s.name)]
                 protected = self._protected() | ({keep} if keep else set())
                 for old in done[: max(0, len(done) - self.keep_last_local)]:
                     if old.name in protected:
@@ -266,6 +283,11 @@ class Tiers:
         """This rank's committed local steps saved by this rank of a job of this world size:
         step -> (marker, part directory by part)."""
         out: dict[str, tuple[Any, dict[str, str]]] = {}
+        self.unusable = {}
+        self.refused = hostile = self.rank_dir_problem()
+        if hostile is not None:  # nothing is read through it: this rank has no local copy
+            warn(f"the local tier of rank {rank()} is not used: {hostile}")
+            return out
         for step in find_complete(self.local, None):
             try:
                 found = local_copy(self.local, step.name)
@@ -276,6 +298,7 @@ class Tiers:
                     continue
                 out[step.name] = (marker, dirs)
             except (DcpS3Error, OSError) as exc:
+                self.unusable[step.name] = f"{type(exc).__name__}: {exc}"
                 log.warning("local step %s is not usable: %s", self.local.url(step.name), exc)
         return out
 
@@ -297,13 +320,9 @@ def local_copy(store: Store, step: str) -> tuple[dict[str, Any], dict[str, str],
     marker, where = found[1], store.url(step + MARKER_SUFFIX)
     if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT or LOCAL_ENTRY not in marker:
         return None
-    entry = marker[LOCAL_ENTRY]
-    ok = isinstance(entry, dict) and type(entry.get("rank")) is int and type(entry.get("world_size")) is int \
-        and 0 <= entry["rank"] < entry["world_size"]
-    if not ok:
-        raise CheckpointFormatError(f"{where}: {LOCAL_ENTRY!r} = {entry!r} names no rank of a world size")
-    parts = marker.get("parts")
-    if not isinstance(parts, list) or not all(isinstance(p, str) and PART_SUFFIX_RE.fullmatch(p) for p in parts):
-        raise CheckpointFormatError(f"{where}: 'parts' = {parts!r} is not a list of part names")
+    check_marker(marker, where)  # every field read below, and the iteration a load returns
+    entry, parts = marker[LOCAL_ENTRY], marker.get("parts")
+    if not isinstance(parts, list):
+        raise CheckpointFormatError(f"{where}: it lists no 'parts'")
     dirs = part_dirs_of(marker, step, where) or {p: f"{step}.{p}" for p in parts}
     return marker, dirs, entry

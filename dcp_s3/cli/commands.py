@@ -84,11 +84,11 @@ def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from dcp_s3.admin import is_local_tier_root, list_local_tier, list_steps
+    from dcp_s3.admin import is_local_tier_root, list_local_tier, list_steps, refused_rank_dirs
 
     if args.s3 is not None or is_local_tier_root(args.uri):
         tier_rows = list_local_tier(args.uri, args.s3, **({} if args.s3 is None else _options(args, args.s3)))
-        _print_local_tier(args.uri, tier_rows, args.s3)
+        _print_local_tier(args.uri, tier_rows, args.s3, refused_rank_dirs(args.uri))
         return 0
     steps = list_steps(args.uri, **_options(args, args.uri))
     rows = [["STEP", "STATUS", "STORED", "LOGICAL", "RATIO", "OBJECTS", "TIME"]]

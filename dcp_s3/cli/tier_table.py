@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dcp_s3.cli.text import say, table, when
@@ -21,8 +21,9 @@ def rank_ranges(ranks: Sequence[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs) or "-"
 
 
-def print_local_tier(root: str, rows: Sequence[Any], s3: str | None) -> None:
-    """One line per step (``LocalStep`` rows), then why each incomplete or unreadable one is so."""
+def print_local_tier(root: str, rows: Sequence[Any], s3: str | None, refused: Mapping[int, str] | None = None) -> None:
+    """One line per step (``LocalStep`` rows), then why each incomplete or unreadable one is so, and why each
+    rank entry in ``refused`` (a link...) was not read."""
     head = ["STEP", "LOCAL", "RANKS", "LOCAL COMMIT"] + (["S3", "S3 COMMIT", "LAG"] if s3 else [])
     lines = [head]
     for r in rows:
@@ -39,6 +40,8 @@ def print_local_tier(root: str, rows: Sequence[Any], s3: str | None) -> None:
             say(f"{r.name}: {r.why}")
         if r.s3_error:
             say(f"{r.name} on S3: {r.s3_error}")
+    for rank, why in sorted((refused or {}).items()):
+        say(f"rank {rank} not read: {why}")
     done = sum(r.complete for r in rows)
     where = f"; S3 root {s3}" if s3 else ""
     print(f"{len(rows)} steps in the local tier under {root} ({done} complete on every rank{where})")

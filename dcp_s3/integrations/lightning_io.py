@@ -40,6 +40,7 @@ from dcp_s3.admin.cleanup import remove_checkpoint
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store.storage_options import StorageOptions
+from dcp_s3.untrusted.foreign_items import BYTE_ITEM_FLOOR, BYTE_ITEM_RATIO, byte_item_limit
 from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = [
@@ -102,18 +103,28 @@ def _trusted(options: StorageOptions, weights_only: bool | None) -> bool:
 
 
 def _meta_size(metadata: Metadata, location: str) -> int | None:
-    """The byte length of the stored metadata, or None when the checkpoint holds none."""
+    """The byte length of the stored metadata, or None when the checkpoint holds none. It is Lightning's
+    ``meta.pt``, a byte item in all but name: the rule of byte items bounds it
+    (:func:`~dcp_s3.untrusted.foreign_items.byte_item_limit`: at most 64 times its stored bytes, or 64 MiB),
+    before its buffer is allocated, so a few stored kilobytes that decompress to a gigabyte are refused on
+    every rank at no cost."""
     entry = metadata.state_dict_metadata.get(META_KEY)
     if entry is None:
         return None
     if not isinstance(entry, TensorStorageMetadata) or len(entry.size) != 1:
         raise CheckpointFormatError(f"{location}: {META_KEY} is not a 1-D byte tensor")
-    size = entry.size
-    if entry.properties.dtype != torch.uint8 or not 0 <= int(size[0]) <= MAX_META_BYTES:
+    size = int(entry.size[0])
+    if entry.properties.dtype != torch.uint8 or not 0 <= size <= MAX_META_BYTES:
         raise CheckpointFormatError(
-            f"{location}: {META_KEY} is not a uint8 tensor of at most {MAX_META_BYTES} bytes (size {int(size[0])})"
+            f"{location}: {META_KEY} is not a uint8 tensor of at most {MAX_META_BYTES} bytes (size {size})"
         )
-    return int(size[0])
+    stored = sum(int(info.length) for index, info in metadata.storage_data.items() if index.fqn == META_KEY)
+    if size > byte_item_limit(stored):
+        raise CheckpointFormatError(
+            f"{location}: {META_KEY} declares {size} bytes stored in {stored}: more than {byte_item_limit(stored)} "
+            f"(a byte item decodes to at most {BYTE_ITEM_RATIO} times its stored bytes, or {BYTE_ITEM_FLOOR >> 20} MiB)"
+        )
+    return size
 
 
 class _MetaLoadPlanner(DefaultLoadPlanner):

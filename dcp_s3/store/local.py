@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from dcp_s3.objstore.base import check_relative_name
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.storage.session import LocalDir, Session
 from dcp_s3.storage.writer import S3StorageWriter
@@ -25,17 +26,22 @@ class LocalStore(Store):
     through one. ``follow_symlinks`` (a tree the user trusts, ``dcp-s3 cp --follow-symlinks``):
     listings descend into linked directories and reads follow links; writes and deletes still
     never do. :meth:`links_out` tells which paths resolve outside the root.
+    ``below`` (a clean relative directory name): the store's objects are those under ``<root>/<below>``,
+    and ``below`` is walked as part of every key, so a link there is refused like any other below the
+    root (the local tier's rank directories: :mod:`dcp_s3.checkpointer.local_root`).
     Checkpoints here are written and read by ``S3StorageWriter``/``S3StorageReader`` through
     the local object store: same format, checksums, compression and commit protocol as on S3.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, follow_symlinks: bool = False, **options: Any) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, follow_symlinks: bool = False, below: str = "",
+                 **options: Any) -> None:
         root = os.path.abspath(os.fspath(root))
         parsed = parse_storage_options(options, local=root)  # only LOCAL_OPTIONS; a bad one is refused now
         self.follow_symlinks = follow_symlinks
         session = Session(None, parsed.client, parsed.transfer)
         session.location = LocalDir(root, follow_symlinks=follow_symlinks)
-        super().__init__(session, "", root, writer_options=parsed.writer, reader_options=parsed.reader)
+        prefix = check_relative_name(below, root) if below else ""
+        super().__init__(session, prefix, root, writer_options=parsed.writer, reader_options=parsed.reader)
 
     def path(self, name: str) -> str:
         return self.url(name)

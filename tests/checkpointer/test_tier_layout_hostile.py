@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -66,3 +69,49 @@ def test_merged_shards_must_cover_each_tensor_exactly_once() -> None:
         _check_cover("w", _chunks([8], [([0], [4]), ([2], [4])]), "root")
     with pytest.raises(CheckpointFormatError, match="overlap"):
         _check_cover("w", _chunks([4, 4], [([0, 0], [4, 2]), ([0, 1], [4, 2])]), "root")
+
+
+@pytest.mark.timeout(60)
+def test_the_cover_check_of_shards_along_dimension_1_is_not_quadratic() -> None:
+    """Shards along dimension 1 (every chunk at row 0) once made the check compare every pair: 20,000 of them
+    took minutes. A crafted merge of that shape — an exact tiling, the same with one overlap, with one gap —
+    is decided in well under the hang guard, with the same verdicts."""
+    n = 20_000
+    tiles = [([0, i], [4, 1]) for i in range(n)]
+    _check_cover("w", _chunks([4, n], tiles), "root")
+    with pytest.raises(CheckpointFormatError, match="overlap"):
+        _check_cover("w", _chunks([4, n], [*tiles[:-2], ([0, n - 2], [4, 2]), ([0, n - 1], [4, 1])]), "root")
+    with pytest.raises(CheckpointFormatError, match=f"cover {4 * (n - 1)} of its {4 * n}"):
+        _check_cover("w", _chunks([4, n], tiles[:-1]), "root")
+    # Not a grid (rows of different splits), still refused or accepted without comparing every pair.
+    rows = [([0, i], [2, 1]) for i in range(n)] + [([2, 2 * i], [2, 2]) for i in range(n // 2)]
+    _check_cover("w", _chunks([4, n], rows), "root")
+
+
+def test_the_cover_check_agrees_with_counting_every_element() -> None:
+    """Random shardings of small tensors (grids, grids with a shard split again or moved), against a count of
+    how often each element is covered: accepted iff every element is covered exactly once."""
+    rng = random.Random(35)
+    for _ in range(400):
+        size = [rng.randint(1, 5) for _ in range(rng.randint(1, 3))]
+        cuts = [sorted({0, d, *(rng.randint(0, d) for _ in range(2))}) for d in size]
+        boxes = [([c[0] for c in cell], [c[1] - c[0] for c in cell])
+                 for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts])]
+        for _ in range(rng.randint(0, 2)):  # damage: move, grow or drop one shard (kept inside the tensor)
+            i = rng.randrange(len(boxes))
+            o, s = boxes[i]
+            k = rng.randrange(len(size))
+            o, s = list(o), list(s)
+            o[k] = rng.randint(0, size[k] - 1)
+            s[k] = rng.randint(0, size[k] - o[k])
+            boxes[i] = (o, s)
+        count = torch.zeros(size, dtype=torch.int32)
+        for o, s in boxes:
+            count[tuple(slice(a, a + n) for a, n in zip(o, s))] += 1
+        exact = bool((count == 1).all())
+        try:
+            _check_cover("w", _chunks(size, boxes), "root")
+            verdict = True
+        except CheckpointFormatError:
+            verdict = False
+        assert verdict == exact, (size, boxes)

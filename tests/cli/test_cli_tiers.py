@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from hostile import PeakRss, memory_cap
 from torch import nn
 
 from dcp_s3.checkpointer import Checkpointer
@@ -88,3 +90,35 @@ def test_ls_shows_the_tiers_of_a_local_root(bucket: str, s3_env: LocalS3Server, 
     # Not a local tier root: one line, naming it.
     code, _, err = run(capsys, "ls", str(tmp_path), "--s3", root)
     assert code == 1 and "no rank<NNNNN>/ directories" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.timeout(120)
+def test_ls_reports_crafted_markers_and_lists_the_rest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A marker whose iteration is ``[1]`` and one naming a world size of 10**12: each step's row says why it is
+    unusable, the other steps are listed, in bounded time and memory (no range of a stored number is built)."""
+    local = tmp_path / "local"
+    model = nn.Linear(8, 4)
+    with Checkpointer(str(tmp_path / "root"), local_root=local, keep_last_local=None) as ckpt:
+        for it in (10, 20, 30):
+            ckpt.save({"m": model}, iteration=it, tier="local")
+    m20, m30 = local / "rank00000" / "0000020.pth", local / "rank00000" / "0000030.pth"
+    content = torch.load(m20, weights_only=True)
+    content["iteration"] = [1]
+    torch.save(content, m20)
+    content = torch.load(m30, weights_only=True)
+    content["local_tier"]["world_size"] = 10**12
+    torch.save(content, m30)
+
+    t0 = time.monotonic()
+    with memory_cap(2 << 30), PeakRss().watch() as rss:
+        code, out, err = run(capsys, "ls", str(local))
+    assert time.monotonic() - t0 < 60 and rss.growth < 512 << 20, rss.growth  # hang and memory guards
+    assert code == 0 and "Traceback" not in err, (out, err)
+    assert row(out, "0000010")[:3] == ["0000010", "complete", "0 of 1"], out
+    assert row(out, "0000020")[:3] == ["0000020", "UNREADABLE", "-"], out
+    (why,) = [ln for ln in out.splitlines() if ln.startswith("0000020: ")]
+    assert "'iteration' = [1] is not a whole number" in why and "0000020.pth" in why, why
+    assert row(out, "0000030")[:3] == ["0000030", "INCOMPLETE", "0 of 1000000000000"], out
+    (why,) = [ln for ln in out.splitlines() if ln.startswith("0000030: ")]
+    assert "saved by 1000000000000 ranks, the copies of ranks [1, 2" in why and "999999999991 more" in why, why
+    assert "3 steps in the local tier" in out and "1 complete on every rank" in out, out

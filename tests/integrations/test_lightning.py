@@ -30,7 +30,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import full, run_ranks
+from hostile import PeakRss, memory_cap, root_causes
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
@@ -364,3 +366,25 @@ def test_crafted_metadata_is_refused_not_run(tmp_path: Path) -> None:
     assert load_sharded(str(tmp_path / "good"), "model", module, {}, options) == {"step": 7, "hparams": {"lr": 0.1}}
     with pytest.raises(CheckpointFormatError, match="evil"):
         load_sharded(str(tmp_path / "evil"), "model", module, {}, options)
+
+
+@pytest.mark.timeout(300)
+def test_metadata_declaring_more_than_its_stored_bytes_allow_is_refused_before_allocation(tmp_path: Path) -> None:
+    """A few stored kilobytes (zstd) declaring a 256 MiB ``lightning.meta.pt``: refused by the rule of byte items
+    (at most 64 times its stored bytes, or 64 MiB) before its buffer is allocated or decoded, so memory stays
+    flat; the reason names the item and both sizes. (Such a checkpoint once grew every rank by 2x its size.)"""
+    from dcp_s3 import CheckpointFormatError
+    from dcp_s3.integrations.lightning_io import load_sharded
+
+    location, declared = str(tmp_path / "crafted"), 256 << 20
+    module = nn.Linear(4, 2)
+    state = {"model": get_model_state_dict(module), META_KEY: torch.zeros(declared, dtype=torch.uint8)}
+    dcp.save(state, storage_writer=StorageOptions(compression="zstd").writer(location))
+    del state
+    assert sum(f.stat().st_size for f in Path(location).iterdir()) < 1 << 20  # what an attacker ships
+    with memory_cap(1 << 30), PeakRss().watch() as rss:
+        with pytest.raises((CheckpointFormatError, CheckpointException)) as caught:
+            load_sharded(location, "model", module, {}, StorageOptions())
+    assert rss.growth < 128 << 20, rss.growth
+    why = [str(c) for c in root_causes(caught.value) if isinstance(c, CheckpointFormatError)]
+    assert any(f"{META_KEY} declares {declared} bytes stored in" in w and "64 times" in w for w in why), why
