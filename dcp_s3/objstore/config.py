@@ -250,6 +250,9 @@ class ClientConfig:
     #: A client certificate for mutual TLS: the path of a PEM holding certificate and key, or
     #: ``(certificate path, key path)``.
     client_cert: str | tuple[str, str] | None = None
+    #: ``"path"`` (``https://host/bucket/key``), ``"virtual"`` (``https://bucket.host/key``) or ``"auto"``
+    #: (botocore's choice); None: path-style for a custom endpoint (what MinIO, SeaweedFS and Ceph want), else auto.
+    addressing_style: str | None = None
     #: Options added to every request that takes them: ``ServerSideEncryption``, ``SSEKMSKeyId``,
     #: ``SSEKMSEncryptionContext``, ``BucketKeyEnabled``, ``StorageClass``, ``ExpectedBucketOwner``,
     #: ``RequestPayer``.
@@ -274,6 +277,8 @@ class ClientConfig:
         if self.retry_mode not in ("standard", "adaptive"):
             raise ConfigError(f"retry_mode={self.retry_mode!r}; expected 'standard' or 'adaptive'")
         _check_tls(self)
+        if self.addressing_style not in (None, "path", "virtual", "auto"):
+            raise ConfigError(f"addressing_style={self.addressing_style!r}; expected 'path', 'virtual' or 'auto'")
         if not isinstance(self.request_args, Mapping):
             raise ConfigError(f"request_args must be a mapping, not a {type(self.request_args).__name__}")
         object.__setattr__(self, "request_args", dict(self.request_args))
@@ -313,7 +318,7 @@ class ClientConfig:
             client_cert=self.client_cert,
             s3={
                 # MinIO, SeaweedFS, Ceph and most S3-compatible stores want path-style URLs.
-                "addressing_style": "path" if custom_endpoint else "auto",
+                "addressing_style": self.addressing_style or ("path" if custom_endpoint else "auto"),
                 # Integrity comes from the x-amz-checksum-* headers botocore adds to uploads;
                 # SHA-256 signing every body as well (botocore's default over plain HTTP)
                 # costs a third of the upload throughput.

@@ -24,14 +24,22 @@ import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from objects import hooked, object_keys
 from tcp_counter import ConnectionCounter
+from test_commit_protocol import child_save, loaded_seed, state
+from test_multirank import load_job, save_job
 
-from dcp_s3 import Checkpointer, ClientConfig, ConfigError, DcpS3Error, StorageOptions, TransferConfig
+from dcp_s3 import (
+    Checkpointer,
+    CheckpointExistsError,
+    ClientConfig,
+    ConfigError,
+    DcpS3Error,
+    StorageOptions,
+    TransferConfig,
+)
 from dcp_s3._torch_compat import async_save
 from dcp_s3.cli import main as cli_main
 from dcp_s3.integrations import dcp_route
 from dcp_s3.local_server import LocalS3Server
-from test_commit_protocol import child_save, loaded_seed, state
-from test_multirank import load_job, save_job
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -249,3 +257,62 @@ def test_a_save_killed_during_its_commit_leaves_the_old_checkpoint(
     child.wait_held()
     child.kill()
     assert loaded_seed(uri) == 1  # bit-exact, the old save whole
+
+
+@pytest.mark.parametrize("calculation", ["when_supported", "when_required"])
+def test_uploads_send_their_crc32c_as_a_header_never_aws_chunked(
+    https: LocalS3Server, tls_bucket: str, monkeypatch: pytest.MonkeyPatch, calculation: str
+) -> None:
+    """Over HTTPS botocore sends bodies unsigned, and streams whose checksum it must compute as ``aws-chunked``
+    with a trailer (which many S3-compatible servers refuse). dcp_s3 computes each body's CRC32C itself and
+    sends it as a header (``when_supported``, botocore's default) or none (``when_required``): never chunked."""
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", calculation)
+    opts = StorageOptions(verify=https.ca_bundle, part_size=5 << 20)
+    uri = f"s3://{tls_bucket}/{calculation}"
+    writer = opts.writer(uri)
+    uploads: list[dict[str, str]] = []
+
+    def record(request: Any, event_name: str, **_: Any) -> None:
+        if event_name.endswith((".PutObject", ".UploadPart")):
+            uploads.append({k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()})
+
+    state = {"big": torch.randn(3 << 20), "small": torch.randn(16)}  # a multipart data object and a PUT .metadata
+    with hooked(writer, "before-send.s3", record):
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    assert len(uploads) >= 3, uploads
+    for headers in uploads:
+        assert "aws-chunked" not in headers.get("content-encoding", "") and "x-amz-trailer" not in headers, headers
+        assert headers.get("x-amz-content-sha256") == "UNSIGNED-PAYLOAD", headers
+        assert ("x-amz-checksum-crc32c" in headers) == (calculation == "when_supported"), headers
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(out, storage_reader=opts.reader(uri), no_dist=True)
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+def test_overwrite_false_is_a_conditional_write(https: LocalS3Server, tls_bucket: str) -> None:
+    """``overwrite=False`` commits with ``If-None-Match: *``: the second save of one location is refused."""
+    opts = StorageOptions(verify=https.ca_bundle, overwrite=False)
+    uri = f"s3://{tls_bucket}/once"
+    dcp.save(_state(1), storage_writer=opts.writer(uri), no_dist=True)
+    with pytest.raises(BaseException) as info:
+        dcp.save(_state(2), storage_writer=opts.writer(uri), no_dist=True)
+    assert isinstance(_root_cause(info.value), CheckpointExistsError), repr(_root_cause(info.value))
+    assert _same(_load(opts, uri), _state(1))
+
+
+def test_addressing_style_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Path-style by default for a custom endpoint; ``addressing_style="virtual"`` puts the bucket in the host
+    (what AWS and some appliances want); anything else is refused by name. (No DNS name here resolves a bucket
+    subdomain to loopback, so the URLs are checked as botocore builds them, signed, without sending them.)"""
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+
+    def url(**settings: Any) -> str:
+        client = ClientConfig(endpoint_url="https://s3.example.internal", region="us-east-1", **settings).make_client()
+        return str(client.generate_presigned_url("get_object", Params={"Bucket": "bkt", "Key": "k"}))
+
+    assert url().startswith("https://s3.example.internal/bkt/k?")
+    assert url(addressing_style="virtual").startswith("https://bkt.s3.example.internal/k?")
+    with pytest.raises(ConfigError, match="addressing_style='dns'"):
+        StorageOptions(addressing_style="dns")
