@@ -56,11 +56,19 @@ class LocalS3Server:
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
     region: str = "us-east-1"
+    #: The CA bundle that verifies the server's certificate (HTTPS servers), else None.
+    ca_bundle: str | None = None
     _stopped: bool = field(default=False, repr=False)
 
     @classmethod
-    def start(cls, kind: str = "seaweedfs", *, timeout: float = 60.0) -> "LocalS3Server":
-        """Start a server of ``kind`` ("seaweedfs" or "moto") and wait until it answers."""
+    def start(
+        cls, kind: str = "seaweedfs", *, timeout: float = 60.0, tls: tuple[str, str, str] | None = None
+    ) -> "LocalS3Server":
+        """Start a server of ``kind`` ("seaweedfs" or "moto") and wait until it answers.
+
+        ``tls``: ``(certificate chain, private key, CA bundle)`` PEM files: the server then speaks S3 over
+        HTTPS only at ``endpoint_url`` (SeaweedFS keeps a plain port open too, unused), and ``client()``
+        verifies it with the CA bundle (never with verification off)."""
         workdir = tempfile.mkdtemp(prefix=f"dcp-s3-{kind}-")
         ports: set[int] = set()
         env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
@@ -81,9 +89,14 @@ class LocalS3Server:
                 "-volume.max=2000",
                 f"-filer.localSocket={workdir}/f.sock", f"-s3.localSocket={workdir}/s.sock",
             ]
+            if tls is not None:
+                s3 = _free_port(ports)
+                cmd += [f"-s3.port.https={s3}", f"-s3.cert.file={tls[0]}", f"-s3.key.file={tls[1]}"]
         elif kind == "moto":
             s3 = _free_port(ports)
             cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3)]
+            if tls is not None:
+                cmd += ["--ssl-cert", tls[0], "--ssl-key", tls[1]]
         else:
             raise ConfigError(f"kind={kind!r}: unknown server kind; expected 'seaweedfs' or 'moto'")
         logfile = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115 - lives with the process
@@ -92,7 +105,11 @@ class LocalS3Server:
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
         logfile.close()
-        server = cls(kind=kind, endpoint_url=f"http://127.0.0.1:{s3}", process=proc, workdir=workdir)
+        scheme = "https" if tls is not None else "http"
+        server = cls(
+            kind=kind, endpoint_url=f"{scheme}://127.0.0.1:{s3}", process=proc, workdir=workdir,
+            ca_bundle=tls[2] if tls is not None else None,
+        )
         try:
             server._wait_ready(timeout)
         except BaseException:
@@ -106,7 +123,7 @@ class LocalS3Server:
         return boto3.client(
             "s3", endpoint_url=self.endpoint_url, region_name=self.region,
             aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
-            config=Config(s3={"addressing_style": "path"}, **config),
+            config=Config(s3={"addressing_style": "path"}, **config), verify=self.ca_bundle,
         )
 
     def credentials(self) -> dict[str, str]:
@@ -119,7 +136,8 @@ class LocalS3Server:
         }
 
     def env(self) -> dict[str, str]:
-        """Environment variables that point the standard boto3 chain at this server."""
+        """Environment variables that point the standard boto3 chain at this server (not at its CA: give
+        ``ca_bundle`` as the ``verify`` option, or set ``AWS_CA_BUNDLE`` yourself)."""
         return {
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import trustme
 
 from dcp_s3.local_server import LocalS3Server
 
@@ -22,6 +23,36 @@ def seaweed() -> Iterator[LocalS3Server]:
 def moto_server() -> Iterator[LocalS3Server]:
     """moto's server mode: fast, validates nothing."""
     with LocalS3Server.start("moto") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, str]:
+    """A throw-away certificate authority of this test session and a certificate it signed for 127.0.0.1:
+    (certificate chain, private key, CA bundle) PEM paths."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    where = tmp_path_factory.mktemp("tls")
+    chain, key, bundle = (os.fspath(where / name) for name in ("chain.pem", "key.pem", "ca.pem"))
+    with open(chain, "wb") as f:
+        for blob in cert.cert_chain_pems:
+            f.write(blob.bytes())
+    cert.private_key_pem.write_to_path(key)
+    ca.cert_pem.write_to_path(bundle)
+    return chain, key, bundle
+
+
+@pytest.fixture(scope="session")
+def seaweed_tls(tls_files: tuple[str, str, str]) -> Iterator[LocalS3Server]:
+    """SeaweedFS serving S3 over HTTPS with the session's CA (``ca_bundle`` verifies it)."""
+    with LocalS3Server.start("seaweedfs", tls=tls_files) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def moto_tls(tls_files: tuple[str, str, str]) -> Iterator[LocalS3Server]:
+    """moto's server over HTTPS with the session's CA."""
+    with LocalS3Server.start("moto", tls=tls_files) as server:
         yield server
 
 

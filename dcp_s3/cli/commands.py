@@ -76,7 +76,7 @@ def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
     if not uri.startswith("s3://"):
         return options
     names = ("credential_path", "endpoint_url", "region", "profile", "connect_timeout", "read_timeout",
-             "retry_attempts")
+             "retry_attempts", "verify", "client_cert", "addressing_style")
     options.update({n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
     if getattr(args, "request_args", None):
         options["request_args"] = dict(args.request_args)
@@ -259,6 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
     s3.add_argument("--max-attempts", dest="retry_attempts", type=int, metavar="N",
                     help="attempts per request, first included (default 5); an endpoint that never "
                          "answers fails after about N x read timeout")
+    s3.add_argument("--ca-bundle", dest="verify", metavar="PEM",
+                    help="verify the endpoint's TLS certificate with this CA bundle (a private certificate "
+                         "authority; default: the system's, or AWS_CA_BUNDLE)")
+    s3.add_argument("--no-verify-ssl", dest="verify", action="store_false",
+                    help="do not verify TLS certificates (a warning says so; for throw-away test servers only)")
+    s3.add_argument("--client-cert", metavar="PEM",
+                    help="client certificate for mutual TLS: one PEM holding certificate and key")
+    s3.add_argument("--addressing-style", choices=("path", "virtual", "auto"),
+                    help="bucket in the path or in the host name (default: path for --endpoint-url, else auto)")
     s3.add_argument("--request-arg", dest="request_args", action="append", type=parse_request_arg,
                     metavar="KEY=VALUE",
                     help="an option added to every S3 request that takes it (repeatable): ServerSideEncryption, "

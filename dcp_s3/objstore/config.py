@@ -134,6 +134,29 @@ def _check_seconds(owner: object, name: str, unit: str = "seconds") -> None:
     object.__setattr__(owner, name, seconds)
 
 
+def _check_tls(config: ClientConfig) -> None:
+    """``verify`` is a bool or an existing CA bundle (file or directory); ``client_cert`` existing files."""
+    verify = config.verify
+    if isinstance(verify, os.PathLike):
+        verify = os.fspath(verify)
+        object.__setattr__(config, "verify", verify)
+    if not isinstance(verify, (bool, str)) or verify == "":
+        raise ConfigError(f"verify={verify!r}: expected True, False or the path of a PEM CA bundle")
+    if isinstance(verify, str) and not os.path.exists(verify):
+        raise ConfigError(f"verify={verify!r}: no CA bundle at that path")
+    cert = config.client_cert
+    if cert is None:
+        return
+    paths = list(cert) if isinstance(cert, (tuple, list)) else [cert]
+    paths = [os.fspath(p) if isinstance(p, os.PathLike) else p for p in paths]
+    if not (1 <= len(paths) <= 2 and all(isinstance(p, str) and p for p in paths)):
+        raise ConfigError(f"client_cert={cert!r}: expected a PEM path or (certificate path, key path)")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise ConfigError(f"client_cert: no file at {missing[0]!r}")
+    object.__setattr__(config, "client_cert", paths[0] if len(paths) == 1 else (paths[0], paths[1]))
+
+
 def _check_str(owner: object, name: str) -> None:
     value = getattr(owner, name)
     if value is not None and (not isinstance(value, str) or not value):
@@ -221,6 +244,15 @@ class ClientConfig:
     #: starts at its share of it.
     prefix_write_rate: float = 3500.0
     prefix_read_rate: float = 5500.0
+    #: TLS certificate verification, as boto3's ``verify``: True (the system's CAs, or ``AWS_CA_BUNDLE``), the
+    #: path of a PEM CA bundle (a private certificate authority), or False (off: a warning says so).
+    verify: bool | str = True
+    #: A client certificate for mutual TLS: the path of a PEM holding certificate and key, or
+    #: ``(certificate path, key path)``.
+    client_cert: str | tuple[str, str] | None = None
+    #: ``"path"`` (``https://host/bucket/key``), ``"virtual"`` (``https://bucket.host/key``) or ``"auto"``
+    #: (botocore's choice); None: path-style for a custom endpoint (what MinIO, SeaweedFS and Ceph want), else auto.
+    addressing_style: str | None = None
     #: Options added to every request that takes them: ``ServerSideEncryption``, ``SSEKMSKeyId``,
     #: ``SSEKMSEncryptionContext``, ``BucketKeyEnabled``, ``StorageClass``, ``ExpectedBucketOwner``,
     #: ``RequestPayer``.
@@ -244,6 +276,9 @@ class ClientConfig:
         _check_seconds(self, "prefix_read_rate", "requests per second")
         if self.retry_mode not in ("standard", "adaptive"):
             raise ConfigError(f"retry_mode={self.retry_mode!r}; expected 'standard' or 'adaptive'")
+        _check_tls(self)
+        if self.addressing_style not in (None, "path", "virtual", "auto"):
+            raise ConfigError(f"addressing_style={self.addressing_style!r}; expected 'path', 'virtual' or 'auto'")
         if not isinstance(self.request_args, Mapping):
             raise ConfigError(f"request_args must be a mapping, not a {type(self.request_args).__name__}")
         object.__setattr__(self, "request_args", dict(self.request_args))
@@ -280,15 +315,24 @@ class ClientConfig:
             retries={"total_max_attempts": 1 if self.rate_control else self.retry_attempts, "mode": self.retry_mode},
             max_pool_connections=self.max_pool_connections,
             tcp_keepalive=True,
+            client_cert=self.client_cert,
             s3={
                 # MinIO, SeaweedFS, Ceph and most S3-compatible stores want path-style URLs.
-                "addressing_style": "path" if custom_endpoint else "auto",
+                "addressing_style": self.addressing_style or ("path" if custom_endpoint else "auto"),
                 # Integrity comes from the x-amz-checksum-* headers botocore adds to uploads;
                 # SHA-256 signing every body as well (botocore's default over plain HTTP)
                 # costs a third of the upload throughput.
                 "payload_signing_enabled": False,
             },
         )
+        if self.verify is False:
+            warnings.warn(
+                f"dcp_s3: TLS certificate verification is off (verify=False) for "
+                f"{custom_endpoint or 'the AWS endpoint'}: anyone on the path can read and change checkpoints",
+                UserWarning, stacklevel=3,
+            )
+        if self.verify is not True:
+            kwargs["verify"] = self.verify
         session = boto3.session.Session(profile_name=self.profile)
         client = session.client("s3", config=config, **kwargs)
         client.meta.events.register("needs-retry.s3", _log_failed_attempt)

@@ -33,6 +33,7 @@ from botocore.retries.standard import (
     StandardRetryConditions,
 )
 
+from dcp_s3.objstore.s3_requests import untrusted_certificate
 from dcp_s3.objstore.throttle import JobProgress, RateController, RateKey, is_throttle, rate_key
 
 __all__ = ["install_rate_control", "controller_for", "plan_share", "plan_progress", "end_progress", "request_stats"]
@@ -142,6 +143,8 @@ class _Hooks:
         if key is not None:
             self.controller.release(key, refused=refused)
         if not refused:
+            if untrusted_certificate(caught_exception) is not None:
+                return None  # no retry mends a certificate the client does not trust
             # Other failures: botocore's standard policy, counting only the attempts that were not refused.
             others = attempts - context.get(_REFUSALS, 0)
             return self.others.needs_retry(  # type: ignore[no-any-return]

@@ -427,7 +427,12 @@ def _body_readinto(body: Any) -> Callable[[memoryview], int]:
     def readinto(buf: memoryview) -> int:
         return int(body.readinto(buf[:BODY_READ_SIZE]))
 
-    return readinto
+    def read_and_copy(buf: memoryview) -> int:  # botocore < 1.38.20: its StreamingBody has no readinto
+        data = body.read(min(len(buf), BODY_READ_SIZE))
+        buf[: len(data)] = data
+        return len(data)
+
+    return readinto if hasattr(body, "readinto") else read_and_copy
 
 
 def _readinto_some(readinto: Callable[[memoryview], int], buf: memoryview) -> int:

@@ -8,9 +8,11 @@ message text.
 from __future__ import annotations
 
 import base64
+import ssl
 from collections.abc import Mapping, Sequence
 from http.client import HTTPException
 from typing import Any
+from urllib.parse import urlsplit
 
 from botocore.exceptions import (
     ClientError,
@@ -24,6 +26,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
     ReadTimeoutError,
     ResponseStreamingError,
+    SSLError,
     SSOError,
     TokenRetrievalError,
     UnknownCredentialError,
@@ -43,7 +46,7 @@ from dcp_s3.errors import (
 )
 from dcp_s3.objstore.throttle import is_throttle
 
-__all__ = ["translate_error", "check_request_args", "range_header", "status_of", "is_not_implemented", "op_label", "request_args_for",
+__all__ = ["translate_error", "untrusted_certificate", "check_request_args", "range_header", "status_of", "is_not_implemented", "op_label", "request_args_for",
            "BODY_ERRORS", "upload_checksum"]
 
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "404", "NotFound"}
@@ -65,6 +68,25 @@ _CREDENTIAL_ERRORS = (
     NoCredentialsError, PartialCredentialsError, CredentialRetrievalError, UnknownCredentialError,
     NoAuthTokenError, TokenRetrievalError, SSOError,
 )
+
+
+def untrusted_certificate(exc: BaseException | None) -> ssl.SSLCertVerificationError | None:
+    """The certificate verification failure behind a botocore ``SSLError`` (an unknown authority, a name
+    that does not match, an expired certificate), or None: a failure no retry can mend."""
+    if not isinstance(exc, SSLError):
+        return None
+    seen: BaseException | None = exc.kwargs.get("error")
+    for _ in range(8):  # botocore SSLError -> urllib3 SSLError -> ssl.SSLCertVerificationError
+        if seen is None or isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
+        inner = seen.args[0] if seen.args and isinstance(seen.args[0], BaseException) else None
+        seen = inner or seen.__cause__ or seen.__context__
+    return None
+
+
+def _endpoint(url: object) -> str:
+    parts = urlsplit(str(url))
+    return f"{parts.scheme}://{parts.netloc}" if parts.netloc else str(url)
 
 
 def translate_error(exc: BaseException, action: str, bucket: str, key: str | None = None) -> DcpS3Error:
@@ -95,6 +117,15 @@ def translate_error(exc: BaseException, action: str, bucket: str, key: str | Non
     detail = str(exc) or type(exc).__name__
     if isinstance(exc, _CREDENTIAL_ERRORS):
         return S3AccessDeniedError(f"{action} {where}: {detail}")
+    refused = untrusted_certificate(exc)
+    if refused is not None:
+        endpoint = _endpoint(exc.kwargs.get("endpoint_url", "the endpoint"))  # type: ignore[attr-defined]
+        reason = refused.verify_message or refused.reason or str(refused)
+        return ConfigError(
+            f"{action} {where}: the TLS certificate of {endpoint} was not trusted ({reason}); give the certificate "
+            "authority that signed it as verify='<CA bundle .pem>' (ClientConfig, storage options, dcp-s3 "
+            "--ca-bundle) or AWS_CA_BUNDLE"
+        )
     if isinstance(exc, (ConnectTimeoutError, ReadTimeoutError)):  # the detail names the endpoint URL
         return S3TransferError(
             f"{action} {where} failed: no answer in time, after every attempt: {detail} (the wait is bounded by "

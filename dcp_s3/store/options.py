@@ -38,7 +38,8 @@ LOCAL_OPTIONS = frozenset({
     "metadata_format", "max_whole_read",
 })
 #: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
-CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode")
+CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode", "verify", "client_cert",
+                   "addressing_style")
 
 
 def _keyword_names(cls: type) -> frozenset[str]:
@@ -66,7 +67,7 @@ def parse_storage_options(options: Mapping[str, Any], *, local: str | None = Non
     """Check and split storage options (``S3StorageWriter``/``S3StorageReader`` keywords).
 
     ``ClientConfig`` settings given on their own (``connect_timeout``, ``read_timeout``,
-    ``retry_attempts``, ``retry_mode``) are folded into ``client=`` (a ``ClientConfig``, given or
+    ``retry_attempts``, ``retry_mode``, ``verify``, ``client_cert``, ``addressing_style``) are folded into ``client=`` (a ``ClientConfig``, given or
     default), which both classes take. ``local``: the options are for this local directory: options
     left at None are dropped, and those that would do nothing there (not in ``LOCAL_OPTIONS``: the
     S3 client, parts, conditional writes) are refused. Raises ``ConfigError`` naming any option
