@@ -33,6 +33,7 @@ from dcp_s3.errors import (
 from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size, open_destination
 from dcp_s3.objstore.buffers import BufferPool, BufferReader
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
+from dcp_s3.objstore.deadline import body_deadline
 from dcp_s3.objstore.rate_hooks import end_progress, plan_progress, plan_share
 from dcp_s3.objstore.s3_multipart import MultipartWriter, copy_multipart
 from dcp_s3.objstore.s3_requests import (
@@ -212,7 +213,8 @@ class S3ObjectStore(ObjectStore):
                 length = resp.get("ContentLength")
                 try:
                     check_whole_size(self.url(key), int(length or 0), limit)
-                    data = bytes(body.read(limit + 1))  # never more than the limit + 1, whatever it claimed
+                    with body_deadline("GetObject", self.url(key)):
+                        data = bytes(body.read(limit + 1))  # never more than the limit + 1, whatever it claimed
                 finally:
                     body.close()
                 check_whole_size(self.url(key), len(data), limit)
@@ -385,20 +387,21 @@ class S3ObjectStore(ObjectStore):
                         f"expected {end - pos} (object shorter than the checkpoint metadata says?)"
                     )
                 readinto = _body_readinto(resp["Body"])
-                while pos < end:
-                    read = group[index]
-                    if pos < read.start:  # a gap between coalesced reads: discard
-                        n = _readinto_some(readinto, memoryview(scratch)[: min(len(scratch), read.start - pos)])
-                        pos += n
-                        continue
-                    if dest is None:
-                        dest = open_destination(read, self.url(key))
-                    pos += _readinto_some(readinto, dest[pos - read.start :])
-                    if pos == read.end:
-                        if read.done is not None:
-                            read.done()
-                        dest = None
-                        index += 1
+                with body_deadline("GetObject", f"{self.url(key)} bytes {pos}-{end}"):
+                    while pos < end:
+                        read = group[index]
+                        if pos < read.start:  # a gap between coalesced reads: discard
+                            n = _readinto_some(readinto, memoryview(scratch)[: min(len(scratch), read.start - pos)])
+                            pos += n
+                            continue
+                        if dest is None:
+                            dest = open_destination(read, self.url(key))
+                        pos += _readinto_some(readinto, dest[pos - read.start :])
+                        if pos == read.end:
+                            if read.done is not None:
+                                read.done()
+                            dest = None
+                            index += 1
                 resp["Body"].close()  # its connection is back in the pool: urllib3 saw the body end
             except BODY_ERRORS as exc:
                 attempt += 1

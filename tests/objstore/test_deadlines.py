@@ -8,7 +8,6 @@ a wait without a deadline fails the test instead of hanging it.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import threading
@@ -22,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from fault_proxy import FaultProxy, Rule
 
-from dcp_s3 import ClientConfig, S3StorageWriter
+from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter
 from dcp_s3.errors import S3ThrottledError
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore.s3 import S3ObjectStore
@@ -137,3 +136,58 @@ def test_a_save_with_every_write_refused_ends_near_its_deadline(bucket: str, s3_
     message = str(error)
     assert "S3ThrottledError" in message and "throttle_deadline=3.0" in message, message
     assert any(op in message for op in WRITES), message
+
+
+# -- item 14: an answer that trickles in -----------------------------------------------------------------------------
+
+def _trickling(s3_env: LocalS3Server, ops: set[str], fault: str) -> FaultProxy:
+    """A proxy that answers ``ops`` one byte every 0.5 s: each socket read gets a byte, well within read_timeout."""
+    return FaultProxy(s3_env.endpoint_url, [Rule(ops, fault, trickle_s=0.5)])
+
+
+def _slow_client(proxy: FaultProxy) -> ClientConfig:
+    return ClientConfig(endpoint_url=proxy.url, read_timeout=3, retry_attempts=2, request_deadline=3)
+
+
+def _assert_deadline_error(error: BaseException | None, seconds: float, op: str, where: str) -> None:
+    assert error is not None
+    assert seconds < 12, seconds  # the deadline (3 s) and a byte; before: the answer's length x 0.5 s
+    message = str(error)
+    assert op in message and where in message and "request_deadline=3.0" in message, message
+
+
+@pytest.mark.parametrize("fault", ["trickle", "trickle_body"])
+def test_a_trickling_get_ends_at_the_request_deadline(fault: str, bucket: str, s3_env: LocalS3Server) -> None:
+    """A ``.metadata`` GET whose answer (``trickle``: headers and body; ``trickle_body``: the body) comes one byte
+    every 0.5 s, read_timeout=3, retry_attempts=2: fails at request_deadline=3 s with an error naming the operation,
+    the object and the deadline. (Before: still running at 30 s; a 64 KiB body takes 9 hours.)"""
+    s3_env.client().put_object(Bucket=bucket, Key="run/ckpt/.metadata", Body=os.urandom(64 << 10))
+    with _trickling(s3_env, {"GetObject"}, fault) as proxy:
+        store = S3ObjectStore(_slow_client(proxy).client, bucket)
+        error, seconds = bounded(lambda: store.get("run/ckpt/.metadata"), 60)
+        assert proxy.injected(fault) == 1  # cut, not retried
+    _assert_deadline_error(error, seconds, "GetObject", f"s3://{bucket}/run/ckpt/.metadata")
+
+
+def test_a_trickling_ranged_get_of_a_load_ends_at_the_request_deadline(bucket: str, s3_env: LocalS3Server) -> None:
+    """A load whose data GETs (ranged) trickle their bodies fails at the deadline, naming the object."""
+    uri = f"s3://{bucket}/run/ckpt"
+    dcp.save(_state(), storage_writer=S3StorageWriter(uri), no_dist=True)
+    with _trickling(s3_env, {"GetObjectRange"}, "trickle_body") as proxy:
+        reader = S3StorageReader(uri, client=_slow_client(proxy))
+        got = {k: torch.zeros_like(v) for k, v in _state().items()}
+        error, seconds = bounded(lambda: dcp.load(got, storage_reader=reader, no_dist=True), 60)
+    _assert_deadline_error(error, seconds, "GetObject", f"s3://{bucket}/run/ckpt/__0_0.")
+    assert ".distcp bytes " in str(error), error
+
+
+def test_a_trickling_put_ends_at_the_request_deadline(bucket: str, s3_env: LocalS3Server) -> None:
+    """A PUT whose answer trickles (status line first) fails at the deadline naming the operation and object; so does
+    a save whose writes' answers trickle."""
+    with _trickling(s3_env, {"PutObject"}, "trickle") as proxy:
+        store = S3ObjectStore(_slow_client(proxy).client, bucket)
+        error, seconds = bounded(lambda: store.put("run/obj", b"x" * 1000), 60)
+        _assert_deadline_error(error, seconds, "PutObject", f"s3://{bucket}/run/obj")
+        writer = S3StorageWriter(f"s3://{bucket}/run/ckpt", client=_slow_client(proxy))
+        error, seconds = bounded(lambda: dcp.save(_state(), storage_writer=writer, no_dist=True), 60)
+        _assert_deadline_error(error, seconds, "PutObject", f"s3://{bucket}/run/ckpt/")

@@ -1,0 +1,204 @@
+"""Request deadlines: no attempt of an S3 request runs past ``ClientConfig.request_deadline`` seconds.
+
+botocore bounds each socket wait (``connect_timeout``, ``read_timeout``) but not a request as a whole: a
+server that answers one byte per second never lets a read wait ``read_timeout``, and a PUT's answer or a
+GET's body can trickle for hours. So each attempt of a request runs under a deadline, counted from when it
+is sent (after its wait for a rate token, see :mod:`dcp_s3.objstore.rate_hooks`) to the last byte of its
+answer, the body of a streamed GET included (read by :mod:`dcp_s3.objstore.s3` under
+:func:`body_deadline`).
+
+Enforced by one watchdog thread per process, never by the reading thread (which is blocked in a socket
+call that keeps receiving a byte now and then). botocore gives no handle on the connection an attempt
+uses, so when an attempt's deadline passes, the watchdog finds the socket that attempt's thread is blocked
+on through the thread's stack (``sys._current_frames``: the innermost frame holding a socket, an
+``http.client`` connection or a ``socket.SocketIO``) and shuts it down, at the TCP level, through a
+duplicate of its descriptor. The thread's own read or write then fails as on a connection the server
+closed, through its usual error path (urllib3 discards the connection); the attempt is not retried (a
+server that slow does not recover within a retry) and fails with an ``S3TransferError`` naming the
+operation, the object and the deadline. A deadline passed while the thread is between socket calls is cut
+at its next one (checked every ``RECHECK_S``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import http.client
+import itertools
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+from dcp_s3.errors import S3TransferError
+
+__all__ = ["install_request_deadline", "body_deadline", "deadline_error"]
+
+log = logging.getLogger("dcp_s3")
+
+RECHECK_S = 0.2  # a fired deadline whose thread was in no socket call is tried again this often
+_WATCH = "dcp_s3.deadline_watch"  # the running attempt's watch, in the call's context
+_LOCAL = threading.local()  # the last attempt this thread sent: (start, seconds, operation, object)
+
+
+class _Watch:
+    """One attempt's deadline: ``until`` (monotonic) for thread ``ident``; ``fired`` once it passed."""
+
+    __slots__ = ("ident", "until", "fired", "active")
+
+    def __init__(self, ident: int, until: float) -> None:
+        self.ident, self.until, self.fired, self.active = ident, until, False, True
+
+    def stop(self) -> None:
+        with _WATCHDOG.cond:  # after this returns, no socket of the thread is cut for this watch
+            self.active = False
+
+
+class _Watchdog:
+    """The process's deadline thread (started on first use, again in a forked child)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Watch]] = []
+        self._order = itertools.count()
+        self._pid: int | None = None
+
+    def watch(self, until: float) -> _Watch:
+        watch = _Watch(threading.get_ident(), until)
+        with self.cond:
+            if self._pid != os.getpid():  # no thread yet, or a forked child (threads do not survive fork)
+                self._pid, self._heap = os.getpid(), []
+                threading.Thread(target=self._run, name="dcp_s3-deadlines", daemon=True).start()
+            heapq.heappush(self._heap, (until, next(self._order), watch))
+            self.cond.notify()
+        return watch
+
+    def _run(self) -> None:
+        with self.cond:
+            while True:
+                while self._heap and not self._heap[0][2].active:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self.cond.wait()
+                    continue
+                until, _, watch = self._heap[0]
+                now = time.monotonic()
+                if now < until:
+                    self.cond.wait(until - now)
+                    continue
+                heapq.heappop(self._heap)
+                watch.fired = True
+                if not _cut(watch.ident):  # between socket calls: try again shortly
+                    heapq.heappush(self._heap, (now + RECHECK_S, next(self._order), watch))
+
+
+_WATCHDOG = _Watchdog()
+
+
+def _socket_in(frame: FrameType | None) -> Any:
+    """The socket-like object (``socket.socket``, ``socket.SocketIO``, an ``http.client`` connection with a
+    socket) held by the innermost frame from ``frame`` outwards that holds one, or None."""
+    while frame is not None:
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, (socket.socket, socket.SocketIO)):
+                return value
+            if isinstance(value, http.client.HTTPConnection) and isinstance(value.sock, socket.socket):
+                return value.sock
+        frame = frame.f_back
+    return None
+
+
+def _cut(ident: int) -> bool:
+    """Shut down the connection thread ``ident`` is blocked on; whether one was found."""
+    target = _socket_in(sys._current_frames().get(ident))
+    if target is None:
+        return False
+    try:
+        fd = target.fileno()
+        if fd < 0:
+            return False
+        with socket.socket(fileno=os.dup(fd)) as dup:  # shuts the connection, not this descriptor's owner's object
+            dup.shutdown(socket.SHUT_RDWR)
+    except (OSError, ValueError):  # closed meanwhile: the attempt is over anyway
+        return True
+    log.debug("request past its deadline: connection of thread %d shut down", ident)
+    return True
+
+
+def deadline_error(action: str, where: str, seconds: float, cause: BaseException | None = None) -> S3TransferError:
+    detail = f" ({type(cause).__name__} once its connection was cut)" if cause is not None else ""
+    return S3TransferError(
+        f"{action} {where} failed: no complete answer within ClientConfig request_deadline={seconds} s{detail}; "
+        "the server is too slow or stalled (raise request_deadline for parts or objects that take longer)"
+    )
+
+
+@contextmanager
+def body_deadline(action: str, where: str) -> Iterator[None]:
+    """Read the body of the answer this thread just received within what is left of its attempt's deadline;
+    past it (the connection is cut), an ``S3TransferError`` naming ``action``, ``where`` and the deadline,
+    whatever the read returned. A no-op where the client has no deadline hooks."""
+    attempt = getattr(_LOCAL, "attempt", None)
+    if attempt is None:
+        yield
+        return
+    start, seconds = attempt
+    watch = _WATCHDOG.watch(start + seconds)
+    try:
+        yield
+    except Exception as exc:
+        if watch.fired:
+            raise deadline_error(action, where, seconds, exc) from exc
+        raise
+    finally:
+        watch.stop()
+    if watch.fired:  # a body cut short can also read as one that ended early, without an error
+        raise deadline_error(action, where, seconds)
+
+
+def install_request_deadline(client: Any, seconds: float) -> None:
+    """Register the handlers that put every attempt of ``client``'s requests under a ``seconds`` deadline."""
+    hooks = _Hooks(seconds)
+    events = client.meta.events
+    events.register("before-parameter-build.s3", hooks.tag)
+    events.register_last("request-created.s3", hooks.start)  # after the wait for a token and the signing
+    events.register_last("needs-retry.s3", hooks.check)
+    events.register_first("after-call-error.s3", hooks.stop)
+
+
+class _Hooks:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def tag(self, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
+        key = params.get("Key", params.get("Prefix"))
+        context["dcp_s3.deadline_object"] = f"s3://{params.get('Bucket')}/{key if isinstance(key, str) else ''}"
+
+    def start(self, request: Any, **_: Any) -> None:
+        context = getattr(request, "context", None)
+        if context is None:
+            return
+        now = time.monotonic()
+        _LOCAL.attempt = (now, self.seconds)
+        context[_WATCH] = _WATCHDOG.watch(now + self.seconds)
+
+    def check(self, request_dict: dict[str, Any], operation: Any, caught_exception: BaseException | None,
+              **_: Any) -> None:
+        watch: _Watch | None = request_dict["context"].pop(_WATCH, None)
+        if watch is None:
+            return
+        watch.stop()
+        if watch.fired and caught_exception is not None:
+            where = request_dict["context"].get("dcp_s3.deadline_object", "")
+            log.warning("%s %s: no complete answer within request_deadline=%s s", operation.name, where, self.seconds)
+            raise deadline_error(operation.name, where, self.seconds, caught_exception) from caught_exception
+
+    def stop(self, context: dict[str, Any], **_: Any) -> None:
+        watch: _Watch | None = context.pop(_WATCH, None)
+        if watch is not None:
+            watch.stop()
