@@ -21,9 +21,7 @@ at its next one (checked every ``RECHECK_S``).
 
 from __future__ import annotations
 
-import heapq
 import http.client
-import itertools
 import logging
 import os
 import socket
@@ -43,58 +41,58 @@ log = logging.getLogger("dcp_s3")
 
 RECHECK_S = 0.2  # a fired deadline whose thread was in no socket call is tried again this often
 _WATCH = "dcp_s3.deadline_watch"  # the running attempt's watch, in the call's context
+_OBJECT = "dcp_s3.deadline_object"  # s3://bucket/key of the call, for errors
 _LOCAL = threading.local()  # the last attempt this thread sent: (start, seconds, operation, object)
 
 
 class _Watch:
     """One attempt's deadline: ``until`` (monotonic) for thread ``ident``; ``fired`` once it passed."""
 
-    __slots__ = ("ident", "until", "fired", "active")
+    __slots__ = ("ident", "until", "fired")
 
     def __init__(self, ident: int, until: float) -> None:
-        self.ident, self.until, self.fired, self.active = ident, until, False, True
+        self.ident, self.until, self.fired = ident, until, False
 
     def stop(self) -> None:
-        with _WATCHDOG.cond:  # after this returns, no socket of the thread is cut for this watch
-            self.active = False
+        with _WATCHDOG.cond:  # once this returns, no socket of the thread is cut for this watch
+            _WATCHDOG.active.discard(self)
 
 
 class _Watchdog:
-    """The process's deadline thread (started on first use, again in a forked child)."""
+    """The process's deadline thread (started on first use, again in a forked child). It keeps only the
+    running attempts' watches (at most one per thread), so its memory does not grow with the requests sent."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self._heap: list[tuple[float, int, _Watch]] = []
-        self._order = itertools.count()
+        self.active: set[_Watch] = set()
         self._pid: int | None = None
 
     def watch(self, until: float) -> _Watch:
         watch = _Watch(threading.get_ident(), until)
         with self.cond:
             if self._pid != os.getpid():  # no thread yet, or a forked child (threads do not survive fork)
-                self._pid, self._heap = os.getpid(), []
+                self._pid, self.active = os.getpid(), set()
                 threading.Thread(target=self._run, name="dcp_s3-deadlines", daemon=True).start()
-            heapq.heappush(self._heap, (until, next(self._order), watch))
+            self.active.add(watch)
             self.cond.notify()
         return watch
 
     def _run(self) -> None:
         with self.cond:
             while True:
-                while self._heap and not self._heap[0][2].active:
-                    heapq.heappop(self._heap)
-                if not self._heap:
+                if not self.active:
                     self.cond.wait()
                     continue
-                until, _, watch = self._heap[0]
+                watch = min(self.active, key=lambda w: w.until)
                 now = time.monotonic()
-                if now < until:
-                    self.cond.wait(until - now)
+                if now < watch.until:
+                    self.cond.wait(watch.until - now)
                     continue
-                heapq.heappop(self._heap)
                 watch.fired = True
-                if not _cut(watch.ident):  # between socket calls: try again shortly
-                    heapq.heappush(self._heap, (now + RECHECK_S, next(self._order), watch))
+                if _cut(watch.ident):
+                    self.active.discard(watch)
+                else:  # between socket calls: try again shortly
+                    watch.until = now + RECHECK_S
 
 
 _WATCHDOG = _Watchdog()
@@ -176,8 +174,9 @@ class _Hooks:
         self.seconds = seconds
 
     def tag(self, params: dict[str, Any], context: dict[str, Any], **_: Any) -> None:
-        key = params.get("Key", params.get("Prefix"))
-        context["dcp_s3.deadline_object"] = f"s3://{params.get('Bucket')}/{key if isinstance(key, str) else ''}"
+        bucket, key = params.get("Bucket"), params.get("Key", params.get("Prefix"))
+        where = f"s3://{bucket}/{key}" if isinstance(key, str) else f"s3://{bucket}" if bucket else "(no bucket)"
+        context[_OBJECT] = where
 
     def start(self, request: Any, **_: Any) -> None:
         context = getattr(request, "context", None)
@@ -194,7 +193,7 @@ class _Hooks:
             return
         watch.stop()
         if watch.fired and caught_exception is not None:
-            where = request_dict["context"].get("dcp_s3.deadline_object", "")
+            where = request_dict["context"].get(_OBJECT, "")
             log.warning("%s %s: no complete answer within request_deadline=%s s", operation.name, where, self.seconds)
             raise deadline_error(operation.name, where, self.seconds, caught_exception) from caught_exception
 

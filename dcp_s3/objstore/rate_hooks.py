@@ -149,7 +149,7 @@ class _Hooks:
         timeout = self.deadline if first is None else max(0.0, first + self.deadline - time.monotonic())
         try:
             self.controller.acquire(key, timeout=timeout)
-        except TimeoutError:
+        except S3ThrottledError:  # no token in time: nothing taken
             refusals = context.get(_REFUSALS, 0)
             since = f", {refusals} refusals since the first {time.monotonic() - first:.1f} s ago" if first else ""
             log.warning("%s %s: no request token of %s in time%s; giving up (throttle_deadline=%s s)",

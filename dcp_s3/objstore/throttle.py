@@ -15,7 +15,7 @@ of a job saves at the same moment, so a large job meets it exactly when it check
   storm of refusals does not slow every later checkpoint of the process;
 - every attempt, retries included, takes a token first, and at most ``max(2, rate)`` attempts of a
   key are in flight; a wait for a token can be given a deadline (:meth:`RateController.acquire`'s
-  ``timeout``), past which it raises ``TimeoutError`` having taken nothing;
+  ``timeout``), past which it raises ``S3ThrottledError`` having taken nothing;
 - above its start rate a key probes additively: while requests wait for tokens and none is refused,
   the rate grows by ``INCREASE`` × the rate it started from (or was last cut to) per second. With a
   known budget every rank's share is exact, and ranks that all grew exponentially would overshoot it
@@ -51,6 +51,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+from dcp_s3.errors import S3ThrottledError
 
 __all__ = [
     "RateKey", "RateController", "KeyStats", "JobProgress", "is_throttle", "rate_key", "THROTTLE_CODES",
@@ -325,7 +327,7 @@ class RateController:
 
     def acquire(self, key: RateKey, timeout: float | None = None) -> float:
         """Wait for a token and an in-flight slot of ``key``; the seconds waited. Past ``timeout`` seconds
-        without one, ``TimeoutError`` (nothing taken)."""
+        without one, ``S3ThrottledError`` (nothing taken)."""
         start = self._clock()
         with self._cond:
             while (wait := self._try_acquire(key)) > 0:
@@ -333,7 +335,7 @@ class RateController:
                     left = start + timeout - self._clock()
                     if left <= 0:
                         self._buckets[key].stats.wait_s += self._clock() - start
-                        raise TimeoutError(f"no request token of {key} within {timeout:.3g} s")
+                        raise S3ThrottledError(f"no request token of {key} within {timeout:.3g} s")
                     wait = min(wait, left)
                 if self._poll_due():  # a rank that waits asks whether others have finished
                     self._cond.release()

@@ -131,6 +131,7 @@ def test_a_save_with_every_write_refused_ends_near_its_deadline(bucket: str, s3_
         client = ClientConfig(endpoint_url=proxy.url, throttle_deadline=3)
         writer = S3StorageWriter(f"s3://{bucket}/refused/ckpt", client=client, files_per_rank=16)
         error, seconds = bounded(lambda: dcp.save(_state(16), storage_writer=writer, no_dist=True), 60)
+    print(f"every write refused: the save failed after {seconds:.1f} s")
     assert error is not None
     assert seconds < 15, seconds
     message = str(error)

@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from dcp_s3.errors import S3ThrottledError
 from dcp_s3.objstore.rate_hooks import controller_for, request_stats_since
 from dcp_s3.objstore.throttle import (
     DECREASE,
@@ -232,7 +233,7 @@ def test_a_storm_does_not_slow_every_later_checkpoint() -> None:
 
 
 def test_a_wait_for_a_token_has_a_deadline() -> None:
-    """Issue 35, items 4 and 10: ``acquire(timeout=)`` raises TimeoutError when no token comes in time, taking
+    """Issue 35, items 4 and 10: ``acquire(timeout=)`` raises S3ThrottledError when no token comes in time, taking
     nothing (no in-flight slot leaks)."""
     clock = [0.0]
     controller = RateController(write_rate=0.01, clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s))
@@ -241,7 +242,7 @@ def test_a_wait_for_a_token_has_a_deadline() -> None:
     clock[0] += 100.0  # one token banked
     assert controller.acquire(key, timeout=1.0) == 0.0
     controller.release(key, refused=False)
-    with pytest.raises(TimeoutError, match="slow/"):
+    with pytest.raises(S3ThrottledError, match="slow/"):
         controller.acquire(key, timeout=2.0)
     assert clock[0] == pytest.approx(102.0)
     assert controller.acquire(key) == pytest.approx(98.0, abs=1.0)  # the token came at its rate; none taken before
