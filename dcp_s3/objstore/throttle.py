@@ -212,7 +212,7 @@ class _Bucket:
         if self.unrefused:
             self.rate = self.ceiling = self.start_rate
         else:
-            self.rate = recovered(self.rate, self.start_rate, now - self.refused_at)
+            self.rate = max(self.floor, recovered(self.rate, self.start_rate, now - self.refused_at))
             self.ceiling = max(self.ceiling, self.start_rate)
             self.unrefused = self.rate >= self.start_rate
         self._note_rate()

@@ -22,11 +22,12 @@ import torch.distributed.checkpoint as dcp
 from fault_proxy import FaultProxy, Rule
 
 from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter
-from dcp_s3.errors import S3ThrottledError
+from dcp_s3.errors import ConfigError, S3ThrottledError
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore.s3 import S3ObjectStore
 
-WRITES = {"PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload"}
+WRITES = {"PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "AbortMultipartUpload",
+          "DeleteObject", "DeleteObjects"}
 
 
 def bounded(fn: Callable[[], Any], guard: float) -> tuple[BaseException | None, float]:
@@ -192,3 +193,10 @@ def test_a_trickling_put_ends_at_the_request_deadline(bucket: str, s3_env: Local
         writer = S3StorageWriter(f"s3://{bucket}/run/ckpt", client=_slow_client(proxy))
         error, seconds = bounded(lambda: dcp.save(_state(), storage_writer=writer, no_dist=True), 60)
         _assert_deadline_error(error, seconds, "PutObject", f"s3://{bucket}/run/ckpt/")
+
+
+def test_the_request_deadline_is_a_checked_setting() -> None:
+    assert ClientConfig().request_deadline == 600.0
+    for bad in (0, -1, float("inf"), "30", True):
+        with pytest.raises(ConfigError, match="request_deadline"):
+            ClientConfig(request_deadline=bad)  # type: ignore[arg-type]
