@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import http.client
 import logging
+import math
 import os
 import socket
 import sys
@@ -59,33 +60,43 @@ class _Watch:
 
 
 class _Watchdog:
-    """The process's deadline thread (started on first use, again in a forked child). It keeps only the
+    """The process's deadline thread (started on first use, in a forked child again). It keeps only the
     running attempts' watches (at most one per thread), so its memory does not grow with the requests sent."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.active: set[_Watch] = set()
-        self._pid: int | None = None
+        self._next = math.inf  # the deadline the thread waits for (inf: none); a later watch need not wake it
+        self._started = False
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        """In a forked child: no thread, no watches, and a fresh lock (the parent's thread may have held it)."""
+        self.cond, self.active, self._next, self._started = threading.Condition(), set(), math.inf, False
 
     def watch(self, until: float) -> _Watch:
         watch = _Watch(threading.get_ident(), until)
         with self.cond:
-            if self._pid != os.getpid():  # no thread yet, or a forked child (threads do not survive fork)
-                self._pid, self.active = os.getpid(), set()
+            if not self._started:  # no thread yet (in this process: see _forked)
+                self._started = True
                 threading.Thread(target=self._run, name="dcp_s3-deadlines", daemon=True).start()
             self.active.add(watch)
-            self.cond.notify()
+            if until < self._next:
+                self._next = until
+                self.cond.notify()
         return watch
 
     def _run(self) -> None:
         with self.cond:
             while True:
                 if not self.active:
+                    self._next = math.inf
                     self.cond.wait()
                     continue
                 watch = min(self.active, key=lambda w: w.until)
                 now = time.monotonic()
                 if now < watch.until:
+                    self._next = watch.until
                     self.cond.wait(watch.until - now)
                     continue
                 watch.fired = True
