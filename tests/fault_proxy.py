@@ -18,6 +18,10 @@ on top of) forwarding it:
 ``"stall"``     sleep ``stall_s`` seconds, then forward normally
 ``"md5"``       answer ``400 MissingContentMD5`` (MinIO's gateway on DeleteObjects), not forwarded
 ``"501"``       answer ``501 NotImplemented`` (a server without the operation), not forwarded
+``"trickle"``   forward, then send the whole answer (status line, headers, body) one byte every
+                ``trickle_s`` seconds: every socket read gets a byte, so ``read_timeout`` never fires
+``"trickle_body"`` forward, send the status line and headers at once, then the body one byte every
+                ``trickle_s`` seconds
 
 ``drop_response_headers`` removes (method, header) pairs from responses (e.g. ``("HEAD", "etag")``).
 ``drop_request_headers`` removes headers from every forwarded request (e.g. ``If-None-Match``,
@@ -51,7 +55,7 @@ from urllib.parse import parse_qs, urlsplit
 
 __all__ = ["FaultProxy", "Rule", "classify", "error_response", "FAULTS"]
 
-FAULTS = ("500", "503", "reset", "truncate", "stall", "md5", "501")
+FAULTS = ("500", "503", "reset", "truncate", "stall", "md5", "501", "trickle", "trickle_body")
 
 _ERRORS = {
     "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
@@ -121,6 +125,7 @@ class Rule:
     max_per_request: int | None = None
     limit: int | None = None
     stall_s: float = 1.0
+    trickle_s: float = 0.5
     injected: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -371,6 +376,18 @@ class FaultProxy:
             if self._stopping.wait(rule.stall_s):
                 return False
         status_line, headers, body = self._forward(req)
+        if fault in ("trickle", "trickle_body"):
+            assert rule is not None
+            head = _response_head(status_line, headers, len(body))
+            if fault == "trickle_body":
+                client.sendall(head)
+                head = b""
+            data = head + body
+            for i in range(len(data)):
+                client.sendall(data[i : i + 1])
+                if self._stopping.wait(rule.trickle_s):
+                    return False
+            return True
         if fault == "truncate" and len(body) >= 2:
             client.sendall(_response_head(status_line, headers, len(body)) + body[: len(body) // 2])
             try:  # a clean FIN: the client sees the body end early

@@ -14,6 +14,7 @@ checkpoint under one root shares one budget, like one S3 partition.
 refusals on a prefix (S3 adds capacity under sustained load). ``prefix_write_rates``: write rates of
 particular prefixes (a hot one). ``drop_at_s``/``drop_factor``: the
 rates fall to ``drop_factor``× that many seconds after the first request (a capacity drop mid-run).
+``storm(seconds)``: every write refused for the next ``seconds`` (a 503 storm), whatever the rates.
 ``stats()`` gives accepted and refused requests per class, ``events`` each admission decision as
 ``(time.monotonic(), class, accepted, prefix)``; the proxy runs in its own thread and
 can serve several client processes (its ``url`` goes to their environment).
@@ -69,7 +70,13 @@ class ThrottleProxy(FaultProxy):
         self.refused: Counter[str] = Counter()
         self.started: float | None = None  # the first request
         self.events: list[tuple[float, str, bool, str]] = []
+        self.storm_until = -1.0
         self._rate_lock = threading.Lock()
+
+    def storm(self, seconds: float) -> None:
+        """Refuse every write for the next ``seconds``."""
+        with self._rate_lock:
+            self.storm_until = time.monotonic() + seconds
 
     def _prefix(self, target: str) -> str:
         parts = urlsplit(target)
@@ -90,7 +97,7 @@ class ThrottleProxy(FaultProxy):
             if bucket is None:
                 rate = self.prefix_write_rates.get(key[0], self.rates[kind]) if kind == "write" else self.rates[kind]
                 bucket = self._buckets[key] = _Bucket(rate, self.burst_s, now, self.min_burst)
-            ok = bucket.take(now, factor)
+            ok = bucket.take(now, factor) and not (kind == "write" and now < self.storm_until)
             if not ok:
                 bucket.refusing_since = bucket.refusing_since or now
                 if self.grow_after_s is not None and now - bucket.refusing_since >= self.grow_after_s:

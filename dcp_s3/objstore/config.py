@@ -28,6 +28,7 @@ import boto3
 from botocore.config import Config
 
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
+from dcp_s3.objstore.deadline import install_request_deadline
 from dcp_s3.objstore.rate_hooks import install_rate_control
 from dcp_s3.objstore.redact import install_log_redaction
 
@@ -214,7 +215,7 @@ class ClientConfig:
     tools (storage options ``client=`` or ``connect_timeout=``/``read_timeout=``/
     ``retry_attempts=``) all take it. With the defaults an endpoint that accepts connections
     and never answers fails a request after about ``retry_attempts * read_timeout`` = 100 s,
-    with an error naming the endpoint.
+    with an error naming the endpoint; one that answers a byte at a time, after ``request_deadline``.
 
     Explicit ``endpoint_url``/``region`` win over a credential file's values, which
     win over the standard boto3 chain (``AWS_*`` environment variables incl.
@@ -235,6 +236,11 @@ class ClientConfig:
     retry_attempts: int = 5
     retry_mode: str = "standard"
     max_pool_connections: int = 10
+    #: Seconds one attempt of a request may take, from sending it to the last byte of its answer (a GET's
+    #: body included; a wait for a rate token not): a server that trickles its answer never lets a read wait
+    #: ``read_timeout``. Past it the connection is cut and the request fails (``S3TransferError`` naming the
+    #: operation, object and this setting), without a retry. Bounds one part or one whole-object read.
+    request_deadline: float = 600.0
     #: Pace requests per (bucket, key prefix, read/write) and retry throttled ones (SlowDown, 503, 429)
     #: until ``throttle_deadline`` (README "Many ranks, one bucket"); False: botocore's retries alone.
     rate_control: bool = True
@@ -269,6 +275,7 @@ class ClientConfig:
         _check_seconds(self, "read_timeout")
         _check_int(self, "retry_attempts", 1)
         _check_int(self, "max_pool_connections", 1)
+        _check_seconds(self, "request_deadline")
         if not isinstance(self.rate_control, bool):
             raise ConfigError(f"rate_control={self.rate_control!r}: must be True or False")
         _check_seconds(self, "throttle_deadline")
@@ -336,6 +343,7 @@ class ClientConfig:
         session = boto3.session.Session(profile_name=self.profile)
         client = session.client("s3", config=config, **kwargs)
         client.meta.events.register("needs-retry.s3", _log_failed_attempt)
+        install_request_deadline(client, self.request_deadline)
         if self.rate_control:
             install_rate_control(
                 client, retry_attempts=self.retry_attempts, deadline=self.throttle_deadline,

@@ -4,13 +4,22 @@ With ``ClientConfig(rate_control=True)`` (the default) botocore itself retries n
 attempt limit is 1) and three event handlers take over:
 
 - ``before-parameter-build``: tag the call with its :class:`RateKey` (bucket, key prefix, class);
-- ``request-created`` (first, before signing): every attempt waits for a token of its key;
-- ``needs-retry``: a throttled answer (SlowDown, 503, 429) is retried — paced by the tokens, after
-  the server's ``x-amz-retry-after``/``Retry-After`` if it sends one — until ``throttle_deadline``
-  seconds have passed since the call's first refusal, outside botocore's retry quota; every other
-  failure goes to a botocore ``standard`` retry handler with the usual ``retry_attempts`` and quota.
+- ``request-created`` (first, before signing, so that a signature is never older than the wait): every
+  attempt waits for a token of its key, at most ``throttle_deadline`` seconds (and, once the call was
+  refused, no later than ``throttle_deadline`` after its first refusal); past it the call fails with an
+  ``S3ThrottledError`` naming the operation, the object, the key's rate and the deadline;
+- ``needs-retry``: the attempt's token is returned with its outcome. A throttled answer (SlowDown,
+  503, 429) is retried — paced by the tokens, after the server's ``x-amz-retry-after``/``Retry-After``
+  if it sends one, never sleeping past the deadline — until ``throttle_deadline`` seconds have passed
+  since the call's first refusal, outside botocore's retry quota; every other failure goes to a
+  botocore ``standard`` retry handler with the usual ``retry_attempts`` and quota;
+- ``after-call-error``: a token still held when the call fails without reaching ``needs-retry`` (a
+  credential or signing failure after the token was taken, an exception in any later handler) is
+  returned there. Every token taken is returned on every path: a leaked one would hold one of the
+  key's ``max(2, rate)`` in-flight slots for the life of the process, and a few of them hang every
+  later save at a small share.
 
-A call that gives up carries ``DcpS3Throttle`` in its error response, which
+A call that gives up at an answer carries ``DcpS3Throttle`` in its error response, which
 :func:`~dcp_s3.objstore.s3_requests.translate_error` turns into an ``S3ThrottledError`` naming
 the bucket, prefix, class, rate reached and refusals.
 """
@@ -33,6 +42,7 @@ from botocore.retries.standard import (
     StandardRetryConditions,
 )
 
+from dcp_s3.errors import S3ThrottledError
 from dcp_s3.objstore.s3_requests import untrusted_certificate
 from dcp_s3.objstore.throttle import JobProgress, RateController, RateKey, is_throttle, rate_key
 
@@ -41,6 +51,8 @@ __all__ = ["install_rate_control", "controller_for", "plan_share", "plan_progres
 log = logging.getLogger("dcp_s3")
 
 _KEY = "dcp_s3.rate_key"
+_OBJECT = "dcp_s3.object"  # s3://bucket/key of the call, for errors
+_HELD = "dcp_s3.token_held"  # the call's current attempt holds a token of its key
 _FIRST_REFUSAL = "dcp_s3.first_refusal"
 _REFUSALS = "dcp_s3.refusals"
 
@@ -110,6 +122,7 @@ def install_rate_control(client: Any, *, retry_attempts: int, deadline: float, w
     events.register("before-parameter-build.s3", hooks.tag)
     events.register_first("request-created.s3", hooks.pace)
     events.register("needs-retry.s3", hooks.decide)
+    events.register_first("after-call-error.s3", hooks.drop)
     events.register("after-call.s3", retry_quota.release_retry_quota)
 
 
@@ -124,11 +137,37 @@ class _Hooks:
         if isinstance(bucket, str):
             key = params.get("Key", params.get("Prefix"))
             context[_KEY] = rate_key(model.name, bucket, key if isinstance(key, str) else None)
+            context[_OBJECT] = f"s3://{bucket}/{key}" if isinstance(key, str) else f"s3://{bucket}"
 
-    def pace(self, request: Any, **_: Any) -> None:
-        key = getattr(request, "context", {}).get(_KEY)
-        if key is not None:
-            self.controller.acquire(key)
+    def pace(self, request: Any, operation_name: str = "", **_: Any) -> None:
+        context = getattr(request, "context", {})
+        key: RateKey | None = context.get(_KEY)
+        if key is None:
+            return
+        if context.pop(_HELD, False):  # an attempt that never reached needs-retry (defensive): give its token back
+            self.controller.release(key, refused=False)
+        first = context.get(_FIRST_REFUSAL)
+        timeout = self.deadline if first is None else max(0.0, first + self.deadline - time.monotonic())
+        try:
+            self.controller.acquire(key, timeout=timeout)
+        except S3ThrottledError:  # no token in time: nothing taken
+            refusals = context.get(_REFUSALS, 0)
+            since = f", {refusals} refusals since the first {time.monotonic() - first:.1f} s ago" if first else ""
+            log.warning("%s %s: no request token of %s in time%s; giving up (throttle_deadline=%s s)",
+                        operation_name, context.get(_OBJECT), key, since, self.deadline)
+            raise S3ThrottledError(
+                f"{operation_name} {context.get(_OBJECT)} failed: waited {timeout:.1f} s for a request token of {key} "
+                f"(paced at {self.controller.rate(key):.3g} requests/s{since}): past ClientConfig "
+                f"throttle_deadline={self.deadline} s; raise it, spread keys (key_prefixes=), or ask the provider for "
+                "more request capacity on this prefix"
+            ) from None
+        context[_HELD] = True
+
+    def drop(self, context: dict[str, Any], **_: Any) -> None:
+        """The call failed without its last attempt reaching ``needs-retry``: give back the token it holds."""
+        key: RateKey | None = context.get(_KEY)
+        if key is not None and context.pop(_HELD, False):
+            self.controller.release(key, refused=False)
 
     def decide(
         self, response: Any, attempts: int, caught_exception: BaseException | None, request_dict: dict[str, Any],
@@ -140,7 +179,7 @@ class _Hooks:
         parsed = response[1] if response is not None else {}
         code = parsed.get("Error", {}).get("Code") if isinstance(parsed, dict) else None
         refused = caught_exception is None and is_throttle(status, code)
-        if key is not None:
+        if key is not None and context.pop(_HELD, False):
             self.controller.release(key, refused=refused)
         if not refused:
             if untrusted_certificate(caught_exception) is not None:

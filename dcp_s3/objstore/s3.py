@@ -24,23 +24,23 @@ from botocore.exceptions import BotoCoreError, ClientError, IncompleteReadError
 from dcp_s3.errors import (
     BucketNotFoundError,
     CheckpointExistsError,
-    CheckpointFormatError,
     CheckpointNotFoundError,
     ConfigError,
     S3TransferError,
     ServerCapabilityError,
 )
-from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size, open_destination
+from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size
 from dcp_s3.objstore.buffers import BufferPool, BufferReader
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
+from dcp_s3.objstore.deadline import body_deadline
 from dcp_s3.objstore.rate_hooks import end_progress, plan_progress, plan_share
 from dcp_s3.objstore.s3_multipart import MultipartWriter, copy_multipart
+from dcp_s3.objstore.s3_reads import read_group
 from dcp_s3.objstore.s3_requests import (
     BODY_ERRORS,
     check_request_args,
     is_not_implemented,
     op_label,
-    range_header,
     request_args_for,
     status_of,
     translate_error,
@@ -115,7 +115,7 @@ class S3ObjectStore(ObjectStore):
         except (ClientError, BotoCoreError) as exc:
             raise translate_error(exc, op_label(op), self.bucket, key) from exc
 
-    def _backoff(self, attempt: int) -> None:
+    def backoff(self, attempt: int) -> None:
         # Full jitter (AWS architecture blog "Exponential Backoff And Jitter").
         self._sleep(random.uniform(0, min(10.0, 0.1 * 2**attempt)))
 
@@ -212,7 +212,8 @@ class S3ObjectStore(ObjectStore):
                 length = resp.get("ContentLength")
                 try:
                     check_whole_size(self.url(key), int(length or 0), limit)
-                    data = bytes(body.read(limit + 1))  # never more than the limit + 1, whatever it claimed
+                    with body_deadline("GetObject", self.url(key)):
+                        data = bytes(body.read(limit + 1))  # never more than the limit + 1, whatever it claimed
                 finally:
                     body.close()
                 check_whole_size(self.url(key), len(data), limit)
@@ -223,7 +224,7 @@ class S3ObjectStore(ObjectStore):
                 if attempt + 1 >= self.max_attempts:
                     raise translate_error(exc, "GET", self.bucket, key) from exc
                 log.debug("GET s3://%s/%s: body failed (%s), retrying", self.bucket, key, exc)
-                self._backoff(attempt)
+                self.backoff(attempt)
                 attempt += 1
 
     def head(self, key: str) -> ObjectInfo | None:
@@ -362,83 +363,8 @@ class S3ObjectStore(ObjectStore):
 
     # -- ranged reads --------------------------------------------------------------------
     def _read_group(self, group: list[RangeRead]) -> None:
-        key = group[0].key
-        start, end = group[0].start, group[-1].end
-        pos = start  # next object byte to receive
-        index = 0  # read in ``group`` that holds ``pos`` (or the gap before it)
-        dest: memoryview | None = None
-        scratch = bytearray(min(1 << 20, max(1, end - start)))
-        attempt = 0
-        while pos < end:
-            try:
-                try:
-                    resp = self.call("get_object", key, Key=key, Range=range_header(pos, end))
-                except S3TransferError as exc:
-                    if status_of(exc.__cause__) != 416:  # Range Not Satisfiable: starts past the end
-                        raise
-                    length = 0
-                else:
-                    length = int(resp.get("ContentLength", -1))
-                if length != end - pos:  # checked before any destination is opened (allocated)
-                    raise CheckpointFormatError(
-                        f"GET s3://{self.bucket}/{key} bytes {pos}-{end}: server sent {length} bytes, "
-                        f"expected {end - pos} (object shorter than the checkpoint metadata says?)"
-                    )
-                readinto = _body_readinto(resp["Body"])
-                while pos < end:
-                    read = group[index]
-                    if pos < read.start:  # a gap between coalesced reads: discard
-                        n = _readinto_some(readinto, memoryview(scratch)[: min(len(scratch), read.start - pos)])
-                        pos += n
-                        continue
-                    if dest is None:
-                        dest = open_destination(read, self.url(key))
-                    pos += _readinto_some(readinto, dest[pos - read.start :])
-                    if pos == read.end:
-                        if read.done is not None:
-                            read.done()
-                        dest = None
-                        index += 1
-                resp["Body"].close()  # its connection is back in the pool: urllib3 saw the body end
-            except BODY_ERRORS as exc:
-                attempt += 1
-                if attempt >= self.max_attempts:
-                    raise translate_error(exc, "GET", self.bucket, key) from exc
-                log.debug("GET s3://%s/%s from byte %d failed (%s); retrying", self.bucket, key, pos, exc)
-                self._backoff(attempt)
+        read_group(self, group)
 
 
 def _info(obj: dict[str, Any]) -> ObjectInfo:
     return ObjectInfo(obj["Key"], int(obj["Size"]), obj["LastModified"].timestamp(), str(obj.get("ETag") or ""))
-
-
-#: The most one read of a GET body asks for: urllib3 reads into a new bytes object and then copies it
-#: (so a read's size is transient memory per concurrent GET), and at 1 MiB the extra copy costs nothing
-#: measurable (``benchmarks/README.md``, "Reading GET bodies").
-BODY_READ_SIZE = 1 << 20
-
-
-def _body_readinto(body: Any) -> Callable[[memoryview], int]:
-    """A ``readinto`` for a botocore streaming body, through its public ``readinto`` (botocore's,
-    then urllib3's): urllib3 sees the body end, and hands its connection back to the pool then, so
-    the next GET reuses the kept-alive connection instead of opening one (and, over HTTPS, a TLS
-    session)."""
-
-    def readinto(buf: memoryview) -> int:
-        return int(body.readinto(buf[:BODY_READ_SIZE]))
-
-    def read_and_copy(buf: memoryview) -> int:  # botocore < 1.38.20: its StreamingBody has no readinto
-        data = body.read(min(len(buf), BODY_READ_SIZE))
-        buf[: len(data)] = data
-        return len(data)
-
-    return readinto if hasattr(body, "readinto") else read_and_copy
-
-
-def _readinto_some(readinto: Callable[[memoryview], int], buf: memoryview) -> int:
-    """Receive up to ``len(buf)`` bytes; the caller advances by what arrived, so a body
-    cut short is resumed from the last byte received."""
-    n = readinto(buf)
-    if not n:
-        raise IncompleteReadError(actual_bytes=0, expected_bytes=len(buf))
-    return n

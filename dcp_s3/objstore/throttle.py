@@ -9,9 +9,13 @@ of a job saves at the same moment, so a large job meets it exactly when it check
   writer and reader give it the world size and the prefix layout at plan time), with a random
   phase (the first request waits up to one interval, ``1 / rate``), so a job's ranks do not all
   burst at once; a key under the same parent prefix as one that met refusals (the next checkpoint
-  of a run) starts from the rate that one learnt, if lower;
+  of a run) starts from the rate that one learnt, if lower, but that rate regains the share with the
+  time since its last refusal (doubling every ``LEARNT_DOUBLING_S``), a new key never starts below
+  ``START_FRACTION`` of the share, and it regains the share exponentially while it is not refused: one
+  storm of refusals does not slow every later checkpoint of the process;
 - every attempt, retries included, takes a token first, and at most ``max(2, rate)`` attempts of a
-  key are in flight;
+  key are in flight; a wait for a token can be given a deadline (:meth:`RateController.acquire`'s
+  ``timeout``), past which it raises ``S3ThrottledError`` having taken nothing;
 - above its start rate a key probes additively: while requests wait for tokens and none is refused,
   the rate grows by ``INCREASE`` × the rate it started from (or was last cut to) per second. With a
   known budget every rank's share is exact, and ranks that all grew exponentially would overshoot it
@@ -48,6 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from dcp_s3.errors import S3ThrottledError
+
 __all__ = [
     "RateKey", "RateController", "KeyStats", "JobProgress", "is_throttle", "rate_key", "THROTTLE_CODES",
     "THROTTLE_STATUSES",
@@ -73,6 +79,8 @@ MIN_RATE = 0.05  # requests per second: the lowest rate a decrease reaches (lowe
 RECOVERY_GAIN = 0.2  # below the level to regain, the rate grows by this fraction of itself per second while paced
 MIN_ANSWERS = 4  # answers since the last decrease before their accepted fraction may set the next one
 IDLE_FORGET_S = 600.0  # a key unused this long is forgotten when the next save or load plans (its parent's learnt rate stays)
+LEARNT_DOUBLING_S = 5.0  # a learnt rate below the share doubles this often since its key's last refusal
+START_FRACTION = 0.125  # a key never starts (a save or load never plans) below this fraction of its share
 POLLS_PER_SECOND = 2000.0  # a job's ranks ask its JobProgress at most this often in all (and each at most once a second)
 
 
@@ -126,15 +134,27 @@ class KeyStats:
     peak_rate: float = 0.0
 
 
+def recovered(learnt: float, share: float, since_refusal: float) -> float:
+    """Where a key starts that learnt ``learnt`` requests/s from refusals ``since_refusal`` seconds ago, with a
+    share of ``share``: ``learnt`` doubled every ``LEARNT_DOUBLING_S`` since, at least ``START_FRACTION`` of the
+    share, at most the share."""
+    grown = learnt * 2.0 ** min(64.0, max(0.0, since_refusal) / LEARNT_DOUBLING_S)
+    return min(share, max(START_FRACTION * share, grown))
+
+
 class _Bucket:
     """Token bucket and AIMD state of one key (guarded by the controller's condition)."""
 
-    def __init__(self, rate: float, now: float, learnt: float | None = None) -> None:
+    def __init__(self, rate: float, now: float, learnt: tuple[float, float] | None = None) -> None:
         self.start_rate = rate
         self.floor = min(MIN_RATE, rate)  # never above the rank's share: a share of 0.17/s is honoured
-        self.unrefused = learnt is None
-        self.rate = rate if learnt is None else max(self.floor, min(rate, learnt))
-        self.ceiling = self.rate
+        # ``learnt``: the rate a key under the same parent learnt from refusals, and when it was last refused
+        self.rate = rate if learnt is None else max(self.floor, recovered(learnt[0], rate, now - learnt[1]))
+        self.unrefused = self.rate >= rate
+        # Starting below the share from what an earlier key learnt: regained exponentially while not refused
+        # (the refusals that taught it may have been a storm long over), probed additively above.
+        self.ceiling = rate
+        self.refused_at = -math.inf if learnt is None else learnt[1]  # the last refusal this rate comes from
         self.tokens = random.random()  # a random phase: ranks starting together do not send together
         self.stamp = self.grown_at = now
         self.in_flight = 0
@@ -163,7 +183,7 @@ class _Bucket:
         self.stats.refusals += 1
         self.answers.append(False)
         self.unrefused = False
-        self.grown_at = now
+        self.grown_at = self.refused_at = now
         if now - self.last_decrease < max(decrease_interval, 1.0 / self.rate):
             return
         self.last_decrease = now
@@ -183,6 +203,18 @@ class _Bucket:
         self.start_rate *= factor
         self.rate = max(self.floor, self.rate * factor)
         self.ceiling = max(self.rate, self.ceiling * factor)
+        self._note_rate()
+
+    def restart(self, now: float) -> None:
+        """A new save or load plans: a rate cut below the start rate by refusals regains it with the time since
+        the last refusal (doubling every ``LEARNT_DOUBLING_S``), never below ``START_FRACTION`` of it, and
+        regains the rest exponentially while not refused."""
+        if self.unrefused:
+            self.rate = self.ceiling = self.start_rate
+        else:
+            self.rate = max(self.floor, recovered(self.rate, self.start_rate, now - self.refused_at))
+            self.ceiling = max(self.ceiling, self.start_rate)
+            self.unrefused = self.rate >= self.start_rate
         self._note_rate()
 
     def _note_rate(self) -> None:
@@ -209,7 +241,8 @@ class RateController:
         self._cond = threading.Condition()
         self._sleep = sleep
         self._buckets: dict[RateKey, _Bucket] = {}
-        self._learnt: dict[tuple[str, str, str], float] = {}  # per parent prefix: learnt rate / scale
+        # Per parent prefix: the rate learnt from refusals (/ scale) and when the key that learnt it was last refused.
+        self._learnt: dict[tuple[str, str, str], tuple[float, float]] = {}
         self._scale = 1.0  # ranks / active of the progress followed: every key's rate is scaled by it
         self._progress: JobProgress | None = None
         self._polled_at = -math.inf
@@ -228,9 +261,7 @@ class RateController:
             for key, bucket in self._buckets.items():
                 bucket.start_rate = self._start_rate(key)
                 bucket.floor = min(MIN_RATE, bucket.start_rate)
-                if bucket.unrefused:
-                    bucket.rate = bucket.ceiling = bucket.start_rate
-                    bucket._note_rate()
+                bucket.restart(now)
 
     def follow(self, progress: JobProgress) -> None:
         """Scale the rates by the ranks still sending in ``progress`` (a save or load starts) until
@@ -286,19 +317,26 @@ class RateController:
             # learnt from refusals, if that is below its share: the store's partition is usually the parent's.
             learnt = self._learnt.get(key.parent)
             bucket = self._buckets[key] = _Bucket(
-                self._start_rate(key), self._clock(), None if learnt is None else learnt * self._scale
+                self._start_rate(key), self._clock(), None if learnt is None else (learnt[0] * self._scale, learnt[1])
             )
         return bucket
 
     def _learn(self, key: RateKey, bucket: _Bucket) -> None:
         if not bucket.unrefused:  # kept at the whole job's scale: the next checkpoint starts with every rank
-            self._learnt[key.parent] = bucket.rate / self._scale
+            self._learnt[key.parent] = (bucket.rate / self._scale, bucket.refused_at)
 
-    def acquire(self, key: RateKey) -> float:
-        """Wait for a token and an in-flight slot of ``key``; the seconds waited."""
+    def acquire(self, key: RateKey, timeout: float | None = None) -> float:
+        """Wait for a token and an in-flight slot of ``key``; the seconds waited. Past ``timeout`` seconds
+        without one, ``S3ThrottledError`` (nothing taken)."""
         start = self._clock()
         with self._cond:
             while (wait := self._try_acquire(key)) > 0:
+                if timeout is not None:
+                    left = start + timeout - self._clock()
+                    if left <= 0:
+                        self._buckets[key].stats.wait_s += self._clock() - start
+                        raise S3ThrottledError(f"no request token of {key} within {timeout:.3g} s")
+                    wait = min(wait, left)
                 if self._poll_due():  # a rank that waits asks whether others have finished
                     self._cond.release()
                     try:
