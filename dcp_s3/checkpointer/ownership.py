@@ -95,7 +95,7 @@ class Ownership:
         is in ``store``, opened at the root) — or None, with the reason warned."""
         name = self.name_of(location)
         if name is None:
-            refuse(self, location, f"not a name its scheme makes under {self.root or 'its root'}")
+            refuse(self.owner, location, f"not a name its scheme makes under {self.root or 'its root'}")
             return None
         if not committed(store, name, parts):
             log.info("%s: %s is not committed (no %s): not deleted", self.owner, location, METADATA_KEY)
@@ -109,8 +109,8 @@ def committed(store: Store, name: str, parts: Iterable[str] = ("",)) -> bool:
     return bool(keys) and all(store.size(k) is not None for k in keys)
 
 
-def refuse(ownership: Ownership, location: object, why: str) -> None:
-    """Say that ``ownership.owner`` leaves ``location`` alone, and why (a warning: the user must see it)."""
-    message = f"dcp_s3: {ownership.owner} does not delete {location!r}: {why}"
+def refuse(owner: str, location: object, why: str) -> None:
+    """Say that ``owner`` leaves ``location`` alone, and why (a warning: the user must see it)."""
+    message = f"dcp_s3: {owner} does not delete {location!r}: {why}"
     log.warning(message)
     warnings.warn(message, stacklevel=3)

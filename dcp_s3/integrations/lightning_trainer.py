@@ -108,8 +108,7 @@ class S3TrainerStrategy(ModelParallelStrategy):
             return
         owner = next((o for o in self.ownerships if o.name_of(location) is not None), None)
         if owner is None:
-            refuse(Ownership(type(self).__name__, "", re.compile("")), location,
-                   "no S3ModelCheckpoint of this trainer made that name under its dirpath")
+            refuse(type(self).__name__, location, "no S3ModelCheckpoint of this trainer made that name under its dirpath")
             return
         store = self.storage_options.store(owner.root)
         try:
@@ -198,7 +197,7 @@ class S3ModelCheckpoint(ModelCheckpoint):
             return False
         ownership, location = self.ownership(), s3_location(previous)
         if location is None or ownership.name_of(location) is None:
-            refuse(ownership, previous, f"not a checkpoint this callback names under {self.dirpath}")
+            refuse(ownership.owner, previous, f"not a checkpoint this callback names under {self.dirpath}")
             return False
         return location != s3_location(trainer.ckpt_path)
 

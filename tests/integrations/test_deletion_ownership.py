@@ -120,23 +120,29 @@ def lightning_job(rank: int, world_size: int, workdir: str, root: str) -> bytes:
     _as_torchrun(rank, world_size, workdir)
     refused: list[str] = []
 
-    def fit(dirpath: str, max_steps: int, ckpt_path: str | None = None, craft: str | None = None) -> None:
+    def fit(dirpath: str, max_steps: int, ckpt_path: str | None = None, craft: str | None = None) -> Any:
         # monitor=None, save_top_k=1: each save replaces best_model_path, the previous one is deleted
         rotation = S3ModelCheckpoint(dirpath, filename="{step}", every_n_train_steps=2, save_top_k=1)
         module = Crafting()
         module.craft = craft
+        trainer = _trainer(world_size, os.path.join(workdir, "root"), max_steps, [rotation])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _trainer(world_size, os.path.join(workdir, "root"), max_steps, [rotation]).fit(
-                module, _loader(), ckpt_path=ckpt_path)
+            trainer.fit(module, _loader(), ckpt_path=ckpt_path)
         refused.extend(str(w.message) for w in caught if "does not delete" in str(w.message))
+        return trainer
 
     fit(f"{root}/pretrain", 2)  # pretrain/step=2.ckpt
     # a fine-tune in another dirpath from the pretrain checkpoint: Lightning restores its best_model_path
     fit(f"{root}/finetune", 4, ckpt_path=f"{root}/pretrain/step=2.ckpt", craft=f"{root}/other/step=2.ckpt")
     # resumed from a checkpoint whose stored best_model_path was crafted to name another run's checkpoint;
     # saves step 6 (the crafted path is not deleted) and step 8 (its own step 6 is)
-    fit(f"{root}/finetune", 8, ckpt_path=f"{root}/finetune/step=4.ckpt")
+    trainer = fit(f"{root}/finetune", 8, ckpt_path=f"{root}/finetune/step=4.ckpt")
+    with warnings.catch_warnings(record=True) as caught:  # the strategy itself, asked directly
+        warnings.simplefilter("always")
+        trainer.strategy.remove_checkpoint(f"{root}/other/step=2.ckpt")  # no callback of its trainer owns it
+        trainer.strategy.remove_checkpoint(f"{root}/finetune/step=99.ckpt")  # owned, but never committed
+    refused.extend(str(w.message) for w in caught if "does not delete" in str(w.message))
     buf = io.BytesIO()
     torch.save(refused, buf)
     return buf.getvalue()
@@ -146,14 +152,16 @@ def lightning_job(rank: int, world_size: int, workdir: str, root: str) -> bytes:
 def test_lightning_rotation_deletes_only_under_its_dirpath(bucket: str, tmp_path: Path) -> None:
     root = f"s3://{bucket}"
     other = _plant(f"{root}/other/step=2.ckpt")
+    open_store(f"{root}/finetune").write("step=99.ckpt/__0_0.distcp", b"a save killed before its .metadata")
     refused = [torch.load(io.BytesIO(r)) for r in run_ranks(lightning_job, 2, str(tmp_path / "work"), root)]
     assert _tops(f"{root}/pretrain") == {"step=2.ckpt"}  # old code: deleted after the fine-tune's first save
     assert f"step=2.ckpt/{METADATA_KEY}" in _names(f"{root}/pretrain")
     assert _names(f"{root}/other/step=2.ckpt") == other and METADATA_KEY in other  # old code: deleted
-    assert _tops(f"{root}/finetune") == {"step=4.ckpt", "step=8.ckpt"}  # its own step 6 was rotated out
-    for messages in refused:
+    assert _tops(f"{root}/finetune") == {"step=4.ckpt", "step=8.ckpt", "step=99.ckpt"}  # its step 6 was rotated out
+    assert "step=99.ckpt/__0_0.distcp" in _names(f"{root}/finetune")
+    for rank, messages in enumerate(refused):
         assert any(f"{root}/pretrain/step=2.ckpt" in m for m in messages), messages
-        assert any(f"{root}/other/step=2.ckpt" in m for m in messages), messages
+        assert sum(f"{root}/other/step=2.ckpt" in m for m in messages) == 1 + (rank == 0), messages
 
 
 # -- Accelerate / the transformers Trainer: route_fsdp_checkpoints(local_dirs=...) ---------------------------
