@@ -14,6 +14,7 @@ import io
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,9 @@ def test_checkpointer_keep_last_deletes_only_its_own_committed_steps(bucket: str
     Checkpointer(other).save({"m": _model(2)}, iteration=1)  # another root (a prefix sibling)
     store = open_store(root)
     store.write("0000005.m_model/__0_0.distcp", b"a crashed save: no .metadata, no marker")
+    # Steps not all named by a number are ordered by marker time, which SeaweedFS keeps to the second:
+    # so that "best" is the oldest step (the first a count over every name would delete), not a tie.
+    time.sleep(1.5)
     ckpt = Checkpointer(root, keep_last=1)
     for iteration in (10, 20, 30):
         ckpt.save({"m": _model(iteration)}, iteration=iteration)
