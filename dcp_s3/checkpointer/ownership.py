@@ -14,18 +14,17 @@ a caller deletes a checkpoint only when
 4. never because a local file is absent: what the transformers Trainer removes locally is removed in
    the bucket only for checkpoints this process saved, when the Trainer's own rotation removed them.
 
-What each caller may delete:
+What each caller may delete (its root as configured; the names its scheme makes):
 
-=====================================================  ===========================  ============================
-caller                                                 root (configured)            names (its scheme)
-=====================================================  ===========================  ============================
-``Checkpointer(keep_last=)``                           ``save_dir``                 complete steps ``{iteration:07d}``
-``Checkpointer(local_root=, keep_last_local=)``        ``<local_root>/rank<N>``     complete local steps ``{iteration:07d}``
-``S3ModelCheckpoint`` rotation (``S3TrainerStrategy``)  ``dirpath``                  what its ``filename`` / ``last``
-                                                                                    templates make (``-v<N>``, ``.ckpt``)
-``route_fsdp_checkpoints(local_dirs=)``                the mapped ``s3://`` root    ``checkpoint-<N>`` saved in the block
-``S3CheckpointManager`` ``keep_latest_k``              ``folder``                   ``step-<N>``
-=====================================================  ===========================  ============================
+- ``Checkpointer(keep_last=)``: under ``save_dir``, complete steps named ``{iteration:07d}``
+  (:mod:`dcp_s3.checkpointer.retention`);
+- the local tier's ``keep_last_local``: under ``<local_root>/rank<N>``, complete local steps named
+  ``{iteration:07d}`` (:mod:`dcp_s3.checkpointer.tiers`);
+- ``S3ModelCheckpoint``'s rotation, through ``S3TrainerStrategy.remove_checkpoint``: under its
+  ``dirpath``, the names its ``filename`` and ``last`` templates make (``-v<N>``, ``.ckpt``);
+- ``route_fsdp_checkpoints(local_dirs=)``: under each mapped ``s3://`` root, ``checkpoint-<N>`` this
+  process saved in the block, once the Trainer's ``rotate_checkpoints`` removed its local directory;
+- ``S3CheckpointManager``'s ``keep_latest_k`` purge: under ``folder``, ``step-<N>``.
 
 ``dcp-s3 rm`` deletes what its user names and ``dcp-s3 gc`` what no checkpoint needs
 (:mod:`dcp_s3.admin.cleanup`): commands, not rotations, and not governed here.
