@@ -5,7 +5,8 @@ step I/O (locations, the parts' reusable writers/readers, load planning, loading
 :mod:`~dcp_s3.checkpointer.steps`
 the on-store layout of its steps and how to find them in a listing;
 :mod:`~dcp_s3.checkpointer.generations` all-or-nothing re-saves; :mod:`~dcp_s3.checkpointer.retention`
-which steps ``keep_last`` deletes, and how; :mod:`~dcp_s3.checkpointer.training_state` what it
+which steps ``keep_last`` deletes, and how; :mod:`~dcp_s3.checkpointer.ownership` what any rotation
+or purge of dcp_s3 may delete at all; :mod:`~dcp_s3.checkpointer.training_state` what it
 saves besides DCP parts; :mod:`~dcp_s3.checkpointer.legacy` single-file (Megatron-style)
 checkpoints; :mod:`~dcp_s3.checkpointer.ranks` rank coordination; :mod:`~dcp_s3.checkpointer.objects`
 ``save_object``/``load_object``/``latest_checkpoint``. The node-local tier (``local_root=``):

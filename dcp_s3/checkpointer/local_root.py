@@ -15,8 +15,9 @@ part of every key (:func:`rank_store`), so the object store's own rule — below
 through a link (:mod:`dcp_s3.objstore.local`) — covers the rank directory too, even one swapped in after the check.
 Inside a rank directory, a link in place of a step's directory or file is refused by that same rule.
 
-``keep_last_local`` deletes only steps named as the tier names them (:func:`is_tier_step`: ``{iteration:07d}``),
-never another checkpoint that happens to lie in a rank directory.
+``keep_last_local`` deletes only steps named as the tier names them (``{iteration:07d}``, decided by
+:mod:`dcp_s3.checkpointer.ownership` like every deletion), never another checkpoint that happens to lie in a rank
+directory.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ import stat
 from dcp_s3.store import Store
 from dcp_s3.store.local import LocalStore
 
-__all__ = ["RANK_DIR_RE", "rank_dir", "rank_dir_problem", "rank_dirs", "rank_store", "is_tier_step"]
+__all__ = ["RANK_DIR_RE", "rank_dir", "rank_dir_problem", "rank_dirs", "rank_store"]
 
 #: The name of a rank directory under a local root (``rank_dir``'s output).
 RANK_DIR_RE = re.compile(r"rank(\d{5})")
-_STEP_RE = re.compile(r"-?[0-9]+")
 
 
 def rank_dir(rank: int) -> str:
@@ -88,8 +88,3 @@ def rank_store(local_root: str, rank: int) -> Store:
     """Rank ``rank``'s directory under ``local_root`` as a store rooted at ``local_root`` (module docstring):
     nothing is followed through a link from the local root down, the rank directory included."""
     return LocalStore(local_root, below=rank_dir(rank))
-
-
-def is_tier_step(name: str) -> bool:
-    """Whether ``name`` is a step name the local tier makes (``{iteration:07d}``)."""
-    return _STEP_RE.fullmatch(name) is not None and f"{int(name):07d}" == name

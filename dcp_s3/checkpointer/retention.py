@@ -2,7 +2,8 @@
 never makes a half-deleted step look complete (markers, then ``.metadata``, then the rest).
 
 Only checkpoint objects are deleted (:func:`dcp_s3.checkpointer.steps.is_checkpoint_object`):
-other files sharing a step's directories stay. ``dcp-s3 gc``/``rm`` (:mod:`dcp_s3.admin.cleanup`)
+other files sharing a step's directories stay. Which steps ``keep_last`` may delete at all is
+:mod:`dcp_s3.checkpointer.ownership`'s rule: complete steps named ``{iteration:07d}`` under the root. ``dcp-s3 gc``/``rm`` (:mod:`dcp_s3.admin.cleanup`)
 delete through the same functions.
 """
 
@@ -12,6 +13,7 @@ import logging
 from collections.abc import Iterable
 
 from dcp_s3.checkpointer.generations import find_complete
+from dcp_s3.checkpointer.ownership import CHECKPOINTER_STEPS, Ownership
 from dcp_s3.checkpointer.steps import MARKER_SUFFIX, Step, is_checkpoint_object, scan
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store.base import Entry, Store
@@ -62,9 +64,11 @@ def delete_step(store: Store, step: Step, uploads: bool = True) -> int:
 
 def retain_last(store: Store, keep_last: int, keep: str) -> list[str]:
     """Delete complete steps under ``store`` older than the newest ``keep_last``, never the step at
-    URL ``keep``; steps without parts (single-file checkpoints, maybe the user's own files) and
-    incomplete steps are never touched. Returns the URLs of the deleted steps."""
-    complete = [s for s in find_complete(store, None) if s.parts]
+    URL ``keep``; steps without parts (single-file checkpoints, maybe the user's own files), incomplete
+    steps and steps of other names (``save(path=...)``, another tool's) are never touched nor counted
+    (:mod:`dcp_s3.checkpointer.ownership`). Returns the URLs of the deleted steps."""
+    ownership = Ownership(f"Checkpointer(keep_last={keep_last})", "", CHECKPOINTER_STEPS)
+    complete = [s for s in find_complete(store, None) if s.parts and ownership.owns(s.name)]
     kept = {s.name for s in complete[-keep_last:]}
     deleted = []
     for old in complete:

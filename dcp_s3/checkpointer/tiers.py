@@ -55,8 +55,9 @@ from dcp_s3.checkpointer.generations import (
     read_marker,
 )
 from dcp_s3.checkpointer.local_layout import layout_of, local_view
-from dcp_s3.checkpointer.local_root import is_tier_step, rank_dir, rank_dir_problem, rank_store
+from dcp_s3.checkpointer.local_root import rank_dir, rank_dir_problem, rank_store
 from dcp_s3.checkpointer.markers import LAYOUT, LOCAL_ENTRY, check_marker
+from dcp_s3.checkpointer.ownership import CHECKPOINTER_STEPS, Ownership
 from dcp_s3.checkpointer.promotion import commit_promoted, upload_rank
 from dcp_s3.checkpointer.ranks import Ranks, rank, world_size
 from dcp_s3.checkpointer.retention import delete_step, retain_last
@@ -253,7 +254,8 @@ class Tiers:
             local = self.local
             try:
                 # Only steps named as the tier names them: never another checkpoint lying in the rank directory.
-                done = [s for s in find_complete(local, None) if s.parts and is_tier_step(s.name)]
+                ownership = Ownership(f"keep_last_local={self.keep_last_local}", "", CHECKPOINTER_STEPS)
+                done = [s for s in find_complete(local, None) if s.parts and ownership.owns(s.name)]
                 protected = self._protected() | ({keep} if keep else set())
                 for old in done[: max(0, len(done) - self.keep_last_local)]:
                     if old.name in protected:

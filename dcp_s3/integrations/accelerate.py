@@ -21,8 +21,10 @@ The four functions are public here too, with an ``options`` keyword, for code th
 The transformers ``Trainer`` passes local directories (``<output_dir>/checkpoint-<step>``): with
 ``local_dirs={output_dir: "s3://bucket/run"}`` a directory under ``output_dir`` stands for the same
 place under the S3 root (:mod:`dcp_s3.integrations.trainer_dirs`); its shards go to S3, the Trainer's
-small files stay in ``output_dir``, and the checkpoints its ``save_total_limit`` rotation deletes
-locally are deleted in the bucket too (transformers' ``rotate_checkpoints`` is wrapped in the block).
+small files stay in ``output_dir``, and the checkpoints saved in the block that its ``save_total_limit``
+rotation deletes locally are deleted in the bucket too (transformers' ``rotate_checkpoints`` is wrapped
+in the block). Loading deletes nothing, and neither does leaving the block (normally or through an
+exception): see :mod:`dcp_s3.checkpointer.ownership`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from typing import Any
 import accelerate.accelerator  # noqa: F401  (binds the four names Accelerator.save_state/load_state call)
 import accelerate.utils  # noqa: F401  (binds them for `from accelerate.utils import ...`, as transformers does)
 import accelerate.utils.fsdp_utils as _fsdp_utils
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -86,13 +87,11 @@ def _routed(fsdp_plugin: Any, directory: Any, use_dcp: bool, what: str, local_di
     return location
 
 
-def _mirror(local_dirs: LocalDirs, *, every_rank: bool = False) -> None:
-    """Delete in S3 the seen checkpoints whose local directory is gone (rank 0 only unless
-    ``every_rank``); a failure is a warning: the checkpoint stays in the bucket, training goes on."""
-    if not local_dirs or (not every_rank and dist.is_initialized() and dist.get_rank() != 0):
-        return
+def _mirror(local_dirs: LocalDirs, removed: set[str]) -> None:
+    """Delete in S3 the saved checkpoints whose local directory the Trainer's rotation just removed; a
+    failure is a warning: the checkpoint stays in the bucket, training goes on."""
     try:
-        local_dirs.mirror_deletions()
+        local_dirs.mirror(removed)
     except DcpS3Error as exc:
         warnings.warn(f"dcp_s3: a checkpoint deleted locally could not be deleted in S3: {exc}", stacklevel=3)
 
@@ -109,7 +108,8 @@ def save_fsdp_model(
 ) -> None:
     """Accelerate's ``save_fsdp_model``; an ``s3://`` (or mapped local) ``output_dir`` saves through dcp_s3."""
     storage_options = StorageOptions.of(options)
-    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_model", _local_dirs(local_dirs, storage_options))
+    dirs = _local_dirs(local_dirs, storage_options)
+    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_model", dirs)
     if location is None:
         return _ORIGINAL["save_fsdp_model"](
             fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only=adapter_only, use_dcp=use_dcp
@@ -120,6 +120,7 @@ def save_fsdp_model(
     dcp.save({"model": state_dict}, storage_writer=writer)
     if s3_location(output_dir) is None:  # a mapped local directory: the sign the Trainer's resume looks for
         os.makedirs(os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"), exist_ok=True)
+        dirs.record_save(os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"))
 
 
 def load_fsdp_model(
@@ -151,7 +152,8 @@ def save_fsdp_optimizer(
 ) -> None:
     """Accelerate's ``save_fsdp_optimizer``; an ``s3://`` (or mapped local) ``output_dir`` saves through dcp_s3."""
     storage_options = StorageOptions.of(options)
-    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_optimizer", _local_dirs(local_dirs, storage_options))
+    dirs = _local_dirs(local_dirs, storage_options)
+    location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_optimizer", dirs)
     if location is None:
         return _ORIGINAL["save_fsdp_optimizer"](
             fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp=use_dcp
@@ -160,6 +162,8 @@ def save_fsdp_optimizer(
     optim_state = get_optimizer_state_dict(model, optimizer, options=sd_options)
     writer = storage_options.writer(f"{location}/{OPTIMIZER_NAME}_{optimizer_index}")
     dcp.save({"optimizer": optim_state}, storage_writer=writer)
+    if s3_location(output_dir) is None:
+        dirs.record_save(os.path.join(output_dir, f"{OPTIMIZER_NAME}_{optimizer_index}"))
 
 
 def load_fsdp_optimizer(
@@ -207,14 +211,14 @@ def _bind(name: str, options: StorageOptions, local_dirs: LocalDirs) -> Any:
 
 
 def _mirrored_rotation(original: Callable[..., Any], local_dirs: LocalDirs) -> Callable[..., Any]:
-    """transformers' ``rotate_checkpoints``, then the same deletions in S3."""
+    """transformers' ``rotate_checkpoints``, then, when it returns, the same deletions in S3 (of the
+    checkpoints this process saved in the block; on the process that rotates: the Trainer's saving one)."""
 
     def rotate_checkpoints(output_dir: Any, *args: Any, **kwargs: Any) -> Any:
-        local_dirs.see_checkpoints(output_dir)
-        try:
-            return original(output_dir, *args, **kwargs)
-        finally:
-            _mirror(local_dirs, every_rank=True)  # where the Trainer rotates: its saving process
+        before = local_dirs.present()
+        result = original(output_dir, *args, **kwargs)
+        _mirror(local_dirs, {path for path in before if not os.path.lexists(path)})
+        return result
 
     rotate_checkpoints.__doc__ = original.__doc__
     rotate_checkpoints.__wrapped__ = original  # type: ignore[attr-defined]
@@ -235,7 +239,7 @@ def route_fsdp_checkpoints(
     directories under a key of ``local_dirs`` (a local directory such as the Trainer's
     ``output_dir`` -> the ``s3://`` root it stands for), through dcp_s3 with ``options``
     (``SHARDED_STATE_DICT``, FSDP2); with ``local_dirs``, transformers' checkpoint rotation deletes
-    the rotated checkpoints in S3 too. Yields the options. Not reentrant across threads: enter it
+    in S3 too the rotated checkpoints saved in the block (nothing else is ever deleted). Yields the options. Not reentrant across threads: enter it
     once, around training, in each process, after importing transformers."""
     storage_options = StorageOptions.of(options)
     dirs = LocalDirs(local_dirs, storage_options)
@@ -257,4 +261,3 @@ def route_fsdp_checkpoints(
         for module, name in replaced:
             if module.__dict__.get(name) is routed[name]:
                 setattr(module, name, originals[name])
-        _mirror(dirs)  # what the Trainer deleted after its last rotation (save_total_limit=1 at the end)

@@ -12,6 +12,13 @@ checkpoint (loops, callbacks, schedulers, hyper-parameters: its ``meta.pt``) ins
 rank. ``S3ModelCheckpoint`` is ``ModelCheckpoint`` that finds, and through the strategy deletes,
 checkpoints in the bucket (Lightning's asks fsspec/s3fs and deletes only local directories).
 Paths that are not ``s3://`` go to Lightning's own code unchanged.
+
+Rotation deletes by ownership (:mod:`dcp_s3.checkpointer.ownership`): only committed checkpoints under
+the callback's own ``dirpath`` whose names its ``filename``/``last`` templates make. Lightning restores
+``best_model_path`` from a checkpoint even when ``dirpath`` changed, and guards "outside dirpath" for
+local paths only: a fine-tune resumed from another run's checkpoint, or a crafted stored path, would
+otherwise have that path deleted. The strategy deletes nothing that no ``S3ModelCheckpoint`` of its
+trainer owns, nor the checkpoint the trainer resumed from.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from dcp_s3.checkpointer.ownership import Ownership, refuse
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.integrations.lightning_io import (
     checkpoint_exists,
@@ -50,6 +58,8 @@ class S3TrainerStrategy(ModelParallelStrategy):
     def __init__(self, *args: Any, options: StorageOptions | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.storage_options = StorageOptions.of(options)
+        #: What this strategy may delete: the rotations of its trainer's S3ModelCheckpoints (set up by them).
+        self.ownerships: list[Ownership] = []
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         filepath = self.broadcast(filepath)  # rank 0's path, before Lightning makes a Path of it
@@ -94,8 +104,18 @@ class S3TrainerStrategy(ModelParallelStrategy):
         location = s3_location(filepath)
         if location is None:
             return super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            delete_checkpoint(location, self.storage_options)
+        if not self.is_global_zero:
+            return
+        owner = next((o for o in self.ownerships if o.name_of(location) is not None), None)
+        if owner is None:
+            refuse(type(self).__name__, location, "no S3ModelCheckpoint of this trainer made that name under its dirpath")
+            return
+        store = self.storage_options.store(owner.root)
+        try:
+            if owner.deletable(store, location) is not None:
+                delete_checkpoint(location, self.storage_options)
+        finally:
+            store.close()
 
     def checkpoint_exists(self, filepath: Any) -> bool:
         """Whether a committed checkpoint is at ``filepath`` (an ``s3://`` location)."""
@@ -148,6 +168,9 @@ class S3ModelCheckpoint(ModelCheckpoint):
         strategy = self._strategy(trainer)
         self.dirpath = _required_location(strategy.broadcast(self.dirpath))
         self._storage_options = strategy.storage_options
+        ownership = self.ownership()
+        if ownership not in strategy.ownerships:
+            strategy.ownerships.append(ownership)
         if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0 and strategy.list_checkpoints(self.dirpath):
             rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
 
@@ -155,6 +178,28 @@ class S3ModelCheckpoint(ModelCheckpoint):
         strategy = self._strategy(trainer)
         local_decision = strategy.checkpoint_exists(filepath) if trainer.is_global_zero else False
         return trainer.strategy.reduce_boolean_decision(local_decision, all=False)
+
+    def ownership(self) -> Ownership:
+        """What this callback's rotation may delete: names its templates make directly under ``dirpath``
+        (``<filename>[-v<N>].ckpt``, ``<last>[-v<N>].ckpt``; see :mod:`dcp_s3.checkpointer.ownership`)."""
+        assert self.dirpath is not None
+        templates = [self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}", self.CHECKPOINT_NAME_LAST]
+        names = "|".join(_template_pattern(t, self.auto_insert_metric_name, self.CHECKPOINT_EQUALS_CHAR)
+                         for t in templates)
+        version = re.escape(self.CHECKPOINT_JOIN_CHAR) + r"v\d+"
+        scheme = re.compile(rf"(?:{names})(?:{version})?{re.escape(self.FILE_EXTENSION)}")
+        return Ownership(f"S3ModelCheckpoint({self.dirpath})", self.dirpath, scheme)
+
+    def _should_remove_checkpoint(self, trainer: Any, previous: str, current: str) -> bool:
+        """Lightning's rule (never the one just written, never the checkpoint resumed from), then ownership:
+        a checkpoint of another run or directory — a restored or crafted ``best_model_path`` — stays."""
+        if previous == current:
+            return False
+        ownership, location = self.ownership(), s3_location(previous)
+        if location is None or ownership.name_of(location) is None:
+            refuse(ownership.owner, previous, f"not a checkpoint this callback names under {self.dirpath}")
+            return False
+        return location != s3_location(trainer.ckpt_path)
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
@@ -170,3 +215,16 @@ class S3ModelCheckpoint(ModelCheckpoint):
         if self._storage_options is None:
             raise ConfigError(f"S3ModelCheckpoint({self.dirpath}).to_yaml: call it once the trainer has set it up")
         self._storage_options.store(parent).write(name, text.encode())
+
+
+def _template_pattern(template: str, auto_insert: bool, equals: str) -> str:
+    """A regex of the names Lightning's ``_format_checkpoint_name`` makes of ``template``: each ``{name}`` or
+    ``{name:format}`` field becomes ``name=<value>`` (``<value>`` with ``auto_insert_metric_name=False``)."""
+    out = []
+    for i, piece in enumerate(re.split(r"(\{[^{}]*\})", template)):
+        if i % 2 == 0:
+            out.append(re.escape(piece))
+            continue
+        name = piece[1:-1].split(":", 1)[0]
+        out.append((re.escape(name + equals) if auto_insert else "") + r"[^/]+")
+    return "".join(out)

@@ -18,8 +18,11 @@ and deletes steps through s3fs (whose listing cache silently stops ``keep_latest
   exists (a save that never committed is not a step), found by rank 0 alone with one delimiter listing
   of the folder and one HEAD per step tried, newest first, and shared with the other ranks (one
   broadcast per load); ``initial_load_path`` may be an ``s3://`` checkpoint;
-- the ``keep_latest_k`` purge deletes old steps' objects through the same store (``.metadata``
-  first, so a half-deleted step is never taken for a checkpoint);
+- the ``keep_latest_k`` purge counts and deletes committed steps only (:mod:`dcp_s3.checkpointer.ownership`):
+  a ``step-N`` without ``.metadata`` — an async upload still running, or what a crash left — is neither
+  counted nor deleted, so the purge never leaves the folder without a step to resume from. It runs after
+  each save and again once an async save has committed; it deletes a step's objects through the same
+  store, ``.metadata`` first (a half-deleted step is never taken for a checkpoint);
 - ``endpoint_url`` and ``storage_options`` (``dcp_s3.StorageOptions`` keywords) are given once, for
   all of it. A local ``folder`` works the same way (dcp_s3's writer on disk).
 
@@ -49,6 +52,7 @@ from torchtitan.components.checkpointer.base import purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools.utils import GarbageCollection
 
+from dcp_s3.checkpointer.ownership import Ownership
 from dcp_s3.checkpointer.ranks import Ranks
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError
 from dcp_s3.layout import METADATA_KEY
@@ -94,7 +98,6 @@ class S3CheckpointManager(CheckpointManager):
         self.storage_options = config.options()
         self._folder_store: Store | None = None
         self._store_lock = threading.Lock()  # the purge thread and the training thread share the store
-        self._last_saved: str | None = None
         self._ranks = Ranks()  # rank 0 finds what to load and tells the others
         super().__init__(config, **kwargs)
         if not self.enable or self.purge_thread is None:  # type: ignore[has-type]  # torchtitan's, untyped
@@ -161,7 +164,6 @@ class S3CheckpointManager(CheckpointManager):
             )
         # No checkpoint_id beside the writer: DCP would reset the writer to it (and on a path, to disk).
         writer = self.storage_options.writer(checkpoint_id)
-        self._last_saved = checkpoint_id
         result: Future[Any] | None = None
         if async_mode == AsyncMode.ASYNC:
             # S3StorageWriter stages (copies the state to CPU) before this returns; the upload then runs
@@ -228,22 +230,33 @@ class S3CheckpointManager(CheckpointManager):
     def _should_purge(self) -> bool:
         return self.keep_latest_k > 0 and dist.get_rank() == 0
 
+    def _wait_for_saving(self) -> None:
+        super()._wait_for_saving()
+        self._purge_stale_checkpoints()  # the async save has committed: now it counts
+
+    def _ownership(self) -> Ownership:
+        """What the purge may delete: ``step-N`` (as torchtitan names them) directly in the folder."""
+        return Ownership(f"S3CheckpointManager(folder={self.folder}) keep_latest_k", self.folder.rstrip("/"), _STEP_DIR)
+
     def _purge_stale_checkpoints(self) -> None:
-        """Queue every step but the newest ``keep_latest_k`` for the purge thread: the steps listed in
-        the folder, and the one just saved (its async upload may not have written an object yet)."""
+        """Queue every committed step but the newest ``keep_latest_k`` for the purge thread. A step without
+        ``.metadata`` (an async upload in progress, a crashed save) is neither counted nor purged."""
         if not self._should_purge():
             return
-        steps = set(self._steps(self.folder))
-        if self._last_saved is not None:
-            match = _STEP_DIR.fullmatch(self._last_saved.rstrip("/").rpartition("/")[2])
-            if match and self._last_saved == self._create_checkpoint_id(int(match.group(1))):
-                steps.add(int(match.group(1)))
-        for step in sorted(steps)[: -self.keep_latest_k]:
+        ownership = self._ownership()
+        committed = [
+            step for step in self._steps(self.folder)
+            if ownership.owns(f"step-{step}") and self._committed(self._create_checkpoint_id(step))
+        ]
+        for step in committed[: -self.keep_latest_k]:
             self.purge_queue.put(self._create_checkpoint_id(step))
 
     def _remove_checkpoint(self, checkpoint_id: str) -> None:
-        """Delete a step's objects: its ``.metadata`` first (the step is then no checkpoint), then the rest."""
+        """Delete a committed step this manager names: its ``.metadata`` first (the step is then no
+        checkpoint), then the rest; anything else (not committed, not ``step-N`` in the folder) stays."""
         with self._at(checkpoint_id) as (store, prefix):
+            if self._ownership().deletable(store, checkpoint_id) is None:
+                return
             store.delete([prefix + METADATA_KEY])
             store.delete([entry.name for entry in store.list_objects(prefix)])
 

@@ -345,3 +345,42 @@ def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
         S3CheckpointManager.Config(enable=True, folder="s3://b/run", async_mode="async_with_pinned_mem")
     with pytest.raises(ConfigError, match="no_such_option"):
         S3CheckpointManager.Config(enable=True, folder="s3://b/run", storage_options={"no_such_option": 1})
+
+
+def test_a_save_killed_mid_upload_leaves_the_last_committed_step(seaweed: Any, bucket: str, tmp_path: Path) -> None:
+    """keep_latest_k counts committed steps only: an async upload in progress (SIGKILLed there) and a step a
+    crash left without ``.metadata`` count for nothing, so the last committed step survives and loads bit-exact
+    (old code counted both, purged steps 2 and 4 while step 6 uploaded, and the kill left no step)."""
+    import json
+
+    from held_child import HeldChild
+
+    from dcp_s3.store import open_store
+
+    child = str(Path(__file__).with_name("titan_child.py"))
+    dump, tmp = tmp_path / "dump", tmp_path / "tmp"
+    dump.mkdir()
+    tmp.mkdir()
+    folder = f"s3://{bucket}/{RUN}"
+    open_store(folder, endpoint_url=seaweed.endpoint_url, region=seaweed.region).write(
+        "step-8/__0_0.distcp", b"an earlier save killed mid-upload")
+    stall = Rule(ops={"PutObject"}, fault="stall", key_contains="step-6/.metadata", stall_s=300.0, limit=1)
+    with FaultProxy(seaweed.endpoint_url, [stall]) as proxy:
+        run = {"folder": folder, "interval": 2, "keep_latest_k": 2, "async_mode": "async",
+               "endpoint_url": proxy.url, "storage_options": {"region": seaweed.region}}
+        held = HeldChild(child, tmp_path, "upload", json.dumps(run), str(dump), str(tmp), str(tmp_path / "saved.pt"))
+        held.wait_held()
+        held.kill()
+        assert stall.injected == 1
+    steps = _steps_in_bucket(seaweed.client(), bucket)
+    assert ".metadata" in steps["step-2"] and ".metadata" in steps["step-4"], steps
+    assert ".metadata" not in steps["step-6"] and ".metadata" not in steps["step-8"], steps
+    run["endpoint_url"] = seaweed.endpoint_url
+    loader = HeldChild(child, tmp_path, "load", json.dumps(run), str(dump), str(tmp), str(tmp_path / "loaded.pt"))
+    code, out = loader.release()
+    assert code == 0, out
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)["state"]
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    assert loaded["loaded"] is True and loaded["state"]["step"] == 4
+    assert _diff({k: v for k, v in saved.items() if k != "data"},
+                 {k: v for k, v in loaded["state"].items() if k != "data"}) == []

@@ -110,8 +110,9 @@ def test_trainer_checkpoints_rotation_and_resume_through_s3(bucket: str, tmp_pat
         assert got["restored"], "route_fsdp_checkpoints left transformers' rotate_checkpoints replaced"
 
 
-def test_deletion_after_the_last_rotation_is_mirrored_on_exit(bucket: str, tmp_path: Path) -> None:
-    """The Trainer's end of training (save_total_limit=1 with a best checkpoint) deletes without rotating."""
+def test_a_local_directory_gone_outside_the_rotation_is_not_mirrored(bucket: str, tmp_path: Path) -> None:
+    """The Trainer's end of training (save_total_limit=1 with a best checkpoint) deletes without rotating:
+    an absent local directory alone deletes nothing in S3 (tests/integrations/test_deletion_ownership.py)."""
     run_dir, s3_root = tmp_path / "output", f"s3://{bucket}/trainer-end"
     options = StorageOptions()
     for step in (4, 8):
@@ -122,7 +123,7 @@ def test_deletion_after_the_last_rotation_is_mirrored_on_exit(bucket: str, tmp_p
         transformers.trainer.rotate_checkpoints(output_dir=str(run_dir), save_total_limit=2)  # deletes nothing
         (run_dir / "checkpoint-4").rmdir()  # as Trainer.train's final shutil.rmtree
     names = {e.name.split("/")[0] for e in options.store(s3_root).list_objects()}
-    assert names == {"checkpoint-8"}
+    assert names == {"checkpoint-4", "checkpoint-8"}
 
 
 def test_local_dirs_map_only_what_is_under_them(tmp_path: Path) -> None:
@@ -137,7 +138,15 @@ def test_local_dirs_map_only_what_is_under_them(tmp_path: Path) -> None:
     assert dirs.locate(out / ".." / "outside") is None
     assert dirs.locate(str(out) + "-sibling") is None
     assert dirs.locate("s3://bkt/run/checkpoint-5") is None  # an S3 location is not a local directory
-    assert set(dirs.seen) == {os.path.realpath(out / "checkpoint-5"), os.path.realpath(out / "nested" / "checkpoint-1")}
+    assert dirs.saved == {}  # locating records nothing: only a save does
+    dirs.record_save(out / "checkpoint-5" / "optimizer_0")
+    dirs.record_save(out / "nested" / "checkpoint-1" / "pytorch_model_fsdp_0")
+    dirs.record_save(out / "checkpoint-5")  # not a part of a checkpoint: nothing
+    dirs.record_save(out / "notes" / "optimizer_0")  # not a checkpoint-<N> directory: nothing
+    assert dirs.saved == {
+        os.path.realpath(out / "checkpoint-5"): ("s3://bkt/run", "checkpoint-5", {"optimizer_0"}),
+        os.path.realpath(out / "nested" / "checkpoint-1"): ("s3://other-bkt/x", "checkpoint-1", {"pytorch_model_fsdp_0"}),
+    }
     for bad in ("/local/path", "s3://", "s3:///x", "s3://Not_A_Bucket/x", "gs://b/x", ""):
         with pytest.raises(ConfigError, match="local_dirs"):
             LocalDirs({out: bad}, StorageOptions())
