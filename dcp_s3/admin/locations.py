@@ -18,7 +18,7 @@ from dcp_s3.checkpointer.steps import MARKER_SUFFIX, Part, Step, scan
 from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.metadata.formats import load_metadata
-from dcp_s3.objstore.config import parse_s3_uri
+from dcp_s3.objstore.uri import parse_s3_uri
 from dcp_s3.store import Store, open_object, open_store
 
 __all__ = ["Progress", "resolve", "is_root", "read_metadata", "single"]

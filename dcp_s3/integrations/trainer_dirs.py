@@ -34,7 +34,7 @@ from dcp_s3.admin.cleanup import remove_checkpoint
 from dcp_s3.checkpointer.ownership import Ownership
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
 from dcp_s3.integrations.lightning_io import s3_location
-from dcp_s3.objstore.config import parse_s3_uri
+from dcp_s3.objstore.uri import parse_s3_uri
 from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["LocalDirs", "CHECKPOINT_DIR"]

@@ -10,7 +10,8 @@ the part buffers that bound upload memory; :mod:`~dcp_s3.objstore.redact` keeps 
 """
 
 from dcp_s3.objstore.base import ObjectInfo, ObjectStore, ObjectWriter, PendingUpload, RangeRead
-from dcp_s3.objstore.config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
+from dcp_s3.objstore.config import ClientConfig, TransferConfig
+from dcp_s3.objstore.uri import S3Uri, parse_s3_uri
 
 __all__ = [
     "ClientConfig",

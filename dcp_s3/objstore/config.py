@@ -1,4 +1,4 @@
-"""Checkpoint URIs, credentials and S3 client settings.
+"""Credentials and S3 client settings (checkpoint URIs: :mod:`dcp_s3.objstore.uri`).
 
 Nothing here knows about DCP. ``ClientConfig`` is a frozen, picklable value:
 it holds where credentials come from (a file path, a profile, the standard
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import ipaddress
 import json
 import logging
 import math
@@ -27,12 +26,12 @@ from typing import Any
 import boto3
 from botocore.config import Config
 
-from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
+from dcp_s3.errors import ConfigError
 from dcp_s3.objstore.deadline import install_request_deadline
 from dcp_s3.objstore.rate_hooks import install_rate_control
 from dcp_s3.objstore.redact import install_log_redaction
 
-__all__ = ["S3Uri", "ClientConfig", "TransferConfig", "parse_s3_uri", "bucket_name_problem"]
+__all__ = ["ClientConfig", "TransferConfig"]
 
 log = logging.getLogger("dcp_s3")
 
@@ -44,72 +43,6 @@ DEFAULT_MAX_WHOLE_READ = 4 << 30
 CREDENTIAL_FILE_KEYS = frozenset(
     {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "endpoint_url", "region_name"}
 )
-
-
-@dataclass(frozen=True, slots=True)
-class S3Uri:
-    """A parsed ``s3://bucket/key`` location; ``key`` has no leading or trailing slash."""
-
-    bucket: str
-    key: str
-
-    def join(self, name: str) -> str:
-        """The object key of ``name`` under this prefix."""
-        return f"{self.key}/{name}" if self.key else name
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.key}"
-
-
-_BUCKET_CHARS = re.compile(r"[a-z0-9][a-z0-9.-]*[a-z0-9]")
-#: S3's bucket naming rules, quoted in every error about a bucket name.
-BUCKET_RULES = (
-    "S3 bucket names are 3-63 characters of lowercase letters, digits, dots and hyphens, start and end "
-    "with a letter or digit, contain no '..' and are not an IP address"
-)
-
-
-def bucket_name_problem(bucket: str) -> str | None:
-    """Why ``bucket`` breaks S3's bucket naming rules, or None if it follows them."""
-    if not 3 <= len(bucket) <= 63:
-        return f"is {len(bucket)} characters long"
-    if not _BUCKET_CHARS.fullmatch(bucket):
-        return "holds a character other than a-z, 0-9, '.', '-' or does not start and end with a letter or digit"
-    if ".." in bucket:
-        return "contains '..'"
-    try:
-        ipaddress.IPv4Address(bucket)
-    except ValueError:
-        return None
-    return "is formatted as an IP address"
-
-
-def parse_s3_uri(uri: str | os.PathLike[str], *, require_key: bool = True) -> S3Uri:
-    """Parse ``s3://bucket/key...``; reject other schemes, local paths, a missing key and bad bucket names."""
-    if not isinstance(uri, str):
-        raise InvalidCheckpointIdError(
-            f"checkpoint id {os.fspath(uri)!r} is a local path; dcp_s3 needs an s3://bucket/key URI"
-        )
-    if not uri.startswith("s3://"):
-        scheme = uri.split("://", 1)[0] + "://" if "://" in uri else None
-        what = f"has scheme {scheme!r}" if scheme else "is not a URI"
-        raise InvalidCheckpointIdError(f"checkpoint id {uri!r} {what}; expected s3://bucket/key")
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    key = key.strip("/")
-    if not bucket:
-        raise InvalidCheckpointIdError(f"checkpoint id {uri!r} names no bucket; expected s3://bucket/key")
-    problem = bucket_name_problem(bucket)
-    if problem:
-        raise InvalidCheckpointIdError(
-            f"checkpoint id {uri!r}: {bucket!r} is not a valid bucket name: it {problem} ({BUCKET_RULES})"
-        )
-    if require_key and not key:
-        raise InvalidCheckpointIdError(
-            f"checkpoint id {uri!r} names a bucket but no key prefix; expected s3://{bucket}/some/prefix"
-        )
-    if any(part in (".", "..") for part in key.split("/")):
-        raise InvalidCheckpointIdError(f"checkpoint id {uri!r} contains '.' or '..' path segments")
-    return S3Uri(bucket, key)
 
 
 def int_option(name: str, value: Any, minimum: int) -> int:

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from dcp_s3.errors import ConfigError, DcpS3Error, InvalidCheckpointIdError
 from dcp_s3.objstore.base import ObjectStore
-from dcp_s3.objstore.config import ClientConfig, S3Uri, TransferConfig, parse_s3_uri
+from dcp_s3.objstore.config import ClientConfig, TransferConfig
 from dcp_s3.objstore.local import LocalObjectStore
 from dcp_s3.objstore.s3 import S3ObjectStore
 from dcp_s3.objstore.s3_requests import check_request_args
+from dcp_s3.objstore.uri import S3Uri, parse_s3_uri
 
 __all__ = ["Session", "Location", "LocalDir", "parse_location", "file_url_path"]
 

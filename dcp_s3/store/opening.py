@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from dcp_s3.errors import InvalidCheckpointIdError
-from dcp_s3.objstore.config import parse_s3_uri
+from dcp_s3.objstore.uri import parse_s3_uri
 from dcp_s3.store.base import Store
 from dcp_s3.store.local import LocalStore
 from dcp_s3.store.s3 import S3Store

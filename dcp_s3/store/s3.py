@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcp_s3.objstore.config import S3Uri
+from dcp_s3.objstore.uri import S3Uri
 from dcp_s3.storage.session import Session
 from dcp_s3.store.base import Store
 from dcp_s3.store.options import parse_storage_options

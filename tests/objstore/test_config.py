@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
-from dcp_s3.objstore.config import ClientConfig, TransferConfig, parse_s3_uri
+from dcp_s3.objstore.config import ClientConfig, TransferConfig
+from dcp_s3.objstore.uri import parse_s3_uri
 from dcp_s3.store import open_store
 from dcp_s3.store.options import parse_storage_options
 

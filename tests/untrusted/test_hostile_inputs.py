@@ -41,8 +41,8 @@ from dcp_s3.errors import (
     InvalidCheckpointIdError,
 )
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.config import parse_s3_uri
 from dcp_s3.objstore.redact import RedactSecrets
+from dcp_s3.objstore.uri import parse_s3_uri
 
 STATE = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}
 
