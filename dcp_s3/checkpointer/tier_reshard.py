@@ -95,11 +95,14 @@ def scan_copies(local_root: str) -> dict[str, dict[int, Copy | str]]:
     whose marker cannot be read or is hostile (stored bytes) is the reason instead, never an exception."""
     found: dict[str, dict[int, Copy | str]] = {}
     for r, store in rank_dirs(local_root).items():
+        unreadable: dict[str, str] = {}
         try:
-            steps = find_complete(store, None)
+            steps = find_complete(store, None, unreadable)
         except (DcpS3Error, OSError) as exc:
             found.setdefault("", {})[r] = f"{store.url()}: {type(exc).__name__}: {exc}"
             continue
+        for name, why in unreadable.items():
+            found.setdefault(name, {})[r] = why
         for step in steps:
             try:
                 got = local_copy(store, step.name)
