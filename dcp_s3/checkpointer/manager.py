@@ -274,7 +274,8 @@ class Checkpointer:
     @property
     def last_load(self) -> dict[str, Any]:
         """With ``local_root``: the step the last ``load`` took, its source (``local``, ``mixed``, ``s3``),
-        the ranks that read S3 and why."""
+        the ranks that read S3 and why (``reasons``: rank -> one line naming the cause), and why each newer
+        step was not taken (``skipped``: step -> reason)."""
         return {} if self._tiers is None else dict(self._tiers.last_load)
 
     def _commit(self, store: Store, step: str, marker: bytes, token: str, suffixes: list[str], first: bool) -> None:

@@ -129,7 +129,10 @@ class StepIO:
         marker, check that its parts exist. None: nothing complete under the root."""
         if path is None:
             store: Store = self.root
-            found = find_complete(store)
+            unreadable: dict[str, str] = {}
+            found = find_complete(store, 1, unreadable)
+            for name, why in sorted(unreadable.items()):  # newer than the step found: never resumed from
+                warn(f"step {store.url(name)} is not resumed from: its marker cannot be followed: {why}")
             if not found:
                 return None
             step = found[-1].name
