@@ -116,6 +116,45 @@ def test_tiered_load_never_combines_two_saves_of_one_step(bucket: str, s3_env: L
     assert "failed to load" in corrupt and "checksum" in corrupt.lower(), corrupt
 
 
+def reasons_job(rank: int, world: int, env: dict[str, str], root: str, base: str) -> dict[str, Any]:
+    """Step 100 promoted (one save in both tiers), step 110 local only and lost by rank 1, rank 1's copy
+    of 100 corrupt (found by the load's checksum): a legitimate mixed load of 100."""
+    os.environ.update(env)
+    local = Path(base) / f"node{rank}"
+    model, optim, sched = build(seed=1)
+    ckpt = Checkpointer(root, local_root=local)
+    train(model, optim, sched, seed=1)
+    ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=100, tier="s3")
+    ckpt.wait_promotions()
+    saves = {"A": snapshot(model, optim)}
+    train(model, optim, sched, seed=3)
+    ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=110, tier="local")
+    ckpt.close()
+    dist.barrier()
+    if rank == 1:
+        for p in (local / "rank00001").glob("0000110*"):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        (obj,) = local_objects(str(local), rank, "model", "0000100")
+        damage(obj, "corrupt")
+    dist.barrier()
+    it, got, where, _ = fresh_load(root, str(local))
+    return {"it": it, "save": which(got, saves), "last_load": where}
+
+
+def test_last_load_reasons_are_short_and_every_skipped_step_has_one(bucket: str, s3_env: LocalS3Server,
+                                                                     tmp_path: Path) -> None:
+    """Issue 35 item 16: the reason of a rank that read S3 is one short line naming that rank's real cause
+    (not torch's 1.6 KB ``CheckpointException`` text saying "RANK 0"), and the skipped newer step has one."""
+    out = run_ranks(reasons_job, 2, s3_env.env(), f"s3://{bucket}/run", str(tmp_path), timeout=400)
+    for res in out:
+        where = res["last_load"]
+        assert res["it"] == 100 and res["save"] == "A" and where["source"] == "mixed", res
+        (why,) = where["reasons"].values()
+        assert list(where["reasons"]) == [1] and len(why) < 500, where
+        assert "checksum" in why.lower() and "RANK" not in why and "Traceback" not in why, why
+        assert "ranks [0] only" in where["skipped"]["0000110"], where
+
+
 def rank_copies_job(rank: int, world: int, env: dict[str, str], root: str, base: str) -> dict[str, Any]:
     """Step 100: save A promoted, save B kept local; then rank 1's local copy is put back to save A's (a
     node restored from a backup): rank 0 holds B, rank 1 holds A, S3 holds A."""
