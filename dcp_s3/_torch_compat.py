@@ -41,6 +41,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import _version as dcp_version  # DefaultLoadPlanner's pre-2.4 key handling
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
@@ -52,6 +53,7 @@ from dcp_s3.errors import CheckpointFormatError, ConfigError, TorchCompatibility
 __all__ = [
     "TORCH_VERSION",
     "torch_private",
+    "checkpoint_failures",
     "narrow_tensor_by_index",
     "flatten_state_dict",
     "dcp_version",
@@ -116,6 +118,21 @@ def torch_private(owner: Any, name: str, where: str | None = None) -> Any:
             f"dcp_s3 relies on torch's private {where}.{name}, which torch {TORCH_VERSION} does not have "
             f"(dcp_s3/_torch_compat.py needs updating for this torch release)"
         ) from None
+
+
+def checkpoint_failures(exc: BaseException) -> list[BaseException]:
+    """The exceptions a torch ``CheckpointException`` carries, in its ranks' order ([] for any other
+    exception). Its ``failures`` maps a rank to ``(exception, traceback summary)`` (torch's private
+    ``WRAPPED_EXCEPTION``); a bare exception there is taken as it is. With ``no_dist`` torch keys the
+    failure by rank 0 whatever the process's rank: name the rank yourself."""
+    if not isinstance(exc, CheckpointException):
+        return []
+    out: list[BaseException] = []
+    for _, failure in sorted(exc.failures.items()):
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(cause, BaseException):
+            out.append(cause)
+    return out
 
 
 def element_size(dtype: torch.dtype) -> int:

@@ -2,7 +2,9 @@
 
 A location may be a run directory holding several steps, one step of
 :class:`~dcp_s3.checkpointer.manager.Checkpointer` (``.../0000100``, meaning ``0000100.pth`` and the
-``0000100.*_model|_optim`` checkpoints), or one plain DCP checkpoint directory.
+``0000100.*_model|_optim`` checkpoints), one part of a step (``.../0000100.model_model``: the directory
+the step's marker names for it, a generation directory ``0000100.model_model.<token>`` since every save
+has one), or one plain DCP checkpoint directory.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from dcp_s3.checkpointer.generations import settle
-from dcp_s3.checkpointer.steps import MARKER_SUFFIX, Part, Step, scan
+from dcp_s3.checkpointer.steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, scan
 from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.metadata.formats import load_metadata
@@ -44,6 +46,14 @@ def resolve(uri: str, *, follow_symlinks: bool = False, **storage_options: Any) 
     found = settle(parent, [s for s in scan(parent.list_objects(f"{name}.")) if s.name == name])
     if found:
         return parent, found
+    step, dot, part = name.rpartition(".")
+    if dot and PART_SUFFIX_RE.fullmatch(part):  # <step>.<part>: the directory the step's marker names
+        named = [s for s in settle(parent, [s for s in scan(parent.list_objects(f"{step}.")) if s.name == step])
+                 if part in s.parts and not s.error]
+        if named:
+            store = open_store(parent.url(named[0].parts[part].name), follow_symlinks=follow_symlinks,
+                               **storage_options)
+            return store, scan(store.list_objects())
     raise CheckpointNotFoundError(f"no checkpoint found at {uri}")
 
 

@@ -1,20 +1,28 @@
-"""Re-saves of a complete step, all or nothing: generation directories named by the step's marker.
+"""Saves of a step, all or nothing: generation directories named by the step's marker.
 
-A first save of a step writes its parts to ``<step>.<key>_<kind>/`` and then the marker
-``<step>.pth`` (the layout of :mod:`dcp_s3.checkpointer.steps`, shared with other checkpointers). A save
-at a step whose marker exists writes every part to a fresh *generation directory*
-``<step>.<key>_<kind>.<16 hex>/`` (one random token per save), never touching the parts in
-use; rank 0 then rewrites the marker — one atomic write, the commit of the whole step — with
-``"part_dirs": {"<key>_<kind>": "<key>_<kind>.<hex>", ...}`` (relative to the step), and only then deletes the
-directories the previous marker named (if the marker is still the one it wrote). A crash at
-any point leaves the old marker and every old part, or the new marker and every new part.
+Every save of a step writes each part to its own *generation directory* ``<step>.<key>_<kind>.<16 hex>/``
+(one random token per save, the same on every rank: the save token, :mod:`dcp_s3.checkpointer.saves`),
+never touching the parts of any other save; rank 0 then writes the marker ``<step>.pth`` — one atomic
+write, the commit of the whole step — with ``"part_dirs": {"<key>_<kind>": "<key>_<kind>.<hex>", ...}``
+(relative to the step).
 
-Readers follow ``part_dirs`` when a marker has it (a marker without it names the plain
-``<step>.<key>_<kind>`` directories, as always). ``part_dirs`` from a stored marker is
-validated: each entry must name ``<that step>.<part>`` or ``<that step>.<part>.<16 hex>`` for
-the parts the marker lists. Directories of a step that its marker does not name (a killed
-re-save, or the old parts of one killed during its cleanup) are never loaded; ``dcp-s3 gc``
-removes them once they are older than its bound, retention removes them with their step.
+* A *first save* (no marker when it began) commits with a write that never replaces a marker
+  (``If-None-Match: *`` on S3, an exclusive link on disk): of two jobs racing the first save of one
+  step exactly one commits; the other raises ``CheckpointExistsError`` naming the step and deletes its
+  own generation directories (its token's: never a directory the winner's marker names). On a server
+  that ignores ``If-None-Match`` the last marker wins, still naming only its own save's directories.
+* A *re-save* (a marker exists) rewrites the marker, and only then deletes the directories the previous
+  marker named (if the marker is still the one it wrote). A crash at any point leaves the old marker
+  and every old part, or the new marker and every new part.
+
+Steps written by earlier versions have first saves in plain ``<step>.<key>_<kind>/`` directories and a
+marker without ``part_dirs`` (the layout of :mod:`dcp_s3.checkpointer.steps`, shared with other
+checkpointers): they load as always. Readers follow ``part_dirs`` when a marker has it. ``part_dirs``
+from a stored marker is validated: each entry must name ``<that step>.<part>`` or
+``<that step>.<part>.<16 hex>`` for the parts the marker lists. Directories of a step that its marker
+does not name (a killed save, the loser of a race, or the old parts of a re-save killed during its
+cleanup) are never loaded; ``dcp-s3 gc`` removes them once they are older than its bound, retention
+removes them with their step.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from dcp_s3.checkpointer.steps import (
     part_name,
     root_steps,
 )
-from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
+from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store.base import Store
 from dcp_s3.untrusted.torch_files import torch_load
@@ -48,13 +56,13 @@ __all__ = [
 
 log = logging.getLogger("dcp_s3")
 
-#: The marker entry naming each part's directory (absent from markers of first saves).
+#: The marker entry naming each part's directory (absent from markers of first saves of earlier versions).
 PART_DIRS = "part_dirs"
 _TOKEN_RE = re.compile(r"[0-9a-f]{16}")
 
 
 def new_token() -> str:
-    """16 random hex digits: the generation of one re-save."""
+    """16 random hex digits: the generation (save token) of one save."""
     return secrets.token_hex(8)
 
 
@@ -163,7 +171,7 @@ def settle(store: Store, steps: Iterable[Step]) -> list[Step]:
             try:
                 _follow_marker(store, step)
             except (DcpS3Error, OSError) as exc:
-                step.error = str(exc) or type(exc).__name__
+                step.error = f"{type(exc).__name__}: {exc}"
                 log.warning("step %s is not complete: its marker cannot be followed: %s", store.url(step.name), exc)
         out.append(step)
     return out
@@ -209,14 +217,22 @@ def delete_dirs(store: Store, dirs: Iterable[str]) -> int:
     return len(names)
 
 
-def commit_step(store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str]) -> None:
+def commit_step(store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str], *,
+                first: bool = False) -> None:
     """Rank 0, once every part is committed: write the marker ``<step>.pth`` (the step's commit).
 
-    For a re-save (``token``), the marker read just before is the one replaced: after the write,
+    ``first`` (a first save: there was no marker when the save began): the marker is written only if
+    there still is none (atomically); if another save committed the step meanwhile, this save's own
+    generation directories (``token``'s) are deleted and ``CheckpointExistsError`` names the step.
+
+    Else, for a re-save (``token``), the marker read just before is the one replaced: after the write,
     the directories it named (and the new marker does not) are deleted, only if the marker still
     holds ``marker`` (a save that committed since deletes what it replaced; ours are then left
     for ``gc``). A replaced marker that cannot be read, or names what it must not, has nothing deleted."""
     name = step + MARKER_SUFFIX
+    if first:
+        _commit_first(store, step, marker, token, suffixes)
+        return
     previous: tuple[bytes, Any] | None = None
     if token is not None:
         try:
@@ -237,6 +253,29 @@ def commit_step(store: Store, step: str, marker: bytes, token: str | None, suffi
                     "later): %s", store.url(step), exc)
 
 
+def _commit_first(store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str]) -> None:
+    name = step + MARKER_SUFFIX
+    try:
+        store.write(name, marker, overwrite=False)
+        return
+    except CheckpointExistsError:
+        pass
+    lost = f"step {store.url(step)} was committed by another save while this first save of it ran (two jobs " \
+        "saving the same step): the step is the other save, every part of it; this save is not stored"
+    try:
+        if store.read(name) == marker:  # our own write, refused on a retry of it
+            return
+    except (DcpS3Error, OSError) as exc:  # which save holds the step is unknown: delete nothing
+        raise CheckpointExistsError(f"{lost} (its marker could not be read back: {exc})") from None
+    mine = [f"{step}.{marker_entry(s, token)}" for s in suffixes] if token is not None else []
+    try:  # named by this save's token alone: never by the marker that won
+        delete_dirs(store, mine)
+        left = "its parts were deleted"
+    except (DcpS3Error, OSError) as exc:
+        left = f"its parts {mine} are left for `dcp-s3 gc` ({exc})"
+    raise CheckpointExistsError(f"{lost}, {left}")
+
+
 def _parts_committed(store: Store, step: Step) -> bool:
     """Whether every part of ``step`` has its ``.metadata``. A part without one counts only if it holds
     an object: some servers (SeaweedFS) keep listing a directory whose objects were all deleted. A part
@@ -249,17 +288,20 @@ def _parts_committed(store: Store, step: Step) -> bool:
     )
 
 
-def find_complete(store: Store, count: int | None = 1) -> list[Step]:
+def find_complete(store: Store, count: int | None = 1, unreadable: dict[str, str] | None = None) -> list[Step]:
     """The newest ``count`` (None: all) complete manager steps directly under the root, oldest first.
 
     As :func:`complete_steps` over a full listing, at the cost of one delimiter listing of the root
     and a HEAD of each part's ``.metadata`` for the steps with a marker, newest first, until ``count``
     are found (steps named other than by a number are ordered by marker time: then all are checked).
-    The steps' ``parts`` hold no objects. A step with generation directories (a re-save, see
-    :mod:`dcp_s3.checkpointer.generations`) also costs a GET of its marker, whose ``part_dirs`` names its parts.
+    The steps' ``parts`` hold no objects. A step with generation directories (every save since first
+    saves have them, see the module docstring) also costs a GET of its marker, whose ``part_dirs`` names
+    its parts. A step whose marker cannot be followed is not complete; ``unreadable`` (if given) gets why.
     """
     def complete(step: Step) -> bool:
         settle(store, [step])  # a GET of the marker if the step has generation directories
+        if step.error and unreadable is not None:
+            unreadable[step.name] = step.error
         return _parts_committed(store, step)
 
     candidates = [s for s in root_steps(store) if s.marker is not None]

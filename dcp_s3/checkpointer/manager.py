@@ -12,7 +12,9 @@
 Every rank of the job calls ``save``/``load`` with the same arguments (a single process
 without ``torch.distributed`` works too). The layout is described in :mod:`dcp_s3.checkpointer.steps`:
 one DCP checkpoint per model and per optimizer, and a small ``<step>.pth`` marker that
-rank 0 writes last; a re-save of a complete step is all or nothing (:mod:`dcp_s3.checkpointer.generations`).
+rank 0 writes last. Every save writes its parts to its own generation directories, named by the marker:
+a re-save of a complete step is all or nothing, and of two jobs racing the first save of a step exactly
+one commits (:mod:`dcp_s3.checkpointer.generations`); a load reads the parts one marker names.
 Works the same on ``s3://bucket/prefix`` and on a local directory.
 
 This module holds the manager; its parts live beside it: :mod:`~dcp_s3.checkpointer.step_io` (where a step
@@ -163,11 +165,13 @@ class Checkpointer:
 
         For each ``k`` in ``model_dict``: the trainable model state as DCP checkpoint
         ``<step>.<k>_model`` and, if ``optimizer_dict`` has ``k``, the optimizer state as
-        ``<step>.<k>_optim``. Then rank 0 writes ``<step>.pth`` (iteration, scheduler, grad
-        scaler and callback state) and applies ``keep_last``. A complete step already at that
-        location is replaced all or nothing (:mod:`dcp_s3.checkpointer.generations`): the parts go to fresh
-        ``<step>.<k>_<kind>.<hex>`` directories, the rewritten marker names them, and the old
-        parts are deleted only after it. With ``async_save=True`` returns an :class:`AsyncSave`
+        ``<step>.<k>_optim``, each in this save's generation directory ``<step>.<k>_<kind>.<hex>``. Then
+        rank 0 writes ``<step>.pth`` (iteration, scheduler, grad scaler and callback state, the
+        directories in ``part_dirs``) and applies ``keep_last``
+        (:mod:`dcp_s3.checkpointer.generations`). A first save whose step another job committed
+        meanwhile raises ``CheckpointExistsError`` (the step stays the other save, whole); a complete
+        step already at that location is replaced all or nothing: the old parts are deleted only
+        after the rewritten marker. With ``async_save=True`` returns an :class:`AsyncSave`
         handle instead. With ``local_root``: a save to the local tier (``tier="s3"`` also promotes it,
         ``"local"`` never, None as ``s3_every`` says); returns the local step's location.
         """
@@ -197,10 +201,10 @@ class Checkpointer:
         }
         if self._tiers is not None:
             return self._tiers.save(parts, content, iteration, tier)
-        # A marker there: a re-save, into a new generation (the same token on every rank).
-        token = self._ranks.run_on_rank0(lambda: new_token() if store.size(step + MARKER_SUFFIX) is not None else None)
-        if token is not None:
-            content[PART_DIRS] = {s: marker_entry(s, token) for s in suffixes}
+        # Every save writes its own generation (the same token on every rank); no marker there: a first save,
+        # whose marker may not replace one (two jobs racing the first save of the step: one commits).
+        token, first = self._ranks.run_on_rank0(lambda: (new_token(), store.size(step + MARKER_SUFFIX) is None))
+        content[PART_DIRS] = {s: marker_entry(s, token) for s in suffixes}
         marker = torch_save_bytes(content)
         location = store.url(step)
         if not self.async_save:
@@ -208,7 +212,7 @@ class Checkpointer:
             for key, kind, state, planner in parts:
                 writer, url = self._io.writer(store, generation_name(step, key, kind, token), key, kind)
                 dcp.save(state, checkpoint_id=url, storage_writer=writer, planner=planner, no_dist=not distributed())
-            self._ranks.run_on_rank0(lambda: self._commit(store, step, marker, token, suffixes))
+            self._ranks.run_on_rank0(lambda: self._commit(store, step, marker, token, suffixes, first))
             log.info("saved step %s in %.1fs", location, time.perf_counter() - t0)
             return location
 
@@ -226,7 +230,7 @@ class Checkpointer:
             for fut in futures:
                 fut.result()
             if rank0:  # every part's .metadata is committed once the coordinator's futures resolve
-                self._commit(store, step, marker, token, suffixes)
+                self._commit(store, step, marker, token, suffixes, first)
             return location
 
         if self._finisher is None:
@@ -270,13 +274,14 @@ class Checkpointer:
     @property
     def last_load(self) -> dict[str, Any]:
         """With ``local_root``: the step the last ``load`` took, its source (``local``, ``mixed``, ``s3``),
-        the ranks that read S3 and why."""
+        the ranks that read S3 and why (``reasons``: rank -> one line naming the cause), and why each newer
+        step was not taken (``skipped``: step -> reason)."""
         return {} if self._tiers is None else dict(self._tiers.last_load)
 
-    def _commit(self, store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str]) -> None:
-        """Rank 0, after every part committed: write the marker (and delete the parts it replaced), then
-        apply ``keep_last``."""
-        commit_step(store, step, marker, token, suffixes)
+    def _commit(self, store: Store, step: str, marker: bytes, token: str, suffixes: list[str], first: bool) -> None:
+        """Rank 0, after every part committed: write the marker (and delete the parts it replaced; a first
+        save: only if no other save committed the step meanwhile), then apply ``keep_last``."""
+        commit_step(store, step, marker, token, suffixes, first=first)
         if self.keep_last is None:
             return
         try:

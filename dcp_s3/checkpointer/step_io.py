@@ -3,7 +3,10 @@ DCP writers/readers of its parts, which step a load takes (:meth:`StepIO.plan_lo
 loading of one part (:func:`load_model`, :func:`load_optim`, on every rank, collectively).
 
 The manager decides *what* to save and load (parts, marker, retention, tiers); this module does the
-reads and writes of a step's parts on one store. A load that reads its parts through another reader
+reads and writes of a step's parts on one store. One save per load: rank 0 reads the step's marker once
+(:meth:`StepIO.plan_load`) and every rank loads the directories that marker names — each save's own
+generation directories (:mod:`dcp_s3.checkpointer.generations`), so a save committing meanwhile cannot
+mix in (:mod:`dcp_s3.checkpointer.saves`). A load that reads its parts through another reader
 (the local tier's merged copy, :mod:`dcp_s3.checkpointer.tier_reshard`) uses the same two part loaders.
 """
 
@@ -127,7 +130,10 @@ class StepIO:
         marker, check that its parts exist. None: nothing complete under the root."""
         if path is None:
             store: Store = self.root
-            found = find_complete(store)
+            unreadable: dict[str, str] = {}
+            found = find_complete(store, 1, unreadable)
+            for name, why in sorted(unreadable.items()):  # newer than the step found: never resumed from
+                warn(f"step {store.url(name)} is not resumed from: its marker cannot be followed: {why}")
             if not found:
                 return None
             step = found[-1].name

@@ -81,11 +81,14 @@ def scan_copies(local_root: str) -> tuple[dict[str, dict[int, Copy | str]], dict
     found: dict[str, dict[int, Copy | str]] = {}
     ours, refused = rank_dirs(local_root)
     for r, store in ours.items():
+        unreadable: dict[str, str] = {}
         try:
-            steps = find_complete(store, None)
+            steps = find_complete(store, None, unreadable)
         except (DcpS3Error, OSError) as exc:
             found.setdefault("", {})[r] = f"{store.url()}: {type(exc).__name__}: {exc}"
             continue
+        for name, why in unreadable.items():
+            found.setdefault(name, {})[r] = why
         for step in steps:
             try:
                 got = local_copy(store, step.name)

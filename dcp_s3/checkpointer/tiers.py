@@ -25,7 +25,8 @@ Each rank then checks its local copy of that step against what it is about to lo
 its load needs is stored (same offsets and sizes: a different sharding is refused), and every object
 the local ``.metadata`` references is there and not shorter than its items; the load itself checks
 every item's checksum. A rank whose copy fails any of it loads from S3 instead, if the step is
-there — only those ranks read from S3 (each rank loads alone, ``no_dist``); if the step is not on S3
+there as the same save (its save token, :mod:`dcp_s3.checkpointer.saves`; if S3 holds another save of
+it, every rank reads S3) — only those ranks read from S3 (each rank loads alone, ``no_dist``); if the step is not on S3
 the step is not used and the next newest is tried, with a warning naming the rank and the reason.
 When no rank has the step locally, the ordinary (collective, resharding) load from S3 runs. A load
 never mixes steps; the reasons for every fallback are logged, warned and kept in ``tier_status()``.
@@ -152,7 +153,7 @@ class Tiers:
             raise CheckpointFormatError(f"not saving step {step} to the local tier: {hostile}")
         local = self.local
         t0 = time.perf_counter()
-        ltoken = new_token() if local.size(step + MARKER_SUFFIX) is not None else None
+        ltoken, first = new_token(), local.size(step + MARKER_SUFFIX) is None  # this rank's own generation
         suffixes = [f"{key}_{kind}" for key, kind, _, _ in parts]
         layouts = {}
         for key, kind, state, planner in parts:
@@ -161,9 +162,8 @@ class Tiers:
             dcp.save(local_view(state), checkpoint_id=local.url(name),
                      storage_writer=local.writer(name, overwrite=True), planner=planner, no_dist=True)
         mine = {**content, LOCAL_ENTRY: {"rank": rank(), "world_size": world_size(), "save": token}, LAYOUT: layouts}
-        if ltoken is not None:
-            mine[PART_DIRS] = {s: marker_entry(s, ltoken) for s in suffixes}
-        commit_step(local, step, torch_save_bytes(mine), ltoken, suffixes)
+        mine[PART_DIRS] = {s: marker_entry(s, ltoken) for s in suffixes}
+        commit_step(local, step, torch_save_bytes(mine), ltoken, suffixes, first=first)
         took = time.perf_counter() - t0
         status = StepStatus(step, int(iteration), ["local"], "pending" if promote else "not planned",
                             saved_at=time.time(), local_seconds=took)

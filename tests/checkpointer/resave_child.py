@@ -3,10 +3,13 @@
     python tests/resave_child.py HELD RELEASE PHASE first ROOT
     python tests/resave_child.py HELD RELEASE PHASE resave ROOT [ASYNC]
     python tests/resave_child.py HELD RELEASE PHASE load ROOT OUT
+    python tests/resave_child.py HELD RELEASE PHASE race ROOT SEED [LOCAL]
 
 ``first`` trains one step and saves it at iteration 1000; ``resave`` resumes (1000), trains a bit
 (:func:`train_a_bit`) and saves at 1000 again (``ASYNC`` = ``1``: with ``async_save=True``);
-``load`` resumes into fresh objects and writes :func:`snapshot` to ``OUT`` with ``torch.save``.
+``load`` resumes into fresh objects and writes :func:`snapshot` to ``OUT`` with ``torch.save``;
+``race`` saves :func:`race_state` of ``SEED`` at iteration 1000 (with ``LOCAL``: to that local tier only),
+held at ``PHASE``: the first save of a step that another process may be saving too.
 
 At ``PHASE`` the child creates ``HELD`` and waits until ``RELEASE`` exists (or until the test
 kills it). The phases are points of the real save, in this process, on any store:
@@ -54,6 +57,13 @@ def first_state() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """What ``first`` saves at iteration 1000."""
     model, optim, sched = build(0)
     train_a_bit(model, optim, sched, seed=1)
+    return model, optim, sched
+
+
+def race_state(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """What ``race`` with ``seed`` saves."""
+    model, optim, sched = build(seed)
+    train_a_bit(model, optim, sched, seed=seed)
     return model, optim, sched
 
 
@@ -124,6 +134,13 @@ def main(argv: list[str]) -> int:
     if mode == "first":
         model, optim, sched = first_state()
         Checkpointer(root).save({"m": model}, {"m": optim}, {"m": sched}, iteration=1000)
+        return 0
+    if mode == "race":
+        model, optim, sched = race_state(int(rest[0]))
+        hold_at(phase, held, release)
+        local = rest[1] if len(rest) > 1 else None
+        with Checkpointer(root, local_root=local) as ckpt:
+            ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=1000, tier="local" if local else None)
         return 0
     model, optim, sched = build(5)
     if mode == "load":

@@ -182,30 +182,27 @@ def test_killed_async_resave_loads_old(tmp_path: Path, saves: dict[str, dict[str
 
 
 # -- the layout of re-saves -----------------------------------------------------------------------------
-def test_first_save_layout_unchanged_resaves_replace_generations(
+def test_every_save_writes_its_generation_resaves_replace_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
     model, optim, sched = first_state()
     ckpt = Checkpointer(run)
-    ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=1000)
-    assert dirs(run) == ["0001000.m_model", "0001000.m_optim"]  # other checkpointers read this layout
-    marker = torch.load(run / "0001000.pth", weights_only=True)
-    assert "part_dirs" not in marker
     generations = []
-    for i in range(2):  # a re-save, then a re-save of the re-save
-        with torch.no_grad():
-            model[0].weight.add_(1)
+    for i in range(3):  # a first save, a re-save, then a re-save of the re-save
+        if i:
+            with torch.no_grad():
+                model[0].weight.add_(1)
         ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=1000)
         marker = torch.load(run / "0001000.pth", weights_only=True)
         token = marker["part_dirs"]["m_model"].rpartition(".")[2]
         assert marker["part_dirs"] == {"m_model": f"m_model.{token}", "m_optim": f"m_optim.{token}"}
         assert dirs(run) == [f"0001000.m_model.{token}", f"0001000.m_optim.{token}"]  # the old parts are gone
         generations.append(token)
-    assert generations[0] != generations[1]
+    assert len(set(generations)) == 3
     # Each part is a stock DCP checkpoint: torch's own reader loads it as it is on disk.
     state = {"0.weight": torch.zeros_like(model[0].weight)}
-    dcp.load(state, storage_reader=FileSystemReader(str(run / f"0001000.m_model.{generations[1]}")), no_dist=True)
+    dcp.load(state, storage_reader=FileSystemReader(str(run / f"0001000.m_model.{generations[2]}")), no_dist=True)
     assert torch.equal(state["0.weight"], model[0].weight)
     other, *_ = build(9)
     assert Checkpointer(run).load({"m": other}) == 1000
@@ -213,7 +210,7 @@ def test_first_save_layout_unchanged_resaves_replace_generations(
     [summary] = list_steps(str(run))
     assert summary.complete and summary.parts == ["m_model", "m_optim"] and summary.logical_bytes
     assert verify_checkpoint(str(run)).ok
-    assert find_complete(open_store(str(run)))[0].parts["m_model"].name == f"0001000.m_model.{generations[1]}"
+    assert find_complete(open_store(str(run)))[0].parts["m_model"].name == f"0001000.m_model.{generations[2]}"
     capsys.readouterr()
     assert cli.main(["ls", str(run)]) == 0 and cli.main(["verify", str(run)]) == 0
     out = capsys.readouterr().out
@@ -235,8 +232,9 @@ def test_retention_and_gc_remove_every_generation(tmp_path: Path) -> None:
     assert [e.name for e in garbage.kept] == ["0000001.m_model.0123456789abcdef/notes.md"]
     assert not find_garbage(str(run), older_than=3600).objects  # the age bound protects a save in progress
     assert retain_last(open_store(str(run)), 1, keep=str(run / "0000002")) == [str(run / "0000001")]
-    left = sorted(p.name for p in run.iterdir())
-    assert left == ["0000001.m_model.0123456789abcdef", "0000002.m_model", "0000002.m_optim", "0000002.pth"]
+    left = sorted(re.sub(rf"^(0000002\..*)\.{GENERATION}$", r"\1.<token>", p.name) for p in run.iterdir())
+    assert left == ["0000001.m_model.0123456789abcdef", "0000002.m_model.<token>", "0000002.m_optim.<token>",
+                    "0000002.pth"]
     assert [p.name for p in orphan.iterdir()] == ["notes.md"]  # not a checkpoint object: kept
 
 
@@ -335,7 +333,7 @@ def test_resave_on_2_fsdp2_ranks(tmp_path: Path, async_save: bool) -> None:
     assert ranks == {"0", "1"}, names
 
 
-def test_finding_steps_reads_only_markers_of_resaved_steps_and_copies_keep_their_meaning(
+def test_finding_steps_reads_markers_newest_first_and_copies_keep_their_meaning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from dcp_s3.admin import copy_checkpoint
@@ -355,9 +353,9 @@ def test_finding_steps_reads_only_markers_of_resaved_steps_and_copies_keep_their
 
     monkeypatch.setattr(store_module.Store, "read", counting_read)
     assert [s.name for s in find_complete(open_store(str(run)))] == ["0000003"]
-    assert reads == []  # the newest step has no generation: HEADs only, as before
+    assert reads == ["0000003.pth"]  # the newest step's marker names its generation: one GET, no more
     assert [s.name for s in find_complete(open_store(str(run)), None)] == ["0000001", "0000002", "0000003"]
-    assert reads == ["0000002.pth"]
+    assert reads == ["0000003.pth", "0000003.pth", "0000002.pth", "0000001.pth"]
     monkeypatch.undo()
     # A copy of the re-saved step under another name loads: part_dirs are relative to the step.
     copy_checkpoint(str(run / "0000002"), str(tmp_path / "copy" / "0000009"))

@@ -9,6 +9,7 @@ every rank, also when only one rank's optimizer does not fit.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -33,7 +34,9 @@ def metadata_gets(rank: int, proxy: str) -> dict[str, int] | None:
     dist.barrier()
     if got is None:
         return None
-    return {part: got.requests("GetObject", f".m_{part}/.metadata") for part in ("model", "optim")}
+    # Each part lies in the save's generation directory (<step>.m_<part>.<16 hex>/).
+    return {part: sum(n for op, key, n, _ in got.rows if op.startswith("GetObject")
+                      and re.search(rf"\.m_{part}(\.[0-9a-f]{{16}})?/\.metadata$", key)) for part in ("model", "optim")}
 
 
 def mismatch_warnings(caught: list[warnings.WarningMessage]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Two tiers in one process: retention in each tier, and a promotion that keeps failing."""
+"""Two tiers in one process: retention in each tier, a promotion that keeps failing, the requests of a restart."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from counting_proxy import CountingProxy, reset
 from fault_proxy import FaultProxy, Rule
 from test_checkpointer import build, train
 
@@ -104,3 +105,32 @@ def test_local_retention_keeps_a_step_being_promoted(bucket: str, tmp_path: Path
     assert [s.name for s in find_complete(open_store(root), None)] == ["0000010"]
     assert [s.name for s in find_complete(mine, None)] == ["0000030"]  # promoted: now retention's
     ckpt.close()
+
+
+def test_tiered_restart_requests_do_not_grow_with_the_steps_kept(bucket: str, s3_env: LocalS3Server,
+                                                                  tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart (from the local tier, and with the local tier empty: from S3) reads S3 newest first: the
+    same requests with 2 and with 6 committed S3 steps (issue 35 item 17)."""
+    counted: dict[tuple[int, str], dict[str, int]] = {}
+    with CountingProxy(s3_env.endpoint_url) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        for kept in (2, 6):
+            root = f"s3://{bucket}/run{kept}"
+            model, optim, sched = build(seed=0, shard=False)
+            with Checkpointer(root, local_root=tmp_path / f"local{kept}", s3_every=1, keep_last_local=1) as ckpt:
+                for it in range(1, kept + 1):
+                    train(model, optim, sched, seed=it)
+                    ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=it)
+            assert len(find_complete(open_store(root), None)) == kept
+            for source, local in (("local", f"local{kept}"), ("s3", f"empty{kept}")):
+                model2, optim2, sched2 = build(seed=1, shard=False)
+                reset(proxy.url)
+                restart = Checkpointer(root, local_root=tmp_path / local)
+                assert restart.load({"m": model2}, {"m": optim2}, {"m": sched2}) == kept
+                assert restart.last_load["source"] == source, restart.last_load
+                got = reset(proxy.url)
+                counted[(kept, source)] = {op: got.requests(op) for op in sorted({op for op, _, _, _ in got.rows})}
+    print(counted)
+    assert counted[(2, "local")] == counted[(6, "local")], counted
+    assert counted[(2, "s3")] == counted[(6, "s3")], counted

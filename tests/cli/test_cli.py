@@ -20,8 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from dcp_s3 import S3StorageReader
 from dcp_s3.checkpointer import Checkpointer
+from dcp_s3.checkpointer.generations import find_complete
 from dcp_s3.cli import commands as cli
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.store import open_store
 from tests.objects import data_key
 
 
@@ -132,19 +134,22 @@ def test_commands_on_a_sharded_checkpoint(
 
     # Corruption: one flipped byte inside a tensor's bytes (only the checksum can tell) ...
     client = s3_env.client()
-    key2 = data_key(s3_env.client(), bucket, "run/0000100.model_model", 1, 0)
+    # Every save writes its parts to directories named with its save token; the marker names them.
+    dirs = find_complete(open_store(root))[0].parts
+    model_dir, optim_dir = dirs["model_model"].name, dirs["model_optim"].name
+    key2 = data_key(s3_env.client(), bucket, f"run/{model_dir}", 1, 0)
     body2 = bytearray(client.get_object(Bucket=bucket, Key=key2)["Body"].read())
-    md = S3StorageReader(f"{step}.model_model").read_metadata()
+    md = S3StorageReader(f"{root}/{model_dir}").read_metadata()
     info = next(i for i in md.storage_data.values() if i.relative_path == key2.rpartition("/")[2] and i.payload_offset)
     body2[info.offset + info.payload_offset + 1] ^= 0x01
     client.put_object(Bucket=bucket, Key=key2, Body=bytes(body2))
     code, out, _ = run(capsys, "verify", f"{step}.model_model")
     assert code == 1 and "checksum mismatch" in out and key2 in out, out
     # ... garbage of the right length in one data object, another one cut short.
-    key0 = data_key(s3_env.client(), bucket, "run/0000100.model_model")
+    key0 = data_key(s3_env.client(), bucket, f"run/{model_dir}")
     size0 = client.head_object(Bucket=bucket, Key=key0)["ContentLength"]
     client.put_object(Bucket=bucket, Key=key0, Body=os.urandom(size0))
-    key1 = data_key(s3_env.client(), bucket, "run/0000100.model_optim", 1, 0)
+    key1 = data_key(s3_env.client(), bucket, f"run/{optim_dir}", 1, 0)
     body1 = client.get_object(Bucket=bucket, Key=key1)["Body"].read()
     client.put_object(Bucket=bucket, Key=key1, Body=body1[: len(body1) // 2])
     code, out, _ = run(capsys, "verify", root)

@@ -112,7 +112,7 @@ def test_checkpointer_resave_does_not_delete_through_a_linked_directory(tmp_path
     net = Net()
     ckpt = Checkpointer(str(run))
     ckpt.save({"net": net}, iteration=7)
-    part = run / "0000007.net_model"
+    (part,) = run.glob("0000007.net_model.*")  # the save's generation directory
     _plant_linked_prefix(part, other)
 
     with warnings.catch_warnings():
@@ -323,10 +323,12 @@ def test_max_whole_read_reaches_the_checkpointer_and_the_cli(
     Checkpointer(str(run)).save({"net": Net()}, iteration=3)
     marker = run / "0000003.pth"
     with pytest.raises(CheckpointFormatError) as info:
-        Checkpointer(str(run), max_whole_read=100).load({"net": Net()})
+        Checkpointer(str(run), max_whole_read=100).load({"net": Net()}, path=str(run / "0000003"))
     assert str(marker) in str(info.value) and "max_whole_read=100" in str(info.value)
+    with pytest.warns(RuntimeWarning, match="max_whole_read=100"):  # the newest step: not resumed from, and why
+        assert Checkpointer(str(run), max_whole_read=100).load({"net": Net()}) == 0
     assert Checkpointer(str(run)).load({"net": Net()}) == 3
-    part = run / "0000003.net_model"
+    (part,) = run.glob("0000003.net_model.*")  # the save's generation directory
     assert cli.main(["inspect", str(part), "--max-whole-read", "100"]) == 1
     err = capsys.readouterr().err
     assert str(part / METADATA_KEY) in err and "max_whole_read=100" in err, err
@@ -472,18 +474,16 @@ def test_checkpointer_does_not_follow_a_linked_part_directory(tmp_path: Path) ->
     net = Net()
     ckpt = Checkpointer(str(run))
     ckpt.save({"net": net}, iteration=7)
-    part = run / "0000007.net_model"
+    (part,) = run.glob("0000007.net_model.*")  # the save's generation directory
     shutil.rmtree(part)
     part.symlink_to(other, target_is_directory=True)
     with pytest.raises(BaseException) as info:
         Checkpointer(str(run)).load({"net": Net()})  # not read through it
     assert "symbolic link" in error_text(info.value)
 
-    planted = run / "0000008.net_model"  # no marker: a first save would write into it
+    planted = run / "0000008.net_model"  # where first saves of earlier versions wrote
     planted.symlink_to(other, target_is_directory=True)
-    with pytest.raises(BaseException) as info:
-        ckpt.save({"net": net}, iteration=8)
-    assert "symbolic link" in error_text(info.value) and str(planted) in error_text(info.value)
+    ckpt.save({"net": net}, iteration=8)  # into its own generation directory: never through the link
     assert files(other) == before
 
     with torch.no_grad():
@@ -492,5 +492,5 @@ def test_checkpointer_does_not_follow_a_linked_part_directory(tmp_path: Path) ->
     assert files(other) == before  # neither replaced nor deleted through the link
     assert same(load(other), SECRET)
     fresh = Net()
-    assert Checkpointer(str(run)).load({"net": fresh}) == 7
+    assert Checkpointer(str(run)).load({"net": fresh}, path=str(run / "0000007")) == 7
     assert same(fresh.state_dict(), net.state_dict())

@@ -303,7 +303,9 @@ def test_step_markers_and_load_object_are_checked_like_byte_items(tmp_path: Path
                            (_archive(_MEMO), "memo entry 67108864 after only 0 entries")):
         marker.write_bytes(payload)
         with pytest.raises(CheckpointFormatError, match=match):
-            Checkpointer(run).load({"m": net})
+            Checkpointer(run).load({"m": net}, path=run / "0000005")
+        with pytest.warns(RuntimeWarning, match=match):  # the newest step: not resumed from, and why
+            assert Checkpointer(run).load({"m": net}) == 0
         with pytest.raises(CheckpointFormatError, match=match):
             load_object(marker)
 

@@ -229,18 +229,23 @@ def test_gc_removes_only_checkpoint_objects_and_lists_each_first(
     ckpt = Checkpointer(f"s3://{bucket}/run")
     model = torch.nn.Linear(3, 2)
     ckpt.save({"model": model}, iteration=1)
-    client.put_object(Bucket=bucket, Key="run/0000001.model_model/notes.md", Body=b"about step 1")
+
+    def part_dir(step: str) -> str:  # the save's generation directory
+        return next(k.rpartition("/")[0] for k in keys(client, bucket) if k.startswith(f"run/{step}.model_model."))
+
+    one = part_dir("0000001")
+    client.put_object(Bucket=bucket, Key=f"{one}/notes.md", Body=b"about step 1")
     ckpt.save({"model": model}, iteration=2)
     client.delete_object(Bucket=bucket, Key="run/0000002.pth")  # step 2 crashed before its marker
-    client.put_object(Bucket=bucket, Key="run/0000002.model_model/eval.json", Body=b"{}")
+    two = part_dir("0000002")
+    client.put_object(Bucket=bucket, Key=f"{two}/eval.json", Body=b"{}")
     before = keys(client, bucket)
 
     code, out, _ = run(capsys, "gc", f"s3://{bucket}/run", "--older-than", "0")
     assert code == 0 and "dry run" in out
     listed = _gc_lines(out, "would remove")
     assert keys(client, bucket) == before
-    expected = {f"s3://{bucket}/{k}" for k in before if k.startswith("run/0000002.model_model/")
-                and not k.endswith("eval.json")}
+    expected = {f"s3://{bucket}/{k}" for k in before if k.startswith(f"{two}/") and not k.endswith("eval.json")}
     expected |= {f"s3://{bucket}/run/exp/__0_0.distcp", f"s3://{bucket}/run/exp/p-1f/__1_0.0123456789abcdef.distcp"}
     assert listed == expected, out
     for name in ("config.yaml", "train.log", "notes.md"):
@@ -252,8 +257,8 @@ def test_gc_removes_only_checkpoint_objects_and_lists_each_first(
     assert set(before) - set(after) == {u.split("/", 3)[3] for u in expected}  # exactly what was listed
     for name, body in USER_FILES.items():
         assert after[f"run/exp/{name}"] == body
-    assert after["run/0000001.model_model/notes.md"] == b"about step 1"
-    assert after["run/0000002.model_model/eval.json"] == b"{}"
+    assert after[f"{one}/notes.md"] == b"about step 1"
+    assert after[f"{two}/eval.json"] == b"{}"
     assert Checkpointer(f"s3://{bucket}/run").load({"model": torch.nn.Linear(3, 2)}) == 1
 
 

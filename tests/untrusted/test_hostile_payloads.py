@@ -180,7 +180,8 @@ def test_checkpointer_load_refuses_poisoned_optimizer_state(bucket: str, s3_env:
     optim.step()
     Checkpointer(f"s3://{bucket}/run").save({"m": model}, {"m": optim}, iteration=5)
     run = Checkpointer(f"s3://{bucket}/run")
-    optim_part = next(e.name.rpartition("/")[0] for e in run.store.list_objects() if e.name.endswith("_optim/.metadata"))
+    optim_part = next(e.name.rpartition("/")[0] for e in run.store.list_objects()
+                      if e.name.endswith("/.metadata") and "_optim" in e.name)
     uri = f"s3://{bucket}/run/{optim_part}"
     assert "param_groups" in " ".join(replace_byte_items(uri, torch_saved(touch(marker))))
     with pytest.raises(BaseException) as info:
