@@ -384,3 +384,27 @@ def test_a_save_killed_mid_upload_leaves_the_last_committed_step(seaweed: Any, b
     assert loaded["loaded"] is True and loaded["state"]["step"] == 4
     assert _diff({k: v for k, v in saved.items() if k != "data"},
                  {k: v for k, v in loaded["state"].items() if k != "data"}) == []
+
+
+@pytest.mark.parametrize(("configured", "args"), [
+    ({"part_size": 16 << 20, "compression": "zstd"}, ["--checkpoint.storage-options.part-size", "33554432"]),
+    ({}, ["--checkpoint.storage-options", "part_size", "33554432"]),
+])
+def test_the_documented_command_lines_parse_with_torchtitans_parser(configured: dict[str, Any], args: list[str]) -> None:
+    """The README's command-line forms, through what torchtitan's ``ConfigManager.parse_args`` runs on a loaded
+    config (``tyro.cli`` with its registry): the dotted form where the config sets ``storage_options``, the
+    key-value form where it sets none (each form is refused in the other case)."""
+    import dataclasses
+
+    import tyro
+    from torchtitan.config.manager import custom_registry
+
+    from dcp_s3.integrations.torchtitan import S3CheckpointManager
+
+    # A trainer config with its checkpoint section (a real type, not a string annotation of this module).
+    Trainer = dataclasses.make_dataclass("Trainer", [("checkpoint", S3CheckpointManager.Config)])
+    loaded = Trainer(S3CheckpointManager.Config(enable=True, folder="s3://bucket/run1", storage_options=configured))
+    parsed = tyro.cli(Trainer, args=["--checkpoint.endpoint-url", "http://127.0.0.1:8333", *args], default=loaded,
+                      registry=custom_registry)
+    assert parsed.checkpoint.storage_options == {**configured, "part_size": 33554432}
+    assert parsed.checkpoint.options().as_dict()["endpoint_url"] == "http://127.0.0.1:8333"
