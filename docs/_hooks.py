@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from mkdocs.structure.files import File
@@ -18,6 +19,8 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parent.parent
 PLOTS = {"assets/run.png": ROOT / "benchmarks" / "results" / "run.png"}
 HELP_MARKER = "<!-- dcp-s3 help -->"
+# The checkout's package, as mkdocstrings (``paths: ["."]``) reads it, whatever is installed.
+sys.path.insert(0, str(ROOT))
 
 
 def on_files(files, config):
