@@ -71,3 +71,7 @@ def test_snippet_runs(page: str, line: int, code: str, bucket: str, s3_env, tmp_
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, f"{page}:{line} failed:\n{done.stdout}\n{done.stderr}"
+    # An s3:// path that reached a local-disk writer (torch's FileSystemWriter, a framework's own function)
+    # makes a directory named "s3:" in the working directory instead of failing.
+    local = sorted(p.name for p in tmp_path.iterdir() if p.name != script.name)
+    assert not local, f"{page}:{line} wrote {local} to the local disk: its s3:// path did not go through dcp_s3"
