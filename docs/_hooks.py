@@ -3,6 +3,8 @@ by hand and nothing goes stale:
 
 - the benchmark plot is taken from where the benchmarks write it, ``benchmarks/results/run.png``, and served
   as ``assets/run.png``;
+- the docstrings' Sphinx roles (``:class:`X```, ``:mod:`X```...), which mkdocstrings leaves as text, are
+  dropped from the rendered pages, so the name reads as code;
 - ``<!-- dcp-s3 help -->`` on a page becomes the ``--help`` text of the ``dcp-s3`` command and of each of its
   commands, from the parser the command line itself builds.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parent.parent
 PLOTS = {"assets/run.png": ROOT / "benchmarks" / "results" / "run.png"}
 HELP_MARKER = "<!-- dcp-s3 help -->"
+SPHINX_ROLE = re.compile(r":(?:py:)?(?:class|mod|func|meth|attr|data|exc|obj):(?=<code>)")
 # The checkout's package, as mkdocstrings (``paths: ["."]``) reads it, whatever is installed.
 sys.path.insert(0, str(ROOT))
 
@@ -46,3 +50,7 @@ def on_page_markdown(markdown, page, config, files):
     if HELP_MARKER in markdown:
         markdown = markdown.replace(HELP_MARKER, _help_text())
     return markdown
+
+
+def on_page_content(html, page, config, files):
+    return SPHINX_ROLE.sub("", html)
