@@ -103,8 +103,8 @@ class Checkpointer:
         s3_every: with ``local_root``, promote the saves whose iteration is a multiple of it (None: only
             ``save(..., tier="s3")``).
         keep_last_local: with ``local_root``, local steps kept per rank (never one being promoted).
-        promotion_attempts, promotion_timeout: tries of each promotion request; how long rank 0 waits
-            for the other ranks' uploads of a step.
+        promotion_attempts: tries of each promotion request.
+        promotion_timeout: how long rank 0 waits for the other ranks' uploads of a step.
         storage_options: ``S3StorageWriter``/``S3StorageReader`` keywords (``credential_path``,
             ``endpoint_url``, ``region``, ``profile``, ``part_size``, ``max_concurrency``,
             ``key_prefixes``...), given to every writer/reader of every part; rejected for local

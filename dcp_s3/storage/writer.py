@@ -92,7 +92,9 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         credential_path: JSON file of boto3 client arguments (``aws_access_key_id``,
             ``aws_secret_access_key``, ``aws_session_token``, ``endpoint_url``, ``region_name``).
             Without it the standard boto3 chain applies (env, profile, instance role).
-        endpoint_url, region, profile: S3 endpoint (MinIO, SeaweedFS, Ceph...), region, boto3 profile.
+        endpoint_url: S3 endpoint (MinIO, SeaweedFS, Ceph...).
+        region: the client's region.
+        profile: boto3 profile.
         request_args: options sent with every request that takes them (``ServerSideEncryption``,
             ``SSEKMSKeyId``, ``StorageClass``, ``ExpectedBucketOwner``, ``RequestPayer``...).
         overwrite: replace a checkpoint already at ``path`` (default, as torch's ``FileSystemWriter``),
