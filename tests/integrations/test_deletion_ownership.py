@@ -31,9 +31,15 @@ from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store import open_store
 
 
+def _plain(name: str) -> str:
+    """``<step>.m_model.<16 hex>/...`` -> ``<step>.m_model/...``: a Checkpointer part's generation directory (every
+    save writes one, :mod:`dcp_s3.checkpointer.generations`) as a test can predict it."""
+    return re.sub(r"\.[0-9a-f]{16}(?=/|$)", "", name)
+
+
 def _names(location: str) -> set[str]:
-    """The objects under ``location``, relative to it."""
-    return {e.name for e in StorageOptions().store(location).list_objects()}
+    """The objects under ``location``, relative to it (generation directories as ``_plain`` names them)."""
+    return {_plain(e.name) for e in StorageOptions().store(location).list_objects()}
 
 
 def _tops(location: str) -> set[str]:
@@ -91,15 +97,16 @@ def test_local_tier_keep_last_local_deletes_only_its_own_committed_steps(bucket:
     rank_dir = local / "rank00000"
     # a complete local step under a name the tier never makes (copied with its old times: the oldest)
     shutil.copy2(rank_dir / "0000010.pth", rank_dir / "best.pth")
-    shutil.copytree(rank_dir / "0000010.m_model", rank_dir / "best.m_model")
+    (part,) = rank_dir.glob("0000010.m_model.*")  # the marker names its generation relative to the step
+    shutil.copytree(part, rank_dir / part.name.replace("0000010", "best"))
     (rank_dir / "0000015.m_model").mkdir()
     (rank_dir / "0000015.m_model" / "__0_0.distcp").write_bytes(b"a crashed local save")
     for iteration in (20, 30):
         ckpt.save({"m": _model(iteration)}, iteration=iteration, tier="local")
-    kept = sorted(p.name for p in rank_dir.iterdir())
+    kept = sorted(_plain(p.name) for p in rank_dir.iterdir())
     assert {"best.pth", "best.m_model", "0000015.m_model"} <= set(kept), kept
     assert "0000010.pth" not in kept and "0000020.pth" not in kept and "0000030.pth" in kept, kept
-    assert (rank_dir / "best.m_model" / METADATA_KEY).is_file()
+    assert (rank_dir / part.name.replace("0000010", "best") / METADATA_KEY).is_file()
 
 
 # -- Lightning: S3ModelCheckpoint's rotation through S3TrainerStrategy --------------------------------------
