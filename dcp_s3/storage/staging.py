@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
+
+from dcp_s3.errors import DcpS3Error
 
 __all__ = [
     "Event", "SideStream", "CudaSideStream", "PinnedPool", "DeviceStaging", "device_chunks",
@@ -51,8 +54,26 @@ _warned = False
 _warn_lock = threading.Lock()
 
 
+#: Longest wait for one queued copy between host and device (a GPU that never finishes one is broken).
+COPY_TIMEOUT = 300.0
+
+
 class Event(Protocol):
-    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
+
+
+def wait_copy(event: Event, timeout: float = COPY_TIMEOUT) -> None:
+    """Wait until ``event`` (a queued copy) is done, polling with pauses of at most 0.1 ms (under a copy
+    of a 16 MiB chunk at PCIe speed), releasing the GIL; ``DcpS3Error`` after ``timeout`` seconds."""
+    if event.query():
+        return
+    deadline = time.monotonic() + timeout
+    pause = 0.0
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise DcpS3Error(f"a copy between host and CUDA device did not complete within {timeout:g} s")
+        time.sleep(pause)
+        pause = min(1e-4, pause + 1e-5)
 
 
 class SideStream(Protocol):
@@ -60,7 +81,7 @@ class SideStream(Protocol):
         """Order later copies after the work already queued on the caller's current stream."""
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        """Queue ``dst.copy_(src)`` (non-blocking) on this stream; the event is done when it is."""
+        """Queue ``dst.copy_(src)`` (non-blocking) on this stream; the event is done when the copy is."""
 
 
 class CudaSideStream:
@@ -73,10 +94,12 @@ class CudaSideStream:
         self.producer: object = None
 
     def wait_current(self) -> None:
+        # The training thread's stream, and this thread's (where a compacting copy of the tensor ran).
+        here = torch.cuda.current_stream(self.device)
         producer = self.producer
-        if not isinstance(producer, torch.cuda.Stream) or producer.device != self.device:
-            producer = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(producer)
+        if isinstance(producer, torch.cuda.Stream) and producer.device == self.device and producer != here:
+            self.stream.wait_stream(producer)
+        self.stream.wait_stream(here)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         with torch.cuda.stream(self.stream):
@@ -124,7 +147,7 @@ class PinnedPool:
     def take(self, n: int = 1, size: int | None = None) -> list[torch.Tensor]:
         """Up to ``n`` free buffers (fewer, or none, when the others are taken, ``size`` exceeds the
         pool's, or pinning failed). Never waits for another item; a buffer whose host→device copy is
-        still running is waited for (``Event.synchronize``: a queued copy, not another item's work)."""
+        still running is waited for (``wait_copy``: a queued copy, not another item's work)."""
         if self.disabled or (size is not None and size > self.size):
             return []
         got: list[torch.Tensor] = []
@@ -139,7 +162,7 @@ class PinnedPool:
             self._made += new
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         for event in pending:
-            event.synchronize()
+            wait_copy(event)
         for i in range(new):
             try:
                 got.append(self._allocate(self.size))
@@ -163,7 +186,7 @@ class PinnedPool:
             pending = [(b, e) for b, e in self._free if e is not None]
             self._free = [(b, None) for b, _ in self._free]
         for _, event in pending:
-            event.synchronize()
+            wait_copy(event)
 
     def close(self) -> None:
         """Drop the free buffers (taken ones are dropped when given back after this)."""
@@ -200,14 +223,14 @@ def _pipelined(flat: torch.Tensor, bufs: list[torch.Tensor], pool: PinnedPool, s
             issue(k)
         for k in range(len(starts)):
             buf, n, event = queued.popleft()
-            event.synchronize()
+            wait_copy(event)
             yield buf[:n].numpy().data
             # The writer copied chunk k: its buffer takes chunk k + len(bufs), while k + 1 is on its way.
             if k + len(bufs) < len(starts):
                 issue(k + len(bufs))
     finally:
         for _, _, event in queued:  # abandoned (an error downstream): no copy may still write
-            event.synchronize()
+            wait_copy(event)
         pool.give_back(bufs)
 
 

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3.errors import DcpS3Error
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore.config import TransferConfig
 from dcp_s3.storage import staging as staging_mod
@@ -33,11 +34,12 @@ class FakeEvent:
     def __init__(self, log: list[Any], k: int, run: Any) -> None:
         self.log, self.k, self.run, self.done = log, k, run, False
 
-    def synchronize(self) -> None:
+    def query(self) -> bool:  # the copy runs when first asked about (it may still be running before)
         if not self.done:
             self.run()
             self.done = True
             self.log.append(("sync", self.k))
+        return True
 
 
 class FakeStream:
@@ -256,3 +258,12 @@ def test_a_buffer_is_reused_oldest_first_and_only_after_its_copy() -> None:
     assert got is a and log == [("sync", 0)]  # b's copy may still run
     pool.drain()
     assert log == [("sync", 0), ("sync", 1)]
+
+
+def test_a_copy_that_never_completes_is_an_error_after_the_deadline() -> None:
+    class Stuck:
+        def query(self) -> bool:
+            return False
+
+    with pytest.raises(DcpS3Error, match="did not complete within 0.5 s"):
+        staging_mod.wait_copy(Stuck(), timeout=0.5)
