@@ -305,6 +305,12 @@ class Stagings:
             stagings, self._by_device = list(self._by_device.values()), {}
         for staging in stagings:
             staging.close()
+        if any(isinstance(s.stream, CudaSideStream) for s in stagings):
+            # torch keeps freed pinned blocks cached for reuse: hand them back to the system (a public
+            # call where torch has it, torch.accelerator.empty_host_cache; older releases keep the cache).
+            empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+            if empty is not None:
+                empty()
 
 
 def _cuda_staging(device: torch.device, count: int, size: int, producer: object) -> DeviceStaging:
