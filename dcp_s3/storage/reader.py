@@ -234,17 +234,14 @@ class S3StorageReader(Location, StorageReader):
         self._stagings.begin()  # on the caller's thread: the stream the destinations belong to
         for req in plan.items:
             finishers.append(self._plan_item(req, planner, reads))
-        for staging in self._stagings.all():  # copies into the destinations come after their allocation
-            staging.stream.wait_current()
+        self._stagings.wait_current()  # copies into the destinations come after their allocation
         transfer = self._session.transfer
         try:
             self._session.object_store.read_ranges(
                 reads, executor=self._session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
             )
-        finally:
-            # Every host-to-device copy is complete before DCP sees a tensor (or an error leaves the load).
-            for staging in self._stagings.all():
-                staging.pool.drain()
+        finally:  # every host-to-device copy is done before DCP sees a tensor (or an error leaves the load)
+            self._stagings.drain()
         self._codec.close()  # decoding is done: stop its threads (recreated on next use)
         # Planner callbacks run on this thread, in plan order, once all bytes are in.
         for finish in finishers:

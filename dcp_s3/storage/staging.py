@@ -20,8 +20,9 @@ reaches (roughly 5–10 GB/s against 25–50 GB/s pinned on an H100/H200 host). 
 * ``device_chunks`` yields a device tensor's bytes through the pool, copy of chunk k+1 issued before
   chunk k is handed to the writer (double buffering); the writer copies each chunk into its part
   buffers (``ObjectWriter.write``) before asking for the next, so a buffer is free again then.
-* ``DeviceStaging`` bundles a pool and a side stream, created only when a CUDA tensor is met
-  (CPU-only processes never build one, and take exactly the path they took before).
+* ``Stagings`` (one per writer or reader) makes a ``DeviceStaging`` (a pool and a side stream) per
+  CUDA device, at the first CUDA tensor met: CPU tensors never get one, so CPU-only processes take
+  exactly the path they took before. Every wait for a queued copy has a deadline (``wait_copy``).
 
 Memory bound (README "Memory"): a save holds at most ``2 * files_per_rank * part_size`` pinned bytes
 (two buffers per serializer thread) on top of its part buffers; a load at most
@@ -44,7 +45,7 @@ from dcp_s3.errors import DcpS3Error
 
 __all__ = [
     "Event", "SideStream", "CudaSideStream", "PinnedPool", "DeviceStaging", "device_chunks",
-    "Stagings", "save_pinned_bound", "load_pinned_bound",
+    "Stagings", "save_pinned_bound", "load_pinned_bound", "wait_copy", "COPY_TIMEOUT",
 ]
 
 log = logging.getLogger("dcp_s3")
@@ -298,6 +299,16 @@ class Stagings:
     def all(self) -> list[DeviceStaging]:
         with self._lock:
             return list(self._by_device.values())
+
+    def wait_current(self) -> None:
+        """Order the side streams' copies after what the caller queued so far (its destinations' allocation)."""
+        for staging in self.all():
+            staging.stream.wait_current()
+
+    def drain(self) -> None:
+        """Wait for every queued copy (before DCP sees a tensor a load filled)."""
+        for staging in self.all():
+            staging.pool.drain()
 
     def close(self) -> None:
         """Release every pinned buffer (a later save or load makes new ones)."""
