@@ -17,6 +17,7 @@ from dcp_s3.codec import Codec, grouping_for_dtype
 from dcp_s3.errors import CheckpointFormatError, DcpS3Error
 from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
 from dcp_s3.objstore.base import ObjectWriter
+from dcp_s3.storage.staging import Stagings
 from dcp_s3.storage.tensor_bytes import compact, payload_chunks, streamable, tensor_blob
 
 __all__ = ["planned_size", "split_items", "write_item"]
@@ -46,7 +47,7 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 
 def write_item(
     writer: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner, failed: threading.Event,
-    codec: Codec | None,
+    codec: Codec | None, stagings: Stagings | None = None,
 ) -> WriteResult:
     if failed.is_set():
         raise DcpS3Error(f"not writing {item.index.fqn}: another object of this save failed")
@@ -62,21 +63,29 @@ def write_item(
             raise CheckpointFormatError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
         if not streamable(data):
             raise CheckpointFormatError(f"{item.index.fqn}: cannot save a {data.layout} tensor on {data.device}")
-        location = _write_tensor(writer, name, data, codec)
+        location = _write_tensor(writer, name, data, codec, stagings)
     return WriteResult(index=item.index, size_in_bytes=location.length, storage_data=location)
 
 
-def _write_tensor(writer: ObjectWriter, name: str, tensor: torch.Tensor, codec: Codec | None) -> ItemLocation:
-    """Stream one tensor: a ``torch.save`` file, or the codec's frames of its raw bytes."""
+def _write_tensor(
+    writer: ObjectWriter, name: str, tensor: torch.Tensor, codec: Codec | None, stagings: Stagings | None = None
+) -> ItemLocation:
+    """Stream one tensor: a ``torch.save`` file, or the codec's frames of its raw bytes.
+
+    A CUDA tensor of an uncompressed save goes through ``stagings``' pinned buffers: ``writer.write``
+    copies each chunk into the part buffers before the next is asked for, so a buffer is free again then.
+    Compressed saves keep fresh host copies (the codec holds chunks until their frames are encoded)."""
     offset = writer.tell()
     if codec is None:
         blob = tensor_blob(tensor)
         writer.write(blob.header)
         # The caller's own CPU memory stays as it is until the save returns: sent from there, not copied
         # (host copies of device tensors and compacted copies go through the part buffers, bounded).
-        write = writer.write_stable if blob.borrowed else writer.write
+        staging = stagings.get(blob.tensor) if stagings is not None else None
+        # Pinned chunks are reused: copied by the writer, never borrowed.
+        write = writer.write_stable if blob.borrowed and staging is None else writer.write
         checksum = 0
-        for chunk in blob.payload_chunks():
+        for chunk in blob.payload_chunks(staging):
             write(chunk)
             checksum = crc32c(chunk, checksum)
         writer.write(blob.trailer)

@@ -42,6 +42,7 @@ from dcp_s3.storage.options import check_allow_unsafe_byte_items, check_replica_
 from dcp_s3.storage.replicated import read_replicated
 from dcp_s3.storage.request_report import Meter, RankFigures, own_rank, summary
 from dcp_s3.storage.session import Location, Session
+from dcp_s3.storage.staging import Stagings, load_pinned_bound
 from dcp_s3.storage.tensor_bytes import StagedRows, raw_bytes_view
 from dcp_s3.untrusted.byte_items import check_byte_item
 from dcp_s3.untrusted.foreign_items import decode_byte_item, load_tensor_archive
@@ -110,6 +111,8 @@ class S3StorageReader(Location, StorageReader):
         )
         self._session = Session(path, client, transfer)
         self._codec = Codec(threads=transfer.decode_threads)  # decodes compressed checkpoints
+        # Pinned staging of reads into CUDA tensors (made at the first one, kept until close).
+        self._stagings = Stagings(*load_pinned_bound(transfer.max_range_size, transfer.max_concurrency))
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: ChunkLookup | None = None  # set up from the load's metadata
@@ -125,12 +128,16 @@ class S3StorageReader(Location, StorageReader):
     def __getstate__(self) -> dict[str, Any]:
         # Process groups do not pickle: a copy finds dcp.load's group again (share_metadata=True),
         # an explicit group becomes False (every rank reads) and replica_group None.
-        return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id,
+        return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id, "_stagings": self._stagings,
                 "share_metadata": self.share_metadata is True, "allow_unsafe_byte_items": self.allow_unsafe_byte_items}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, storage_data={}, _chunks=None, replica_group=None, _metadata_error=None,
                              _meter=Meter(), request_stats={})
+
+    def close(self) -> None:
+        """Release the pinned host buffers kept for reads into CUDA tensors (a later load makes new ones)."""
+        self._stagings.close()
 
     # docstring inherited
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -224,12 +231,17 @@ class S3StorageReader(Location, StorageReader):
             return
         reads: list[RangeRead] = []
         finishers: list[Callable[[], None]] = []
+        self._stagings.begin()  # on the caller's thread: the stream the destinations belong to
         for req in plan.items:
             finishers.append(self._plan_item(req, planner, reads))
+        self._stagings.wait_current()  # copies into the destinations come after their allocation
         transfer = self._session.transfer
-        self._session.object_store.read_ranges(
-            reads, executor=self._session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
-        )
+        try:
+            self._session.object_store.read_ranges(
+                reads, executor=self._session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
+            )
+        finally:  # every host-to-device copy is done before DCP sees a tensor (or an error leaves the load)
+            self._stagings.drain()
         self._codec.close()  # decoding is done: stop its threads (recreated on next use)
         # Planner callbacks run on this thread, in plan order, once all bytes are in.
         for finish in finishers:
@@ -377,11 +389,12 @@ class S3StorageReader(Location, StorageReader):
             for lo, hi in zip(cuts, cuts[1:]):
                 self._add_read(reads, key, info, lo, hi, _slice_opener(view, lo - start, hi - start))
             return row0 == 0 and rows == rows_total
-        # Staged: whole rows into a bounded CPU buffer, then narrowed, cast and copied into dest.
+        # Staged: whole rows into a bounded CPU buffer (pinned for a CUDA dest), then narrowed, cast and copied.
+        staging = self._stagings.get(dest)
         rows_per_piece = max(1, max_bytes // max(1, row_bytes))
         for r in range(0, rows, rows_per_piece):
             n = min(rows_per_piece, rows - r)
-            piece = StagedRows(dest, sizes, dtype, req, r, n)
+            piece = StagedRows(dest, sizes, dtype, req, r, n, staging)
             start = (row0 + r) * row_bytes
             self._add_read(reads, key, info, start, start + n * row_bytes, piece.open, piece.done)
         return False

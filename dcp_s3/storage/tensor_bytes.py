@@ -12,6 +12,7 @@ bytes directly into the destination tensor.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, cast
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_s3._torch_compat import TORCH_VERSION
 from dcp_s3.errors import TorchCompatibilityError
+from dcp_s3.storage.staging import DeviceStaging, Event, device_chunks
 
 __all__ = ["TensorBlob", "tensor_blob", "raw_bytes_view", "streamable", "compact", "payload_chunks", "StagedRows"]
 
@@ -74,9 +76,10 @@ class TensorBlob:
     def length(self) -> int:
         return len(self.header) + self.tensor.nbytes + len(self.trailer)
 
-    def payload_chunks(self) -> Iterator[memoryview]:
-        """The raw bytes, as views of CPU memory (device tensors: bounded host copies)."""
-        return payload_chunks(self.tensor)
+    def payload_chunks(self, staging: DeviceStaging | None = None) -> Iterator[memoryview]:
+        """The raw bytes, as views of CPU memory (device tensors: bounded host copies, through
+        ``staging``'s pinned buffers when given: each view is then valid until the next is asked for)."""
+        return payload_chunks(self.tensor, staging)
 
 
 def compact(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,18 +92,24 @@ def compact(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def payload_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
+def payload_chunks(tensor: torch.Tensor, staging: DeviceStaging | None = None) -> Iterator[memoryview]:
     """The raw bytes of a compact tensor as views of CPU memory.
 
     A CPU tensor yields one view of its own memory (no copy); a device tensor is
-    copied to the host in chunks of at most ``DEVICE_COPY_CHUNK`` bytes.
+    copied to the host in chunks of at most ``DEVICE_COPY_CHUNK`` bytes — with ``staging``,
+    through its pinned buffers on its side stream (``staging.device_chunks``: a view is valid
+    only until the next is asked for), or as fresh pageable copies where it has none to give.
     """
     if tensor.nbytes == 0:
+        return
+    flat = tensor.reshape(-1).view(torch.uint8)
+    staged = device_chunks(flat, staging.pool, staging.stream) if staging is not None else None
+    if staged is not None:  # only CUDA tensors are given a staging (``Stagings.get``)
+        yield from staged
         return
     if tensor.device.type == "cpu":
         yield raw_bytes_view(tensor)
         return
-    flat = tensor.reshape(-1).view(torch.uint8)
     for start in range(0, flat.numel(), DEVICE_COPY_CHUNK):
         host = flat[start : start + DEVICE_COPY_CHUNK].to("cpu")
         yield host.numpy().data
@@ -183,26 +192,45 @@ def _save_frame(tensor: torch.Tensor) -> tuple[bytes, bytes]:
 
 class StagedRows:
     """Rows ``[r, r + n)`` of a read into a tensor the reader cannot fill in place (another device, dtype
-    or layout): staged in a bounded CPU buffer, then narrowed, cast and copied into ``dest``."""
+    or layout): staged in a bounded CPU buffer, then narrowed, cast and copied into ``dest``.
+
+    With ``staging`` (a CUDA ``dest``) the buffer is a pinned one from its pool and the copy is queued on
+    its side stream; the buffer goes back to the pool with the copy's event, and the reader waits for
+    every such copy (``DeviceStaging.pool.drain``) before DCP sees the tensor. Without a free pinned
+    buffer, or without ``staging``, a pageable buffer and a blocking ``copy_``, as before."""
 
     def __init__(
-        self, dest: torch.Tensor, sizes: torch.Size, dtype: torch.dtype, req: ReadItem, r: int, n: int
+        self, dest: torch.Tensor, sizes: torch.Size, dtype: torch.dtype, req: ReadItem, r: int, n: int,
+        staging: DeviceStaging | None = None,
     ) -> None:
         self.dest, self.sizes, self.dtype, self.req, self.r, self.n = dest, sizes, dtype, req, r, n
+        self.staging = staging
         self.buf: torch.Tensor | None = None
+        self.pinned: list[torch.Tensor] = []
 
     def open(self) -> memoryview:
         shape = (self.n, *self.sizes[1:]) if len(self.sizes) else ()
-        self.buf = torch.empty(shape, dtype=self.dtype)
+        nbytes = math.prod(shape) * self.dtype.itemsize
+        self.pinned = self.staging.pool.take(1, nbytes) if self.staging is not None and nbytes else []
+        if self.pinned:
+            self.buf = self.pinned[0][:nbytes].view(self.dtype).view(shape)
+        else:
+            self.buf = torch.empty(shape, dtype=self.dtype)
         return raw_bytes_view(self.buf)
 
     def done(self) -> None:
         assert self.buf is not None
         src = self.buf
+        dest = self.dest
         if len(self.sizes):
             for dim in range(1, len(self.sizes)):
                 src = src.narrow(dim, self.req.storage_offsets[dim], self.req.lengths[dim])
-            self.dest.narrow(0, self.r, self.n).copy_(src)
+            dest = dest.narrow(0, self.r, self.n)
+        if self.pinned:
+            assert self.staging is not None
+            event: Event = self.staging.stream.copy(dest, src)
+            self.staging.pool.give_back(self.pinned, event)  # reused once the copy has read it
+            self.pinned = []
         else:
-            self.dest.copy_(src)
+            dest.copy_(src)
         self.buf = None  # release the staging memory now, not when the plan ends

@@ -67,6 +67,7 @@ from dcp_s3.storage.job_progress import JobCount, following_job, forget_counts, 
 from dcp_s3.storage.options import check_compression
 from dcp_s3.storage.request_report import Meter, RankFigures, RankResults, own_rank, split_results, summary
 from dcp_s3.storage.session import Location, Session
+from dcp_s3.storage.staging import Stagings, save_pinned_bound
 
 __all__ = ["S3StorageWriter"]
 
@@ -163,6 +164,8 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
             endpoint_url=endpoint_url, region=region, profile=profile, request_args=request_args,
         )
         self._session = Session(path, client, transfer)
+        # Pinned staging of CUDA tensors (made at the first one, kept across saves until close).
+        self._stagings = Stagings(*save_pinned_bound(transfer.part_size, transfer.files_per_rank))
         codec = check_compression(compression, compression_level, compression_threads)
         self._codec = None if codec is None else Codec(level=codec[0], threads=codec[1])
         self.overwrite = overwrite
@@ -186,6 +189,11 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._reset_location(checkpoint_id)
         self.save_id = str(uuid.uuid4())
+
+    def close(self) -> None:
+        """Release the pinned host buffers kept for CUDA tensors (a later save makes new ones)."""
+        self._stagings.close()
+        BlockingAsyncStager.close(self)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id, modules=[FORMAT_TAG])
@@ -275,6 +283,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         object_store, executor = self._session.object_store, self._session.executor
         pool = BufferPool(transfer.max_concurrency + len(buckets), transfer.part_size)
         failed = threading.Event()
+        self._stagings.begin()  # on the caller's thread: the stream CUDA tensors come from
 
         def write_object(n: int, items: list[WriteItem]) -> list[WriteResult]:
             name = data_object_name(prefix.prefix, n, token)
@@ -282,7 +291,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
                 self._session.key(name), pool=pool, executor=executor, expected_size=planned_size(items)
             )
             try:
-                results = [write_item(writer, name, item, planner, failed, self._codec) for item in items]
+                results = [write_item(writer, name, item, planner, failed, self._codec, self._stagings) for item in items]
                 writer.close()
             except BaseException:
                 failed.set()
