@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from dcp_s3.storage import S3StorageReader, S3StorageWriter
     from dcp_s3.store import StorageOptions
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 # Imported on first use, so that ``import dcp_s3.objstore.base`` (the torch-free object stores) does not load
 # torch and DCP, and ``import dcp_s3`` stays cheap.
