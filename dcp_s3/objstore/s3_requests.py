@@ -55,6 +55,9 @@ _DENIED = {
     "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem",
 }
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
+#: What a server answers to a request header it does not implement (S3's own code for one: NotImplemented).
+_REFUSED_HEADER = {"NotImplemented", "InvalidArgument", "InvalidRequest"}
+_UPLOADS = {"PutObject", "UploadPart"}
 _WRONG_REGION = {"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException", "301"}
 # Errors raised while a response body is being read: botocore does not retry these.
 BODY_ERRORS = (
@@ -111,6 +114,12 @@ def translate_error(exc: BaseException, action: str, bucket: str, key: str | Non
             return ConfigError(f"{action} {where}: wrong region or endpoint for this bucket ({cause}){hint}; pass region=")
         if is_throttle(status, code):
             return _throttled(exc.response, action, where, cause)
+        if action in _UPLOADS and code in _REFUSED_HEADER:
+            cause += (
+                "; a server that refuses the x-amz-checksum-crc32c header dcp_s3 sends with each upload takes "
+                "uploads without it under AWS_REQUEST_CHECKSUM_CALCULATION=when_required (loads still check the "
+                "CRC32C in .metadata)"
+            )
         return S3TransferError(f"{action} {where} failed: {cause}")
     if isinstance(exc, DcpS3Error):
         return exc

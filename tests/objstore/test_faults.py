@@ -345,3 +345,12 @@ def test_get_bodies_are_read_through_public_response_apis_only() -> None:
             if name in private:
                 found.append(f"{path.name}:{node.lineno} {name}")
     assert not found, found
+
+
+def test_an_upload_refused_as_not_implemented_names_the_checksum_setting(proxy: FaultProxy, bucket: str) -> None:
+    """A server that answers an upload's headers with 501 NotImplemented (as some do for x-amz-checksum-*):
+    the error says which setting makes uploads go without the checksum header."""
+    proxy.set_rules([Rule({"PutObject"}, "501")])
+    with pytest.raises(ERRORS) as info:
+        dcp.save({"w": torch.ones(4)}, storage_writer=_writer(f"s3://{bucket}/refused", proxy))
+    assert "NotImplemented" in str(info.value) and "AWS_REQUEST_CHECKSUM_CALCULATION=when_required" in str(info.value)
