@@ -27,7 +27,7 @@ __all__ = ["METADATA_FORMATS", "AUTO_COMPACT_CHUNKS", "metadata_format_option", 
 #: ``metadata_format`` values of ``dump_metadata`` (and ``S3StorageWriter``).
 METADATA_FORMATS = ("dcp", "compact", "auto")
 #: ``"auto"`` writes the compact format above this many tensor chunks: a stock pickle of that many is
-#: ~8 MB, ~2 s of restricted unpickling on every rank (README "Compact metadata").
+#: ~8 MB, ~2 s of restricted unpickling on every rank (docs/many-ranks.md, "Compact metadata").
 AUTO_COMPACT_CHUNKS = 50_000
 
 

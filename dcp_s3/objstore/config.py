@@ -103,7 +103,7 @@ class TransferConfig:
 
     Part buffers of a save hold at most ``(max_concurrency + files_per_rank) * P`` bytes, ``P`` being
     ``part_size``, or ``buffers.fit_part_size(part_size, size)`` for the largest object when it would
-    exceed 10,000 parts (see README "Memory").
+    exceed 10,000 parts (see docs/configuration.md, "Memory").
     """
 
     #: Bytes per multipart part (5 MiB..5 GiB); enlarged when an object would exceed 10,000 parts.
@@ -175,7 +175,7 @@ class ClientConfig:
     #: operation, object and this setting), without a retry. Bounds one part or one whole-object read.
     request_deadline: float = 600.0
     #: Pace requests per (bucket, key prefix, read/write) and retry throttled ones (SlowDown, 503, 429)
-    #: until ``throttle_deadline`` (README "Many ranks, one bucket"); False: botocore's retries alone.
+    #: until ``throttle_deadline`` (docs/many-ranks.md, "Many ranks, one bucket"); False: botocore's retries alone.
     rate_control: bool = True
     #: Seconds a request may go on being refused as throttled before it fails (``S3ThrottledError``).
     throttle_deadline: float = 300.0

@@ -24,7 +24,7 @@ reaches (roughly 5–10 GB/s against 25–50 GB/s pinned on an H100/H200 host). 
   CUDA device, at the first CUDA tensor met: CPU tensors never get one, so CPU-only processes take
   exactly the path they took before. Every wait for a queued copy has a deadline (``wait_copy``).
 
-Memory bound (README "Memory"): a save holds at most ``2 * files_per_rank * part_size`` pinned bytes
+Memory bound (docs/configuration.md, "Memory"): a save holds at most ``2 * files_per_rank * part_size`` pinned bytes
 (two buffers per serializer thread) on top of its part buffers; a load at most
 ``max_concurrency * max_range_size`` (its pageable staging bound, now page-locked instead).
 """

@@ -110,7 +110,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
             five arguments above override its fields.
         part_size: multipart part size; part buffers of a save hold at most
             ``(max_concurrency + files_per_rank) * fit_part_size(part_size, largest object)`` bytes
-            (see README "Memory").
+            (see docs/configuration.md, "Memory").
         max_concurrency: parallel part uploads per process.
         files_per_rank: data objects per rank, each serialized by its own thread.
         transfer: full engine settings; the three arguments above override its fields.

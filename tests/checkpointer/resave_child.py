@@ -1,4 +1,4 @@
-"""The README loop's re-save of its resume step in a child process, held at a chosen phase.
+"""The Getting started loop (docs/getting-started.md)'s re-save of its resume step in a child process, held at a chosen phase.
 
     python tests/resave_child.py HELD RELEASE PHASE first ROOT
     python tests/resave_child.py HELD RELEASE PHASE resave ROOT [ASYNC]

@@ -1,6 +1,6 @@
 """A Checkpointer step re-saved all or nothing: killed at any phase, the next load is entirely old or new.
 
-The README loop (resume at 1000, train, save at 1000 again) runs in a child process
+The Getting started loop (docs/getting-started.md) (resume at 1000, train, save at 1000 again) runs in a child process
 (``tests/resave_child.py``) held at a phase of the save and SIGKILLed there; a fresh process then
 loads, and model, optimizer and scheduler state are compared bit-exact with the old save and
 with the new one. Local directories for every phase, the session's SeaweedFS for some.

@@ -32,7 +32,7 @@ RUN = "run"  # the checkpoint folder's prefix in the bucket
 
 @pytest.fixture(autouse=True)
 def _torchtitan_installed() -> None:
-    """No silent skip: the full suite's setup (.ci/run, README "Development") installs torchtitan. Checked when a
+    """No silent skip: the full suite's setup (.ci/run, docs/development.md) installs torchtitan. Checked when a
     test runs, not when the module is collected, so that runs selecting other tests (the torch-range subset on
     torch releases torchtitan does not import on) collect this file."""
     try:

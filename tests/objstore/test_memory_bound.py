@@ -1,5 +1,5 @@
 """The memory bound of a save, measured: RSS growth of a real save in a fresh process, with ``awscrt``
-importable and with it blocked (README "Memory").
+importable and with it blocked (docs/configuration.md, "Memory").
 
 ``awscrt`` (``boto3[crt]``, many training images) changes botocore's code paths: with it, botocore signs
 with its CRT signer, which copied every bytes-like part body whole; glibc kept those copies resident,
@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SAVE_MIB = 256  # 16 tensors of 16 MiB: 16 parts of the default 16 MiB, more than the pool's 9 buffers
 
 _defaults = TransferConfig()
-#: README "Memory": a save holds at most (max_concurrency + files_per_rank) x part_size of part buffers.
+#: docs/configuration.md, "Memory": a save holds at most (max_concurrency + files_per_rank) x part_size of part buffers.
 PART_BUFFERS = (_defaults.max_concurrency + _defaults.files_per_rank) * _defaults.part_size
 #: What a save holds besides its part buffers: botocore's client and S3 service model, threads, DCP's
 #: plan and metadata (measured ~40 MiB at 256 MiB and at 1 GiB), with room for a noisy machine.

@@ -221,7 +221,7 @@ def test_buffer_pool_counts_the_bytes_it_holds() -> None:
 
 def test_memory_bound_holds_when_parts_are_enlarged(bucket: str, s3_env: LocalS3Server) -> None:
     """An object declared too large for 10,000 parts of ``part_size`` gets larger parts; the pool's
-    bytes stay within ``count * enlarged part size`` (README "Memory")."""
+    bytes stay within ``count * enlarged part size`` (docs/configuration.md, "Memory")."""
     t = s3_object_store(s3_env, bucket)
     declared = 60 << 30  # 60 GiB: 12,288 parts of 5 MiB, so parts grow to 10 MiB
     pool = BufferPool(3, 5 * MiB)

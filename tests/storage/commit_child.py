@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
             optim.step()
             ckpt.save({"m": m}, {"m": optim}, iteration=1000)
             return 0
-        start = ckpt.load({"m": m}, {"m": optim})  # the README loop: resume, then save at that step again
+        start = ckpt.load({"m": m}, {"m": optim})  # the Getting started loop (docs/getting-started.md): resume, then save at that step again
         assert start == 1000, start
         train_a_bit(m, optim)
         ckpt.save({"m": m}, {"m": optim}, iteration=start)

@@ -183,7 +183,7 @@ def test_concurrent_saves_without_overwrite_one_wins_one_fails(
     assert set(data_keys(s3_env.client(), bucket, "excl/")) == referenced(s3_env, bucket, "excl")
 
 
-# -- the README loop re-saving its resume step, killed mid-save -----------------------------------------------
+# -- the Getting started loop (docs/getting-started.md) re-saving its resume step, killed mid-save -----------------------------------------------
 def _resumed(root: str) -> tuple[int, dict[str, torch.Tensor]]:
     """Resume like the next job would: the iteration, and the model and momentum state it restored."""
     m = model(7)  # another init: everything must come from the checkpoint
