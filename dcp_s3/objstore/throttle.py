@@ -81,23 +81,7 @@ MIN_ANSWERS = 4  # answers since the last decrease before their accepted fractio
 IDLE_FORGET_S = 600.0  # a key unused this long is forgotten when the next save or load plans (its parent's learnt rate stays)
 LEARNT_DOUBLING_S = 5.0  # a learnt rate below the share doubles this often since its key's last refusal
 START_FRACTION = 0.125  # a key never starts (a save or load never plans) below this fraction of its share
-POLLS_PER_SECOND = 2000.0
-STALE = 1
-INTERVALS = 1.0
-CAPX = 30.0
-ALONE_ONLY = 1
-INC2 = 0.002
-UNIT = 1
-ACCEL = 3.0
-SS = 0.125
-SS_GAIN = 1.0
-DI = 1.0
-USEACC = 1
-NEWGROW = 0
-MEMORY = 8.0
-TARGET = 0.03
-GAIN = 0.2
-PCAP = 0.125  # a job's ranks ask its JobProgress at most this often in all (and each at most once a second)
+POLLS_PER_SECOND = 2000.0  # a job's ranks ask its JobProgress at most this often in all (and each at most once a second)
 
 
 class JobProgress(Protocol):
@@ -174,10 +158,6 @@ class _Bucket:
         self.tokens = random.random()  # a random phase: ranks starting together do not send together
         self.stamp = self.grown_at = now
         self.in_flight = 0
-        self.refused_share = 0.0
-        self.born = now
-        self.slow_start = False
-        self.stale = 0  # answers still to come of attempts sent before the last cut: they say nothing of the new rate
         self.last_decrease = -math.inf
         self.paced_at = -math.inf  # when a request last had to wait for a token
         self.answers: deque[bool] = deque(maxlen=4 * MIN_ANSWERS)  # since the last decrease: accepted or not
@@ -188,26 +168,12 @@ class _Bucket:
         self.tokens = min(burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
 
-    def succeeded(self, now: float, alone: bool = False) -> None:
-        self.refused_share -= self.refused_share / MEMORY
-        if self.stale:
-            self.stale -= 1
-        else:
-            self.answers.append(True)
+    def succeeded(self, now: float) -> None:
+        self.answers.append(True)
         if now - self.paced_at < max(1.0, 2.0 / self.rate):  # only a rate that limits grows: no climb while idle
             dt = min(1.0, now - self.grown_at)  # growth per second, not per answer: no jump at a low rate
-            if self.slow_start:
-                self.rate = min(self.start_rate, self.rate * (1.0 + SS_GAIN * dt))
-                self.slow_start = self.rate < self.start_rate
-            elif NEWGROW and self.rate < self.start_rate:
-                gate = max(0.0, 1.0 - self.refused_share / TARGET)
-                self.rate = min(self.start_rate, self.rate * (1.0 + GAIN * gate * dt))
-            elif self.rate < self.ceiling:  # back to the last rate that was not refused: exponential
+            if self.rate < self.ceiling:  # back to the last rate that was not refused: exponential
                 self.rate = min(self.ceiling, self.rate * (1.0 + RECOVERY_GAIN * dt))
-            elif ACCEL and (alone or not ALONE_ONLY) and self.rate < self.start_rate:
-                since = now - max(self.refused_at, self.born)
-                step = INC2 * (self.start_rate if UNIT else self.ceiling) * dt * 2.0 ** min(CAPX, since / ACCEL)
-                self.rate = min(self.start_rate, self.rate + step)
             else:  # above it (above the share, before any refusal): probing, additive
                 self.rate += INCREASE * self.ceiling * dt
             self._note_rate()
@@ -215,26 +181,20 @@ class _Bucket:
 
     def refused(self, now: float, decrease_interval: float) -> None:
         self.stats.refusals += 1
-        self.refused_share = min(PCAP, self.refused_share + (1 - self.refused_share) / MEMORY)
-        self.unrefused = False
-        self.slow_start = False
-        self.grown_at = self.refused_at = now
-        if self.stale and STALE:
-            self.stale -= 1
-            return
         self.answers.append(False)
-        if now - self.last_decrease < max(decrease_interval * DI, INTERVALS / self.rate):
+        self.unrefused = False
+        self.grown_at = self.refused_at = now
+        if now - self.last_decrease < max(decrease_interval, 1.0 / self.rate):
             return
         self.last_decrease = now
         # Cut to DECREASE x the rate, or lower to what the store accepted of the attempts since the last cut
         # (a budget far above the capacity, most of it refused, is left in a step or two; never below a
         # quarter at once, and only from enough answers: a slow rank's few answers say little).
-        accepted = sum(self.answers) / len(self.answers) if USEACC and len(self.answers) >= MIN_ANSWERS else 1.0
+        accepted = sum(self.answers) / len(self.answers) if len(self.answers) >= MIN_ANSWERS else 1.0
         level = self.rate * max(0.25, min(1.0, accepted))  # what the store took
         self.rate = max(self.floor, DECREASE * level)
         self.ceiling = max(self.rate, RECOVER * level)  # regained quickly, then probed for additively
         self.answers.clear()
-        self.stale = self.in_flight  # attempts sent at the rate just cut
         self.tokens = min(self.tokens, 0.0)
         self._note_rate()
 
@@ -359,9 +319,6 @@ class RateController:
             bucket = self._buckets[key] = _Bucket(
                 self._start_rate(key), self._clock(), None if learnt is None else (learnt[0] * self._scale, learnt[1])
             )
-            if SS and learnt is None and self.share >= 1.0 and self._progress is None:
-                bucket.rate = max(bucket.floor, SS * bucket.start_rate)
-                bucket.slow_start = True
         return bucket
 
     def _learn(self, key: RateKey, bucket: _Bucket) -> None:
@@ -431,7 +388,7 @@ class RateController:
             if refused:
                 bucket.refused(now, self.decrease_interval)
             else:
-                bucket.succeeded(now, self._progress is None and self.share >= 1.0)
+                bucket.succeeded(now)
             self._learn(key, bucket)
             self._cond.notify_all()
 
