@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -376,7 +377,11 @@ def main() -> None:
     with LocalS3Server.start("seaweedfs") as server:
         bucket = server.create_bucket(common.new_bucket_name("throttle"))
         rows = measure_job(server, bucket, args, [i for i in plan if i["scenario"] != "independent"])
-        rows += [measure_independent(server, bucket, args, i) for i in plan if i["scenario"] == "independent"]
+        try:
+            rows += [measure_independent(server, bucket, args, i) for i in plan if i["scenario"] == "independent"]
+        finally:  # the extracted --baseline-ref trees
+            for src in {i["src"] for i in plan if "src" in i}:
+                shutil.rmtree(src, ignore_errors=True)
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
     common.write_json(out, {"benchmark": "throttle", "rows": rows, "machine": common.machine_info(),
