@@ -17,7 +17,8 @@ controller's overhead against botocore alone), ``hot`` (one prefix at each overl
 told ``--budget-multiples`` x the enforced rate), ``prefixes`` (``key_prefixes=4``, one of them hot),
 ``drop`` (the capacity halves mid-save), ``uneven`` (rank 0 has 4x the objects of the others: the
 ranks still sending must take up what the finished ones leave), ``load`` (every rank loads its shards with throttled ranged GETs),
-``independent`` (contrast: separate processes, each its own no_dist save and told the whole budget).
+``independent`` (separate processes, each its own no_dist save and told the whole budget; ``--baseline-ref REF``
+runs the same savers on the code at git ``REF`` too, interleaved, for before and after in one run).
 Reported: failed saves, makespan / ideal, attempts per accepted request, refused fraction (all, and in steady
 state: the second half of the makespan), goodput (accepted requests per second over the enforced rate), p99
 request latency (retries included), spread of finish times, and in the JSON the refused fraction per 5 s from the
@@ -30,9 +31,11 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -129,14 +132,14 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_independent(proxy: Any, bucket: str, env: dict[str, str], mode: str, args: argparse.Namespace,
-                    budget: float, run: str) -> list[dict[str, Any]]:
+                    budget: float, run: str, src: Path = common.REPO_ROOT) -> list[dict[str, Any]]:
     start_at = time.time() + 8 + 2 * args.ranks  # every saver has imported torch by then
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "benchmarks.throttle", "--child", "--mode", mode, "--endpoint", proxy.url,
              "--uri", f"s3://{bucket}/{run}/saver-{i}", "--rate", str(budget), "--objects", str(args.objects),
              "--start-at", str(start_at)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=common.REPO_ROOT,
+            env={**env, "PYTHONPATH": str(src)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=src,
         )
         for i in range(args.ranks)
     ]
@@ -260,16 +263,29 @@ def measure_job(server: Any, bucket: str, args: argparse.Namespace, items: list[
 
 
 def measure_independent(server: Any, bucket: str, args: argparse.Namespace, item: dict[str, Any]) -> dict[str, Any]:
-    """The contrast: separate processes, each its own no_dist save, each told the whole budget."""
+    """Separate processes, each its own no_dist save, each told the whole budget (issue 39). ``item["src"]``: the
+    source tree the savers import (``--baseline-ref``'s extracted copy for the "before" rows)."""
     from throttle_proxy import ThrottleProxy
 
-    env = {**os.environ, **server.env(), "PYTHONPATH": str(common.REPO_ROOT)}
+    item = dict(item)
+    src, label = item.pop("src", common.REPO_ROOT), item.pop("label", None)
+    env = {**os.environ, **server.env()}
     prep = prepare(server, bucket, args, **item)
     with ThrottleProxy(server.endpoint_url, **prep["proxy_kw"]) as proxy:
-        results = run_independent(proxy, bucket, env, item["mode"], args, prep["budget"], prep["run"])
+        results = run_independent(proxy, bucket, env, item["mode"], args, prep["budget"], prep["run"], Path(src))
         events = list(proxy.events)
-    return {**summarize(results, events, "write", prep["row"]["enforced_rate"], None, None, prep["burst"]),
-            **prep["row"]}
+    row = {**summarize(results, events, "write", prep["row"]["enforced_rate"], None, None, prep["burst"]),
+           **prep["row"]}
+    return {**row, "mode": f"{row['mode']} ({label})"} if label else row
+
+
+def baseline_tree(ref: str) -> Path:
+    """The repository's ``dcp_s3``, ``benchmarks`` and ``tests`` at git ``ref``, extracted to a temporary directory."""
+    out = Path(tempfile.mkdtemp(prefix="throttle-baseline-"))
+    archive = subprocess.run(["git", "archive", ref, "dcp_s3", "benchmarks", "tests"], cwd=common.REPO_ROOT,
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
 
 
 def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -324,6 +340,9 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--out", default=str(common.RESULTS_DIR / "throttle.json"))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md of --out from its .json")
+    ap.add_argument("--baseline-ref", default=None,
+                    help="independent scenario: also run the savers on the code at this git ref, interleaved")
+    ap.add_argument("--repeats", type=int, default=1, help="independent scenario: runs of each controller")
     args = ap.parse_args()
     if args.render:
         saved = json.loads(Path(args.out).read_text())
@@ -348,13 +367,21 @@ def main() -> None:
         if scenario in scenarios:
             plan += [{"scenario": scenario, "mode": m, "overload": 20.0} for m in modes]
     if "independent" in scenarios:
-        plan += [{"scenario": "independent", "mode": "controller", "overload": 20.0}]
+        item = {"scenario": "independent", "mode": "controller", "overload": 20.0}
+        for _ in range(args.repeats):
+            if args.baseline_ref:
+                plan += [{**item, "src": baseline_tree(args.baseline_ref), "label": args.baseline_ref}]
+            plan += [{**item, "label": "this tree"} if args.baseline_ref else item]
     t0 = time.monotonic()
     out = Path(args.out)
     with LocalS3Server.start("seaweedfs") as server:
         bucket = server.create_bucket(common.new_bucket_name("throttle"))
         rows = measure_job(server, bucket, args, [i for i in plan if i["scenario"] != "independent"])
-        rows += [measure_independent(server, bucket, args, i) for i in plan if i["scenario"] == "independent"]
+        try:
+            rows += [measure_independent(server, bucket, args, i) for i in plan if i["scenario"] == "independent"]
+        finally:  # the extracted --baseline-ref trees
+            for src in {i["src"] for i in plan if "src" in i}:
+                shutil.rmtree(src, ignore_errors=True)
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
     common.write_json(out, {"benchmark": "throttle", "rows": rows, "machine": common.machine_info(),

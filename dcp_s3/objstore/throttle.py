@@ -23,11 +23,16 @@ of a job saves at the same moment, so a large job meets it exactly when it check
 - a refusal cuts the rate to ``DECREASE`` × the rate sent × the fraction of the answers since the
   last cut that were accepted (at least ``MIN_ANSWERS`` of them, else the fraction counts as 1; at
   most a quarter at once): a budget far above the capacity, most of it refused, is left in a step or
-  two, while a rank that meets one refusal among many answers loses only ``1 - DECREASE``. At most
-  one cut per ``decrease_interval`` and per request interval, so a burst of refusals counts once.
-  After a cut the rate regains ``RECOVER`` × the level it was cut from exponentially
-  (``RECOVERY_GAIN`` of itself per second, per second of answers, never per answer: no jump at a low
-  rate), then probes additively again;
+  two, while a rank that meets one refusal among many answers loses only ``1 - DECREASE``. Refusals of
+  attempts in flight at a cut (sent at the rate cut) do not cut again; any other does, however soon, so
+  the key sending most is cut most often. After a cut the rate regains ``RECOVER`` × the level it was cut
+  from exponentially (``RECOVERY_GAIN`` of itself per second, per second of answers, never per answer: no
+  jump at a low rate), then probes additively again;
+- a process *alone* (one rank per prefix, no rank of its job to follow: one of several independent jobs
+  sharing a prefix, each told the whole budget) is told by nothing but refusals that the others finished:
+  below its budget its probe is ``PROBE_INCREASE`` × the budget per second (the same step for every such
+  process: their rates converge), doubling every ``PROBE_DOUBLING_S`` since its last refusal, and never
+  less than the additive probe;
 - no cut goes below ``MIN_RATE``, or below the start rate where that is lower: a rank's share of
   0.17 requests/s is honoured, not rounded up (``ranks × MIN_RATE`` can exceed a small capacity);
 - while a save or load runs, the controller can follow the job's progress (:meth:`RateController.follow`:
@@ -78,6 +83,8 @@ RECOVER = 0.85  # after a decrease the rate grows back exponentially to this fra
 MIN_RATE = 0.05  # requests per second: the lowest rate a decrease reaches (lower if the key started lower)
 RECOVERY_GAIN = 0.2  # below the level to regain, the rate grows by this fraction of itself per second while paced
 MIN_ANSWERS = 4  # answers since the last decrease before their accepted fraction may set the next one
+PROBE_INCREASE = 0.002  # a process alone, below its budget: its probe per second starts at this fraction of it...
+PROBE_DOUBLING_S = 2.0  # ...and doubles this often while nothing is refused
 IDLE_FORGET_S = 600.0  # a key unused this long is forgotten when the next save or load plans (its parent's learnt rate stays)
 LEARNT_DOUBLING_S = 5.0  # a learnt rate below the share doubles this often since its key's last refusal
 START_FRACTION = 0.125  # a key never starts (a save or load never plans) below this fraction of its share
@@ -158,6 +165,8 @@ class _Bucket:
         self.tokens = random.random()  # a random phase: ranks starting together do not send together
         self.stamp = self.grown_at = now
         self.in_flight = 0
+        self.stale = 0  # answers still to come of attempts sent before the last cut: they do not cut again
+        self.born = now
         self.last_decrease = -math.inf
         self.paced_at = -math.inf  # when a request last had to wait for a token
         self.answers: deque[bool] = deque(maxlen=4 * MIN_ANSWERS)  # since the last decrease: accepted or not
@@ -168,12 +177,19 @@ class _Bucket:
         self.tokens = min(burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
 
-    def succeeded(self, now: float) -> None:
-        self.answers.append(True)
+    def succeeded(self, now: float, alone: bool) -> None:
+        if self.stale:
+            self.stale -= 1
+        else:
+            self.answers.append(True)
         if now - self.paced_at < max(1.0, 2.0 / self.rate):  # only a rate that limits grows: no climb while idle
             dt = min(1.0, now - self.grown_at)  # growth per second, not per answer: no jump at a low rate
             if self.rate < self.ceiling:  # back to the last rate that was not refused: exponential
                 self.rate = min(self.ceiling, self.rate * (1.0 + RECOVERY_GAIN * dt))
+            elif alone and self.rate < self.start_rate:  # nothing tells it the others finished: ever faster
+                quiet = now - max(self.refused_at, self.born)
+                probe = PROBE_INCREASE * self.start_rate * 2.0 ** min(30.0, quiet / PROBE_DOUBLING_S)
+                self.rate = min(self.start_rate, self.rate + max(INCREASE * self.ceiling, probe) * dt)
             else:  # above it (above the share, before any refusal): probing, additive
                 self.rate += INCREASE * self.ceiling * dt
             self._note_rate()
@@ -181,10 +197,13 @@ class _Bucket:
 
     def refused(self, now: float, decrease_interval: float) -> None:
         self.stats.refusals += 1
-        self.answers.append(False)
         self.unrefused = False
         self.grown_at = self.refused_at = now
-        if now - self.last_decrease < max(decrease_interval, 1.0 / self.rate):
+        if self.stale:  # sent at the rate already cut
+            self.stale -= 1
+            return
+        self.answers.append(False)
+        if now - self.last_decrease < decrease_interval:
             return
         self.last_decrease = now
         # Cut to DECREASE x the rate, or lower to what the store accepted of the attempts since the last cut
@@ -195,6 +214,7 @@ class _Bucket:
         self.rate = max(self.floor, DECREASE * level)
         self.ceiling = max(self.rate, RECOVER * level)  # regained quickly, then probed for additively
         self.answers.clear()
+        self.stale = self.in_flight  # (this answer's attempt no longer counts as in flight)
         self.tokens = min(self.tokens, 0.0)
         self._note_rate()
 
@@ -227,11 +247,12 @@ class RateController:
     :meth:`release` with its outcome after it.
 
     ``write_rate``/``read_rate``: the per-prefix budget of the whole job (S3's published figures
-    by default); a rank starts at its :meth:`set_share` of it.
+    by default); a rank starts at its :meth:`set_share` of it. ``decrease_interval``: at least this long
+    between two cuts of a key (none by default: refusals of attempts sent before a cut never cut again).
     """
 
     def __init__(
-        self, *, write_rate: float = 3500.0, read_rate: float = 5500.0, decrease_interval: float = 0.25,
+        self, *, write_rate: float = 3500.0, read_rate: float = 5500.0, decrease_interval: float = 0.0,
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] | None = None,
     ) -> None:
         self.budget = {"write": float(write_rate), "read": float(read_rate)}
@@ -306,6 +327,11 @@ class RateController:
                 if self._progress is progress:
                     self._rescale(progress.ranks / min(progress.ranks, max(1, active)))
                     self._cond.notify_all()
+
+    def _alone(self) -> bool:
+        """One rank per prefix and no other rank of the job to follow: nothing but the store's answers can tell
+        this process that others sharing its prefixes (other jobs) have finished."""
+        return self.share >= 1.0 and (self._progress is None or self._progress.ranks <= 1)
 
     def _start_rate(self, key: RateKey) -> float:
         return max(1e-3, self.budget[key.kind] * self.share * self._scale)
@@ -388,7 +414,7 @@ class RateController:
             if refused:
                 bucket.refused(now, self.decrease_interval)
             else:
-                bucket.succeeded(now)
+                bucket.succeeded(now, self._alone())
             self._learn(key, bucket)
             self._cond.notify_all()
 
