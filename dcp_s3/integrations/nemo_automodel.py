@@ -16,31 +16,26 @@ adaptation, planners, loads) whose storage, on an ``s3://`` ``checkpoint_dir``, 
 What one save holds, and its commit. A NeMo checkpoint ``<checkpoint_dir>/<name>/`` is two DCP checkpoints
 (``model/``, ``optim/``), perhaps more (``save_distributed_state``), and small files: the RNG state of every
 rank (``save_on_global_ranks``), the data loader state of every data-parallel rank (``save_on_dp_ranks``),
-``losses.json``, ``config.yaml`` and other ``<key>.pt`` state (:meth:`S3Checkpointer.save_losses`,
-:meth:`~S3Checkpointer.save_config`, :meth:`~S3Checkpointer.save_state`: the recipe's local writes). On S3:
+and what NeMo's recipes write themselves with ``open``/``torch.save`` — ``losses.json``, ``config.yaml``,
+``<key>.pt`` — here :meth:`S3Checkpointer.save_losses`, :meth:`~S3Checkpointer.save_config`,
+:meth:`~S3Checkpointer.save_state`. On S3 (:mod:`dcp_s3.integrations.nemo_commit`):
 
 - ``lifecycle.reserve(path)`` (every rank, before anything is written, as NeMo's recipes call it) draws one
   *save token* on rank 0 and shares it; a checkpoint already committed at ``path`` is a ``FileExistsError``,
-  as NeMo's own rule for published checkpoints;
-- every object of the save is written below ``<name>/save.<token>/`` in NeMo's own layout (``model/``,
-  ``optim/``, ``rng/rng_global_rank_<r>.pt``, ``dataloader/dataloader_dp_rank_<d>.pt``, ...): no object of
-  another save is ever touched, so an interrupted save is replaced by writing a new one, never by deleting;
-- ``lifecycle.publish(path)`` (every rank) gathers what each rank wrote and rank 0 writes the commit
-  ``<name>/dcp_s3_commit.json`` (:data:`COMMIT`), one conditional PUT that never replaces another: the
-  token, the DCP parts (each already committed by its ``.metadata``) and every small file with its size.
-  Until then ``<name>`` is no checkpoint.
+  NeMo's own rule for published checkpoints;
+- every object of the save goes below ``<name>/save.<token>/``, in NeMo's layout: no object of another save
+  is ever touched, so an interrupted save is replaced by writing a new one, never by deleting;
+- ``lifecycle.publish(path, ...)`` (every rank) gathers what each rank wrote, and rank 0 writes the commit
+  ``<name>/dcp_s3_commit.json`` (:data:`COMMIT`) with a PUT that never replaces another. Until then ``<name>``
+  is no checkpoint.
 
-One save per load: the first load call of a checkpoint reads its commit once (rank 0) and shares it; every
-part and file of that checkpoint is then read below the one ``save.<token>/`` it names, and a file the commit
-does not list (or of another size) is refused. The commit is checked field by field before use (a bounded
-JSON document; names of one path component each); ``.pt`` files are loaded with dcp_s3's checks of untrusted
-archives (:func:`dcp_s3.untrusted.torch_files.torch_load`) and ``weights_only`` unless the config's
-``allow_legacy_pickle_restore`` says the checkpoint is trusted.
-
-Retention (``max_recent_checkpoints``) deletes by ownership (:mod:`dcp_s3.checkpointer.ownership`): under the
-configured ``checkpoint_dir``, ``epoch_<E>_step_<S>`` names (NeMo's) whose commit and DCP parts are there; the
-newest ``max_recent_checkpoints`` by step stay; a name without a commit (a save in progress, a crash) is
-neither counted nor deleted. A checkpoint is deleted commit first, then the rest of its prefix.
+One save per load: the first load call for a checkpoint reads its commit once (rank 0, shared); every part
+and file is then read below the one ``save.<token>/`` it names, and a file it does not list (or of another
+size) is refused. The commit is checked field by field before use; ``.pt`` files are loaded with dcp_s3's
+checks of untrusted archives (:func:`dcp_s3.untrusted.torch_files.torch_load`), ``weights_only`` unless the
+config's ``allow_legacy_pickle_restore`` says the checkpoint is trusted. Retention (``max_recent_checkpoints``)
+deletes by ownership: committed ``epoch_<E>_step_<S>`` checkpoints under the configured ``checkpoint_dir``
+only, the newest ``max_recent_checkpoints`` by step kept; a name without a commit is neither counted nor deleted.
 
 Not supported on ``s3://`` (a ``ConfigError`` when the config is made): ``model_save_format="safetensors"`` and
 consolidated HF exports (NeMo writes them through its own file-system writer and consolidation), PEFT adapters
@@ -60,7 +55,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -82,37 +76,16 @@ from nemo_automodel.components.checkpoint.config import CheckpointingConfig, Sav
 from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
 from nemo_automodel.components.checkpoint.utils import find_latest_checkpoint
 
-from dcp_s3.checkpointer.ownership import Ownership
-from dcp_s3.checkpointer.ranks import Ranks, distributed, world_size
-from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, ConfigError
+from dcp_s3.checkpointer.ranks import distributed, world_size
+from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from dcp_s3.integrations.lightning_io import s3_location
-from dcp_s3.layout import METADATA_KEY, new_token
-from dcp_s3.store.base import Store
+from dcp_s3.integrations.nemo_commit import COMMIT, COMPONENT, Saves, split_part
 from dcp_s3.store.storage_options import StorageOptions
 from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
-__all__ = ["S3CheckpointingConfig", "S3Checkpointer", "S3CheckpointLifecycle", "COMMIT", "CHECKPOINT_NAMES"]
+__all__ = ["S3CheckpointingConfig", "S3Checkpointer", "S3CheckpointLifecycle", "COMMIT"]
 
 logger = logging.getLogger("dcp_s3")
-
-#: The commit of a checkpoint, written last by rank 0 (a JSON document; see the module's docstring).
-COMMIT = "dcp_s3_commit.json"
-#: The commit's format tag.
-FORMAT = "dcp_s3.nemo_automodel/1"
-#: The directory of one save's objects inside a checkpoint: ``save.<token>``.
-SAVE_DIR = "save."
-#: NeMo's checkpoint names (``epoch_<E>_step_<S>``, as ``list_automodel_checkpoints`` matches them).
-CHECKPOINT_NAMES = re.compile(r"epoch_\d+_step_(\d+)")
-#: The largest commit read (NeMo's are a few kilobytes) and the largest small file it may list.
-MAX_COMMIT_BYTES = 1 << 20
-MAX_FILE_BYTES = 1 << 30
-_TOKEN = re.compile(r"[0-9a-f]{16}")
-_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-
-def _clean_rel(rel: object) -> bool:
-    """Whether ``rel`` is a relative name of clean components (no ``.``/``..``, no empty part)."""
-    return isinstance(rel, str) and 0 < len(rel) <= 512 and all(_COMPONENT.fullmatch(c) for c in rel.split("/"))
 
 
 @contextlib.contextmanager
@@ -200,192 +173,6 @@ class S3CheckpointingConfig(CheckpointingConfig):
         )
 
 
-@dataclass(frozen=True)
-class _Commit:
-    """A committed save as its commit names it: token, DCP parts, small files (relative name -> size)."""
-
-    token: str
-    parts: tuple[str, ...]
-    files: dict[str, int]
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {"format": FORMAT, "save": self.token, "parts": list(self.parts), "files": self.files}, sort_keys=True
-        ).encode()
-
-    @classmethod
-    def parse(cls, data: bytes, where: str) -> _Commit:
-        """The commit stored at ``where``, checked field by field; ``CheckpointFormatError`` naming the field."""
-        try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise CheckpointFormatError(f"{where}: not a JSON document ({exc})") from None
-        if not isinstance(doc, dict) or set(doc) != {"format", "save", "parts", "files"}:
-            raise CheckpointFormatError(f"{where}: expected the keys format, save, parts, files")
-        if doc["format"] != FORMAT:
-            raise CheckpointFormatError(f"{where}: format {str(doc['format'])[:40]!r} is not {FORMAT!r}")
-        token, parts, files = doc["save"], doc["parts"], doc["files"]
-        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
-            raise CheckpointFormatError(f"{where}: save is not a save token (16 hex digits)")
-        if not isinstance(parts, list) or not all(isinstance(p, str) and _COMPONENT.fullmatch(p) for p in parts):
-            raise CheckpointFormatError(f"{where}: parts is not a list of names of one path component")
-        if not isinstance(files, dict) or not all(
-            _clean_rel(k) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_FILE_BYTES
-            for k, v in files.items()
-        ):
-            raise CheckpointFormatError(
-                f"{where}: files is not a map of clean relative names to sizes of at most {MAX_FILE_BYTES} bytes"
-            )
-        return cls(token, tuple(parts), dict(files))
-
-
-class _Saves:
-    """What an :class:`S3Checkpointer` and its lifecycle share: the store, the saves in progress on this rank,
-    the commits read (one per checkpoint, for the checkpointer's life), and the rank-0-then-share helper."""
-
-    def __init__(self, config: S3CheckpointingConfig) -> None:
-        self.config = config
-        self.options = config.options()
-        self.root = s3_location(config.checkpoint_dir)
-        self.ranks = Ranks()
-        self.pending: dict[str, tuple[str, list[str], dict[str, int]]] = {}  # ckpt -> (token, parts, my files)
-        self.commits: dict[str, _Commit] = {}
-        self._stores: dict[str, Store] = {}
-
-    def store(self, ckpt: str) -> Store:
-        """The store rooted at checkpoint ``ckpt`` (one per checkpoint, reused)."""
-        if ckpt not in self._stores:
-            self._stores[ckpt] = self.options.store(ckpt)
-        return self._stores[ckpt]
-
-    def root_store(self) -> Store:
-        assert self.root is not None
-        return self.store(self.root)
-
-    def close(self) -> None:
-        for store in self._stores.values():
-            store.close()
-        self._stores.clear()
-
-    # -- saving ---------------------------------------------------------------------------------------------
-
-    def begin(self, ckpt: str) -> None:
-        """Every rank: rank 0 refuses a committed ``ckpt`` and draws the save token; every rank records it."""
-
-        def draw() -> str:
-            if self.store(ckpt).size(COMMIT) is not None:
-                raise CheckpointExistsError(
-                    f"Checkpoint directory {ckpt} already holds a published checkpoint ({COMMIT}). Remove it "
-                    "(dcp-s3 rm), or point checkpoint.checkpoint_dir at a fresh directory, before re-running this step."
-                )
-            return new_token()
-
-        self.pending[ckpt] = (self.ranks.run_on_rank0(draw), [], {})
-        self.commits.pop(ckpt, None)
-
-    def _save(self, ckpt: str) -> tuple[str, list[str], dict[str, int]]:
-        save = self.pending.get(ckpt)
-        if save is None:
-            raise ConfigError(
-                f"{ckpt}: no save in progress; call checkpointer.lifecycle.reserve({ckpt!r}) on every rank first, "
-                "as NeMo's recipes do"
-            )
-        return save
-
-    def part_writer(self, ckpt: str, part: str) -> Any:
-        """A DCP writer for DCP part ``part`` of the save in progress at ``ckpt`` (recorded for its commit)."""
-        token, parts, _ = self._save(ckpt)
-        if part not in parts:
-            parts.append(part)
-        return self.options.writer(f"{ckpt}/{SAVE_DIR}{token}/{part}")
-
-    def write_file(self, ckpt: str, rel: str, data: bytes) -> None:
-        """Write small file ``rel`` of the save in progress at ``ckpt`` (recorded for its commit)."""
-        token, _, files = self._save(ckpt)
-        self.store(ckpt).write(f"{SAVE_DIR}{token}/{rel}", data)
-        files[rel] = len(data)
-
-    def commit(self, ckpt: str) -> None:
-        """Every rank: gather what each rank wrote; rank 0 checks each DCP part is committed and writes the commit
-        (never replacing one)."""
-        token, parts, files = self._save(ckpt)
-        gathered: list[Any] = [(parts, files)]
-        if distributed():
-            gathered = [None] * world_size()
-            dist.all_gather_object(gathered, (parts, files), group=self.ranks.control_group())
-        if any(sorted(p) != sorted(parts) for p, _ in gathered):
-            raise ConfigError(f"{ckpt}: the ranks saved different DCP parts: {[p for p, _ in gathered]}")
-        merged: dict[str, int] = {}
-        for _, rank_files in gathered:
-            merged.update(rank_files)
-        commit = _Commit(token, tuple(parts), merged)
-
-        def write() -> None:
-            store = self.store(ckpt)
-            missing = [p for p in parts if store.size(f"{SAVE_DIR}{token}/{p}/{METADATA_KEY}") is None]
-            if missing:
-                raise CheckpointNotFoundError(f"{ckpt}: DCP parts {missing} of save {token} are not committed")
-            store.write(COMMIT, commit.to_json(), overwrite=False)
-
-        self.ranks.run_on_rank0(write)
-        del self.pending[ckpt]
-        self.commits[ckpt] = commit
-        logger.info("committed NeMo checkpoint %s (save %s: parts %s, %d files)", ckpt, token, parts, len(merged))
-
-    # -- loading --------------------------------------------------------------------------------------------
-
-    def read_commit(self, store: Store, where: str) -> _Commit | None:
-        """The commit of the checkpoint ``store`` is rooted at, checked; None when there is none."""
-        size = store.size(COMMIT)
-        if size is None:
-            return None
-        if size > MAX_COMMIT_BYTES:
-            raise CheckpointFormatError(f"{where}/{COMMIT}: {size} bytes, more than a commit's {MAX_COMMIT_BYTES}")
-        return _Commit.parse(store.read(COMMIT), f"{where}/{COMMIT}")
-
-    def committed(self, ckpt: str) -> _Commit:
-        """The commit of ``ckpt``, read by rank 0 on the first call for it and shared (a collective then);
-        ``CheckpointNotFoundError`` when ``ckpt`` holds no committed checkpoint."""
-        if ckpt not in self.commits:
-
-            def read() -> _Commit:
-                commit = self.read_commit(self.store(ckpt), ckpt)
-                if commit is None:
-                    raise CheckpointNotFoundError(f"{ckpt}: no committed checkpoint there (no {COMMIT})")
-                return commit
-
-            self.commits[ckpt] = self.ranks.run_on_rank0(read)
-        return self.commits[ckpt]
-
-    def part_reader(self, ckpt: str, part: str) -> Any:
-        """A DCP reader for DCP part ``part`` of the committed save at ``ckpt``."""
-        commit = self.committed(ckpt)
-        if part not in commit.parts:
-            raise CheckpointNotFoundError(
-                f"{ckpt}: its save {commit.token} holds no DCP part {part!r} ({commit.parts})"
-            )
-        return self.options.reader(f"{ckpt}/{SAVE_DIR}{commit.token}/{part}")
-
-    def read_file(self, ckpt: str, rel: str) -> bytes | None:
-        """Small file ``rel`` of the committed save at ``ckpt``, or None when its commit lists none; a stored object
-        of another size than the commit says is a ``CheckpointFormatError``."""
-        commit = self.committed(ckpt)
-        size = commit.files.get(rel)
-        if size is None:
-            return None
-        name = f"{SAVE_DIR}{commit.token}/{rel}"
-        stored = self.store(ckpt).size(name)
-        if stored != size:
-            raise CheckpointFormatError(f"{ckpt}/{name}: {stored} bytes stored, its commit says {size}")
-        return self.store(ckpt).read(name)
-
-
-def _split(path: str) -> tuple[str, str]:
-    """``<ckpt>/<part>`` -> (ckpt, part)."""
-    ckpt, _, part = path.rstrip("/").rpartition("/")
-    return ckpt, part
-
-
 class S3Checkpointer(Checkpointer):
     """NeMo's ``Checkpointer`` whose ``s3://`` checkpoints go through dcp_s3 (see the module's docstring).
 
@@ -409,7 +196,8 @@ class S3Checkpointer(Checkpointer):
         super().__init__(
             config, dp_rank, tp_rank, pp_rank, moe_mesh=moe_mesh, process_group=process_group, pp_group=pp_group
         )
-        self._s3 = _Saves(config)
+        owner = f"S3Checkpointer(checkpoint_dir={config.checkpoint_dir}) max_recent_checkpoints"
+        self._s3 = Saves(config.options(), s3_location(config.checkpoint_dir), owner)
         if (
             self._s3.root is not None
             and process_group is not None
@@ -439,7 +227,7 @@ class S3Checkpointer(Checkpointer):
         location = s3_location(model_path)
         if location is None:
             return super()._get_storage_reader(model_path, *args, **kwargs)
-        return self._s3.part_reader(*_split(location))
+        return self._s3.part_reader(*split_part(location))
 
     def _pg_kwargs(self) -> dict[str, Any]:
         return {"process_group": self.process_group} if self.process_group is not None else {}
@@ -452,7 +240,7 @@ class S3Checkpointer(Checkpointer):
         planner_cls = _ModelSavePlanner if _is_model_checkpoint_path(location) else _OptimizerSavePlanner
         dcp.save(
             state_dict,
-            storage_writer=self._s3.part_writer(*_split(location)),
+            storage_writer=self._s3.part_writer(*split_part(location)),
             planner=planner_cls(self._planner_cache_namespace),
             **self._pg_kwargs(),
         )
@@ -464,7 +252,7 @@ class S3Checkpointer(Checkpointer):
         location = s3_location(path)
         if location is None:
             return super()._do_load(state_dict, path, storage_reader, is_init_step)
-        reader = self._s3.part_reader(*_split(location))  # a fresh one: a reader serves one load
+        reader = self._s3.part_reader(*split_part(location))  # a fresh one: a reader serves one load
         dcp.load(state_dict, storage_reader=reader, **self._pg_kwargs())
         return state_dict
 
@@ -564,7 +352,7 @@ class S3Checkpointer(Checkpointer):
 
     def save_state(self, state: Any, key: str, path: str) -> None:
         """Rank 0 (others do nothing): ``<key>.pt``, ``state.state_dict()`` (what NeMo's recipes ``torch.save``)."""
-        if not _COMPONENT.fullmatch(key):
+        if not COMPONENT.fullmatch(key):
             raise ConfigError(f"state key {key!r}: not a name of one path component")
         self._rank0_file(path, f"{key}.pt", lambda: torch_save_bytes(state.state_dict()))
 
@@ -606,7 +394,7 @@ class S3Checkpointer(Checkpointer):
             return None if latest is None else os.fspath(latest)
         root = self._s3.root
         return self._s3.ranks.run_on_rank0(
-            lambda: next((f"{root}/{n}" for n in reversed(self.lifecycle.committed_names())), None)
+            lambda: next((f"{root}/{n}" for n in reversed(self._s3.committed_names())), None)
         )
 
     def close(self) -> None:
@@ -621,7 +409,7 @@ class S3CheckpointLifecycle(CheckpointLifecycle):
     """NeMo's ``CheckpointLifecycle`` with, for ``s3://`` checkpoints, the commit of :class:`S3Checkpointer`:
     ``reserve`` draws the save token, ``publish`` writes the commit and applies ``max_recent_checkpoints``."""
 
-    def __init__(self, config: S3CheckpointingConfig, process_group: Any, saves: _Saves) -> None:
+    def __init__(self, config: S3CheckpointingConfig, process_group: Any, saves: Saves) -> None:
         super().__init__(config, process_group)
         self._s3 = saves
         self._warned_pointers = False
@@ -643,8 +431,9 @@ class S3CheckpointLifecycle(CheckpointLifecycle):
         if best_val_metric is not None and not self._warned_pointers:
             self._warned_pointers = True
             warnings.warn(f"dcp_s3: no LOWEST_VAL pointer is kept under {self._s3.root}", stacklevel=2)
-        if self._s3.root is not None:
-            self._s3.ranks.run_on_rank0(self._prune_old_checkpoints)
+        keep = self.config.max_recent_checkpoints
+        if self._s3.root is not None and keep is not None:
+            self._s3.ranks.run_on_rank0(lambda: self._s3.prune(keep))
         return None
 
     def validate_checkpoint_dir_exists(self, ckpt_dir: str, restore_from: str) -> None:
@@ -657,43 +446,3 @@ class S3CheckpointLifecycle(CheckpointLifecycle):
         except CheckpointNotFoundError as exc:
             raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {exc}") from None
         return None
-
-    # -- retention (rank 0) -------------------------------------------------------------------------------------
-
-    def _ownership(self) -> Ownership:
-        assert self._s3.root is not None
-        return Ownership(
-            f"S3Checkpointer(checkpoint_dir={self._s3.root}) max_recent_checkpoints", self._s3.root, CHECKPOINT_NAMES
-        )
-
-    def committed_names(self) -> list[str]:
-        """Rank 0: the committed checkpoint names NeMo's scheme makes under the root, oldest step first."""
-        store = self._s3.root_store()
-        _, subdirs = store.list_dir("")
-        names = [d.rstrip("/") for d in subdirs]
-        owned = [n for n in self._ownership().owned(names) if store.size(f"{n}/{COMMIT}") is not None]
-        return sorted(owned, key=lambda n: int(CHECKPOINT_NAMES.fullmatch(n).group(1)))  # type: ignore[union-attr]
-
-    def _prune_old_checkpoints(self) -> None:
-        """Rank 0: delete every committed checkpoint but the newest ``max_recent_checkpoints`` (by ownership)."""
-        keep = self.config.max_recent_checkpoints
-        if keep is None or self._s3.root is None:
-            return
-        names = self.committed_names()
-        for name in names[: max(len(names) - keep, 0)]:
-            self._remove(name)
-
-    def _remove(self, name: str) -> None:
-        root = self._s3.root
-        store = self._s3.root_store()
-        location = f"{root}/{name}"
-        commit = self._s3.read_commit(self._s3.store(location), location)
-        if commit is None:
-            return
-        parts = [f"{SAVE_DIR}{commit.token}/{p}" for p in commit.parts]
-        if not parts or self._ownership().deletable(store, location, parts) is None:
-            return  # a commit naming no DCP part is no save of S3Checkpointer's: left alone
-        store.delete([f"{name}/{COMMIT}"])  # from now on no checkpoint: a half-deleted one is never loaded
-        store.delete([entry.name for entry in store.list_objects(f"{name}/")])
-        self._s3.commits.pop(location, None)
-        logger.info("pruned old NeMo checkpoint %s", location)

@@ -82,8 +82,16 @@ def _parts(rank: int, world: int, config_kwargs: dict[str, Any], sharded: bool =
     loader = StatefulDataLoader(_Numbers(), batch_size=4, sampler=sampler)
     checkpointer = S3CheckpointingConfig(**config_kwargs).build(dp_rank=rank, tp_rank=0, pp_rank=0)
     assert type(checkpointer) is S3Checkpointer  # chosen by the config alone
-    return {"model": model, "optim": optimizer, "sched": scheduler, "loader": loader, "batches": iter(loader),
-            "rng": StatefulRNG(seed=7, ranked=True), "counter": _Counter(), "ckpt": checkpointer}
+    return {
+        "model": model,
+        "optim": optimizer,
+        "sched": scheduler,
+        "loader": loader,
+        "batches": iter(loader),
+        "rng": StatefulRNG(seed=7, ranked=True),
+        "counter": _Counter(),
+        "ckpt": checkpointer,
+    }
 
 
 def _train(t: dict[str, Any]) -> float:
@@ -127,9 +135,14 @@ def _load(t: dict[str, Any], path: str) -> None:
 
 
 def _snapshot(t: dict[str, Any]) -> dict[str, Any]:
-    return {"model": full(t["model"].state_dict()), "optim": full(t["optim"].state_dict()),
-            "sched": t["sched"].state_dict(), "loader": t["loader"].state_dict(), "step": t["counter"].step,
-            "torch_rng": t["rng_state"]}
+    return {
+        "model": full(t["model"].state_dict()),
+        "optim": full(t["optim"].state_dict()),
+        "sched": t["sched"].state_dict(),
+        "loader": t["loader"].state_dict(),
+        "step": t["counter"].step,
+        "torch_rng": t["rng_state"],
+    }
 
 
 def _packed(out: Any) -> bytes:
@@ -173,8 +186,13 @@ def _resume(rank: int, world: int, config_kwargs: dict[str, Any], tmp: str) -> b
     torch.manual_seed(1234 + rank)  # a different RNG state: the load must restore the stored one
     latest = t["ckpt"].latest_checkpoint()
     _load(t, latest)
-    out = {"latest": latest, "at_3": _snapshot(t), "loss_next": _train(t),
-           "losses": t["ckpt"].load_losses(latest), "config": t["ckpt"].load_config(latest)}
+    out = {
+        "latest": latest,
+        "at_3": _snapshot(t),
+        "loss_next": _train(t),
+        "losses": t["ckpt"].load_losses(latest),
+        "config": t["ckpt"].load_config(latest),
+    }
     t["ckpt"].close()
     return _packed(out)
 
@@ -194,8 +212,9 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
 
 
 @pytest.mark.multiproc
-def test_save_and_resume_bit_exact_through_s3(seaweed: Any, bucket: str, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_save_and_resume_bit_exact_through_s3(
+    seaweed: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two FSDP2 ranks save three checkpoints with NeMo's Checkpointer (model, optimizer and scheduler, RNG, data
     loader, recipe state, losses, config) and keep the last two; fresh processes resume the newest bit-exact."""
     from dcp_s3.store import open_store
@@ -209,8 +228,12 @@ def test_save_and_resume_bit_exact_through_s3(seaweed: Any, bucket: str, tmp_pat
     # what retention must leave alone: an uncommitted save (a crash), a name NeMo's scheme does not make
     store.write("epoch_0_step_0/save.0123456789abcdef/model/__0_0.distcp", b"partial")
     store.write("notes/epoch_0_step_9/readme.txt", b"mine")
-    config = {"checkpoint_dir": root, "max_recent_checkpoints": 2, "endpoint_url": seaweed.endpoint_url,
-              "storage_options": {"region": seaweed.region}}
+    config = {
+        "checkpoint_dir": root,
+        "max_recent_checkpoints": 2,
+        "endpoint_url": seaweed.endpoint_url,
+        "storage_options": {"region": seaweed.region},
+    }
     first = _unpacked(run_ranks(_first_run, 2, config, str(tmp), timeout=240))
     for out in first:
         assert out["fresh"] is None and out["patch_gone"] and "already holds a published checkpoint" in out["exists"]
@@ -225,12 +248,20 @@ def test_save_and_resume_bit_exact_through_s3(seaweed: Any, bucket: str, tmp_pat
     save = f"{RUN}/epoch_0_step_3/save.{commit['save']}"
     assert sorted(commit["parts"]) == ["model", "optim"]
     assert sorted(commit["files"]) == [
-        "config.yaml", "dataloader/dataloader_dp_rank_0.pt", "dataloader/dataloader_dp_rank_1.pt", "losses.json",
-        "rng/rng_global_rank_0.pt", "rng/rng_global_rank_1.pt", "step_scheduler.pt",
+        "config.yaml",
+        "dataloader/dataloader_dp_rank_0.pt",
+        "dataloader/dataloader_dp_rank_1.pt",
+        "losses.json",
+        "rng/rng_global_rank_0.pt",
+        "rng/rng_global_rank_1.pt",
+        "step_scheduler.pt",
     ]
     assert {f"{save}/model/.metadata", f"{save}/optim/.metadata", f"{save}/rng/rng_global_rank_1.pt"} <= set(keys)
-    assert not [k for k in keys if k.startswith(f"{RUN}/epoch_0_step_3/") and not k.startswith(save)
-                and not k.endswith("dcp_s3_commit.json")]
+    assert not [
+        k
+        for k in keys
+        if k.startswith(f"{RUN}/epoch_0_step_3/") and not k.startswith(save) and not k.endswith("dcp_s3_commit.json")
+    ]
 
     resumed = _unpacked(run_ranks(_resume, 2, config, str(tmp), timeout=240))
     for rank in range(2):
@@ -244,8 +275,12 @@ def test_save_and_resume_bit_exact_through_s3(seaweed: Any, bucket: str, tmp_pat
 
 
 def _single(bucket: str, seaweed: Any, **kwargs: Any) -> dict[str, Any]:
-    config = {"checkpoint_dir": f"s3://{bucket}/{RUN}", "endpoint_url": seaweed.endpoint_url,
-              "storage_options": {"region": seaweed.region}, **kwargs}
+    config = {
+        "checkpoint_dir": f"s3://{bucket}/{RUN}",
+        "endpoint_url": seaweed.endpoint_url,
+        "storage_options": {"region": seaweed.region},
+        **kwargs,
+    }
     return _parts(0, 1, config, sharded=False)
 
 
@@ -261,8 +296,9 @@ def _rewrite_commit(store: Any, name: str, change: Any) -> dict[str, Any]:
     return doc
 
 
-def test_hostile_stored_files_are_refused(seaweed: Any, bucket: str, tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hostile_stored_files_are_refused(
+    seaweed: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A stored ``.pt`` that would run code, a file of another size than its commit says, a commit naming a path
     outside its save, or one that is no commit: each refused with the object named, before anything runs."""
     from dcp_s3.store import open_store
@@ -307,8 +343,9 @@ def test_hostile_stored_files_are_refused(seaweed: Any, bucket: str, tmp_path: P
     assert store.size(f"epoch_0_step_1/save.{token}/model/.metadata") is not None
 
 
-def test_retention_deletes_only_committed_owned_checkpoints(seaweed: Any, bucket: str, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retention_deletes_only_committed_owned_checkpoints(
+    seaweed: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``max_recent_checkpoints=1``: each publish leaves the newest committed checkpoint; an uncommitted
     ``epoch_*_step_*`` (even an older one, even with every DCP part committed) and other names stay."""
     from dcp_s3.store import open_store
@@ -331,9 +368,12 @@ def test_config_refuses_what_s3_cannot_hold() -> None:
     """Formats NeMo writes through its own file-system code, PEFT and async saves: a ConfigError naming them."""
     from dcp_s3.integrations.nemo_automodel import S3CheckpointingConfig
 
-    for kwargs, name in (({"model_save_format": "safetensors"}, "model_save_format"),
-                         ({"save_consolidated": "final"}, "save_consolidated"),
-                         ({"is_async": True}, "is_async"), ({"storage_options": {"part_sise": 1}}, "part_sise")):
+    for kwargs, name in (
+        ({"model_save_format": "safetensors"}, "model_save_format"),
+        ({"save_consolidated": "final"}, "save_consolidated"),
+        ({"is_async": True}, "is_async"),
+        ({"storage_options": {"part_sise": 1}}, "part_sise"),
+    ):
         with pytest.raises(ConfigError, match=name):
             S3CheckpointingConfig(checkpoint_dir="s3://bucket/run", **kwargs)
     local = S3CheckpointingConfig(checkpoint_dir="/tmp/run", model_save_format="safetensors")  # NeMo's own rules
