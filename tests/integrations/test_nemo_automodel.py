@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -312,7 +311,9 @@ def test_hostile_stored_files_are_refused(
     token = json.loads(store.read("epoch_0_step_1/dcp_s3_commit.json"))["save"]
     rng = f"epoch_0_step_1/save.{token}/rng/rng_global_rank_0.pt"
 
-    evil = pickle.dumps(_Evil())
+    buf = io.BytesIO()
+    torch.save({"torch_rng_state": _Evil()}, buf)  # a real torch.save archive whose unpickling runs a command
+    evil = buf.getvalue()
     store.write(rng, evil)
     _rewrite_commit(store, "epoch_0_step_1", lambda d: d["files"].__setitem__("rng/rng_global_rank_0.pt", len(evil)))
     t = _single(bucket, seaweed)
@@ -353,7 +354,8 @@ def test_retention_deletes_only_committed_owned_checkpoints(
     monkeypatch.chdir(tmp_path)
     root = f"s3://{bucket}/{RUN}"
     store = open_store(root)
-    store.write("epoch_0_step_0/save.00000000000000aa/model/.metadata", b"x")  # parts but no commit
+    store.write("epoch_0_step_0/save.00000000000000aa/model/.metadata", b"x")  # parts but no commit: older
+    store.write("epoch_0_step_50/save.00000000000000bb/model/.metadata", b"x")  # and newer than every save
     store.write("epoch_0_step_99x/dcp_s3_commit.json", b"{}")  # not NeMo's scheme
     t = _single(bucket, seaweed, max_recent_checkpoints=1)
     for step in (1, 2, 3):
@@ -361,7 +363,7 @@ def test_retention_deletes_only_committed_owned_checkpoints(
         _save(t, root, step)
     t["ckpt"].close()
     names = sorted({k.split("/")[1] for k in object_keys(seaweed.client(), bucket) if k.startswith(f"{RUN}/")})
-    assert names == ["epoch_0_step_0", "epoch_0_step_3", "epoch_0_step_99x"]
+    assert names == ["epoch_0_step_0", "epoch_0_step_3", "epoch_0_step_50", "epoch_0_step_99x"]
 
 
 def test_config_refuses_what_s3_cannot_hold() -> None:
