@@ -178,7 +178,7 @@ class S3Checkpointer(Checkpointer):
 
     Besides NeMo's methods, it has the ones for what NeMo's recipes write with ``open``/``torch.save``
     themselves: :meth:`save_losses`, :meth:`save_config`, :meth:`save_state` (rank 0's files) and their loads, and
-    :meth:`latest_checkpoint`. Every save method needs ``lifecycle.reserve(path)`` first and
+    :meth:`latest_checkpoint` (on a local ``checkpoint_dir`` too: files there, NeMo's ``find_latest_checkpoint``). Every save method needs ``lifecycle.reserve(path)`` first and
     ``lifecycle.publish(path, ...)`` after (the commit), on every rank, as NeMo's recipes call them."""
 
     def __init__(
@@ -281,12 +281,23 @@ class S3Checkpointer(Checkpointer):
 
     # -- small files --------------------------------------------------------------------------------------------
 
+    def _read(self, path: str, rel: str) -> bytes | None:
+        """File ``rel`` of the checkpoint at ``path``: on S3 of its committed save; None when there is none."""
+        location = s3_location(path)
+        if location is not None:
+            return self._s3.read_file(location, rel)
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            return None
+        with open(file, "rb") as f:
+            return f.read()
+
     def _load_pt(self, ckpt: str, rel: str, *fallbacks: str) -> Any:
         for name in (rel, *fallbacks):
-            data = self._s3.read_file(ckpt, name)
+            data = self._read(ckpt, name)
             if data is not None:
                 return torch_load(data, f"{ckpt}/{name}", weights_only=not self.config.allow_legacy_pickle_restore)
-        raise CheckpointNotFoundError(f"{ckpt}: its commit lists no {rel}")
+        raise CheckpointNotFoundError(f"{ckpt}: no {rel} (on S3: its commit lists none)")
 
     def save_on_dp_ranks(self, state: Any, state_name: str, path: str) -> None:
         # docstring inherited
@@ -334,11 +345,17 @@ class S3Checkpointer(Checkpointer):
         return None
 
     def _rank0_file(self, path: str, rel: str, data: Any) -> None:
+        """Rank 0: write ``data()`` as file ``rel`` of the save in progress at ``path`` (a local one: a file there)."""
+        if distributed() and dist.get_rank() != 0:
+            return
         location = s3_location(path)
-        if location is None:
-            raise ConfigError(f"{path}: not an s3:// checkpoint (NeMo's own functions write local ones)")
-        if not distributed() or dist.get_rank() == 0:
-            self._s3.write_file(location, rel, data() if callable(data) else data)
+        if location is not None:
+            self._s3.write_file(location, rel, data())
+            return
+        file = os.path.join(path, rel)
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        with open(file, "wb") as f:
+            f.write(data())
 
     def save_losses(self, losses: dict[str, Any], path: str) -> None:
         """Rank 0 (others do nothing): ``losses.json`` of the save in progress at ``path`` (NeMo's ``save_losses``)."""
@@ -357,11 +374,8 @@ class S3Checkpointer(Checkpointer):
         self._rank0_file(path, f"{key}.pt", lambda: torch_save_bytes(state.state_dict()))
 
     def load_state(self, state: Any, key: str, path: str) -> None:
-        """Every rank: ``state.load_state_dict`` of ``<key>.pt`` from the committed save at ``path``."""
-        location = s3_location(path)
-        if location is None:
-            raise ConfigError(f"{path}: not an s3:// checkpoint")
-        state.load_state_dict(self._load_pt(location, f"{key}.pt"))
+        """Every rank: ``state.load_state_dict`` of ``<key>.pt`` from the checkpoint at ``path``."""
+        state.load_state_dict(self._load_pt(s3_location(path) or path, f"{key}.pt"))
 
     def load_losses(self, path: str) -> dict[str, Any] | None:
         """``losses.json`` of the committed save at ``path`` (None when it has none)."""
@@ -372,10 +386,8 @@ class S3Checkpointer(Checkpointer):
         return self._load_doc(path, "config.yaml", yaml.safe_load)
 
     def _load_doc(self, path: str, rel: str, parse: Any) -> dict[str, Any] | None:
-        location = s3_location(path)
-        if location is None:
-            raise ConfigError(f"{path}: not an s3:// checkpoint")
-        data = self._s3.read_file(location, rel)
+        location = s3_location(path) or path
+        data = self._read(location, rel)
         if data is None:
             return None
         try:

@@ -380,3 +380,58 @@ def test_config_refuses_what_s3_cannot_hold() -> None:
             S3CheckpointingConfig(checkpoint_dir="s3://bucket/run", **kwargs)
     local = S3CheckpointingConfig(checkpoint_dir="/tmp/run", model_save_format="safetensors")  # NeMo's own rules
     assert local.checkpoint_dir == "/tmp/run"
+
+
+def test_an_interrupted_save_is_replaced_never_mixed_in(
+    seaweed: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save killed before its commit leaves a checkpoint that is not there (not the latest, not loadable); the
+    rerun of that step writes a save of its own beside it, and a load reads only the committed one's parts."""
+    from dcp_s3.store import open_store
+
+    monkeypatch.chdir(tmp_path)
+    root = f"s3://{bucket}/{RUN}"
+    path = f"{root}/epoch_0_step_1"
+    t = _single(bucket, seaweed)
+    _train(t)
+    t["ckpt"].lifecycle.reserve(path)
+    t["ckpt"].save_model(t["model"], path)  # killed here: no optimizer, no commit
+    t["ckpt"].close()
+    assert _single(bucket, seaweed)["ckpt"].latest_checkpoint() is None
+
+    t = _single(bucket, seaweed)
+    for _ in range(3):
+        _train(t)
+    t["rng_state"] = torch.get_rng_state()
+    _save(t, root, 1)
+    saved = _snapshot(t)
+    t["ckpt"].close()
+    names = {k.split("/")[2] for k in object_keys(seaweed.client(), bucket) if k.startswith(f"{RUN}/epoch_0_step_1/")}
+    token = json.loads(open_store(root).read("epoch_0_step_1/dcp_s3_commit.json"))["save"]
+    assert len(names) == 3 and {"dcp_s3_commit.json", f"save.{token}"} < names  # the killed save's directory stays
+
+    t = _single(bucket, seaweed)
+    assert t["ckpt"].latest_checkpoint() == path
+    _load(t, path)
+    assert _diff(saved, _snapshot(t)) == []
+
+
+def test_a_local_checkpoint_dir_keeps_nemos_behaviour(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same calls on a local ``checkpoint_dir``: NeMo's own directories, markers and LATEST pointer."""
+    monkeypatch.chdir(tmp_path)
+    root = str(tmp_path / "ckpts")
+    t = _parts(0, 1, {"checkpoint_dir": root}, sharded=False)
+    _train(t)
+    t["rng_state"] = torch.get_rng_state()
+    path = _save(t, root, 1)
+    saved = _snapshot(t)
+    t["ckpt"].close()
+    for rel in ("model/.metadata", "optim/.metadata", "rng/rng_global_rank_0.pt", "losses.json", "config.yaml"):
+        assert (Path(path) / rel).is_file(), rel
+    assert os.path.lexists(Path(root) / "LATEST") or (Path(root) / "LATEST.txt").is_file()
+
+    t = _parts(0, 1, {"checkpoint_dir": root}, sharded=False)
+    assert t["ckpt"].latest_checkpoint() == path
+    _load(t, path)
+    assert _diff(saved, _snapshot(t)) == []
+    assert t["ckpt"].load_losses(path) == {"train_loss": 1.0}
