@@ -400,14 +400,12 @@ class S3Checkpointer(Checkpointer):
 
     def latest_checkpoint(self) -> str | None:
         """Every rank: the newest committed ``epoch_<E>_step_<S>`` under ``checkpoint_dir`` (by step), or None;
-        found by rank 0 and shared."""
+        found by rank 0 and shared. A newer name whose commit does not read or whose parts are missing is skipped,
+        with a warning."""
         if self._s3.root is None:
             latest = find_latest_checkpoint(self.config.checkpoint_dir)
             return None if latest is None else os.fspath(latest)
-        root = self._s3.root
-        return self._s3.ranks.run_on_rank0(
-            lambda: next((f"{root}/{n}" for n in reversed(self._s3.committed_names())), None)
-        )
+        return self._s3.ranks.run_on_rank0(self._s3.latest)
 
     def close(self) -> None:
         # docstring inherited

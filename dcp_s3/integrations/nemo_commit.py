@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dcp_s3.checkpointer.ownership import Ownership, refuse
+from dcp_s3.checkpointer.ownership import committed as parts_committed
 from dcp_s3.checkpointer.ranks import Ranks, distributed, world_size
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from dcp_s3.layout import METADATA_KEY, new_token
@@ -251,40 +252,46 @@ class Saves:
         return Ownership(self.owner, self.root, CHECKPOINT_NAMES)
 
     def committed_names(self) -> list[str]:
-        """Rank 0: the committed checkpoint names NeMo's scheme makes under the root, oldest step first."""
+        """Rank 0: the names NeMo's scheme makes under the root that hold a commit object, oldest step first
+        (one listing and one HEAD per name; whether each commit is sound is :meth:`checkpoint`'s question)."""
         store = self.root_store()
         _, subdirs = store.list_dir("")
         owned = [n for n in self.ownership().owned(d.rstrip("/") for d in subdirs) if store.size(f"{n}/{COMMIT}")]
         return sorted(owned, key=lambda n: int(CHECKPOINT_NAMES.fullmatch(n).group(1)))  # type: ignore[union-attr]
 
-    def prune(self, keep: int) -> None:
-        """Rank 0: delete every committed checkpoint under the root but the newest ``keep`` (by step)."""
-        names = self.committed_names()
-        for name in names[: max(len(names) - keep, 0)]:
-            self.remove(name)
-
-    def remove(self, name: str) -> None:
-        """Rank 0: delete committed checkpoint ``name`` when the ownership rule allows: its commit first (it is
-        then no checkpoint: a half-deleted one is never loaded), then every other object below it."""
+    def checkpoint(self, name: str) -> list[str] | None:
+        """Rank 0: the DCP part directories of checkpoint ``name`` under the root (``save.<token>/<part>``) when it
+        is one — its commit reads and every part it names is committed — else None, with the reason warned for a
+        commit that does not read (it is neither loaded as the latest, nor counted, nor deleted by retention)."""
         location = f"{self.root}/{name}"
         try:
             commit = self.read_commit(self.store(location), location)
         except CheckpointFormatError as exc:
-            refuse(self.owner, location, f"its commit is unreadable ({exc})")
-            return
-        if commit is None:
-            return
+            refuse(self.owner, location, f"its commit does not read, so it is no checkpoint ({exc})")
+            return None
+        if commit is None or not commit.parts:
+            return None
         parts = [f"{SAVE_DIR}{commit.token}/{p}" for p in commit.parts]
-        if not parts:
-            refuse(self.owner, location, "its commit names no DCP part")
-            return
+        return parts if parts_committed(self.root_store(), name, parts) else None
+
+    def latest(self) -> str | None:
+        """Rank 0: the newest checkpoint under the root (by step), as a location, or None."""
+        return next((f"{self.root}/{n}" for n in reversed(self.committed_names()) if self.checkpoint(n)), None)
+
+    def prune(self, keep: int) -> None:
+        """Rank 0: delete every checkpoint under the root but the newest ``keep`` (by step), each when the ownership
+        rule allows: its commit first (it is then no checkpoint: a half-deleted one is never loaded), then every
+        other object below it. Names whose commit does not read or whose parts are missing are not counted."""
+        found = [(n, parts) for n in self.committed_names() if (parts := self.checkpoint(n))]
         store = self.root_store()
-        if self.ownership().deletable(store, location, parts) is None:
-            return
-        store.delete([f"{name}/{COMMIT}"])
-        store.delete([entry.name for entry in store.list_objects(f"{name}/")])
-        self.commits.pop(location, None)
-        logger.info("pruned old NeMo checkpoint %s", location)
+        for name, parts in found[: max(len(found) - keep, 0)]:
+            location = f"{self.root}/{name}"
+            if self.ownership().deletable(store, location, parts) is None:
+                continue
+            store.delete([f"{name}/{COMMIT}"])
+            store.delete([entry.name for entry in store.list_objects(f"{name}/")])
+            self.commits.pop(location, None)
+            logger.info("pruned old NeMo checkpoint %s", location)
 
 
 def split_part(path: str) -> tuple[str, str]:

@@ -348,7 +348,8 @@ def test_retention_deletes_only_committed_owned_checkpoints(
     seaweed: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``max_recent_checkpoints=1``: each publish leaves the newest committed checkpoint; an uncommitted
-    ``epoch_*_step_*`` (even an older one, even with every DCP part committed) and other names stay."""
+    ``epoch_*_step_*`` (older or newer, even with a DCP part committed), one whose commit does not read or names
+    parts that are not there (newer ones: never counted as the one to keep) and other names stay."""
     from dcp_s3.store import open_store
 
     monkeypatch.chdir(tmp_path)
@@ -357,13 +358,24 @@ def test_retention_deletes_only_committed_owned_checkpoints(
     store.write("epoch_0_step_0/save.00000000000000aa/model/.metadata", b"x")  # parts but no commit: older
     store.write("epoch_0_step_50/save.00000000000000bb/model/.metadata", b"x")  # and newer than every save
     store.write("epoch_0_step_99x/dcp_s3_commit.json", b"{}")  # not NeMo's scheme
+    store.write("epoch_0_step_7/dcp_s3_commit.json", b"garbage")  # newer, with a commit that does not read
+    fake = {"format": "dcp_s3.nemo_automodel/1", "save": "00000000000000cc", "parts": ["model"], "files": {}}
+    store.write("epoch_0_step_8/dcp_s3_commit.json", json.dumps(fake).encode())  # its part is not there
     t = _single(bucket, seaweed, max_recent_checkpoints=1)
     for step in (1, 2, 3):
         _train(t)
         _save(t, root, step)
+    assert t["ckpt"].latest_checkpoint() == f"{root}/epoch_0_step_3"  # neither 7 nor 8 is a checkpoint
     t["ckpt"].close()
     names = sorted({k.split("/")[1] for k in object_keys(seaweed.client(), bucket) if k.startswith(f"{RUN}/")})
-    assert names == ["epoch_0_step_0", "epoch_0_step_3", "epoch_0_step_50", "epoch_0_step_99x"]
+    assert names == [
+        "epoch_0_step_0",
+        "epoch_0_step_3",
+        "epoch_0_step_50",
+        "epoch_0_step_7",
+        "epoch_0_step_8",
+        "epoch_0_step_99x",
+    ]
 
 
 def test_config_refuses_what_s3_cannot_hold() -> None:
