@@ -61,6 +61,24 @@ class _Counter:
         self.step = state["step"]
 
 
+class _Ema:
+    """Sharded auxiliary state (NeMo saves such objects with ``save_distributed_state``: DCP on every rank)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def update(self, model: nn.Module) -> None:
+        for k, v in model.state_dict().items():
+            self.shadow[k].mul_(0.5).add_(v.detach(), alpha=0.5)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            self.shadow[k].copy_(v)
+
+
 def _parts(rank: int, world: int, config_kwargs: dict[str, Any], sharded: bool = True) -> dict[str, Any]:
     from nemo_automodel.components.training.rng import StatefulRNG
     from torch.distributed.fsdp import fully_shard
@@ -89,6 +107,7 @@ def _parts(rank: int, world: int, config_kwargs: dict[str, Any], sharded: bool =
         "batches": iter(loader),
         "rng": StatefulRNG(seed=7, ranked=True),
         "counter": _Counter(),
+        "ema": _Ema(model),
         "ckpt": checkpointer,
     }
 
@@ -101,6 +120,7 @@ def _train(t: dict[str, Any]) -> float:
     t["optim"].step()
     t["sched"].step()
     t["counter"].step += 1
+    t["ema"].update(t["model"])
     return float(loss.item())
 
 
@@ -113,6 +133,7 @@ def _save(t: dict[str, Any], root: str, step: int) -> str:
     ckpt.save_on_global_ranks(t["rng"], "rng", path)
     ckpt.save_on_dp_ranks(t["loader"], "dataloader", path)
     ckpt.save_state(t["counter"], "step_scheduler", path)
+    ckpt.save_distributed_state(t["ema"], "ema", path)
     ckpt.save_model(t["model"], path)
     ckpt.save_optimizer(t["optim"], t["model"], path, t["sched"])
     ckpt.save_config({"step": step, "model": {"layers": 2}}, path)
@@ -128,6 +149,7 @@ def _load(t: dict[str, Any], path: str) -> None:
     t["rng_state"] = torch.get_rng_state()  # as restored (iter() below draws from it)
     ckpt.load_on_dp_ranks(t["loader"], "dataloader", path)
     ckpt.load_state(t["counter"], "step_scheduler", path)
+    ckpt.load_distributed_state(t["ema"], "ema", path)
     ckpt.load_model(t["model"], os.path.join(path, "model"))
     ckpt.load_optimizer(t["optim"], t["model"], path, t["sched"])
     t["batches"] = iter(t["loader"])
@@ -140,6 +162,7 @@ def _snapshot(t: dict[str, Any]) -> dict[str, Any]:
         "sched": t["sched"].state_dict(),
         "loader": t["loader"].state_dict(),
         "step": t["counter"].step,
+        "ema": full(t["ema"].state_dict()),
         "torch_rng": t["rng_state"],
     }
 
@@ -245,7 +268,7 @@ def test_save_and_resume_bit_exact_through_s3(
     assert f"{RUN}/notes/epoch_0_step_9/readme.txt" in keys
     commit = json.loads(store.read("epoch_0_step_3/dcp_s3_commit.json"))
     save = f"{RUN}/epoch_0_step_3/save.{commit['save']}"
-    assert sorted(commit["parts"]) == ["model", "optim"]
+    assert sorted(commit["parts"]) == ["ema", "model", "optim"]
     assert sorted(commit["files"]) == [
         "config.yaml",
         "dataloader/dataloader_dp_rank_0.pt",
