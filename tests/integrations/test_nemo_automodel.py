@@ -372,7 +372,8 @@ def test_retention_deletes_only_committed_owned_checkpoints(
 ) -> None:
     """``max_recent_checkpoints=1``: each publish leaves the newest committed checkpoint; an uncommitted
     ``epoch_*_step_*`` (older or newer, even with a DCP part committed), one whose commit does not read or names
-    parts that are not there (newer ones: never counted as the one to keep) and other names stay."""
+    parts that are not there (newer ones: never counted as the one to keep), other names and another root whose
+    name starts like this one (``run2``) stay."""
     from dcp_s3.store import open_store
 
     monkeypatch.chdir(tmp_path)
@@ -384,6 +385,9 @@ def test_retention_deletes_only_committed_owned_checkpoints(
     store.write("epoch_0_step_7/dcp_s3_commit.json", b"garbage")  # newer, with a commit that does not read
     fake = {"format": "dcp_s3.nemo_automodel/1", "save": "00000000000000cc", "parts": ["model"], "files": {}}
     store.write("epoch_0_step_8/dcp_s3_commit.json", json.dumps(fake).encode())  # its part is not there
+    sibling = open_store(f"s3://{bucket}/{RUN}2")  # another root that starts like this one
+    sibling.write("epoch_0_step_1/dcp_s3_commit.json", json.dumps(fake).encode())
+    sibling.write("epoch_0_step_1/save.00000000000000cc/model/.metadata", b"x")
     t = _single(bucket, seaweed, max_recent_checkpoints=1)
     for step in (1, 2, 3):
         _train(t)
@@ -391,6 +395,7 @@ def test_retention_deletes_only_committed_owned_checkpoints(
     assert t["ckpt"].latest_checkpoint() == f"{root}/epoch_0_step_3"  # neither 7 nor 8 is a checkpoint
     t["ckpt"].close()
     names = sorted({k.split("/")[1] for k in object_keys(seaweed.client(), bucket) if k.startswith(f"{RUN}/")})
+    assert sibling.size("epoch_0_step_1/dcp_s3_commit.json") is not None
     assert names == [
         "epoch_0_step_0",
         "epoch_0_step_3",
