@@ -178,8 +178,9 @@ class S3Checkpointer(Checkpointer):
 
     Besides NeMo's methods, it has the ones for what NeMo's recipes write with ``open``/``torch.save``
     themselves: :meth:`save_losses`, :meth:`save_config`, :meth:`save_state` (rank 0's files) and their loads, and
-    :meth:`latest_checkpoint` (on a local ``checkpoint_dir`` too: files there, NeMo's ``find_latest_checkpoint``). Every save method needs ``lifecycle.reserve(path)`` first and
-    ``lifecycle.publish(path, ...)`` after (the commit), on every rank, as NeMo's recipes call them."""
+    :meth:`latest_checkpoint` (on a local ``checkpoint_dir`` too: files there, NeMo's ``find_latest_checkpoint``).
+    Every save method needs ``lifecycle.reserve(path)`` first and ``lifecycle.publish(path, ...)`` after (the
+    commit), on every rank, as NeMo's recipes call them."""
 
     def __init__(
         self,

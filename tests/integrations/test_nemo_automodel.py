@@ -279,6 +279,8 @@ def test_save_and_resume_bit_exact_through_s3(
         "step_scheduler.pt",
     ]
     assert {f"{save}/model/.metadata", f"{save}/optim/.metadata", f"{save}/rng/rng_global_rank_1.pt"} <= set(keys)
+    for part in ("model", "optim", "ema"):  # the data of each part inside this save (NeMo caches its save plans)
+        assert {k.split("/")[-1][:4] for k in keys if k.startswith(f"{save}/{part}/__")} == {"__0_", "__1_"}, part
     assert not [
         k
         for k in keys
