@@ -393,7 +393,7 @@ class S3Checkpointer(Checkpointer):
             return None
         try:
             doc = parse(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError, yaml.YAMLError) as exc:
             raise CheckpointFormatError(f"{location}/{rel}: unreadable ({type(exc).__name__})") from None
         if not isinstance(doc, dict):
             raise CheckpointFormatError(f"{location}/{rel}: holds a {type(doc).__name__}, not a mapping")

@@ -83,8 +83,8 @@ class Commit:
         """The commit stored at ``where``, checked field by field; ``CheckpointFormatError`` naming the field."""
         try:
             doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise CheckpointFormatError(f"{where}: not a JSON document ({exc})") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+            raise CheckpointFormatError(f"{where}: not a JSON document ({type(exc).__name__})") from None
         if not isinstance(doc, dict) or set(doc) != {"format", "save", "parts", "files"}:
             raise CheckpointFormatError(f"{where}: expected the keys format, save, parts, files")
         if doc["format"] != FORMAT:

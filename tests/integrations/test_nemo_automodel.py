@@ -361,10 +361,11 @@ def test_hostile_stored_files_are_refused(
     with pytest.raises(CheckpointFormatError, match="save token"):
         t["ckpt"].load_optimizer(t["optim"], t["model"], path, t["sched"])
 
-    store.write("epoch_0_step_1/dcp_s3_commit.json", b"\x80\x04 not json")
-    t = _single(bucket, seaweed)
-    with pytest.raises(CheckpointFormatError, match="not a JSON document"):
-        t["ckpt"].load_losses(path)
+    for junk in (b"\x80\x04 not json", b"[" * 200_000):  # not JSON; JSON nested past the parser's depth
+        store.write("epoch_0_step_1/dcp_s3_commit.json", junk)
+        t = _single(bucket, seaweed)
+        with pytest.raises(CheckpointFormatError, match="not a JSON document"):
+            t["ckpt"].load_losses(path)
     # retention never follows a refused commit
     assert store.size(f"epoch_0_step_1/save.{token}/model/.metadata") is not None
 
