@@ -25,6 +25,8 @@ What each caller may delete (its root as configured; the names its scheme makes)
 - ``route_fsdp_checkpoints(local_dirs=)``: under each mapped ``s3://`` root, ``checkpoint-<N>`` this
   process saved in the block, once the Trainer's ``rotate_checkpoints`` removed its local directory;
 - ``S3CheckpointManager``'s ``keep_latest_k`` purge: under ``folder``, ``step-<N>``.
+- NeMo AutoModel's ``S3Checkpointer`` ``max_recent_checkpoints``: under ``checkpoint_dir``, ``epoch_<E>_step_<S>``
+  whose commit object and DCP parts are there (:mod:`dcp_s3.integrations.nemo_commit`).
 
 ``dcp-s3 rm`` deletes what its user names and ``dcp-s3 gc`` what no checkpoint needs
 (:mod:`dcp_s3.admin.cleanup`): commands, not rotations, and not governed here.

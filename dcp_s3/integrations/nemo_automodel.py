@@ -1,0 +1,459 @@
+"""NeMo AutoModel's ``Checkpointer`` saving to and resuming from ``s3://`` through dcp_s3.
+
+Chosen by its config (tested with nemo-automodel 0.7.0)::
+
+    from dcp_s3.integrations.nemo_automodel import S3CheckpointingConfig
+
+    checkpointer = S3CheckpointingConfig(
+        checkpoint_dir="s3://bucket/run1", max_recent_checkpoints=3,
+        endpoint_url="http://127.0.0.1:8333", storage_options={"part_size": 32 << 20},
+    ).build(dp_rank=dp_rank, tp_rank=0, pp_rank=0)
+
+It builds an :class:`S3Checkpointer`: NeMo's own ``Checkpointer`` (its ``ModelState``/``OptimizerState``, HF key
+adaptation, planners, loads) whose storage, on an ``s3://`` ``checkpoint_dir``, is dcp_s3. A local
+``checkpoint_dir`` keeps NeMo's behaviour unchanged.
+
+What one save holds, and its commit. A NeMo checkpoint ``<checkpoint_dir>/<name>/`` is two DCP checkpoints
+(``model/``, ``optim/``), perhaps more (``save_distributed_state``), and small files: the RNG state of every
+rank (``save_on_global_ranks``), the data loader state of every data-parallel rank (``save_on_dp_ranks``),
+and what NeMo's recipes write themselves with ``open``/``torch.save`` — ``losses.json``, ``config.yaml``,
+``<key>.pt`` — here :meth:`S3Checkpointer.save_losses`, :meth:`~S3Checkpointer.save_config`,
+:meth:`~S3Checkpointer.save_state`. On S3 (:mod:`dcp_s3.integrations.nemo_commit`):
+
+- ``lifecycle.reserve(path)`` (every rank, before anything is written, as NeMo's recipes call it) draws one
+  *save token* on rank 0 and shares it; a checkpoint already committed at ``path`` is a ``FileExistsError``,
+  NeMo's own rule for published checkpoints;
+- every object of the save goes below ``<name>/save.<token>/``, in NeMo's layout: no object of another save
+  is ever touched, so an interrupted save is replaced by writing a new one, never by deleting;
+- ``lifecycle.publish(path, ...)`` (every rank) gathers what each rank wrote, and rank 0 writes the commit
+  ``<name>/dcp_s3_commit.json`` (:data:`COMMIT`) with a PUT that never replaces another. Until then ``<name>``
+  is no checkpoint.
+
+One save per load: the first load call for a checkpoint reads its commit once (rank 0, shared); every part
+and file is then read below the one ``save.<token>/`` it names, and a file it does not list (or of another
+size) is refused. The commit is checked field by field before use; ``.pt`` files are loaded with dcp_s3's
+checks of untrusted archives (:func:`dcp_s3.untrusted.torch_files.torch_load`), ``weights_only`` unless the
+config's ``allow_legacy_pickle_restore`` says the checkpoint is trusted. Retention (``max_recent_checkpoints``)
+deletes by ownership: committed ``epoch_<E>_step_<S>`` checkpoints under the configured ``checkpoint_dir``
+only, the newest ``max_recent_checkpoints`` by step kept; a name without a commit is neither counted nor deleted.
+
+Not supported on ``s3://`` (a ``ConfigError`` when the config is made): ``model_save_format="safetensors"`` and
+consolidated HF exports (NeMo writes them through its own file-system writer and consolidation), PEFT adapters
+(rank 0 writes them with ``safetensors`` to a file), ``is_async`` (NeMo stages with torch's ``DefaultStager``
+and uploads from a process; not tried with dcp_s3's writer). The ``LATEST``/``LOWEST_VAL`` pointers are not
+kept: the latest checkpoint is the newest committed one (:meth:`S3Checkpointer.latest_checkpoint`). The job's
+checkpoint process group must span every rank.
+
+NeMo's ``Checkpointer.save_model``/``save_optimizer``/``load_model`` create local directories and check that
+the model path exists unless NeMo's ``is_cloud_path`` says the path is remote (true for ``msc://`` only); while
+one of those runs on an ``s3://`` path, that function also answers true for ``s3://`` (:func:`_remote_paths`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+from nemo_automodel.components.checkpoint import checkpointing as nemo_checkpointing
+from nemo_automodel.components.checkpoint._backports.filesystem import SerializationFormat
+from nemo_automodel.components.checkpoint.checkpointing import (
+    Checkpointer,
+    _is_model_checkpoint_path,
+    _ModelSavePlanner,
+    _OptimizerSavePlanner,
+)
+from nemo_automodel.components.checkpoint.config import CheckpointingConfig, SaveConsolidatedMode
+from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
+from nemo_automodel.components.checkpoint.utils import find_latest_checkpoint
+
+from dcp_s3.checkpointer.ranks import distributed, world_size
+from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
+from dcp_s3.integrations.lightning_io import s3_location
+from dcp_s3.integrations.nemo_commit import COMMIT, COMPONENT, Saves, split_part
+from dcp_s3.store.storage_options import StorageOptions
+from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
+
+__all__ = ["S3CheckpointingConfig", "S3Checkpointer", "S3CheckpointLifecycle", "COMMIT"]
+
+logger = logging.getLogger("dcp_s3")
+
+
+@contextlib.contextmanager
+def _remote_paths() -> Iterator[None]:
+    """While it is open, NeMo's ``checkpointing.is_cloud_path`` also answers true for ``s3://`` paths, so that
+    NeMo's own ``save_model``/``save_optimizer``/``load_model`` neither create local directories for them nor
+    require them to exist on disk. Re-entrant; NeMo's function is back in place when the last one closes."""
+    with _patch_lock:
+        if not _patched:
+            original = nemo_checkpointing.is_cloud_path
+            nemo_checkpointing.is_cloud_path = lambda path: original(path) or s3_location(path) is not None
+            _patched.append(original)
+        _patched.append(None)
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patched.pop()
+            if len(_patched) == 1:
+                nemo_checkpointing.is_cloud_path = _patched.pop()
+
+
+_patch_lock = threading.Lock()
+_patched: list[Any] = []  # [NeMo's is_cloud_path, one None per open _remote_paths()]
+
+
+@dataclass
+class S3CheckpointingConfig(CheckpointingConfig):
+    """NeMo's ``CheckpointingConfig`` whose ``build()`` makes an :class:`S3Checkpointer` (module docstring).
+
+    Its defaults differ from NeMo's where ``s3://`` needs it: ``model_save_format="torch_save"`` (DCP) and
+    ``save_consolidated="false"``."""
+
+    model_save_format: str = "torch_save"
+    save_consolidated: bool | str | SaveConsolidatedMode = "false"
+    endpoint_url: str | None = None
+    """S3 endpoint (None: boto3's own chain, e.g. AWS_ENDPOINT_URL, or AWS itself)."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """dcp_s3.StorageOptions keywords for every save, load, listing and deletion (``endpoint_url`` above wins)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.options()  # ConfigError now, naming the option, not at the first save
+        location = s3_location(self.checkpoint_dir)
+        if location is None:
+            return
+        self.checkpoint_dir = location
+        refused = {
+            "model_save_format": self.model_save_format != SerializationFormat.TORCH_SAVE,
+            "save_consolidated": self.save_consolidated != SaveConsolidatedMode.FALSE,
+            "is_peft": self.is_peft,
+            "is_async": self.is_async,
+        }
+        bad = [name for name, is_bad in refused.items() if is_bad]
+        if bad:
+            raise ConfigError(
+                f"checkpoint_dir={location}: {', '.join(bad)} not supported on s3:// (use model_save_format="
+                "'torch_save', save_consolidated=false, is_peft=False, is_async=False; see "
+                "dcp_s3.integrations.nemo_automodel)"
+            )
+
+    def options(self) -> StorageOptions:
+        """The storage options: ``storage_options`` with ``endpoint_url``."""
+        options = StorageOptions.of(self.storage_options)
+        return options.replace(endpoint_url=self.endpoint_url) if self.endpoint_url else options
+
+    def build(
+        self,
+        dp_rank: int,
+        tp_rank: int,
+        pp_rank: int,
+        moe_mesh: Any = None,
+        process_group: Any = None,
+        pp_group: Any = None,
+    ) -> S3Checkpointer:
+        # docstring inherited
+        return S3Checkpointer(
+            config=self,
+            dp_rank=dp_rank,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
+            moe_mesh=moe_mesh,
+            process_group=process_group,
+            pp_group=pp_group,
+        )
+
+
+class S3Checkpointer(Checkpointer):
+    """NeMo's ``Checkpointer`` whose ``s3://`` checkpoints go through dcp_s3 (see the module's docstring).
+
+    Besides NeMo's methods, it has the ones for what NeMo's recipes write with ``open``/``torch.save``
+    themselves: :meth:`save_losses`, :meth:`save_config`, :meth:`save_state` (rank 0's files) and their loads, and
+    :meth:`latest_checkpoint` (on a local ``checkpoint_dir`` too: files there, NeMo's ``find_latest_checkpoint``).
+    Every save method needs ``lifecycle.reserve(path)`` first and ``lifecycle.publish(path, ...)`` after (the
+    commit), on every rank, as NeMo's recipes call them."""
+
+    def __init__(
+        self,
+        config: S3CheckpointingConfig,
+        dp_rank: int,
+        tp_rank: int,
+        pp_rank: int,
+        moe_mesh: Any = None,
+        process_group: Any = None,
+        pp_group: Any = None,
+    ) -> None:
+        if not isinstance(config, S3CheckpointingConfig):
+            raise ConfigError(f"S3Checkpointer takes an S3CheckpointingConfig, not a {type(config).__name__}")
+        super().__init__(
+            config, dp_rank, tp_rank, pp_rank, moe_mesh=moe_mesh, process_group=process_group, pp_group=pp_group
+        )
+        owner = f"S3Checkpointer(checkpoint_dir={config.checkpoint_dir}) max_recent_checkpoints"
+        self._s3 = Saves(config.options(), s3_location(config.checkpoint_dir), owner)
+        if (
+            self._s3.root is not None
+            and process_group is not None
+            and dist.get_world_size(process_group) != world_size()
+        ):
+            raise ConfigError(f"checkpoint_dir={self._s3.root}: the checkpoint process group must span every rank")
+        self.lifecycle = S3CheckpointLifecycle(config, process_group, self._s3)
+
+    # -- DCP parts ------------------------------------------------------------------------------------------
+
+    def save_model(self, model: Any, weights_path: str, *args: Any, **kwargs: Any) -> None:
+        # docstring inherited
+        with _remote_paths() if s3_location(weights_path) else contextlib.nullcontext():
+            super().save_model(model, weights_path, *args, **kwargs)
+
+    def save_optimizer(self, optimizer: Any, model: Any, weights_path: str, *args: Any, **kwargs: Any) -> None:
+        # docstring inherited
+        with _remote_paths() if s3_location(weights_path) else contextlib.nullcontext():
+            super().save_optimizer(optimizer, model, weights_path, *args, **kwargs)
+
+    def load_model(self, model: Any, model_path: str, *args: Any, **kwargs: Any) -> None:
+        # docstring inherited
+        with _remote_paths() if s3_location(model_path) else contextlib.nullcontext():
+            super().load_model(model, model_path, *args, **kwargs)
+
+    def _get_storage_reader(self, model_path: str, *args: Any, **kwargs: Any) -> Any:
+        location = s3_location(model_path)
+        if location is None:
+            return super()._get_storage_reader(model_path, *args, **kwargs)
+        return self._s3.part_reader(*split_part(location))
+
+    def _pg_kwargs(self) -> dict[str, Any]:
+        return {"process_group": self.process_group} if self.process_group is not None else {}
+
+    def _do_save(self, state_dict: dict[str, Any], path: str, storage_writer: Any = None) -> Any:
+        location = s3_location(path)
+        if location is None:
+            return super()._do_save(state_dict, path, storage_writer)
+        # No checkpoint_id beside the writer: DCP would reset the writer to it (NeMo's path, not the save's).
+        planner_cls = _ModelSavePlanner if _is_model_checkpoint_path(location) else _OptimizerSavePlanner
+        dcp.save(
+            state_dict,
+            storage_writer=self._s3.part_writer(*split_part(location)),
+            planner=planner_cls(self._planner_cache_namespace),
+            **self._pg_kwargs(),
+        )
+        return None
+
+    def _do_load(
+        self, state_dict: dict[str, Any], path: str, storage_reader: Any = None, is_init_step: bool = False
+    ) -> dict[str, Any]:
+        location = s3_location(path)
+        if location is None:
+            return super()._do_load(state_dict, path, storage_reader, is_init_step)
+        reader = self._s3.part_reader(*split_part(location))  # a fresh one: a reader serves one load
+        dcp.load(state_dict, storage_reader=reader, **self._pg_kwargs())
+        return state_dict
+
+    def save_distributed_state(self, state: Any, state_name: str, path: str) -> None:
+        # docstring inherited
+        location = s3_location(path)
+        if location is None:
+            return super().save_distributed_state(state, state_name, path)
+        dcp.save(
+            state.state_dict(),
+            storage_writer=self._s3.part_writer(location, state_name),
+            planner=dcp.DefaultSavePlanner(),
+            **self._pg_kwargs(),
+        )
+        return None
+
+    def load_distributed_state(self, state: Any, state_name: str, path: str) -> None:
+        # docstring inherited
+        location = s3_location(path)
+        if location is None:
+            return super().load_distributed_state(state, state_name, path)
+        state_dict = state.state_dict()
+        dcp.load(state_dict, storage_reader=self._s3.part_reader(location, state_name), **self._pg_kwargs())
+        state.load_state_dict(state_dict)
+        return None
+
+    # -- small files --------------------------------------------------------------------------------------------
+
+    def _read(self, path: str, rel: str) -> bytes | None:
+        """File ``rel`` of the checkpoint at ``path``: on S3 of its committed save; None when there is none."""
+        location = s3_location(path)
+        if location is not None:
+            return self._s3.read_file(location, rel)
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            return None
+        with open(file, "rb") as f:
+            return f.read()
+
+    def _load_pt(self, ckpt: str, rel: str, *fallbacks: str) -> Any:
+        for name in (rel, *fallbacks):
+            data = self._read(ckpt, name)
+            if data is not None:
+                return torch_load(data, f"{ckpt}/{name}", weights_only=not self.config.allow_legacy_pickle_restore)
+        raise CheckpointNotFoundError(f"{ckpt}: no {rel} (on S3: its commit lists none)")
+
+    def save_on_dp_ranks(self, state: Any, state_name: str, path: str) -> None:
+        # docstring inherited
+        location = s3_location(path)
+        if location is None:
+            return super().save_on_dp_ranks(state, state_name, path)
+        if self.tp_rank == 0 and self.pp_rank == 0:
+            self._s3.write_file(
+                location, f"{state_name}/{state_name}_dp_rank_{self.dp_rank}.pt", torch_save_bytes(state.state_dict())
+            )
+        return None
+
+    def load_on_dp_ranks(self, state: Any, state_name: str, path: str) -> None:
+        # docstring inherited
+        location = s3_location(path)
+        if location is None:
+            return super().load_on_dp_ranks(state, state_name, path)
+        state.load_state_dict(self._load_pt(location, f"{state_name}/{state_name}_dp_rank_{self.dp_rank}.pt"))
+        return None
+
+    def save_on_global_ranks(self, state: Any, state_name: str, path: str) -> None:
+        # docstring inherited
+        location = s3_location(path)
+        if location is None:
+            return super().save_on_global_ranks(state, state_name, path)
+        rank = dist.get_rank() if distributed() else 0
+        self._s3.write_file(
+            location, f"{state_name}/{state_name}_global_rank_{rank}.pt", torch_save_bytes(state.state_dict())
+        )
+        return None
+
+    def load_on_global_ranks(self, state: Any, state_name: str, path: str) -> None:
+        # docstring inherited
+        location = s3_location(path)
+        if location is None:
+            return super().load_on_global_ranks(state, state_name, path)
+        rank = dist.get_rank() if distributed() else 0
+        state.load_state_dict(
+            self._load_pt(
+                location,
+                f"{state_name}/{state_name}_global_rank_{rank}.pt",
+                f"{state_name}/{state_name}_dp_rank_{self.dp_rank}.pt",  # NeMo's fallback for older checkpoints
+            )
+        )
+        return None
+
+    def _rank0_file(self, path: str, rel: str, data: Any) -> None:
+        """Rank 0: write ``data()`` as file ``rel`` of the save in progress at ``path`` (a local one: a file there)."""
+        if distributed() and dist.get_rank() != 0:
+            return
+        location = s3_location(path)
+        if location is not None:
+            self._s3.write_file(location, rel, data())
+            return
+        file = os.path.join(path, rel)
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        with open(file, "wb") as f:
+            f.write(data())
+
+    def save_losses(self, losses: dict[str, Any], path: str) -> None:
+        """Rank 0 (others do nothing): ``losses.json`` of the save in progress at ``path`` (NeMo's ``save_losses``)."""
+        self._rank0_file(path, "losses.json", lambda: json.dumps(losses).encode())
+
+    def save_config(self, config: dict[str, Any], path: str) -> None:
+        """Rank 0 (others do nothing): ``config.yaml`` of the save in progress at ``path`` (NeMo's ``save_config``)."""
+        self._rank0_file(
+            path, "config.yaml", lambda: yaml.safe_dump(config, sort_keys=False, default_flow_style=False).encode()
+        )
+
+    def save_state(self, state: Any, key: str, path: str) -> None:
+        """Rank 0 (others do nothing): ``<key>.pt``, ``state.state_dict()`` (what NeMo's recipes ``torch.save``)."""
+        if not COMPONENT.fullmatch(key):
+            raise ConfigError(f"state key {key!r}: not a name of one path component")
+        self._rank0_file(path, f"{key}.pt", lambda: torch_save_bytes(state.state_dict()))
+
+    def load_state(self, state: Any, key: str, path: str) -> None:
+        """Every rank: ``state.load_state_dict`` of ``<key>.pt`` from the checkpoint at ``path``."""
+        state.load_state_dict(self._load_pt(s3_location(path) or path, f"{key}.pt"))
+
+    def load_losses(self, path: str) -> dict[str, Any] | None:
+        """``losses.json`` of the committed save at ``path`` (None when it has none)."""
+        return self._load_doc(path, "losses.json", json.loads)
+
+    def load_config(self, path: str) -> dict[str, Any] | None:
+        """``config.yaml`` of the committed save at ``path`` (None when it has none), read with ``yaml.safe_load``."""
+        return self._load_doc(path, "config.yaml", yaml.safe_load)
+
+    def _load_doc(self, path: str, rel: str, parse: Any) -> dict[str, Any] | None:
+        location = s3_location(path) or path
+        data = self._read(location, rel)
+        if data is None:
+            return None
+        try:
+            doc = parse(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError, yaml.YAMLError) as exc:
+            raise CheckpointFormatError(f"{location}/{rel}: unreadable ({type(exc).__name__})") from None
+        if not isinstance(doc, dict):
+            raise CheckpointFormatError(f"{location}/{rel}: holds a {type(doc).__name__}, not a mapping")
+        return doc
+
+    def latest_checkpoint(self) -> str | None:
+        """Every rank: the newest committed ``epoch_<E>_step_<S>`` under ``checkpoint_dir`` (by step), or None;
+        found by rank 0 and shared. A newer name whose commit does not read or whose parts are missing is skipped,
+        with a warning."""
+        if self._s3.root is None:
+            latest = find_latest_checkpoint(self.config.checkpoint_dir)
+            return None if latest is None else os.fspath(latest)
+        return self._s3.ranks.run_on_rank0(self._s3.latest)
+
+    def close(self) -> None:
+        # docstring inherited
+        try:
+            super().close()
+        finally:
+            self._s3.close()
+
+
+class S3CheckpointLifecycle(CheckpointLifecycle):
+    """NeMo's ``CheckpointLifecycle`` with, for ``s3://`` checkpoints, the commit of :class:`S3Checkpointer`:
+    ``reserve`` draws the save token, ``publish`` writes the commit and applies ``max_recent_checkpoints``."""
+
+    def __init__(self, config: S3CheckpointingConfig, process_group: Any, saves: Saves) -> None:
+        super().__init__(config, process_group)
+        self._s3 = saves
+        self._warned_pointers = False
+
+    def reserve(self, path: str) -> None:
+        # docstring inherited
+        location = s3_location(path)
+        if location is None:
+            return super().reserve(path)
+        self._s3.begin(location)
+        return None
+
+    def publish(self, path: str, *, best_val_metric: float | None, metric_key: str | None) -> None:
+        # docstring inherited
+        location = s3_location(path)
+        if location is None:
+            return super().publish(path, best_val_metric=best_val_metric, metric_key=metric_key)
+        self._s3.commit(location)
+        if best_val_metric is not None and not self._warned_pointers:
+            self._warned_pointers = True
+            warnings.warn(f"dcp_s3: no LOWEST_VAL pointer is kept under {self._s3.root}", stacklevel=2)
+        keep = self.config.max_recent_checkpoints
+        if self._s3.root is not None and keep is not None:
+            self._s3.ranks.run_on_rank0(lambda: self._s3.prune(keep))
+        return None
+
+    def validate_checkpoint_dir_exists(self, ckpt_dir: str, restore_from: str) -> None:
+        # docstring inherited
+        location = s3_location(ckpt_dir)
+        if location is None:
+            return super().validate_checkpoint_dir_exists(ckpt_dir, restore_from)
+        try:
+            self._s3.committed(location)
+        except CheckpointNotFoundError as exc:
+            raise CheckpointNotFoundError(f"restore_from={restore_from!r}: {exc}") from None
+        return None
