@@ -152,6 +152,17 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
     return row
 
 
+def _spread(data: np.ndarray, nbytes: int, frame_size: int) -> np.ndarray:
+    """About ``nbytes`` of ``data``: whole frames (a multiple of 8 bytes) evenly spaced across it."""
+    frame = frame_size - frame_size % 8
+    total = len(data) // frame
+    want = max(1, min(total, nbytes // frame))
+    if want >= total:
+        return data
+    picks = np.linspace(0, total - 1, want).round().astype(int)
+    return np.concatenate([data[i * frame:(i + 1) * frame] for i in picks])
+
+
 def _describe(params: dict[str, Any]) -> str:
     filters = "+".join(getattr(f, "name", str(f)) for f in params["filters"])
     return f"{filters}, zstd clevel {params['clevel']}, typesize = element size, {params['nthreads']} threads"
@@ -272,6 +283,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results.json")
     ap.add_argument("--plot", type=Path, default=HERE / "ratio_vs_decode.png", help="the figure (PNG)")
     ap.add_argument("--limit-mb", type=float, default=0, help="use only the first N MB of each kind (quick runs)")
+    ap.add_argument("--spread-mb", type=float, default=0,
+                    help="use N MB of each kind: whole frames taken evenly across it (every layer and tensor kind "
+                         "represented; keeps a shared-machine run short)")
+    ap.add_argument("--kinds", nargs="+", metavar="KIND", help=f"only these data kinds (of: {', '.join(ELEMENT)})")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each data kind, wait up to S seconds for the machine to be idle")
     ap.add_argument("--retries", type=int, default=0,
@@ -289,6 +304,10 @@ def main() -> None:
         kinds["random bytes (as fp32)"] = rng.integers(0, 256, 64 << 20, dtype=np.uint8)
         if args.cache:
             np.savez(args.cache, names=np.array(list(kinds)), **{f"k{i}": v for i, v in enumerate(kinds.values())})
+    if args.kinds:
+        kinds = {k: kinds[k] for k in args.kinds}
+    if args.spread_mb:
+        kinds = {k: _spread(v, int(args.spread_mb * 1e6), args.frame_size) for k, v in kinds.items()}
     if args.limit_mb:
         kinds = {k: v[:int(args.limit_mb * 1e6)] for k, v in kinds.items()}
     rows = []
