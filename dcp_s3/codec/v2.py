@@ -61,8 +61,9 @@ def encode_frame(
         top_stored = top.data
     # Whether zstd gains enough on the rest, judged on a sample of it.
     rest_len = ne * (es - 1)
-    sample = _scratch(local, "sample", min(rest_len, REST_SAMPLE))
-    split_top(src[: len(sample) // max(1, es - 1) * es], es, None, sample)
+    sample_elements = min(ne, REST_SAMPLE // (es - 1))  # whole elements: no stale scratch bytes
+    sample = _scratch(local, "sample", sample_elements * (es - 1))
+    split_top(src[: sample_elements * es], es, None, sample)
     pack_rest = bool(rest_len) and len(local.literal_cctx.compress(sample.data)) <= (1 - REST_MIN_GAIN) * len(sample)
     if not pack_rest and len(top_stored) == ne:  # nothing shrinks: the frame is stored raw
         return frame, True
