@@ -163,15 +163,18 @@ def encoded_items(codec: Codec) -> dict[str, tuple[np.ndarray, FrameIndex, bytes
         raw = tensor_bytes(t)
         es, floating = grouping_for_dtype(t.dtype)
         items[name] = (raw, *encode(codec, raw, es, floating))
+        with Codec(threads=2, frame_size=4096, version=1) as v1_codec:  # what 0.2-0.3 wrote
+            items[f"v1 {name}"] = (raw, *encode(v1_codec, raw, es, floating))
     return items
 
 
 @FAST
 @given(name=st.sampled_from(["bf16", "fp32", "f64", "int"]), a=st.integers(0, 100_000), b=st.integers(0, 100_000),
-       slack=st.integers(0, 5000))
+       slack=st.integers(0, 5000), version=st.sampled_from(["", "v1 "]))
 def test_ranged_decode_equals_slice(codec: Codec, encoded_items: dict[str, Any], name: str, a: int, b: int,
-                                    slack: int) -> None:
-    raw, index, stored = encoded_items[name]
+                                    slack: int, version: str) -> None:
+    raw, index, stored = encoded_items[version + name]
+    assert index.version == (1 if version else 2)
     a, b = sorted((a % (len(raw) + 1), b % (len(raw) + 1)))
     s, e = stored_span(index, a, b)
     if a < b:  # the span is frame aligned and minimal
