@@ -311,7 +311,7 @@ def decode_torch_transforms(descriptors: list[str], data: bytes | bytearray, whe
         raise
     except Exception as exc:  # ValueError for unknown names, zstd errors for bad bytes, ImportError before 2.7
         raise CheckpointFormatError(
-            f"{where}: cannot undo transforms {descriptors} (dcp_s3 reads its own dcp_s3.zstd-frames/1 and "
+            f"{where}: cannot undo transforms {descriptors} (dcp_s3 reads its own dcp_s3.zstd-frames/1 and /2 and "
             f"torch's registered extensions): {type(exc).__name__}: {exc}"
         ) from exc
 

@@ -80,7 +80,8 @@ def _uri(label: str, entry: dict[str, Any], tmp_path: Path, server: LocalS3Serve
 
 
 def _expected(entry: dict[str, Any]) -> dict[str, Any]:
-    return golden_state.plain_state() if entry["state"] == "plain" else golden_state.shard_state()
+    states = {"plain": golden_state.plain_state, "shard": golden_state.shard_state, "floats": golden_state.float_state}
+    return states[entry["state"]]()
 
 
 def _load_dcp(reader: Any, entry: dict[str, Any]) -> dict[str, Any]:

@@ -4,11 +4,12 @@
 
 Prints markdown tables, writes ``results.json`` and the figure ``ratio_vs_decode.png``
 (stored/raw against decode GB/s per codec and data kind) next to this file. Within a data
-kind the contestants (the codec on 1 and 2 threads, the codec's previous decoder, Blosc2's
-shuffle, bytedelta and bitshuffle with zstd on 2 threads) run in turn in every repetition. Ratios
-are stored/raw (lower is better); speeds are GB/s of raw bytes. "zstd-1 item"
-and "zstd-3 item" compress each data kind as one zstd stream on one thread, the
-way torch's ``_extensions=[ZStandard()]`` stores a DCP item. "other load" is how
+kind the contestants (codec version 1 on 2 threads, version 2 on 1 and 2 threads, Blosc2's
+shuffle and bitshuffle with zstd on 2 threads) run in turn in every repetition, in one process.
+Ratios are stored/raw (lower is better); speeds are GB/s of raw bytes (wall time) and CPU
+seconds per GB (the process's CPU time, all threads). "zstd-1 item" compresses each data kind
+as one zstd stream on one thread, the way torch's ``_extensions=[ZStandard()]`` stores a DCP
+item. "other load" is how
 many cores other processes used meanwhile: on a shared machine use
 ``--wait-quiet 300 --retries 4`` and trust rows near 0.
 """
@@ -49,14 +50,6 @@ def _timed(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
     return min(times), result
 
 
-def _cramjam_decompress_into(local: Any, piece: memoryview, dst: memoryview, i: int) -> None:
-    """The codec's frame decompression before this change (cramjam), for the "codec before" row."""
-    import cramjam
-
-    if cramjam.zstd.decompress_into(piece, dst) != len(dst):
-        raise AssertionError(f"frame {i}: short")
-
-
 def _blosc2_contestants(es: int) -> dict[str, dict[str, Any]]:
     """Blosc2 settings compared (typesize = element size, zstd, 2 threads, one chunk per codec frame).
 
@@ -69,55 +62,43 @@ def _blosc2_contestants(es: int) -> dict[str, dict[str, Any]]:
     base = dict(codec=blosc2.Codec.ZSTD, typesize=es, nthreads=2)
     return {
         "blosc2 shuffle+zstd-1": dict(base, clevel=1, filters=[blosc2.Filter.SHUFFLE]),
-        "blosc2 bytedelta+zstd-1": dict(base, clevel=1, filters=[blosc2.Filter.SHUFFLE, blosc2.Filter.BYTEDELTA]),
         "blosc2 bitshuffle+zstd-1": dict(base, clevel=1, filters=[blosc2.Filter.BITSHUFFLE]),
     }
 
 
 def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[str, Any]:
-    """One data kind; every contestant's decode (and encode) runs once per repetition, in turn,
-    so that machine noise hits them alike; best of ``reps`` is kept."""
-    from dcp_s3.codec import v1
-
+    """One data kind; every contestant's encode and decode runs once per repetition, in turn,
+    so that machine noise hits them alike. Per contestant the best of ``reps`` is kept, as wall
+    time (GB/s) and as the process's CPU time (CPU seconds per GB: all threads)."""
     es, floating = ELEMENT[name]
     raw = len(data)
     row: dict[str, Any] = {"kind": name, "raw_mb": raw / 1e6, "element_size": es, "floating": floating}
-    for level in (1, 3):
-        cctx = zstandard.ZstdCompressor(level=level)
-        t, comp = _timed(lambda: cctx.compress(data.data), reps)
-        row[f"zstd{level}_ratio"] = len(comp) / raw
-        row[f"zstd{level}_comp_gbs"] = raw / t / 1e9
-        if level == 1:
-            dctx = zstandard.ZstdDecompressor()
-            t, _ = _timed(lambda: dctx.decompress(comp), reps)
-            row["zstd1_decomp_gbs"] = raw / t / 1e9
+    cctx = zstandard.ZstdCompressor(level=1)
+    t, comp = _timed(lambda: cctx.compress(data.data), reps)
+    row["zstd1_ratio"] = len(comp) / raw
+    row["zstd1_comp_gbs"] = raw / t / 1e9
+    dctx = zstandard.ZstdDecompressor()
+    t, _ = _timed(lambda: dctx.decompress(comp), reps)
+    row["zstd1_decomp_gbs"] = raw / t / 1e9
     out = bytearray(raw)
-    new_decompress = v1.decompress_into
-    codecs = {threads: Codec(level=1, threads=threads, frame_size=frame_size) for threads in (1, 2)}
+    codecs = {f"v{version} {threads}t": Codec(level=1, threads=threads, frame_size=frame_size, version=version)
+              for version, threads in ((1, 2), (2, 1), (2, 2))}
     blosc = _blosc2_contestants(es)
-    encoded: dict[str, Any] = {}
-    # name -> (encode, decode): encode returns what decode needs and the stored size
+    # name -> (encode, decode): encode returns what decode needs
     contestants: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
 
-    def codec_pair(threads: int, decompress: Callable[..., None]) -> tuple[Callable[[], Any], Callable[[Any], None]]:
-        codec = codecs[threads]
-
+    def codec_pair(codec: Codec) -> tuple[Callable[[], Any], Callable[[Any], None]]:
         def enc() -> Any:
             parts: list[Any] = []
             index = codec.encode(data.data, es, floating, parts.append)
             return index, b"".join(parts)
 
         def dec(e: Any) -> None:
-            v1.decompress_into = decompress  # type: ignore[assignment]
-            try:
-                codec.decode_into(e[0], e[1], 0, 0, raw, out)
-            finally:
-                v1.decompress_into = new_decompress
+            codec.decode_into(e[0], e[1], 0, 0, raw, out)
         return enc, dec
 
-    contestants["codec 1t"] = codec_pair(1, new_decompress)
-    contestants["codec 2t"] = codec_pair(2, new_decompress)
-    contestants["codec before 2t"] = codec_pair(2, _cramjam_decompress_into)
+    for label, codec in codecs.items():
+        contestants[label] = codec_pair(codec)
     if blosc:
         import blosc2
 
@@ -131,42 +112,55 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
                 for k, c in enumerate(chunks):
                     blosc2.decompress2(c, dst=view[k * chunk:(k + 1) * chunk])
             contestants[label] = (benc, bdec)
-    enc_t = {k: float("inf") for k in contestants}
-    dec_t = dict(enc_t)
+    inf = float("inf")
+    times = {k: {"enc": inf, "dec": inf, "enc_cpu": inf, "dec_cpu": inf} for k in contestants}
+    encoded: dict[str, Any] = {}
     try:
         for _ in range(reps):
             for label, (enc, dec) in contestants.items():
-                if label == "codec before 2t":  # the encoder did not change: same stored bytes
-                    encoded[label] = encoded["codec 2t"]
-                else:
-                    t0 = time.perf_counter()
-                    encoded[label] = enc()
-                    enc_t[label] = min(enc_t[label], time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                dec(encoded[label])
-                dec_t[label] = min(dec_t[label], time.perf_counter() - t0)
+                for step, fn in (("enc", enc), ("dec", lambda: dec(encoded[label]))):
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    result = fn()
+                    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                    if step == "enc":
+                        encoded[label] = result
+                    times[label][step] = min(times[label][step], wall)
+                    times[label][step + "_cpu"] = min(times[label][step + "_cpu"], cpu)
                 if out != data.tobytes():
                     raise AssertionError(f"{name}: {label} round trip mismatch")
         chunks = [data[p:p + (16 << 20)] for p in range(0, raw, 16 << 20)]
         # the writer's case: input arrives in 16 MiB chunks (e.g. from a GPU)
-        t, _ = _timed(lambda: codecs[2].encode(iter(chunks), es, floating, lambda b: None), reps)
-        row["codec_comp_gbs_t2_16mib_chunks"] = raw / t / 1e9
+        t, _ = _timed(lambda: codecs["v2 2t"].encode(iter(chunks), es, floating, lambda b: None), reps)
+        row["v2_comp_gbs_t2_16mib_chunks"] = raw / t / 1e9
     finally:
         for codec in codecs.values():
             codec.close()
-    index, stored = encoded["codec 2t"]
-    row["codec_ratio"] = len(stored) / raw
-    row["raw_frames"] = bin(index.raw_frames).count("1")
-    row["frames"] = index.num_frames
-    for threads in (1, 2):
-        row[f"codec_comp_gbs_t{threads}"] = raw / enc_t[f"codec {threads}t"] / 1e9
-        row[f"codec_decomp_gbs_t{threads}"] = raw / dec_t[f"codec {threads}t"] / 1e9
-    row["codec_before_comp_gbs_t2"] = row["codec_comp_gbs_t2"]
-    row["codec_before_decomp_gbs_t2"] = raw / dec_t["codec before 2t"] / 1e9
-    row["blosc2"] = {label: {"ratio": sum(map(len, encoded[label])) / raw, "comp_gbs": raw / enc_t[label] / 1e9,
-                             "decomp_gbs": raw / dec_t[label] / 1e9, "settings": _describe(blosc[label])}
-                     for label in blosc}
+    row["contestants"] = {}
+    for label in contestants:
+        e = encoded[label]
+        stored = len(e[1]) if label in codecs else sum(map(len, e))
+        tm = times[label]
+        row["contestants"][label] = {
+            "ratio": stored / raw, "comp_gbs": raw / tm["enc"] / 1e9, "decomp_gbs": raw / tm["dec"] / 1e9,
+            "comp_cpu_s_per_gb": tm["enc_cpu"] / raw * 1e9, "decomp_cpu_s_per_gb": tm["dec_cpu"] / raw * 1e9}
+        if label in codecs:
+            index = e[0]
+            row["contestants"][label]["raw_frames"] = bin(index.raw_frames).count("1")
+            row["contestants"][label]["frames"] = index.num_frames
+        else:
+            row["contestants"][label]["settings"] = _describe(blosc[label])
     return row
+
+
+def _spread(data: np.ndarray, nbytes: int, frame_size: int) -> np.ndarray:
+    """About ``nbytes`` of ``data``: whole frames (a multiple of 8 bytes) evenly spaced across it."""
+    frame = frame_size - frame_size % 8
+    total = len(data) // frame
+    want = max(1, min(total, nbytes // frame))
+    if want >= total:
+        return data
+    picks = np.linspace(0, total - 1, want).round().astype(int)
+    return np.concatenate([data[i * frame:(i + 1) * frame] for i in picks])
 
 
 def _describe(params: dict[str, Any]) -> str:
@@ -212,31 +206,36 @@ def wait_quiet(limit_s: float) -> None:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    head = ("| data | raw MB | codec stored/raw | zstd-1 item | zstd-3 item | codec comp GB/s 1t / 2t "
-            "| codec decomp GB/s 1t / 2t | codec before: decomp GB/s 2t | zstd-1 item comp / decomp GB/s "
-            "| other load (cores) |")
-    lines = [head, "|" + "---|" * 10]
+    labels = list(rows[0]["contestants"]) if rows else []
+    lines = ["| data | raw MB | " + " | ".join(labels) + " | zstd-1 item (1 thread) | other load (cores) |",
+             "|" + "---|" * (4 + len(labels))]
     for r in rows:
-        lines.append(
-            f"| {r['kind']} | {r['raw_mb']:.0f} | **{r['codec_ratio']:.3f}** | {r['zstd1_ratio']:.3f} "
-            f"| {r['zstd3_ratio']:.3f} | {r['codec_comp_gbs_t1']:.2f} / {r['codec_comp_gbs_t2']:.2f} "
-            f"| {r['codec_decomp_gbs_t1']:.2f} / **{r['codec_decomp_gbs_t2']:.2f}** "
-            f"| {r['codec_before_decomp_gbs_t2']:.2f} "
-            f"| {r['zstd1_comp_gbs']:.2f} / {r['zstd1_decomp_gbs']:.2f} | {r['other_processes_cores']} |"
-        )
-    labels = list(rows[0]["blosc2"]) if rows and rows[0].get("blosc2") else []
-    if labels:
-        lines += ["", "Same run, 2 threads each (stored/raw, compress GB/s, decompress GB/s):", "",
-                  "| data | codec | codec before | " + " | ".join(labels) + " |",
-                  "|" + "---|" * (3 + len(labels))]
-        for r in rows:
-            cells = [f"{b['ratio']:.3f}, {b['comp_gbs']:.2f}, {b['decomp_gbs']:.2f}"
-                     for b in (r["blosc2"][k] for k in labels)]
-            lines.append(f"| {r['kind']} | **{r['codec_ratio']:.3f}, {r['codec_comp_gbs_t2']:.2f}, "
-                         f"{r['codec_decomp_gbs_t2']:.2f}** | {r['codec_ratio']:.3f}, "
-                         f"{r['codec_before_comp_gbs_t2']:.2f}, {r['codec_before_decomp_gbs_t2']:.2f} | "
-                         + " | ".join(cells) + " |")
-        lines += ["", "Blosc2 settings: " + "; ".join(f"{k}: {v['settings']}" for k, v in rows[0]["blosc2"].items())]
+        cells = [f"{c['ratio']:.3f}, {c['comp_gbs']:.2f}, {c['decomp_gbs']:.2f}"
+                 for c in (r["contestants"][k] for k in labels)]
+        lines.append(f"| {r['kind']} | {r['raw_mb']:.0f} | " + " | ".join(cells)
+                     + f" | {r['zstd1_ratio']:.3f}, {r['zstd1_comp_gbs']:.2f}, {r['zstd1_decomp_gbs']:.2f}"
+                     + f" | {r['other_processes_cores']} |")
+    lines += ["", "CPU seconds per GB (all threads; compress / decompress):", "",
+              "| data | " + " | ".join(labels) + " |", "|" + "---|" * (1 + len(labels))]
+    for r in rows:
+        cells = [f"{c['comp_cpu_s_per_gb']:.2f} / {c['decomp_cpu_s_per_gb']:.2f}"
+                 for c in (r["contestants"][k] for k in labels)]
+        lines.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
+    lines += ["", "Codec v2 against its targets (2 threads; decode and CPU figures against Blosc2 shuffle+zstd-1, "
+              "ratio against v1):", "",
+              "| data | v2 decode / Blosc2 (wall) | v2 decode CPU / Blosc2 CPU | v2 compress GB/s "
+              "(16 MiB chunks) | v2 ratio / v1 ratio |", "|---|---|---|---|---|"]
+    for r in rows:
+        c = r["contestants"]
+        b = c.get("blosc2 shuffle+zstd-1")
+        v1, v2 = c["v1 2t"], c["v2 2t"]
+        vs_b = (f"{v2['decomp_gbs'] / b['decomp_gbs']:.2f}x", f"{v2['decomp_cpu_s_per_gb'] / b['decomp_cpu_s_per_gb']:.2f}x") \
+            if b else ("-", "-")
+        lines.append(f"| {r['kind']} | {vs_b[0]} | {vs_b[1]} | {v2['comp_gbs']:.2f} "
+                     f"({r['v2_comp_gbs_t2_16mib_chunks']:.2f}) | {v2['ratio'] / v1['ratio']:.3f} |")
+    if rows and any(not k.startswith("v") for k in labels):
+        lines += ["", "Blosc2 settings: " + "; ".join(f"{k}: {v['settings']}" for k, v in rows[0]["contestants"].items()
+                                                     if "settings" in v)]
     return "\n".join(lines)
 
 
@@ -249,23 +248,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
         return
-    markers = {"dcp_s3 codec": "*", "dcp_s3 codec before": "X", "zstd-1 item (1 thread)": "s"}
     fig, ax = plt.subplots(figsize=(9, 6))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    shapes = "*Xo^vD"
     for i, r in enumerate(rows):
         if not r["floating"]:
             continue
         c = colours[i % len(colours)]
-        points = {"dcp_s3 codec": (r["codec_decomp_gbs_t2"], r["codec_ratio"]),
-                  "dcp_s3 codec before": (r["codec_before_decomp_gbs_t2"], r["codec_ratio"]),
-                  "zstd-1 item (1 thread)": (r["zstd1_decomp_gbs"], r["zstd1_ratio"])}
-        points.update({k: (b["decomp_gbs"], b["ratio"]) for k, b in r.get("blosc2", {}).items()})
-        for label, (x, y) in points.items():
-            marker = markers.get(label, "o^vD<>"[list(r.get("blosc2", {})).index(label) % 6]
-                                 if label in r.get("blosc2", {}) else "o")
+        points = {f"dcp_s3 {k}": (v["decomp_gbs"], v["ratio"]) for k, v in r["contestants"].items()
+                  if k.startswith("v") and k.endswith("2t")}
+        points.update({k: (v["decomp_gbs"], v["ratio"]) for k, v in r["contestants"].items() if not k.startswith("v")})
+        points["zstd-1 item (1 thread)"] = (r["zstd1_decomp_gbs"], r["zstd1_ratio"])
+        for j, (label, (x, y)) in enumerate(points.items()):
+            marker = "s" if label.startswith("zstd") else shapes[j % len(shapes)]
             ax.scatter(x, y, color=c, marker=marker, s=140 if marker == "*" else 50,
                        label=label if i == 0 else None, edgecolors="black", linewidths=0.4)
-        ax.annotate(r["kind"], points["dcp_s3 codec"], textcoords="offset points", xytext=(6, -12), color=c, fontsize=8)
+        ax.annotate(r["kind"], points["dcp_s3 v2 2t"], textcoords="offset points", xytext=(6, -12), color=c, fontsize=8)
     ax.set_xlabel("decompress GB/s (2 threads; zstd item: 1)")
     ax.set_ylabel("stored / raw (lower is better)")
     ax.set_title("Checkpoint compression: ratio against decode speed, per data kind (colour)")
@@ -285,6 +283,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results.json")
     ap.add_argument("--plot", type=Path, default=HERE / "ratio_vs_decode.png", help="the figure (PNG)")
     ap.add_argument("--limit-mb", type=float, default=0, help="use only the first N MB of each kind (quick runs)")
+    ap.add_argument("--spread-mb", type=float, default=0,
+                    help="use N MB of each kind: whole frames taken evenly across it (every layer and tensor kind "
+                         "represented; keeps a shared-machine run short)")
+    ap.add_argument("--kinds", nargs="+", metavar="KIND", help=f"only these data kinds (of: {', '.join(ELEMENT)})")
     ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                     help="before each data kind, wait up to S seconds for the machine to be idle")
     ap.add_argument("--retries", type=int, default=0,
@@ -302,6 +304,10 @@ def main() -> None:
         kinds["random bytes (as fp32)"] = rng.integers(0, 256, 64 << 20, dtype=np.uint8)
         if args.cache:
             np.savez(args.cache, names=np.array(list(kinds)), **{f"k{i}": v for i, v in enumerate(kinds.values())})
+    if args.kinds:
+        kinds = {k: kinds[k] for k in args.kinds}
+    if args.spread_mb:
+        kinds = {k: _spread(v, int(args.spread_mb * 1e6), args.frame_size) for k, v in kinds.items()}
     if args.limit_mb:
         kinds = {k: v[:int(args.limit_mb * 1e6)] for k, v in kinds.items()}
     rows = []

@@ -1,8 +1,16 @@
 """Byte grouping of fixed-size elements (numpy, no torch): the transform before zstd of float frames.
 
-Every element is rotated left by one bit (the sign moves next to the mantissa, so the top
-byte is the whole exponent for bf16/fp32/fp64-like layouts) and its bytes are split into
-planes, most significant plane first.
+Version 1 (:func:`group` / :func:`ungroup`): every element is rotated left by one bit (the sign
+moves next to the mantissa, so the top byte is the whole exponent for bf16/fp32/fp64-like
+layouts) and its bytes are split into planes, most significant plane first.
+
+Version 2 (:func:`split_top` / :func:`join_top`): no rotation; only the top byte of every
+element (sign and high exponent bits) goes to a plane of its own, the other ``es - 1`` bytes of
+each element stay together in element order (the "rest"). Joining is two passes per cache-sized
+block: an unaligned strided load of each element's ``es`` bytes from the rest (one byte too
+many, the next element's), then a strided store of the top bytes over that byte; for 2-byte
+elements a widening shift and an or. That is 2-3x faster than the planes of version 1, which
+take one pass per plane plus the rotation.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["UINT", "group", "ungroup"]
+__all__ = ["UINT", "group", "ungroup", "split_top", "join_top"]
 
 #: Element sizes that are grouped, and the unsigned integer type of each.
 UINT: Final[dict[int, Any]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -82,3 +90,55 @@ def ungroup(planes: np.ndarray, ne: int, es: int, a: int, b: int, out: np.ndarra
         else:  # unaligned destination: combine in place, then copy bytes
             np.bitwise_or(r, t, out=r)
             out[(s - a) * es:(e - a) * es] = r.view(np.uint8)
+
+
+def split_top(src: np.ndarray, es: int, top: np.ndarray | None, rest: np.ndarray | None) -> None:
+    """Version 2 grouping of the ``ne = len(src) // es`` whole elements of ``src``: ``top[i]`` is
+    byte ``es - 1`` (little-endian) of element ``i``, ``rest[i * (es - 1):(i + 1) * (es - 1)]``
+    its bytes ``0 .. es - 2``. ``top`` holds ``ne`` bytes, ``rest`` ``ne * (es - 1)``; either may
+    be None (not wanted); trailing bytes of ``src`` are the caller's."""
+    ne = len(src) // es
+    if not ne:
+        return
+    whole = src[:ne * es].reshape(ne, es)
+    if top is not None:
+        np.copyto(top[:ne], whole[:, es - 1])
+    if rest is None:
+        return
+    if es == 2:
+        np.copyto(rest[:ne], whole[:, 0])
+        return
+    void = np.dtype((np.void, es - 1))
+    src_rest = np.ndarray((ne,), dtype=void, buffer=src, offset=0, strides=(es,))
+    np.copyto(rest[:ne * (es - 1)].view(void), src_rest)
+
+
+def join_top(top: np.ndarray, rest: np.ndarray, ne: int, es: int, a: int, b: int, out: np.ndarray) -> None:
+    """Inverse of :func:`split_top` for elements ``[a, b)`` of a frame of ``ne`` elements
+    (``top``: ``ne`` bytes, ``rest``: ``ne * (es - 1)`` bytes), written to ``out``
+    (``(b - a) * es`` bytes, any alignment)."""
+    if b <= a:
+        return
+    if b == ne and es > 2:  # the last element's es-byte load would read past the rest: by hand
+        out[(b - 1 - a) * es:(b - a) * es - 1] = rest[(ne - 1) * (es - 1):ne * (es - 1)]
+        out[(b - a) * es - 1] = top[ne - 1]
+        b -= 1
+        if b <= a:
+            return
+    dt = np.dtype(UINT[es]).newbyteorder("<")
+    o_all = out[:(b - a) * es].view(dt)
+    o8 = out[:(b - a) * es].reshape(b - a, es)
+    if es == 2:
+        for s in range(a, b, BLOCK_ELEMENTS):
+            e = min(b, s + BLOCK_ELEMENTS)
+            o = o_all[s - a:e - a]
+            np.left_shift(top[s:e], 8, out=o, dtype=dt)
+            np.bitwise_or(o, rest[s:e], out=o)
+        return
+    # Element i's bytes 0 .. es - 2 start at rest[i * (es - 1)]; an es-byte load there also
+    # picks up the next element's first byte, which the top byte then overwrites.
+    loads = np.ndarray((b - a,), dtype=dt, buffer=rest, offset=a * (es - 1), strides=(es - 1,))
+    for s in range(0, b - a, BLOCK_ELEMENTS):
+        e = min(b - a, s + BLOCK_ELEMENTS)
+        np.copyto(o_all[s:e], loads[s:e])
+        np.copyto(o8[s:e, es - 1], top[a + s:a + e])

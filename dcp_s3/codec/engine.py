@@ -18,6 +18,7 @@ from dcp_s3.codec.byte_planes import UINT
 from dcp_s3.codec.format import (
     CODEC_NAME,
     CODEC_VERSION,
+    DECODERS,
     DEFAULT_FRAME_SIZE,
     GROUP_FLOAT,
     GROUP_NONE,
@@ -25,8 +26,8 @@ from dcp_s3.codec.format import (
     FrameIndex,
     decoder_for,
     frame_range,
+    supported,
 )
-from dcp_s3.codec.v1 import encode_frame
 from dcp_s3.errors import CheckpointFormatError, ConfigError, InvalidTypeError
 
 __all__ = ["Codec", "Chunk"]
@@ -43,13 +44,14 @@ class Codec:
     """
 
     def __init__(self, level: int = 1, threads: int = 2, frame_size: int = DEFAULT_FRAME_SIZE,
-                 max_in_flight: int | None = None) -> None:
+                 max_in_flight: int | None = None, version: int = CODEC_VERSION) -> None:
         """``level``: zstd level of plain frames, and one of the two candidates tried on
         grouped frames (the other is a literal-heavy setting). ``threads``: pool size.
         ``frame_size``: raw bytes per frame (rounded down to a multiple of the element
         size). ``max_in_flight``: frames being compressed or awaiting the sink per
         :meth:`encode` call (default ``2 * threads``); bounds encode memory to about
-        ``(max_in_flight + threads) * frame_size``.
+        ``(max_in_flight + threads) * frame_size``. ``version``: the codec version
+        :meth:`encode` writes (default :data:`CODEC_VERSION`; every version reads).
         """
         if threads < 1 or not 1 <= frame_size <= MAX_FRAME_SIZE or (max_in_flight is not None and max_in_flight < 1):
             raise ConfigError(
@@ -57,16 +59,19 @@ class Codec:
                 f"max_in_flight must be positive, frame_size in [1, {MAX_FRAME_SIZE}]"
             )
         zstandard.ZstdCompressor(level=level)  # validates the level
-        self.level, self.threads, self.frame_size = level, threads, frame_size
+        if (CODEC_NAME, version) not in DECODERS or type(version) is not int:
+            raise ConfigError(f"Codec(version={version!r}): this dcp_s3 writes {supported()}")
+        self._impl = decoder_for(FrameIndex(CODEC_NAME, version, 1, GROUP_NONE, 0, 1, ()))
+        self.level, self.threads, self.frame_size, self.version = level, threads, frame_size, version
         self.max_in_flight = max_in_flight or 2 * threads
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
 
-    def __getstate__(self) -> tuple[int, int, int, int]:
-        return (self.level, self.threads, self.frame_size, self.max_in_flight)
+    def __getstate__(self) -> tuple[int, int, int, int, int]:
+        return (self.level, self.threads, self.frame_size, self.max_in_flight, self.version)
 
-    def __setstate__(self, state: tuple[int, int, int, int]) -> None:
+    def __setstate__(self, state: tuple[int, int, int, int, int]) -> None:
         self.__init__(*state)  # type: ignore[misc]
 
     def __enter__(self) -> Codec:
@@ -182,11 +187,12 @@ class Codec:
                 if not fut.cancelled():
                     fut.exception()  # wait; the error being raised wins
             raise
-        return FrameIndex(CODEC_NAME, CODEC_VERSION, es, grouping, raw_length, fs, tuple(ends), raw_mask)
+        return FrameIndex(CODEC_NAME, self.version, es, grouping, raw_length, fs, tuple(ends), raw_mask)
 
     def _encode_frame(self, frame: memoryview, es: int, grouping: int) -> tuple[bytes | memoryview, bool]:
         """The stored bytes of one frame and whether they are the raw bytes (runs on the pool)."""
-        return encode_frame(self._local, self.level, frame, es, grouping)
+        result: tuple[bytes | memoryview, bool] = self._impl.encode_frame(self._local, self.level, frame, es, grouping)
+        return result
 
     # ------------------------------------------------------------------ decode
 

@@ -13,15 +13,29 @@ most significant plane first. The exponent plane is low-entropy; the mantissa
 planes are near-random and zstd stores them as raw blocks at memcpy speed. A
 frame whose zstd output does not shrink is stored raw (not grouped).
 
-Stored format of frame ``i`` (codec version 1), ``n`` its raw length, ``es`` the
-element size and ``ne = n // es``:
+Stored format of frame ``i``, ``n`` its raw length, ``es`` the element size and
+``ne = n // es``, in both versions:
 
 - raw frame (bit ``i`` of ``FrameIndex.raw_frames``): the ``n`` raw bytes;
-- ``GROUP_NONE``: one or more concatenated zstd frames decompressing to the raw bytes;
-- ``GROUP_FLOAT``: one or more concatenated zstd frames decompressing to ``es``
-  planes of ``ne`` bytes, plane ``p`` holding byte ``es - 1 - p`` (little-endian) of
-  each element rotated left by one bit, then the ``n - ne * es`` trailing raw bytes.
-  (This encoder writes one zstd frame; readers accept several.)
+- ``GROUP_NONE``: one or more concatenated zstd frames decompressing to the raw bytes.
+
+``GROUP_FLOAT`` frames, codec version 1: one or more concatenated zstd frames decompressing
+to ``es`` planes of ``ne`` bytes, plane ``p`` holding byte ``es - 1 - p`` (little-endian) of
+each element rotated left by one bit, then the ``n - ne * es`` trailing raw bytes. (The
+encoder wrote one zstd frame; readers accept several.)
+
+``GROUP_FLOAT`` frames, codec version 2 (what new saves write, :data:`CODEC_VERSION`):
+
+- an 8-byte header: ``T`` and ``R``, little-endian uint32, the stored lengths of the next two sections;
+- the *top plane*, ``T`` bytes: byte ``es - 1`` (little-endian, not rotated) of every element,
+  ``ne`` bytes; stored raw if ``T == ne``, else (``0 < T < ne``) zstd frames decompressing to them;
+- the *rest*, ``R`` bytes: bytes ``0 .. es - 2`` of every element, in element order,
+  ``ne * (es - 1)`` bytes; raw if ``R`` equals that, else (``0 < R <`` that) zstd;
+- the ``n - ne * es`` trailing raw bytes. ``8 + T + R`` plus their number is the frame's stored length.
+
+Version 2 keeps the byte that compresses (sign and exponent) apart and leaves the mantissa
+bytes, which do not, as they are: decoding reads them straight from the stored bytes
+(:mod:`dcp_s3.codec.v2`).
 
 Everything a reader needs is in a :class:`FrameIndex` that the writer stores in
 the checkpoint metadata; :func:`stored_span` maps a raw byte range to the frame
@@ -30,7 +44,8 @@ are looked up by ``(codec, version)`` in :data:`DECODERS`, the one list of what 
 reader accepts; an unknown pair raises :class:`~dcp_s3.errors.CheckpointFormatError`.
 
 Modules: this one holds the stored format (constants, :class:`FrameIndex`, the
-registry); :mod:`dcp_s3.codec.v1` encodes and decodes one frame of version 1;
+registry); :mod:`dcp_s3.codec.v1` and :mod:`dcp_s3.codec.v2` encode and decode one frame of
+versions 1 and 2;
 :mod:`dcp_s3.codec.byte_planes` does the byte grouping; :mod:`dcp_s3.codec.engine` holds
 :class:`Codec`, which runs frames on a thread pool. Stored ``.metadata`` pickles name
 ``dcp_s3.codec.FrameIndex`` (every release so far): its ``__module__`` is that path, the face
@@ -68,7 +83,8 @@ __all__ = [
 ]
 
 CODEC_NAME: Final = "dcp_s3.zstd-frames"
-CODEC_VERSION: Final = 1
+CODEC_VERSION: Final = 2
+"""The version new saves write (every version in :data:`DECODERS` is read)."""
 GROUP_NONE: Final = 0
 """Frames hold plain zstd of the raw bytes."""
 GROUP_FLOAT: Final = 1
@@ -82,6 +98,7 @@ MAX_FRAME_SIZE: Final = 64 << 20
 #: ``decode_frame``). What a reader accepts is exactly this; nothing else lists codecs.
 DECODERS: Final[Mapping[tuple[str, int], str]] = MappingProxyType({
     (CODEC_NAME, 1): "dcp_s3.codec.v1",
+    (CODEC_NAME, 2): "dcp_s3.codec.v2",
 })
 
 

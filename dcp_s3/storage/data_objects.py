@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_s3._torch_compat import element_size
 from dcp_s3.codec import Codec, grouping_for_dtype
 from dcp_s3.errors import CheckpointFormatError, DcpS3Error
-from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
+from dcp_s3.layout import ItemLocation
 from dcp_s3.objstore.base import ObjectWriter
 from dcp_s3.storage.staging import Stagings
 from dcp_s3.storage.tensor_bytes import compact, payload_chunks, streamable, tensor_blob
@@ -101,7 +101,7 @@ def _write_tensor(
         block_crcs.feed(payload_chunks(tensor)), element_size, floating, writer.write, stable_chunks=True
     )
     return ItemLocation(
-        name, offset, writer.tell() - offset, transform_descriptors=[CODEC_DESCRIPTOR],
+        name, offset, writer.tell() - offset, transform_descriptors=[f"{frames.codec}/{frames.version}"],  # what codec.accepts checks
         frames=frames, frame_crc32c=block_crcs.finish(),
     )
 

@@ -82,12 +82,14 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 # ---------------------------------------------------------------- round trips
 
 @FAST
-@given(t=tensors(), frame_size=st.sampled_from([1, 8, 100, 1000, 4096, 1 << 16]), threads=st.sampled_from([1, 3]))
-def test_round_trip_every_dtype(t: torch.Tensor, frame_size: int, threads: int) -> None:
+@given(t=tensors(), frame_size=st.sampled_from([1, 8, 100, 1000, 4096, 1 << 16]), threads=st.sampled_from([1, 3]),
+       version=st.sampled_from([1, 2]))
+def test_round_trip_every_dtype(t: torch.Tensor, frame_size: int, threads: int, version: int) -> None:
     es, floating = grouping_for_dtype(t.dtype)
     raw = tensor_bytes(t)
-    with Codec(threads=threads, frame_size=frame_size) as c:
+    with Codec(threads=threads, frame_size=frame_size, version=version) as c:
         index, stored = encode(c, raw.data, es, floating)
+        assert index.version == version
         assert index.raw_length == len(raw)
         assert index.frame_size % es == 0
         assert index.grouping == (GROUP_FLOAT if floating and es > 1 else GROUP_NONE)
@@ -98,11 +100,14 @@ def test_round_trip_every_dtype(t: torch.Tensor, frame_size: int, threads: int) 
 
 
 @FAST
-@given(data=st.binary(max_size=20000), es=st.sampled_from([1, 2, 3, 4, 8, 16]), floating=st.booleans())
-def test_round_trip_random_bytes_any_length(codec: Codec, data: bytes, es: int, floating: bool) -> None:
+@given(data=st.binary(max_size=20000), es=st.sampled_from([1, 2, 3, 4, 8, 16]), floating=st.booleans(),
+       version=st.sampled_from([1, 2]))
+def test_round_trip_random_bytes_any_length(codec: Codec, data: bytes, es: int, floating: bool, version: int) -> None:
     # Lengths need not be multiples of the element size: the tail is stored ungrouped.
-    index, stored = encode(codec, data, es, floating)
-    assert decode(codec, index, stored) == data
+    with Codec(threads=2, frame_size=4096, version=version) as writer:
+        index, stored = encode(writer, data, es, floating)
+    assert index.version == version
+    assert decode(codec, index, stored) == data  # the default codec reads every version
 
 
 @FAST
@@ -158,15 +163,18 @@ def encoded_items(codec: Codec) -> dict[str, tuple[np.ndarray, FrameIndex, bytes
         raw = tensor_bytes(t)
         es, floating = grouping_for_dtype(t.dtype)
         items[name] = (raw, *encode(codec, raw, es, floating))
+        with Codec(threads=2, frame_size=4096, version=1) as v1_codec:  # what 0.2-0.3 wrote
+            items[f"v1 {name}"] = (raw, *encode(v1_codec, raw, es, floating))
     return items
 
 
 @FAST
 @given(name=st.sampled_from(["bf16", "fp32", "f64", "int"]), a=st.integers(0, 100_000), b=st.integers(0, 100_000),
-       slack=st.integers(0, 5000))
+       slack=st.integers(0, 5000), version=st.sampled_from(["", "v1 "]))
 def test_ranged_decode_equals_slice(codec: Codec, encoded_items: dict[str, Any], name: str, a: int, b: int,
-                                    slack: int) -> None:
-    raw, index, stored = encoded_items[name]
+                                    slack: int, version: str) -> None:
+    raw, index, stored = encoded_items[version + name]
+    assert index.version == (1 if version else 2)
     a, b = sorted((a % (len(raw) + 1), b % (len(raw) + 1)))
     s, e = stored_span(index, a, b)
     if a < b:  # the span is frame aligned and minimal
@@ -202,10 +210,13 @@ def test_decode_argument_errors(codec: Codec, encoded_items: dict[str, Any]) -> 
         codec.decode_into(index, stored, 0, 0, 10, b"0123456789")
 
 
-def test_corrupt_frame_is_a_format_error(codec: Codec, encoded_items: dict[str, Any]) -> None:
+def test_corrupt_frame_is_a_format_error(codec: Codec) -> None:
+    # Version 1 frames (version 2's hostile frames: test_codec_v2.py).
     # (Bit flips inside zstd literals are not detected here: stored bytes are
     # checksummed by the transport.)
-    raw, index, stored = encoded_items["fp32"]
+    with Codec(threads=2, frame_size=4096, version=1) as v1_codec:
+        index, stored = encode(v1_codec, tensor_bytes(weights(20_000)), 4, True)
+    assert index.version == 1
     assert not index.is_raw(0)
     truncated = dataclasses.replace(index, ends=tuple(e - 5 for e in index.ends))
     with pytest.raises(CheckpointFormatError, match="frame 0"):
@@ -334,8 +345,9 @@ def test_grouping_for_dtype() -> None:
 
 
 def test_codec_pickles_and_does_not_import_torch() -> None:
-    c = pickle.loads(pickle.dumps(Codec(level=3, threads=3, frame_size=1000, max_in_flight=5)))
-    assert (c.level, c.threads, c.frame_size, c.max_in_flight) == (3, 3, 1000, 5)
+    c = pickle.loads(pickle.dumps(Codec(level=3, threads=3, frame_size=1000, max_in_flight=5, version=1)))
+    assert (c.level, c.threads, c.frame_size, c.max_in_flight, c.version) == (3, 3, 1000, 5, 1)
+    assert Codec().version == CODEC_VERSION == 2  # new saves write version 2
     index, stored = encode(c, b"abc" * 1000)
     assert decode(c, index, stored) == b"abc" * 1000
     c.close()
@@ -355,6 +367,9 @@ def test_bad_settings() -> None:
         Codec(level=1000)
     with pytest.raises(ValueError):
         Codec().encode(b"x", 0, False, print)
+    for version in (0, 3, True, "2"):
+        with pytest.raises(ValueError, match="writes"):
+            Codec(version=version)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- pipelining
@@ -459,13 +474,17 @@ def test_the_registry_decides_what_a_reader_accepts(encoded_items: dict[str, Any
     assert codec_module.accepts([descriptor], index)
     assert not codec_module.accepts([descriptor, descriptor], index)  # exactly the one transform
     assert not codec_module.accepts(["torch.ZStandard"], index)
-    newer = dataclasses.replace(index, version=2)
-    assert not codec_module.accepts([f"{CODEC_NAME}/2"], newer)  # not in the registry
+    newer = dataclasses.replace(index, version=CODEC_VERSION + 1)
+    assert not codec_module.accepts([f"{CODEC_NAME}/{CODEC_VERSION + 1}"], newer)  # not in the registry
     assert not codec_module.accepts([descriptor], newer)  # descriptors must name the index's codec
-    # A decoder registered for version 2 is accepted with no other change (no second list).
-    monkeypatch.setattr(codec_module, "DECODERS", {**codec_module.DECODERS, (CODEC_NAME, 2): "dcp_s3.codec.v1"})
-    assert codec_module.accepts([f"{CODEC_NAME}/2"], newer)
-    assert f"{CODEC_NAME!r} version 2" in codec_module.supported()
+    # A decoder registered for a new version is accepted with no other change (no second list).
+    monkeypatch.setattr(codec_module, "DECODERS",
+                        {**codec_module.DECODERS, (CODEC_NAME, CODEC_VERSION + 1): "dcp_s3.codec.v2"})
+    assert codec_module.accepts([f"{CODEC_NAME}/{CODEC_VERSION + 1}"], newer)
+    assert f"{CODEC_NAME!r} version {CODEC_VERSION + 1}" in codec_module.supported()
+    # Both versions this dcp_s3 wrote are read.
+    for version in (1, 2):
+        assert codec_module.accepts([f"{CODEC_NAME}/{version}"], dataclasses.replace(index, version=version))
 
 
 def test_reader_decodes_frames_without_a_content_size(codec: Codec) -> None:

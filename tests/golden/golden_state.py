@@ -23,6 +23,7 @@ __all__ = [
     "ITERATION",
     "plain_state",
     "shard_state",
+    "float_state",
     "placeholder",
     "training_objects",
     "assert_same",
@@ -78,6 +79,38 @@ def shard_state() -> dict[str, torch.Tensor]:
         "rows": _fp32(rng, 7, 3),  # 7 rows: torch.chunk gives ranks 4 and 3
         "rows_bf16": torch.tensor(_floats(rng, 6 * 5), dtype=torch.float32).to(torch.bfloat16).reshape(6, 5),
         "rows_i64": torch.tensor([rng.randrange(-(1 << 40), 1 << 40) for _ in range(10)], dtype=torch.int64),
+    }
+
+
+def _float_bits(rng: random.Random, n: int, exp_bits: int, man_bits: int, signed: bool) -> list[int]:
+    """Bit patterns of ``n`` weight-like floats (1 sign bit if ``signed``, ``exp_bits`` exponent bits and
+    ``man_bits`` mantissa bits): exponents a few steps below 2^-5, clustered as trained weights' are;
+    integers only, so identical everywhere."""
+    bias = (1 << (exp_bits - 1)) - 1
+    out = []
+    for _ in range(n):
+        exponent = max(1, bias - 5 - min(rng.randrange(16), rng.randrange(16), rng.randrange(16)))
+        sign = rng.getrandbits(1) if signed else 0
+        out.append(sign << (exp_bits + man_bits) | exponent << man_bits | rng.getrandbits(man_bits))
+    return out
+
+
+def float_state() -> dict[str, torch.Tensor]:
+    """Float tensors large and weight-like enough for the codec to group and compress their frames
+    (``plain_state``'s are so small that every frame is stored raw)."""
+    rng = random.Random(20_0003)
+
+    def tensor(bits: list[int], int_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+        width = torch.empty(0, dtype=int_dtype).element_size() * 8
+        signed = [b - (1 << width) if b >> (width - 1) else b for b in bits]  # as the signed int of that width
+        return torch.tensor(signed, dtype=int_dtype).view(dtype)
+
+    return {
+        "fp32": tensor(_float_bits(rng, 6000, 8, 23, True), torch.int32, torch.float32).reshape(60, 100),
+        "bf16": tensor(_float_bits(rng, 6000, 8, 7, True), torch.int16, torch.bfloat16).reshape(60, 100),
+        "fp16": tensor(_float_bits(rng, 2000, 5, 10, True), torch.int16, torch.float16),
+        "fp64": tensor(_float_bits(rng, 1500, 11, 52, True), torch.int64, torch.float64),
+        "exp_avg_sq": tensor(_float_bits(rng, 3000, 8, 23, False), torch.int32, torch.float32),
     }
 
 

@@ -113,6 +113,12 @@ def _save_plain(uri: str, options: dict[str, Any]) -> None:
     dcp.save(golden_state.plain_state(), storage_writer=S3StorageWriter(uri, **options))
 
 
+def _save_floats(uri: str, options: dict[str, Any]) -> None:
+    from dcp_s3 import S3StorageWriter
+
+    dcp.save(golden_state.float_state(), storage_writer=S3StorageWriter(uri, **options))
+
+
 def _save_step(root: str) -> None:
     from dcp_s3 import Checkpointer
 
@@ -229,6 +235,9 @@ def main() -> None:
         for name, options in _variants(features):
             _save_plain(f"s3://{BUCKET}/ckpt/{name}", options)
             entries.append(_entry(name, "s3", f"ckpt/{name}", "dcp", options))
+        if features["compression"]:  # float frames large enough to be grouped and compressed
+            _save_floats(f"s3://{BUCKET}/ckpt/zstd-floats", {"compression": "zstd"})
+            entries.append(_entry("zstd-floats", "s3", "ckpt/zstd-floats", "dcp", {"compression": "zstd"}, state="floats"))
         # 2 gloo ranks, each saving its row block of DTensors (Shard(0)), in 2 key prefixes where supported.
         sharded = {"key_prefixes": 2} if features["key_prefixes"] else {}
         _save_sharded(f"s3://{BUCKET}/ckpt/sharded", sharded)
@@ -250,6 +259,10 @@ def main() -> None:
         for name, options in _variants(features):
             _save_plain(str(local / name), options)
             entries.append(_entry(name, "local", f"local/{name}", "dcp", options))
+        if features["compression"]:
+            _save_floats(str(local / "zstd-floats"), {"compression": "zstd"})
+            entries.append(_entry("zstd-floats", "local", "local/zstd-floats", "dcp", {"compression": "zstd"},
+                                  state="floats"))
     elif features["safe_fs_writer"]:
         from dcp_s3.local_writer import SafeFileSystemWriter
 

@@ -43,6 +43,8 @@ def test_compressed_round_trip_every_dtype_and_shape(bucket: str, s3_env: LocalS
     md = S3StorageReader(uri).read_metadata()
     compressed = [i for i in md.storage_data.values() if i.frames is not None]
     assert compressed and all(i.transform_descriptors == [CODEC_DESCRIPTOR] for i in compressed)
+    # New saves write codec version 2 (version 1 checkpoints still load: tests/test_golden.py).
+    assert CODEC_DESCRIPTOR == "dcp_s3.zstd-frames/2" and {i.frames.version for i in compressed} == {2}
     for max_range in (16 * MiB, 64 * 1024):  # whole frames per request, and many small requests
         out = blank_like(sd)
         dcp.load(out, storage_reader=S3StorageReader(uri, max_range_size=max_range))
