@@ -13,6 +13,12 @@ each child (bytes sent/received, requests by type), which count every client ali
 boto3, aiobotocore and the Rust CRT. Medians of ``--reps`` go into a markdown table
 (with ratios to the best alternative and to the boto3 transport ceiling), a PNG plot
 and ``results/run.json``.
+
+The server is the JuiceFS S3 gateway on tmpfs by default (``benchmarks.servers``; the fastest
+real server here, ``benchmarks.server_throughput``). Every row also says which side was busier:
+the child's and the server's CPU, sampled by PID over the timed call. ``--warm`` rows run after a
+tiny save and load in the same process (a training job's later checkpoints); ``--https`` rows come
+in pairs, HTTP and HTTPS on ``--https-server`` (SeaweedFS on tmpfs, a throw-away ``trustme`` CA).
 """
 
 from __future__ import annotations
@@ -272,7 +278,7 @@ def render_tables(summary: dict[str, Any], workload: common.Workload, args: argp
         "",
         f"Partial load = {len(workload.partial_keys())} of {len(workload.tensors)} tensors "
         f"({(logical_partial or 0) / 1e6:.1f} MB needed). Bytes read and requests are the server's counters "
-        "(SeaweedFS) — or /proc/self/io rchar when the server is not ours (local_fs: file reads).",
+        "(SeaweedFS); — where the server keeps none (the JuiceFS gateway); local_fs: its file reads (rchar).",
         "",
         t2,
     ]

@@ -30,6 +30,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -152,11 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server", choices=list(servers.KINDS), default="juicefs_shm")
     ap.add_argument("--https-server", choices=list(servers.KINDS), default="seaweedfs_shm")
     ap.add_argument("--schemes", default="http,https")
+    ap.add_argument(
+        "--modes",
+        default="warm",
+        help="warm (a tiny save and load first in the process: a training "
+        "job's later checkpoints) and/or cold (the process's first checkpoint call: client, imports)",
+    )
     ap.add_argument("--freq", type=int, default=1999, help="perf samples per second per CPU")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "stages.json")
     args = ap.parse_args(argv)
     if shutil.which("perf") is None:
         raise SystemExit("perf is not installed (linux-perf): it is what attributes the samples")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
+    _modes(args.modes)
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     where = tempfile.mkdtemp(prefix="dcp-s3-stages-")
     results: dict[str, dict[str, Any]] = {}
@@ -176,21 +185,23 @@ def main(argv: list[str] | None = None) -> int:
                     "region": "us-east-1",
                     "local_dir": where,
                 }
-                for op in ("save", "load"):
+                for mode, op in [(m, o) for m in _modes(args.modes) for o in ("save", "load")]:
                     spec = {
                         "contestant": args.contestant,
                         "op": op,
                         "workload": args.workload,
                         "size_mib": args.size_mib,
                         "target": target,
+                        "warm": mode == "warm",
                     }
                     res = profile_child(spec, ep.env, where, args.freq)
                     if not res.get("ok"):
                         raise SystemExit(f"{scheme} {op} failed: {res.get('error')}")
                     res["cpu_s_per_gib"] = res["cpu_s"] / (res["logical_bytes"] / common.GiB)
-                    results[f"{op} {scheme} ({kind})"] = res
+                    results[f"{op} {scheme} {mode} ({kind})"] = res
+                    _write(args, results)  # as it goes: a run cut short keeps what it measured
                     print(
-                        f"{op} {scheme}: {res['cpu_s_per_gib']:.2f} CPU s/GiB, {res['seconds']:.2f} s, "
+                        f"{op} {scheme} {mode}: {res['cpu_s_per_gib']:.2f} CPU s/GiB, {res['seconds']:.2f} s, "
                         f"{res['samples']} samples",
                         flush=True,
                     )
@@ -199,8 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                 endpoint.stop()
     finally:
         shutil.rmtree(where, ignore_errors=True)
+    print(_write(args, results))
+    return 0
+
+
+def _write(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> str:
     table = render(results)
-    print(table)
     common.write_json(
         args.out,
         {
@@ -214,7 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     args.out.with_suffix(".md").write_text(table + "\n")
-    return 0
+    return table
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if not modes or set(modes) - {"warm", "cold"}:
+        raise SystemExit(f"--modes {text!r}: expected warm, cold or both")
+    return modes
 
 
 def render(results: dict[str, dict[str, Any]]) -> str:

@@ -42,6 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common, servers  # noqa: E402
+from benchmarks.worker import _perf  # noqa: E402
 
 PART = 16 << 20
 CONCURRENCY = 8
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--https", action="store_true", help="over HTTPS (the server must serve TLS: seaweedfs_shm)")
     ap.add_argument("--transports", default=",".join(TRANSPORTS))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--perf", default="", help="upload,download: sample these under a perf record --control (stages)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     size = args.size_mib << 20
@@ -267,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                     ("download", lambda: tr.download(key, memoryview(dest))),
                 ):
                     c0, t0 = common.cpu_seconds(), time.perf_counter()
+                    if op in args.perf:
+                        _perf("enable")
                     fn()
+                    if op in args.perf:
+                        _perf("disable")
                     wall, cpu = time.perf_counter() - t0, common.cpu_seconds() - c0
                     r[f"{op}_cpu_s_per_gib"] = cpu / (size / common.GiB)
                     r[f"{op}_mib_s"] = args.size_mib / wall
