@@ -95,7 +95,9 @@ class Obstore(Transport):
         env = endpoint.env
         opts: dict[str, Any] = {"allow_http": True}
         if env.get("AWS_CA_BUNDLE"):
-            opts["root_ca"] = env["AWS_CA_BUNDLE"]  # obstore >= 0.12: extra root certificates (PEM path)
+            # obstore 0.12 takes no CA argument (only allow_invalid_certificates, never used here); its rustls
+            # client loads the platform's roots, which SSL_CERT_FILE replaces.
+            os.environ["SSL_CERT_FILE"] = env["AWS_CA_BUNDLE"]
         self.store = S3Store(
             bucket,
             endpoint=endpoint.endpoint_url,
