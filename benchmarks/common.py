@@ -13,6 +13,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -291,6 +292,8 @@ class Endpoint:
     server_pid: int | None = None
     #: The one bucket the server serves (the JuiceFS gateway: its volume), or None.
     fixed_bucket: str | None = None
+    #: The throw-away CA and certificate files of an HTTPS server we started (removed by ``stop``).
+    tls_dir: str | None = None
 
     def https(self) -> Endpoint | None:
         """The same server over HTTPS (its CA in ``AWS_CA_BUNDLE``), if it was started with TLS."""
@@ -354,6 +357,8 @@ class Endpoint:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+        if self.tls_dir is not None:
+            shutil.rmtree(self.tls_dir, ignore_errors=True)
 
 
 def open_endpoint(kind: str, endpoint_url: str | None = None, *, https: bool = False) -> Endpoint:
@@ -369,9 +374,15 @@ def open_endpoint(kind: str, endpoint_url: str | None = None, *, https: bool = F
 
     from benchmarks import servers
 
-    tls = servers.make_tls(tempfile.mkdtemp(prefix="dcp-s3-bench-tls-")) if https else None
-    server = servers.start(kind, tls=tls)
-    return Endpoint(server.endpoint_url, server.env(), server, server.metrics_url, server.pid, server.fixed_bucket)
+    tls_dir = tempfile.mkdtemp(prefix="dcp-s3-bench-tls-") if https else None
+    try:
+        server = servers.start(kind, tls=servers.make_tls(tls_dir) if tls_dir else None)
+    except BaseException:
+        if tls_dir:
+            shutil.rmtree(tls_dir, ignore_errors=True)
+        raise
+    return Endpoint(server.endpoint_url, server.env(), server, server.metrics_url, server.pid, server.fixed_bucket,
+                    tls_dir)
 
 
 def counter_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
