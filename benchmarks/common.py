@@ -13,6 +13,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -285,8 +286,21 @@ class Endpoint:
 
     endpoint_url: str
     env: dict[str, str]
-    server: Any = None  # dcp_s3.local_server.LocalS3Server when we started it
+    server: Any = None  # benchmarks.servers.BenchServer when we started it
     metrics_url: str | None = None
+    #: The server's PID (its process tree's CPU is sampled around each child), when it is ours.
+    server_pid: int | None = None
+    #: The one bucket the server serves (the JuiceFS gateway: its volume), or None.
+    fixed_bucket: str | None = None
+    #: The throw-away CA and certificate files of an HTTPS server we started (removed by ``stop``).
+    tls_dir: str | None = None
+
+    def https(self) -> Endpoint | None:
+        """The same server over HTTPS (its CA in ``AWS_CA_BUNDLE``), if it was started with TLS."""
+        if self.server is None or self.server.https_url is None:
+            return None
+        return Endpoint(self.server.https_url, self.server.env(https=True), self.server, self.metrics_url,
+                        self.server_pid, self.fixed_bucket)
 
     def client(self) -> Any:
         import boto3
@@ -296,10 +310,12 @@ class Endpoint:
             "s3", endpoint_url=self.endpoint_url, region_name=self.env.get("AWS_DEFAULT_REGION", "us-east-1"),
             aws_access_key_id=self.env.get("AWS_ACCESS_KEY_ID"),
             aws_secret_access_key=self.env.get("AWS_SECRET_ACCESS_KEY"),
-            config=Config(s3={"addressing_style": "path"}),
+            config=Config(s3={"addressing_style": "path"}), verify=self.env.get("AWS_CA_BUNDLE"),
         )
 
     def create_bucket(self, name: str) -> str:
+        if self.fixed_bucket is not None:
+            return self.fixed_bucket
         c = self.client()
         try:
             c.head_bucket(Bucket=name)
@@ -311,6 +327,10 @@ class Endpoint:
         c = self.client()
         keys = [o["Key"] for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
                 for o in page.get("Contents", [])]
+        if self.fixed_bucket is not None:  # the JuiceFS gateway wants Content-MD5 on DeleteObjects
+            for k in keys:
+                c.delete_object(Bucket=bucket, Key=k)
+            return
         for i in range(0, len(keys), 1000):
             c.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
 
@@ -337,25 +357,32 @@ class Endpoint:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+        if self.tls_dir is not None:
+            shutil.rmtree(self.tls_dir, ignore_errors=True)
 
 
-def open_endpoint(kind: str, endpoint_url: str | None = None) -> Endpoint:
-    """Start a loopback server of ``kind`` or use ``endpoint_url`` with credentials from the environment."""
+def open_endpoint(kind: str, endpoint_url: str | None = None, *, https: bool = False) -> Endpoint:
+    """Start a loopback server of ``kind`` (``benchmarks.servers.KINDS``), with an HTTPS port too when
+    ``https`` (a throw-away ``trustme`` CA), or use ``endpoint_url`` with credentials from the environment."""
     if endpoint_url:
         env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                                           "AWS_DEFAULT_REGION") if k in os.environ}
+                                           "AWS_DEFAULT_REGION", "AWS_CA_BUNDLE") if k in os.environ}
         env.setdefault("AWS_DEFAULT_REGION", "us-east-1")
         env["AWS_ENDPOINT_URL"] = endpoint_url
         return Endpoint(endpoint_url, env)
-    from dcp_s3.local_server import LocalS3Server
+    import tempfile
 
-    server = LocalS3Server.start(kind)
-    metrics = None
-    if kind == "seaweedfs":
-        argv = [str(a) for a in server.process.args] if isinstance(server.process.args, (list, tuple)) else []
-        port = next((a.split("=", 1)[1] for a in argv if a.startswith("-metricsPort=")), None)
-        metrics = f"http://127.0.0.1:{port}/metrics" if port else None
-    return Endpoint(server.endpoint_url, server.env(), server, metrics)
+    from benchmarks import servers
+
+    tls_dir = tempfile.mkdtemp(prefix="dcp-s3-bench-tls-") if https else None
+    try:
+        server = servers.start(kind, tls=servers.make_tls(tls_dir) if tls_dir else None)
+    except BaseException:
+        if tls_dir:
+            shutil.rmtree(tls_dir, ignore_errors=True)
+        raise
+    return Endpoint(server.endpoint_url, server.env(), server, server.metrics_url, server.pid, server.fixed_bucket,
+                    tls_dir)
 
 
 def counter_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
@@ -371,26 +398,93 @@ def new_bucket_name(tag: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Child processes.
 # --------------------------------------------------------------------------------------------
-def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float = 900) -> dict[str, Any]:
-    """Run one measurement in a fresh ``python -m benchmarks.worker``; returns its result dict."""
+def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float = 900, *,
+              server_pid: int | None = None, prefix: Sequence[str] = ()) -> dict[str, Any]:
+    """Run one measurement in a fresh ``python -m benchmarks.worker``; returns its result dict.
+
+    With ``server_pid``, the child's and the server's CPU are sampled by PID (psutil, every 50 ms) and the
+    result gets ``client_cpu_pct`` and ``server_cpu_pct`` over the child's timed call (100% = one core
+    busy). ``prefix`` runs the worker under another command (``perf record ... --``).
+    """
     child_env = dict(os.environ)
     child_env.update(env)
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
     child_env.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     child_env.pop("AWS_ENDPOINT_URL_S3", None)
     child_env.pop("AWS_PROFILE", None)
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "benchmarks.worker", json.dumps(spec)],
+        cwd=REPO_ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    sampler = CPUSampler(proc.pid, server_pid) if server_pid is not None else None
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)],
-            cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=timeout,
-        )
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return {"ok": False, "error": f"timed out after {timeout}s"}
-    for line in reversed(proc.stdout.splitlines()):
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])  # type: ignore[no-any-return]
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+            result: dict[str, Any] = json.loads(line[len("RESULT "):])
+            if sampler is not None and result.get("ok"):
+                result.update(sampler.shares(result["wall_start"], result["wall_end"]))
+            return result
+    tail = (stderr or stdout).strip().splitlines()[-15:]
     return {"ok": False, "error": f"child exited {proc.returncode}: " + " | ".join(tail)}
+
+
+class CPUSampler:
+    """Samples the CPU seconds of a client process tree and of a server process tree by PID (psutil)."""
+
+    def __init__(self, client_pid: int, server_pid: int, interval: float = 0.05) -> None:
+        import psutil
+
+        self._procs = [psutil.Process(client_pid), psutil.Process(server_pid)]
+        self.samples: list[tuple[float, float, float]] = []  # (time.time(), client CPU s, server CPU s)
+        self._stop = threading.Event()
+        self._interval = interval
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _tree_cpu(self, root: Any) -> float:
+        import psutil
+
+        total = 0.0
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return math.nan
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                continue
+        return total
+
+    def _run(self) -> None:
+        while True:
+            now = time.time()
+            client, server = (self._tree_cpu(p) for p in self._procs)
+            if math.isfinite(client) and math.isfinite(server):
+                self.samples.append((now, client, server))
+            if self._stop.wait(self._interval):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def shares(self, start: float, end: float) -> dict[str, float | None]:
+        """Client and server CPU% (100 = one core) between the samples nearest ``start`` and ``end``."""
+        inside = [s for s in self.samples if start - self._interval <= s[0] <= end + self._interval]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return {"client_cpu_pct": None, "server_cpu_pct": None}
+        (t0, c0, s0), (t1, c1, s1) = inside[0], inside[-1]
+        return {"client_cpu_pct": 100 * (c1 - c0) / (t1 - t0), "server_cpu_pct": 100 * (s1 - s0) / (t1 - t0)}
 
 
 # --------------------------------------------------------------------------------------------

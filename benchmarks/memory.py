@@ -26,7 +26,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, servers  # noqa: E402
 
 TARGET_MIB = 256  # dcp_s3's goal for a 1 GiB save or load with default settings
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=["uniform", "transformer"], default="uniform")
     ap.add_argument("--contestants", default="dcp_s3,naive",
                     help="comma-separated; dcp_s3 variants like dcp_s3:part_size_mib=8,max_concurrency=4; dcp_s3_reads_naive")
-    ap.add_argument("--server", choices=["seaweedfs", "moto"], default="seaweedfs")
+    ap.add_argument("--server", choices=list(servers.KINDS), default="seaweedfs")
     ap.add_argument("--endpoint-url", help="use this S3 endpoint (credentials from AWS_* env) instead of a local server")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "memory.json")
     args = ap.parse_args(argv)

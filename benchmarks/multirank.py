@@ -44,7 +44,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, servers  # noqa: E402
 from benchmarks.contestants import Target, get  # noqa: E402
 
 WORLD = 2
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="repetitions; medians are reported (default 2)")
     ap.add_argument("--contestants", default=",".join(DEFAULT_CONTESTANTS),
                     help=f"comma-separated DCP contestants (default {','.join(DEFAULT_CONTESTANTS)})")
-    ap.add_argument("--server", choices=["seaweedfs", "moto"], default="seaweedfs")
+    ap.add_argument("--server", choices=list(servers.KINDS), default="seaweedfs")
     ap.add_argument("--endpoint-url", help="use this S3 endpoint instead of starting a server")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "multirank.json")
     args = ap.parse_args(argv)

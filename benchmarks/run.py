@@ -13,6 +13,12 @@ each child (bytes sent/received, requests by type), which count every client ali
 boto3, aiobotocore and the Rust CRT. Medians of ``--reps`` go into a markdown table
 (with ratios to the best alternative and to the boto3 transport ceiling), a PNG plot
 and ``results/run.json``.
+
+The server is the JuiceFS S3 gateway on tmpfs by default (``benchmarks.servers``; the fastest
+real server here, ``benchmarks.server_throughput``). Every row also says which side was busier:
+the child's and the server's CPU, sampled by PID over the timed call. ``--warm`` rows run after a
+tiny save and load in the same process (a training job's later checkpoints); ``--https`` rows come
+in pairs, HTTP and HTTPS on ``--https-server`` (SeaweedFS on tmpfs, a throw-away ``trustme`` CA).
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, servers  # noqa: E402
 from benchmarks.contestants import CONTESTANTS, get  # noqa: E402
 
 OPS = ("save", "load", "partial")
@@ -40,6 +47,21 @@ DEFAULT_CONTESTANTS = ["dcp_s3", "dcp_s3_zstd", "fsspec_s3fs", "s3torchconnector
                        "boto3_ceiling"]
 
 
+@dataclass(frozen=True)
+class Row:
+    """One row of the table: a contestant on an endpoint ("main", or the HTTPS server's "http"/"https"),
+    cold (the first checkpoint call of a process) or warm (after a tiny save and load in the same process)."""
+
+    label: str
+    contestant: str
+    where: str = "main"
+    warm: bool = False
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=512, help="logical size of the state dict (default 512)")
@@ -47,9 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=["transformer", "uniform"], default="transformer")
     ap.add_argument("--contestants", default=",".join(DEFAULT_CONTESTANTS),
                     help=f"comma-separated, from {', '.join(CONTESTANTS)} (and dcp_s3 variants, see memory.py)")
-    ap.add_argument("--server", choices=["seaweedfs", "moto"], default="seaweedfs",
-                    help="local server to start (moto's ranged GETs re-read whole objects: not for read numbers)")
-    ap.add_argument("--endpoint-url", help="use this S3 endpoint instead of starting a server")
+    ap.add_argument("--warm", default="dcp_s3,boto3_ceiling",
+                    help="contestants also measured warm (a tiny save and load first in the same process: a "
+                         "training job's second and later checkpoints); '' for none")
+    ap.add_argument("--https", default="dcp_s3,boto3_ceiling",
+                    help="contestants also measured warm over HTTP and HTTPS on --https-server (trustme CA); "
+                         "'' for none")
+    ap.add_argument("--server", choices=list(servers.KINDS), default="juicefs_shm",
+                    help="local server to start (benchmarks.servers; moto's ranged GETs re-read whole objects)")
+    ap.add_argument("--https-server", choices=list(servers.KINDS), default="seaweedfs_shm",
+                    help="local server for the HTTP/HTTPS pair of rows (one that serves TLS)")
+    ap.add_argument("--endpoint-url", help="use this S3 endpoint instead of starting a server (no HTTPS rows)")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "run.json")
     ap.add_argument("--plot", type=Path, default=common.RESULTS_DIR / "run.png")
     ap.add_argument("--no-plot", action="store_true")
@@ -57,28 +87,41 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the server and temporary data are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    names = [n.strip() for n in args.contestants.split(",") if n.strip()]
-    for n in names:
-        get(n)  # fail early on a typo
+    names = _names(args.contestants)
+    rows = [Row(n, n) for n in names] + [Row(f"{n} warm", n, warm=True) for n in _names(args.warm)]
+    if not args.endpoint_url:
+        for n in _names(args.https):
+            rows += [Row(f"{n} warm http@{args.https_server}", n, "http", True),
+                     Row(f"{n} warm https@{args.https_server}", n, "https", True)]
+    for r in rows:
+        get(r.contestant)  # fail early on a typo
     workload = common.make_workload(args.workload, args.size_mib)
     print(f"workload: {workload.description}; {workload.nbytes / common.MiB:.0f} MiB; "
           f"partial load: {len(workload.partial_keys())} of {len(workload.tensors)} tensors", flush=True)
     info = common.machine_info()
-    endpoint = common.open_endpoint(args.server, args.endpoint_url)
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {n: {op: [] for op in OPS} for n in names}
+    endpoints: dict[str, common.Endpoint] = {}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {r.label: {op: [] for op in OPS} for r in rows}
     skipped: dict[str, str] = {}
     t_start = time.time()
     try:
-        bucket = endpoint.create_bucket(common.new_bucket_name("run"))
+        endpoints["main"] = common.open_endpoint(args.server, args.endpoint_url)
+        if any(r.where != "main" for r in rows):
+            endpoints["http"] = common.open_endpoint(args.https_server, https=True)
+            https = endpoints["http"].https()
+            assert https is not None
+            endpoints["https"] = https
+        buckets = {w: ep.create_bucket(common.new_bucket_name("run")) for w, ep in endpoints.items() if w != "https"}
+        buckets["https"] = buckets.get("http", "")
         for rep in range(args.reps):
-            for name in names:
-                if name in skipped:
-                    continue
-                _one_round(endpoint, bucket, name, rep, args, runs, skipped)
+            for r in rows:
+                if r.label not in skipped:
+                    _one_round(endpoints[r.where], buckets[r.where], r, rep, args, runs, skipped)
     finally:
-        endpoint.stop()
+        for w, ep in endpoints.items():
+            if w != "https":
+                ep.stop()
 
-    summary = {n: _summarize(runs[n]) for n in names if n not in skipped}
+    summary = {r.label: _summarize(runs[r.label]) for r in rows if r.label not in skipped}
     tables = render_tables(summary, workload, args)
     print()
     print(tables)
@@ -86,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nskipped {n}: {why}")
     payload = {
         "benchmark": "run", "workload": workload.description, "size_mib": args.size_mib, "reps": args.reps,
-        "server": "external" if args.endpoint_url else args.server, "machine": info,
-        "elapsed_s": time.time() - t_start,
-        "contestants": {n: get(n).description for n in names}, "skipped": skipped,
+        "server": "external" if args.endpoint_url else args.server, "https_server": args.https_server,
+        "machine": info, "elapsed_s": time.time() - t_start,
+        "contestants": {r.label: get(r.contestant).description for r in rows}, "skipped": skipped,
         "summary": summary, "runs": runs, "tables_markdown": tables,
     }
     common.write_json(args.out, payload)
@@ -96,35 +139,41 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
     if not args.no_plot:
         server = "external S3" if args.endpoint_url else f"loopback {args.server}, {os.cpu_count()} cores"
-        _plot(summary, workload, args.plot, server)
+        _plot({r.label: summary[r.label] for r in rows if r.where == "main" and r.label in summary},
+              workload, args.plot, server)
     return 0
 
 
-def _one_round(endpoint: common.Endpoint, bucket: str, name: str, rep: int, args: argparse.Namespace,
+def _one_round(endpoint: common.Endpoint, bucket: str, row: Row, rep: int, args: argparse.Namespace,
                runs: dict[str, dict[str, list[dict[str, Any]]]], skipped: dict[str, str]) -> None:
     local_dir = tempfile.mkdtemp(prefix="dcp-s3-bench-")
-    prefix = f"run/{name.replace(':', '_').replace(',', '_')}/rep{rep}"
+    name = row.contestant
+    prefix = f"run/{row.label.replace(':', '_').replace(',', '_').replace(' ', '_').replace('@', '_')}/rep{rep}"
     target = {"bucket": bucket, "prefix": prefix, "endpoint_url": endpoint.endpoint_url,
               "region": endpoint.env.get("AWS_DEFAULT_REGION", "us-east-1"), "local_dir": local_dir}
     try:
         for op in OPS:
             before = endpoint.counters(bucket)
             res = common.run_child({"contestant": name, "op": op, "workload": args.workload,
-                                    "size_mib": args.size_mib, "target": target}, endpoint.env)
+                                    "size_mib": args.size_mib, "target": target, "warm": row.warm}, endpoint.env,
+                                   server_pid=endpoint.server_pid if get(name).uses_s3 else None)
             res["server"] = common.counter_delta(before, endpoint.counters(bucket)) if get(name).uses_s3 else None
+            res["uses_s3"] = get(name).uses_s3
             if res.get("skipped"):
-                skipped[name] = res["error"]
-                print(f"  {name}: skipped — {res['error']}", flush=True)
+                skipped[row.label] = res["error"]
+                print(f"  {row.label}: skipped — {res['error']}", flush=True)
                 return
-            runs[name][op].append(res)
+            runs[row.label][op].append(res)
             if res.get("ok"):
                 srv = res["server"] or {}
-                print(f"  rep {rep} {name:>16} {op:>7}: {res['seconds']:6.2f} s  {res['gbps'] or 0:.3f} GB/s  "
-                      f"+{res['peak_rss_growth_mib']:.0f} MiB  {res['cpu_s_per_gb'] or 0:.1f} CPU s/GB"
+                print(f"  rep {rep} {row.label:>30} {op:>7}: {res['seconds']:6.2f} s  {res['gbps'] or 0:.3f} GB/s  "
+                      f"+{res['peak_rss_growth_mib']:.0f} MiB  {res['cpu_s_per_gb'] or 0:.2f} CPU s/GB"
+                      + (f"  CPU% client {res['client_cpu_pct']:.0f} server {res['server_cpu_pct']:.0f}"
+                         if res.get("server_cpu_pct") is not None else "")
                       + (f"  read {srv.get('sent', 0) / 1e6:.1f} MB in {_requests(srv)} req" if srv else "")
                       + ("" if res.get("verified") in (None, True) else "  VERIFY FAILED"), flush=True)
             else:
-                print(f"  rep {rep} {name:>16} {op:>7}: FAILED {str(res.get('error'))[:400]}", flush=True)
+                print(f"  rep {rep} {row.label:>30} {op:>7}: FAILED {str(res.get('error'))[:400]}", flush=True)
                 if op == "save":
                     return
     finally:
@@ -163,7 +212,11 @@ def _summarize(per_op: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "server_bytes_sent": sent,
             "server_bytes_received": common.median([(r["server"] or {}).get("received") for r in ok]),
             "requests": common.median([_requests(r["server"]) for r in ok]),
-            "bytes_read": sent if sent is not None else common.median([r["rchar"] for r in ok]),
+            # rchar misses socket reads made with recv_into: only a file reader's (local_fs) is its bytes read.
+            "bytes_read": sent if sent is not None else (
+                None if ok[0].get("uses_s3", True) else common.median([r["rchar"] for r in ok])),
+            "client_cpu_pct": common.median([r.get("client_cpu_pct") for r in ok]),
+            "server_cpu_pct": common.median([r.get("server_cpu_pct") for r in ok]),
             "verified": all(r.get("verified") in (None, True) for r in ok),
             "failures": [r.get("error") for r in results if not r.get("ok")],
         }
@@ -192,11 +245,13 @@ def render_tables(summary: dict[str, Any], workload: common.Workload, args: argp
             f(_get(summary, n, "load", "seconds")), f(_get(summary, n, "load", "gbps"), 3), pct_of_ceiling(n, "load"),
             f(_get(summary, n, "partial", "seconds")),
             f(_get(summary, n, "save", "peak_rss_growth_mib"), 0), f(_get(summary, n, "load", "peak_rss_growth_mib"), 0),
-            f(_get(summary, n, "save", "cpu_s_per_gb"), 1), f(_get(summary, n, "load", "cpu_s_per_gb"), 1),
+            f(_get(summary, n, "save", "cpu_s_per_gb"), 2), f(_get(summary, n, "load", "cpu_s_per_gb"), 2),
+            saturation(summary, n, "save"), saturation(summary, n, "load"),
         ])
     t1 = common.markdown_table(
         ["contestant", "save s", "save GB/s", "save % of ceiling", "load s", "load GB/s", "load % of ceiling",
-         "partial load s", "save RSS +MiB", "load RSS +MiB", "save CPU s/GB", "load CPU s/GB"], main_rows)
+         "partial load s", "save RSS +MiB", "load RSS +MiB", "save CPU s/GB", "load CPU s/GB",
+         "save CPU% client / server: busier", "load CPU% client / server: busier"], main_rows)
 
     io_rows = []
     for n in names:
@@ -223,13 +278,24 @@ def render_tables(summary: dict[str, Any], workload: common.Workload, args: argp
         "",
         f"Partial load = {len(workload.partial_keys())} of {len(workload.tensors)} tensors "
         f"({(logical_partial or 0) / 1e6:.1f} MB needed). Bytes read and requests are the server's counters "
-        "(SeaweedFS) — or /proc/self/io rchar when the server is not ours (local_fs: file reads).",
+        "(SeaweedFS); — where the server keeps none (the JuiceFS gateway); local_fs: its file reads (rchar).",
         "",
         t2,
     ]
     if "dcp_s3" in summary and alternatives:
         lines += ["", _versus(summary, alternatives)]
     return "\n".join(lines)
+
+
+def saturation(summary: dict[str, Any], name: str, op: str) -> str:
+    """Client and server CPU% during the call (100% = one core, sampled by PID) and which side was busier;
+    "cores full" when the two together used 90% of the machine's cores."""
+    c, s = _get(summary, name, op, "client_cpu_pct"), _get(summary, name, op, "server_cpu_pct")
+    if c is None or s is None:
+        return "—"
+    side = "server" if s > c else "client"
+    full = ", cores full" if c + s >= 90 * (os.cpu_count() or 1) else ""
+    return f"{c:.0f} / {s:.0f}: {side}{full}"
 
 
 def _versus(summary: dict[str, Any], alternatives: list[str]) -> str:

@@ -49,7 +49,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks import common, servers  # noqa: E402
 
 MODES = {"controller": True, "off": False}  # mode -> ClientConfig(rate_control=...)
 # Part 1's clients: the two modes and a second off client, the control (A/A: the noise of a paired difference).
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=512, help="save size (default 512)")
     ap.add_argument("--workload", choices=["transformer", "uniform"], default="transformer")
     ap.add_argument("--reps", type=int, default=6, help="saves per mode (default 6)")
-    ap.add_argument("--server", choices=["seaweedfs", "moto"], default="seaweedfs")
+    ap.add_argument("--server", choices=list(servers.KINDS), default="seaweedfs")
     ap.add_argument("--endpoint-url", help="use this S3 endpoint (credentials from AWS_* env) instead of a local server")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "throttle_overhead.json")
     args = ap.parse_args(argv)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -58,17 +59,22 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         raise ValueError(f"unknown op {op!r}")
     logical = sum(t.nbytes for t in workload.tensors if t.key in set(keys))
+    if spec.get("warm"):
+        _warm_up(contestant, target)
     gc.collect()
     gc.disable()  # no collector pauses inside the timed block
 
     io0, cpu0 = common.proc_io(), common.cpu_seconds()
     with common.PeakRSS() as rss:
+        _perf("enable")
+        wall0 = time.time()
         t0 = time.perf_counter()
         if op == "save":
             contestant.save(sd, target)
         else:
             contestant.load(sd, target)
         seconds = time.perf_counter() - t0
+        _perf("disable")
     cpu = common.cpu_seconds() - cpu0
     io1 = common.proc_io()
     gc.enable()
@@ -94,7 +100,35 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
         "wchar": io1.get("wchar", 0) - io0.get("wchar", 0),
         "verified": verified,
+        "wall_start": wall0,
+        "wall_end": wall0 + seconds,
     }
+
+
+def _warm_up(contestant: Any, target: Target) -> None:
+    """A tiny save and load first, in this process, to another prefix: the timed call then runs as a training
+    job's second and later checkpoints do (modules imported, the process's client made, connections open)."""
+    import dataclasses
+
+    import torch
+
+    warm = dataclasses.replace(target, prefix=target.prefix + "-warm",
+                               local_dir=os.path.join(target.local_dir, "warm"))
+    contestant.save({"warm": torch.ones(16)}, warm)
+    contestant.load({"warm": torch.zeros(16)}, warm)
+
+
+def _perf(command: str) -> None:
+    """Tell a ``perf record --control fifo:CTL,ACK -D -1`` that runs this process to start or stop sampling
+    (``benchmarks.stages``: only the timed call is profiled); nothing without ``DCP_S3_BENCH_PERF_CTL``."""
+    ctl = os.environ.get("DCP_S3_BENCH_PERF_CTL")
+    if not ctl:
+        return
+    ctl_path, _, ack_path = ctl.partition(",")
+    with open(ctl_path, "w") as f:
+        f.write(command + "\n")
+    with open(ack_path) as f:
+        f.readline()
 
 
 def main() -> None:
