@@ -20,13 +20,16 @@ import torch
 
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, ConfigError, DeletionRefusedError
 
+
 @pytest.fixture(autouse=True)
 def _installed() -> None:
     """No silent skip: CI installs torch-checkpointing (``.[test]``); a missing one fails with the command."""
     try:
         import torch_checkpointing  # noqa: F401
     except ImportError as exc:
-        raise ImportError("these tests need torch-checkpointing: pip install --no-deps torch-checkpointing==0.1.1") from exc
+        raise ImportError(
+            "these tests need torch-checkpointing: pip install --no-deps torch-checkpointing==0.1.1"
+        ) from exc
 
 
 def _storage(bucket: str, **options: Any) -> Any:
@@ -218,3 +221,141 @@ def test_keep_last_deletes_only_owned_committed_checkpoints(bucket: str, s3_env:
             storage.rmdir(Path(name))
     assert _keys(s3_env, bucket) == kept
     assert storage.ls(Path("")) == ["best", "step_10", "step_11", "step_3", "tmp_step_0"]
+
+
+# -- torch_checkpointing's CheckpointManager on 2 gloo ranks (FSDP2-sharded model) ----------------------
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))
+
+
+def _manager(root: str, *, sync: bool, keep_last: int | None = None, die_on_rank: int | None = None) -> Any:
+    from torch_checkpointing.checkpoint_manager import CheckpointManager
+    from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
+    from torch_checkpointing.checkpoint_writer import CheckpointWriterConfig
+    from torch_checkpointing.config import AsyncCheckpointSaverConfig, SyncCheckpointSaverConfig
+    from torch_checkpointing.schema import ItemSpec
+    from torch_checkpointing.staging import CheckpointStagerConfig
+
+    from dcp_s3.integrations.torch_checkpointing import KeepLast, S3StorageConfig
+
+    # Generous deadlines (a loaded 2-core machine starts a writer process slowly); a short barrier where a
+    # rank is killed on purpose, so that the survivor's wait ends.
+    writer = CheckpointWriterConfig(checkpoint_write_barrier_timeout_sec=20 if die_on_rank is not None else 180)
+    if sync:
+        save: Any = SyncCheckpointSaverConfig(writer_config=writer)
+    else:  # the upload runs in torch_checkpointing's own writer process; no accelerator here
+        stager = CheckpointStagerConfig(use_pinned_memory=False, use_non_blocking_copy=False)
+        process = CheckpointProcessConfig(subprocess_init_timeout_secs=180)
+        save = AsyncCheckpointSaverConfig(writer_config=writer, staging_config=stager, process_config=process)
+    return CheckpointManager(
+        CheckpointManager.Config(
+            # No resharder: torch-checkpointing 0.1.1's metadata all-gather (which a resharder needs) runs on
+            # device="cuda". Each rank saves and loads its own shard (the same 2 ranks on both sides).
+            items={"model": ItemSpec()},
+            save=save,
+            storage_config=S3StorageConfig(root),
+            finalize_callback=KeepLast(keep_last) if keep_last else None,
+            pre_finalize_callback=_Die(die_on_rank) if die_on_rank is not None else None,
+        )
+    )
+
+
+class _Die:
+    """A pre-finalize callback killing one rank after it wrote its files, before the barrier and the commit."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __call__(self, args: Any) -> None:
+        import torch.distributed as dist
+
+        if args.storage.rank == self.rank:
+            os._exit(9)
+        del dist
+
+
+def _save(rank: int, world: int, root: str, step: int, sync: bool, keep_last: int | None, die: int | None) -> Any:
+    from dist_utils import full
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed=step)
+    fully_shard(model)
+    manager = _manager(root, sync=sync, keep_last=keep_last, die_on_rank=die)
+    try:
+        future = manager.save(f"{root}/step_{step}", {"model": model.state_dict(), "step": step})
+        if future is not None:
+            future.result(timeout=120)
+    finally:
+        manager.close()
+    return _plain(full(model.state_dict()))
+
+
+def _plain(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Each tensor as (dtype, shape, bytes): what a rank returns (a tensor would travel by shared memory)."""
+    return {k: (str(v.dtype), tuple(v.shape), v.contiguous().numpy().tobytes()) for k, v in state.items()}
+
+
+def _load(rank: int, world: int, root: str, step: int) -> Any:
+    from dist_utils import full
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed=12345)  # different weights: the load must overwrite every element
+    fully_shard(model)
+    manager = _manager(root, sync=True)
+    try:
+        loaded = manager.load(f"{root}/step_{step}", into={"model": model.state_dict(), "step": 0})
+    finally:
+        manager.close()
+    model.load_state_dict(loaded["model"])
+    return _plain(full(model.state_dict())), loaded["step"]
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return bool(a) and a == b
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_sharded_save_and_resume_on_two_ranks_bit_exact(bucket: str, s3_env: Any, sync: bool, tmp_path: Path) -> None:
+    from dist_utils import run_ranks
+
+    root = f"s3://{bucket}/run"
+    saved = run_ranks(_save, 2, root, 7, sync, None, None, timeout=240)
+    assert _same(saved[0], saved[1])
+    keys = _keys(s3_env, bucket)
+    assert "run/step_7/.dcp_s3-commit" in keys and not any(".dcp_s3-staged/claims/" in k for k in keys)
+    assert all(k.startswith("run/step_7/") for k in keys)  # no tmp_step_7 objects: nothing was copied
+    assert not any(tmp_path.rglob("*.pt"))
+
+    loaded = run_ranks(_load, 2, root, 7, timeout=240)
+    for state, step in loaded:
+        assert step == 7 and _same(state, saved[0])
+
+
+@pytest.mark.multiproc
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_and_retention_keeps_the_stage(
+    bucket: str, s3_env: Any
+) -> None:
+    from dist_utils import run_ranks
+
+    from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
+
+    root = f"s3://{bucket}/run"
+    first = run_ranks(_save, 2, root, 1, True, None, None, timeout=240)[0]
+    with pytest.raises((AssertionError, Exception)):  # rank 1 dies; rank 0's barrier times out: no commit
+        run_ranks(_save, 2, root, 2, True, None, 1, timeout=60)
+    storage = S3StorageConfig(root).create_storage()
+    assert not storage.exists(Path("step_2")) and storage.ls(Path("")) == ["step_1", "tmp_step_2"]
+    assert any(k.startswith("run/step_2/.dcp_s3-staged/") for k in _keys(s3_env, bucket))  # what the crash left
+
+    loaded = run_ranks(_load, 2, root, 1, timeout=240)
+    assert all(step == 1 and _same(state, first) for state, step in loaded)
+
+    third = run_ranks(_save, 2, root, 3, False, 1, None, timeout=240)[0]  # KeepLast(1) after the commit
+    assert storage.ls(Path("")) == ["step_3", "tmp_step_2"]  # step_1 went; the uncommitted stage stays
+    assert any(k.startswith("run/step_2/.dcp_s3-staged/") for k in _keys(s3_env, bucket))
+    loaded = run_ranks(_load, 2, root, 3, timeout=240)
+    assert all(step == 3 and _same(state, third) for state, step in loaded)
