@@ -182,12 +182,12 @@ def read_manifest(store: Store, name: str) -> Manifest | None:
     try:
         body = json.loads(raw)
         if body.get("format") != FORMAT:
-            raise ValueError(f"format {body.get('format')!r}")
+            raise CheckpointFormatError(f"format {body.get('format')!r}")
         writers = {int(r): _checked_writer(w) for r, w in body["writers"].items()}
         files = {}
         for rel, (writer, size, etag) in body["files"].items():
             if writer not in writers.values() or not isinstance(size, int) or size < 0 or not isinstance(etag, str):
-                raise ValueError(f"entry {rel!r}")
+                raise CheckpointFormatError(f"entry {rel!r}")
             files[check_relative_name(rel, where)] = FileEntry(writer, size, etag)
         return Manifest(_checked_writer(body["save_token"]), writers, files)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -196,7 +196,7 @@ def read_manifest(store: Store, name: str) -> Manifest | None:
 
 def _checked_writer(value: object) -> str:
     if not isinstance(value, str) or not _WRITER.fullmatch(value):
-        raise ValueError(f"writer id {value!r}")
+        raise CheckpointFormatError(f"writer id {value!r}")
     return value
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from dcp_s3.errors import CheckpointFormatError
+from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.objstore.base import ObjectWriter, RangeRead
 from dcp_s3.store.base import Store
 
@@ -98,7 +98,7 @@ class ObjectReadStream(io.RawIOBase):
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
         if base + offset < 0:
-            raise ValueError(f"seek to {base + offset} before the start of {self._store.url(self._name)}")
+            raise ConfigError(f"seek to {base + offset} before the start of {self._store.url(self._name)}")
         self._pos = base + offset
         return self._pos
 

@@ -51,17 +51,16 @@ import torch.distributed as dist
 from torch_checkpointing.checkpoint_writer import CallbackArgs
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
-from dcp_s3.checkpointer.ownership import Ownership
 from dcp_s3.errors import (
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     ConfigError,
     DeletionRefusedError,
-    InvalidCheckpointIdError,
 )
-from dcp_s3.integrations import tc_commit
+from dcp_s3.integrations import tc_commit, tc_paths, tc_retention
 from dcp_s3.integrations.tc_commit import MARKER, STAGED, Manifest
+from dcp_s3.integrations.tc_paths import Where
 from dcp_s3.integrations.tc_streams import ObjectReadStream, ObjectWriteStream
 from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.store.base import Store
@@ -111,17 +110,6 @@ class S3StorageConfig(StorageConfig):
         return S3Storage(self)
 
 
-@dataclass(frozen=True, slots=True)
-class _Where:
-    """A path's place: ``kind`` "stage" (``name`` the final name), "committed" (``name`` the checkpoint) or
-    "plain" (``name`` the object/prefix); ``rest`` the path below ``name`` ("" for ``name`` itself)."""
-
-    kind: str
-    name: str
-    rest: str = ""
-    manifest: Manifest | None = None
-
-
 class S3Storage(Storage):
     """torch_checkpointing's ``Storage`` on S3 (see the module docstring for what each method guarantees)."""
 
@@ -158,40 +146,10 @@ class S3Storage(Storage):
         return "/".join(self._parts(path))
 
     def _parts(self, path: Path | str) -> list[str]:
-        text = os.fspath(path)
-        root = self.config.root
-        if text.startswith("s3:/") and not text.startswith("s3://"):
-            text = "s3://" + text[4:]  # pathlib folds "s3://" into "s3:/"
-        if "://" in text or root.startswith("/") and text.startswith("/"):
-            if text.rstrip("/") != root and not text.startswith(root + "/"):
-                raise InvalidCheckpointIdError(f"{text!r} is not under this storage's root {root!r}")
-            text = text[len(root) :]
-        elif text.startswith("/"):
-            raise InvalidCheckpointIdError(f"{text!r}: give an s3:// URL under {root!r} or a name relative to it")
-        parts = [p for p in text.split("/") if p not in ("", ".")]
-        if ".." in parts or any(p in _INTERNAL for p in parts):
-            raise InvalidCheckpointIdError(f"{os.fspath(path)!r}: '..' and dcp_s3's own names are not paths here")
-        return parts
+        return tc_paths.split(path, self.config.root)
 
-    def _where(self, path: Path | str) -> _Where:
-        parts = self._parts(path)
-        prefix = self.config.temp_dir_prefix
-        for i, part in enumerate(parts):
-            if part.startswith(prefix) and len(part) > len(prefix):
-                final = "/".join([*parts[:i], part[len(prefix) :]])
-                return _Where("stage", final, "/".join(parts[i + 1 :]))
-        for i in range(1, len(parts) + 1):  # a file of a checkpoint looked at before: no request
-            found = self._manifests.get("/".join(parts[:i]))
-            if found is not None and i < len(parts):
-                return _Where("committed", "/".join(parts[:i]), "/".join(parts[i:]), found)
-        for i in range(1, len(parts) + 1):
-            name = "/".join(parts[:i])
-            manifest = tc_commit.read_manifest(self.store, name)
-            if manifest is not None:
-                self._manifests[name] = manifest
-                return _Where("committed", name, "/".join(parts[i:]), manifest)
-            self._manifests.pop(name, None)
-        return _Where("plain", "/".join(parts))
+    def _where(self, path: Path | str) -> Where:
+        return tc_paths.locate(self._parts(path), self.config.temp_dir_prefix, self._manifests, self.store)
 
     # -- writing -----------------------------------------------------------------------------------
 
@@ -394,46 +352,26 @@ class S3Storage(Storage):
             raise CheckpointNotFoundError(f"{self.store.url(where.name)}: not found")
         self.store.delete([where.name])
 
-    def ownership(self) -> Ownership:
-        """What ``rmdir`` and :class:`KeepLast` may delete: committed ``checkpoint_names`` under ``root``."""
-        pattern = re.compile(self.config.checkpoint_names)
-        return Ownership(f"S3Storage(root={self.config.root})", self.store.url(""), pattern, marker=MARKER)
-
     def rmdir(self, path: Path) -> None:
-        """Delete a committed checkpoint this storage owns (its marker first, then every object under it);
-        anything else is refused with ``DeletionRefusedError`` and nothing is deleted."""
-        parts = self._parts(path)
-        name = "/".join(parts)
-        store = self.store
-        if self.ownership().deletable(store, store.url(name)) is None:
-            raise DeletionRefusedError(
-                f"not deleting {store.url(name) if name else self.config.root}: only committed checkpoints named by "
-                f"checkpoint_names={self.config.checkpoint_names!r} under {self.config.root} are deleted"
-            )
-        store.delete([f"{name}/{MARKER}"])
-        store.delete([entry.name for entry in store.list_objects(name + "/")])
+        """Delete a committed checkpoint this storage owns (:mod:`dcp_s3.integrations.tc_retention`); anything
+        else is refused with ``DeletionRefusedError`` and nothing is deleted."""
+        name = self.name_of(path)
+        tc_retention.delete_checkpoint(self.store, self.config.root, self.config.checkpoint_names, name)
         self._manifests.pop(name, None)
 
     def committed(self, folder: str = "") -> list[str]:
-        """The committed checkpoints this storage owns directly in ``folder`` (relative to the root), oldest first
-        (by the numbers in their names)."""
-        lead = "/".join(self._parts(folder))
-        own = self.ownership()
-        names = [
-            f"{lead}/{d.rstrip('/').rsplit('/', 1)[-1]}" if lead else d.rstrip("/")
-            for d in self.store.list_dir(lead + "/" if lead else "")[1]
-        ]
-        found = [n for n in own.owned(names) if self.store.size(f"{n}/{MARKER}") is not None]
-        return sorted(found, key=lambda n: [int(x) for x in re.findall(r"\d+", n)])
+        """The committed checkpoints this storage owns directly in ``folder``, oldest first."""
+        config = self.config
+        return tc_retention.committed_checkpoints(
+            self.store, config.root, config.checkpoint_names, self.name_of(folder)
+        )
 
     def keep_last(self, count: int, folder: str = "") -> list[str]:
         """Delete all but the newest ``count`` committed checkpoints owned in ``folder``; returns what went."""
-        if count < 1:
-            raise ConfigError(f"keep_last count={count}: keep at least one checkpoint")
-        doomed = self.committed(folder)[:-count]
-        for name in doomed:
+        gone = tc_retention.doomed(self.committed(folder), count)
+        for name in gone:
             self.rmdir(Path(name))
-        return doomed
+        return gone
 
     def remap_path(self, path: Path) -> str:
         return self.store.url("/".join(self._parts(path)))
