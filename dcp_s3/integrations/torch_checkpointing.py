@@ -94,7 +94,10 @@ class S3StorageConfig(StorageConfig):
     def __post_init__(self) -> None:
         if not self.temp_dir_prefix or "/" in self.temp_dir_prefix:
             raise ConfigError(f"temp_dir_prefix {self.temp_dir_prefix!r}: needs one non-empty name part")
-        re.compile(self.checkpoint_names)
+        try:
+            re.compile(self.checkpoint_names)
+        except re.error as exc:
+            raise ConfigError(f"checkpoint_names {self.checkpoint_names!r}: not a regular expression ({exc})") from None
         self._options = StorageOptions.of(self.options)  # a bad option fails here, not at the first save
         self.root = os.fspath(self.root).rstrip("/")
 

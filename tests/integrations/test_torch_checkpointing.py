@@ -52,6 +52,19 @@ def _stage(storage: Any, name: str, files: dict[str, bytes]) -> None:
             stream.write(data)
 
 
+def test_bad_settings_fail_when_configured() -> None:
+    from dcp_s3.integrations.torch_checkpointing import KeepLast, S3StorageConfig
+
+    with pytest.raises(ConfigError, match="checkpoint_names"):
+        S3StorageConfig("s3://bucket/run", checkpoint_names="step_(")
+    with pytest.raises(ConfigError, match="no_such_option"):
+        S3StorageConfig("s3://bucket/run", options={"no_such_option": 1})
+    with pytest.raises(ConfigError, match="temp_dir_prefix"):
+        S3StorageConfig("s3://bucket/run", temp_dir_prefix="")
+    with pytest.raises(ConfigError, match="KeepLast"):
+        KeepLast(0)
+
+
 # -- Storage.rename's table, row by row -----------------------------------------------------------------
 
 
