@@ -20,6 +20,7 @@ from dcp_s3.errors import (
     CheckpointNotFoundError,
     ConfigError,
     DcpS3Error,
+    DeletionRefusedError,
     InvalidCheckpointIdError,
     InvalidTypeError,
     LocalServerError,
@@ -112,6 +113,7 @@ __all__ = [
     "TorchCompatibilityError",
     "LocalServerError",
     "S3ThrottledError",
+    "DeletionRefusedError",
 ]
 
 logging.getLogger("dcp_s3").addHandler(logging.NullHandler())

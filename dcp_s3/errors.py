@@ -25,6 +25,7 @@ __all__ = [
     "TorchCompatibilityError",
     "LocalServerError",
     "S3ThrottledError",
+    "DeletionRefusedError",
 ]
 
 
@@ -82,3 +83,8 @@ class LocalServerError(DcpS3Error, RuntimeError):
 
 class S3ThrottledError(S3TransferError):
     """The server kept refusing requests as throttled (``503 SlowDown``, 429) past the retry budget."""
+
+
+class DeletionRefusedError(DcpS3Error, PermissionError):
+    """dcp_s3 refused to delete a location it does not own as a committed checkpoint (see
+    :mod:`dcp_s3.checkpointer.ownership`); nothing was deleted."""

@@ -30,6 +30,7 @@ PAGES = [
     "frameworks/lightning.md",
     "frameworks/accelerate.md",
     "frameworks/nemo-automodel.md",
+    "frameworks/torch-checkpointing.md",
 ]
 NOT_RUN = "*Not run by the docs tests:"
 DOC_ENDPOINT = "http://127.0.0.1:8333"

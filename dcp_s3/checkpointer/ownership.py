@@ -27,6 +27,9 @@ What each caller may delete (its root as configured; the names its scheme makes)
 - ``S3CheckpointManager``'s ``keep_latest_k`` purge: under ``folder``, ``step-<N>``.
 - NeMo AutoModel's ``S3Checkpointer`` ``max_recent_checkpoints``: under ``checkpoint_dir``, ``epoch_<E>_step_<S>``
   whose commit object and DCP parts are there (:mod:`dcp_s3.integrations.nemo_commit`).
+- torch_checkpointing's ``S3Storage.rmdir`` and its ``KeepLast`` retention: under the storage's ``root``,
+  the names its ``checkpoint_names`` pattern matches, committed by its marker ``.dcp_s3-commit``
+  (:mod:`dcp_s3.integrations.torch_checkpointing`).
 
 ``dcp-s3 rm`` deletes what its user names and ``dcp-s3 gc`` what no checkpoint needs
 (:mod:`dcp_s3.admin.cleanup`): commands, not rotations, and not governed here.
@@ -65,11 +68,13 @@ class Ownership:
 
     ``owner`` names the caller in messages; ``root`` is the location it was configured with (an
     ``s3://`` URL or a local path, without a trailing ``/``; ``""`` when names are relative to a
-    store opened at the root)."""
+    store opened at the root); ``marker`` is the object whose presence makes a checkpoint committed
+    (``.metadata`` for DCP checkpoints)."""
 
     owner: str
     root: str
     scheme: re.Pattern[str]
+    marker: str = METADATA_KEY
 
     def owns(self, name: str) -> bool:
         """Whether ``name`` (relative to the root) is one the scheme produces, with no ``.``/``..`` part."""
@@ -99,15 +104,16 @@ class Ownership:
         if name is None:
             refuse(self.owner, location, f"not a name its scheme makes under {self.root or 'its root'}")
             return None
-        if not committed(store, name, parts):
-            log.info("%s: %s is not committed (no %s): not deleted", self.owner, location, METADATA_KEY)
+        if not committed(store, name, parts, marker=self.marker):
+            log.info("%s: %s is not committed (no %s): not deleted", self.owner, location, self.marker)
             return None
         return name
 
 
-def committed(store: Store, name: str, parts: Iterable[str] = ("",)) -> bool:
-    """Whether every part (``""``: the checkpoint itself) of the checkpoint ``name`` has its ``.metadata``."""
-    keys = [f"{name}/{p}/{METADATA_KEY}" if p else f"{name}/{METADATA_KEY}" for p in parts]
+def committed(store: Store, name: str, parts: Iterable[str] = ("",), *, marker: str = METADATA_KEY) -> bool:
+    """Whether every part (``""``: the checkpoint itself) of the checkpoint ``name`` has its ``marker``
+    (``.metadata`` unless told)."""
+    keys = [f"{name}/{p}/{marker}" if p else f"{name}/{marker}" for p in parts]
     return bool(keys) and all(store.size(k) is not None for k in keys)
 
 

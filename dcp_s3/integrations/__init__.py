@@ -12,6 +12,9 @@ framework (an optional dependency, never one of dcp_s3's) when the user imports 
 - ``dcp_s3.integrations.lightning*`` and ``dcp_s3.integrations.accelerate``: Lightning strategies,
   and Accelerate / transformers ``Trainer`` FSDP saves (their own modules; the Trainer's local
   ``output_dir`` mapped to S3 by :mod:`dcp_s3.integrations.trainer_dirs`).
+- :mod:`dcp_s3.integrations.torch_checkpointing`: ``S3StorageConfig``, torch_checkpointing's ``Storage`` on S3
+  (its staged-write ``rename`` mapped onto a commit marker), chosen with
+  ``CheckpointManager.Config(storage_config=S3StorageConfig("s3://..."))``.
 
 Every integration takes its storage settings as ``options`` (a :class:`dcp_s3.StorageOptions` or a
 mapping of its keywords), one set for saving and loading.

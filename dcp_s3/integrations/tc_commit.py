@@ -1,0 +1,207 @@
+"""The commit protocol behind torch_checkpointing's ``rename`` on S3: claims, markers, manifests.
+
+torch_checkpointing stages a save under ``<parent>/tmp_<name>`` (every rank writes its files there),
+meets at a barrier, and then rank 0 renames the staged directory onto ``<parent>/<name>``: that
+rename is its commit. S3 has no rename, and copy+delete is neither atomic nor cheap, so the
+directory never moves. Its objects are written, from the start, below the *final* name:
+
+- a rank writing into the stage first claims its place: ``<name>/.dcp_s3-staged/claims/rank-<r>``,
+  created only if absent (``If-None-Match``), holding a writer id fresh for this claim; its files go
+  to ``<name>/.dcp_s3-staged/<writer id>/<relative path>`` (never overwritten by another writer);
+- rank 0's ``rename`` is the commit: it reads the claims (exactly one per rank ``0..world-1``), lists
+  each writer's objects, and creates ``<name>/.dcp_s3-commit`` (``If-None-Match``: an occupied
+  destination is refused, never merged) — a JSON manifest naming a fresh save token, the writer of
+  each rank, and each file's writer, size and ETag. Then it deletes the claims (this save's own);
+- a reader resolves ``<name>/<file>`` through the marker it read when it looked at ``<name>``; the
+  object key is rebuilt from the validated writer id and file name (under ``<name>/``, never a key
+  taken from stored text), and the object's size and ETag must equal the manifest's. Every file of
+  one load comes from one save, or the read is refused.
+
+A save interrupted after a rank claimed its place leaves that claim. A later save of the same name
+finds the claim of another writer and refuses (``CheckpointExistsError`` naming the stage): two
+saves' files are never combined, and nothing uncommitted is deleted by inference — a user removes
+that stage (``dcp-s3 rm s3://.../<name>``) once no job writes there. Objects of writers no claim
+names stay below ``<name>/``, so deleting the checkpoint (everything under ``<name>/``, marker
+first) removes them with it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
+from dcp_s3.objstore.base import check_relative_name
+from dcp_s3.store.base import Store
+
+__all__ = ["MARKER", "STAGED", "Manifest", "FileEntry", "claim", "commit", "read_manifest", "staged_key"]
+
+#: The commit marker, directly in the checkpoint's directory: the checkpoint exists once it does.
+MARKER = ".dcp_s3-commit"
+#: The directory of staged objects and claims, directly in the checkpoint's directory.
+STAGED = ".dcp_s3-staged"
+FORMAT = "dcp_s3.torch_checkpointing/1"
+
+_WRITER = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One committed file: the writer that wrote it, its size and ETag."""
+
+    writer: str
+    size: int
+    etag: str
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """What one commit marker says: its save token, the writer of each rank, and every file."""
+
+    save_token: str
+    writers: dict[int, str]
+    files: dict[str, FileEntry]
+
+    def top_level(self, rel: str = "") -> list[str]:
+        """The names directly in ``rel`` (``""``: the checkpoint's directory)."""
+        lead = rel + "/" if rel else ""
+        return sorted({f[len(lead) :].split("/", 1)[0] for f in self.files if f.startswith(lead)})
+
+    def is_dir(self, rel: str) -> bool:
+        return not rel or any(f.startswith(rel + "/") for f in self.files)
+
+
+def staged_key(name: str, writer: str, rel: str) -> str:
+    """The object name of ``rel`` written by ``writer`` for the checkpoint ``name``."""
+    return f"{name}/{STAGED}/{writer}/{rel}"
+
+
+def _claim_name(name: str, rank: int) -> str:
+    return f"{name}/{STAGED}/claims/rank-{rank}"
+
+
+def new_writer() -> str:
+    return uuid.uuid4().hex
+
+
+def claim(store: Store, name: str, rank: int, writer: str) -> bool:
+    """Claim rank ``rank``'s place in the stage of ``name`` for ``writer``; True if newly claimed.
+
+    ``CheckpointExistsError`` if ``name`` is committed already, or another writer holds the place
+    (a save of ``name`` that never committed, or another job saving the same name)."""
+    if store.size(f"{name}/{MARKER}") is not None:
+        raise CheckpointExistsError(
+            f"{store.url(name)} is a committed checkpoint; delete it before saving that name again"
+        )
+    place = _claim_name(name, rank)
+    body = json.dumps({"rank": rank, "writer": writer}).encode()
+    try:
+        store.write(place, body, overwrite=False)
+        return True
+    except CheckpointExistsError:
+        pass
+    try:
+        held = _writer_of(store.read(place), store.url(place))
+    except CheckpointNotFoundError:  # removed between the two requests: that save committed (or was removed)
+        store.write(place, body, overwrite=False)
+        return True
+    if held != writer:
+        raise CheckpointExistsError(
+            f"rank {rank} cannot save {store.url(name)}: {store.url(place)} belongs to writer {held}, a save of "
+            "that name that never committed (or another job saving it now); its files are not mixed with this "
+            f"save's. Remove that stage (dcp-s3 rm {store.url(name)}) once no job writes there, then save again"
+        )
+    return False
+
+
+def holds(store: Store, name: str, rank: int, writer: str) -> bool:
+    """Whether ``writer`` still holds rank ``rank``'s place in the stage of ``name``."""
+    try:
+        return _writer_of(store.read(_claim_name(name, rank)), name) == writer
+    except CheckpointNotFoundError:
+        return False
+
+
+def claims(store: Store, name: str) -> dict[int, str]:
+    """The writer of each rank that claimed a place in the stage of ``name``."""
+    found: dict[int, str] = {}
+    for entry in store.list_objects(f"{name}/{STAGED}/claims/"):
+        found_rank = entry.name.rsplit("/rank-", 1)[-1]
+        if not found_rank.isdigit():
+            raise CheckpointFormatError(f"{store.url(entry.name)}: not a claim dcp_s3 writes")
+        found[int(found_rank)] = _writer_of(store.read(entry.name), store.url(entry.name))
+    return found
+
+
+def commit(store: Store, name: str, world_size: int) -> Manifest:
+    """Commit the stage of ``name`` (rank 0, after every rank finished writing): the marker, then the
+    claims removed. Refuses (``CheckpointExistsError``) an occupied destination and (``CheckpointFormatError``)
+    a stage whose claims are not exactly one writer per rank ``0..world_size-1``."""
+    writers = claims(store, name)
+    if sorted(writers) != list(range(world_size)):
+        raise CheckpointFormatError(
+            f"cannot commit {store.url(name)}: its stage holds claims of ranks {sorted(writers)}, not of each of "
+            f"the {world_size} ranks of this save (a rank wrote nothing, or a stage left by another save)"
+        )
+    files: dict[str, FileEntry] = {}
+    for rank, writer in sorted(writers.items()):
+        lead = store.key(f"{name}/{STAGED}/{writer}/")
+        for obj in store.object_store.list_objects(lead):
+            rel = check_relative_name(obj.key[len(lead) :], store.object_store.url(lead))
+            if rel in files:
+                raise CheckpointFormatError(
+                    f"cannot commit {store.url(name)}: ranks {rank} and another both wrote {rel!r}"
+                )
+            files[rel] = FileEntry(writer, obj.size, obj.etag)
+    manifest = Manifest(uuid.uuid4().hex, dict(writers), files)
+    body = {
+        "format": FORMAT,
+        "save_token": manifest.save_token,
+        "writers": {str(r): w for r, w in writers.items()},
+        "files": {rel: [e.writer, e.size, e.etag] for rel, e in files.items()},
+    }
+    try:
+        store.write(f"{name}/{MARKER}", json.dumps(body, sort_keys=True).encode(), overwrite=False)
+    except CheckpointExistsError:
+        raise CheckpointExistsError(
+            f"refusing to commit onto {store.url(name)}: a checkpoint is committed there already"
+        ) from None
+    store.delete([_claim_name(name, r) for r in writers])
+    return manifest
+
+
+def read_manifest(store: Store, name: str) -> Manifest | None:
+    """The commit marker of ``name``, validated (it is untrusted input), or None if ``name`` is not committed."""
+    where = store.url(f"{name}/{MARKER}")
+    try:
+        raw = store.read(f"{name}/{MARKER}")
+    except CheckpointNotFoundError:
+        return None
+    try:
+        body = json.loads(raw)
+        if body.get("format") != FORMAT:
+            raise CheckpointFormatError(f"format {body.get('format')!r}")
+        writers = {int(r): _checked_writer(w) for r, w in body["writers"].items()}
+        files = {}
+        for rel, (writer, size, etag) in body["files"].items():
+            if writer not in writers.values() or not isinstance(size, int) or size < 0 or not isinstance(etag, str):
+                raise CheckpointFormatError(f"entry {rel!r}")
+            files[check_relative_name(rel, where)] = FileEntry(writer, size, etag)
+        return Manifest(_checked_writer(body["save_token"]), writers, files)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointFormatError(f"{where} is not a commit marker dcp_s3 writes: {exc}") from exc
+
+
+def _checked_writer(value: object) -> str:
+    if not isinstance(value, str) or not _WRITER.fullmatch(value):
+        raise CheckpointFormatError(f"writer id {value!r}")
+    return value
+
+
+def _writer_of(raw: bytes, where: str) -> str:
+    try:
+        return _checked_writer(json.loads(raw)["writer"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointFormatError(f"{where} is not a claim dcp_s3 writes: {exc}") from exc

@@ -1,0 +1,76 @@
+"""Where a torch_checkpointing path lies for :class:`dcp_s3.integrations.torch_checkpointing.S3Storage`.
+
+torch_checkpointing hands its storage ``pathlib.Path`` objects: the checkpoint id it was given (an
+``s3://`` URL, which ``pathlib`` folds to ``s3:/``, or a name relative to the storage's root), the staged
+directory ``<parent>/<temp_dir_prefix><name>`` its writer derives from it, and the files in either. Each
+path is one of three places (:class:`Where`):
+
+- a **stage**: a part starting with the temp prefix; its files live below the *final* name
+  (:mod:`dcp_s3.integrations.tc_commit`);
+- in a **committed** checkpoint: an ancestor (or the path itself) has a commit marker; the path itself
+  re-reads the marker (a load looks at the directory first), a file below one read before uses that read;
+- **plain**: anything else, an object or a prefix as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from dcp_s3.errors import InvalidCheckpointIdError
+from dcp_s3.integrations import tc_commit
+from dcp_s3.integrations.tc_commit import MARKER, STAGED, Manifest
+from dcp_s3.store.base import Store
+
+__all__ = ["Where", "split", "locate"]
+
+_INTERNAL = (MARKER, STAGED)
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """A path's place: ``kind`` "stage" (``name`` the final name), "committed" (``name`` the checkpoint) or
+    "plain" (``name`` the object/prefix); ``rest`` the path below ``name`` ("" for ``name`` itself)."""
+
+    kind: str
+    name: str
+    rest: str = ""
+    manifest: Manifest | None = None
+
+
+def split(path: Path | str, root: str) -> list[str]:
+    """``path``'s parts relative to ``root``; refuses paths elsewhere, ``..`` and dcp_s3's own names."""
+    text = os.fspath(path)
+    if text.startswith("s3:/") and not text.startswith("s3://"):
+        text = "s3://" + text[4:]  # pathlib folds "s3://" into "s3:/"
+    if "://" in text or root.startswith("/") and text.startswith("/"):
+        if text.rstrip("/") != root and not text.startswith(root + "/"):
+            raise InvalidCheckpointIdError(f"{text!r} is not under this storage's root {root!r}")
+        text = text[len(root) :]
+    elif text.startswith("/"):
+        raise InvalidCheckpointIdError(f"{text!r}: give an s3:// URL under {root!r} or a name relative to it")
+    parts = [p for p in text.split("/") if p not in ("", ".")]
+    if ".." in parts or any(p in _INTERNAL for p in parts):
+        raise InvalidCheckpointIdError(f"{os.fspath(path)!r}: '..' and dcp_s3's own names are not paths here")
+    return parts
+
+
+def locate(parts: list[str], temp_prefix: str, manifests: dict[str, Manifest], store: Store) -> Where:
+    """Where ``parts`` lie; ``manifests`` caches the markers read (checkpoint name -> manifest)."""
+    for i, part in enumerate(parts):
+        if part.startswith(temp_prefix) and len(part) > len(temp_prefix):
+            final = "/".join([*parts[:i], part[len(temp_prefix) :]])
+            return Where("stage", final, "/".join(parts[i + 1 :]))
+    for i in range(1, len(parts)):  # a file of a checkpoint looked at before: no request
+        found = manifests.get("/".join(parts[:i]))
+        if found is not None:
+            return Where("committed", "/".join(parts[:i]), "/".join(parts[i:]), found)
+    for i in range(1, len(parts) + 1):
+        name = "/".join(parts[:i])
+        manifest = tc_commit.read_manifest(store, name)
+        if manifest is not None:
+            manifests[name] = manifest
+            return Where("committed", name, "/".join(parts[i:]), manifest)
+        manifests.pop(name, None)
+    return Where("plain", "/".join(parts))

@@ -1,0 +1,375 @@
+"""dcp_s3.integrations.torch_checkpointing: torch-checkpointing 0.1.1's own code saving to and loading from SeaweedFS.
+
+torch_checkpointing ships no test suite for storage backends: the sdist's ``tests/test_local_filesystem.py``
+tests ``LocalFileSystemStorage`` only (it sets up and checks with ``os.listdir`` and local files). The contract it
+checks — ``Storage.rename``'s table — is tested here, row by row, against ``S3Storage``. Everything else runs
+torch_checkpointing's released ``CheckpointManager`` (its writer, barrier, reader, resharder) on real gloo ranks;
+what the bucket holds is read with boto3.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, ConfigError, DeletionRefusedError
+
+
+@pytest.fixture(autouse=True)
+def _installed() -> None:
+    """No silent skip: CI installs torch-checkpointing (``.[test]``); a missing one fails with the command."""
+    try:
+        import torch_checkpointing  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "these tests need torch-checkpointing: pip install --no-deps torch-checkpointing==0.1.1"
+        ) from exc
+
+
+def _storage(bucket: str, **options: Any) -> Any:
+    from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
+
+    return S3StorageConfig(f"s3://{bucket}/run", options=options or None).create_storage()
+
+
+def _keys(s3_env: Any, bucket: str) -> list[str]:
+    client = s3_env.client()
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
+
+
+def _stage(storage: Any, name: str, files: dict[str, bytes]) -> None:
+    """What torch_checkpointing's writer does before its rename: files into ``tmp_<name>``."""
+    for rel, data in files.items():
+        with storage.stream_write(Path(f"tmp_{name}/{rel}")) as stream:
+            stream.write(data)
+
+
+def test_bad_settings_fail_when_configured() -> None:
+    from dcp_s3.integrations.torch_checkpointing import KeepLast, S3StorageConfig
+
+    with pytest.raises(ConfigError, match="checkpoint_names"):
+        S3StorageConfig("s3://bucket/run", checkpoint_names="step_(")
+    with pytest.raises(ConfigError, match="no_such_option"):
+        S3StorageConfig("s3://bucket/run", options={"no_such_option": 1})
+    with pytest.raises(ConfigError, match="temp_dir_prefix"):
+        S3StorageConfig("s3://bucket/run", temp_dir_prefix="")
+    with pytest.raises(ConfigError, match="KeepLast"):
+        KeepLast(0)
+
+
+# -- Storage.rename's table, row by row -----------------------------------------------------------------
+
+
+def test_stage_onto_absent_destination_commits_in_place(bucket: str, s3_env: Any) -> None:
+    storage = _storage(bucket)
+    _stage(storage, "step_1", {"model_0.pt": b"m" * 100, "sub/x.json": b"{}"})
+    assert storage.ls(Path("")) == ["tmp_step_1"]  # staged, shown as what it is
+    assert not storage.exists(Path("step_1")) and not storage.isdir(Path("step_1"))
+    assert storage.exists(Path("tmp_step_1"))
+    before = set(_keys(s3_env, bucket))
+
+    storage.rename(Path("tmp_step_1"), Path("step_1"), is_directory=True)
+
+    assert storage.ls(Path("")) == ["step_1"]
+    assert storage.ls(Path("step_1")) == ["model_0.pt", "sub"] and storage.ls(Path("step_1/sub")) == ["x.json"]
+    assert not storage.exists(Path("tmp_step_1"))
+    assert storage.read(Path("step_1/model_0.pt")) == b"m" * 100
+    assert storage.getsize(Path(f"s3://{bucket}/run/step_1/sub/x.json")) == 2
+    after = set(_keys(s3_env, bucket))
+    # The commit wrote one marker and removed the claim: no object was copied or moved.
+    assert after - before == {"run/step_1/.dcp_s3-commit"}
+    assert [k for k in before - after] == ["run/step_1/.dcp_s3-staged/claims/rank-0"]
+    # A fresh storage (another process) sees the same.
+    other = _storage(bucket)
+    assert other.read(Path("step_1/sub/x.json")) == b"{}" and other.ls(Path("")) == ["step_1"]
+
+
+def test_stage_onto_committed_destination_raises_and_touches_nothing(bucket: str, s3_env: Any) -> None:
+    first, second = _storage(bucket), _storage(bucket)
+    _stage(first, "step_1", {"a": b"1"})
+    first.rename(Path("tmp_step_1"), Path("step_1"), is_directory=True)
+    before = _keys(s3_env, bucket)
+    with pytest.raises(CheckpointExistsError) as info:  # a FileExistsError, so an OSError as the table says
+        _stage(second, "step_1", {"a": b"2"})
+    assert isinstance(info.value, OSError) and "committed" in str(info.value)
+    assert _keys(s3_env, bucket) == before
+    assert second.read(Path("step_1/a")) == b"1"
+
+
+def test_stage_onto_populated_plain_directory_or_file_raises(bucket: str) -> None:
+    storage = _storage(bucket)
+    storage.write(Path("step_2/existing.bin"), b"x")
+    storage.write(Path("step_3"), b"a file")
+    for name in ("step_2", "step_3"):
+        _stage(storage, name, {"a": b"1"})
+        with pytest.raises(OSError):
+            storage.rename(Path(f"tmp_{name}"), Path(name), is_directory=True)
+    assert storage.read(Path("step_2/existing.bin")) == b"x" and storage.read(Path("step_3")) == b"a file"
+    assert storage.ls(Path("step_2")) == ["existing.bin"]  # no merge
+    assert not storage.exists(Path("step_2/a"))
+
+
+def test_stage_onto_another_name_is_refused(bucket: str) -> None:
+    storage = _storage(bucket)
+    _stage(storage, "step_1", {"a": b"1"})
+    with pytest.raises(ConfigError, match="only onto"):
+        storage.rename(Path("tmp_step_1"), Path("elsewhere"), is_directory=True)
+    assert not storage.exists(Path("elsewhere")) and storage.exists(Path("tmp_step_1"))
+
+
+def test_file_renames_commit_replace_and_refuse_a_directory(bucket: str) -> None:
+    storage = _storage(bucket)
+    storage.write(Path("f.tmp"), b"one")
+    storage.rename(Path("f.tmp"), Path("f"))  # onto absent
+    storage.write(Path("f.tmp"), b"two")
+    storage.rename(Path("f.tmp"), Path("f"))  # onto an existing file: replaced
+    assert storage.read(Path("f")) == b"two" and not storage.exists(Path("f.tmp"))
+    storage.write(Path("d/inside"), b"x")
+    storage.write(Path("g.tmp"), b"three")
+    with pytest.raises(OSError):
+        storage.rename(Path("g.tmp"), Path("d"))  # onto a directory
+    assert storage.read(Path("g.tmp")) == b"three" and storage.read(Path("d/inside")) == b"x"
+
+
+# -- memory, reads, one save per load ------------------------------------------------------------------
+
+
+def test_streams_are_bounded_and_ranged(bucket: str) -> None:
+    mib = 1 << 20
+    storage = _storage(bucket, part_size=5 * mib, max_concurrency=2, max_range_size=5 * mib)
+    data = os.urandom(3 * mib) * 9  # 27 MiB: six parts
+    _stage(storage, "step_1", {})
+    with storage.stream_write(Path("tmp_step_1/big.pt")) as stream:
+        for start in range(0, len(data), 1 * mib):
+            stream.write(data[start : start + 1 * mib])
+    assert storage._pool.peak_bytes <= (2 + 2) * 5 * mib  # the pool's places x part size, never the object
+    storage.rename(Path("tmp_step_1"), Path("step_1"), is_directory=True)
+
+    with storage.stream_read(Path("step_1/big.pt")) as stream:
+        whole = bytearray(len(data))
+        assert stream.readinto(whole) == len(data)  # one readinto: concurrent ranged GETs into the buffer
+        assert whole == data
+        stream.seek(12345)
+        assert stream.read(10) == data[12345:12355]
+        stream.seek(-7, io.SEEK_END)
+        assert stream.read() == data[-7:]
+
+
+def test_a_save_of_torch_tensors_round_trips_through_torch_load(bucket: str) -> None:
+    storage = _storage(bucket)
+    state = {"w": torch.randn(64, 33), "b": torch.arange(7, dtype=torch.int64)}
+    with storage.stream_write(Path("tmp_step_5/model_0.pt")) as stream:
+        torch.save(state, stream)
+    storage.rename(Path("tmp_step_5"), Path("step_5"), is_directory=True)
+    with storage.stream_read(Path("step_5/model_0.pt")) as stream:
+        loaded = torch.load(stream, weights_only=True)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_a_replaced_object_is_refused_not_read(bucket: str, s3_env: Any) -> None:
+    storage = _storage(bucket)
+    _stage(storage, "step_1", {"a": b"from the save"})
+    storage.rename(Path("tmp_step_1"), Path("step_1"), is_directory=True)
+    key = next(k for k in _keys(s3_env, bucket) if k.endswith("/a"))
+    s3_env.client().put_object(Bucket=bucket, Key=key, Body=b"FROM THE SAVE")  # the same size: the ETag tells
+    with pytest.raises(CheckpointFormatError, match="not the object its checkpoint's commit recorded"):
+        _storage(bucket).read(Path("step_1/a"))
+
+
+def test_a_load_keeps_the_save_it_looked_at(bucket: str) -> None:
+    """A reader resolves a checkpoint's files through the marker it read when it looked at the directory: a
+    re-save of the name in between is never mixed in (its reads fail instead)."""
+    writer, reader = _storage(bucket), _storage(bucket)
+    _stage(writer, "step_1", {"a": b"save 1", "b": b"save 1"})
+    writer.rename(Path("tmp_step_1"), Path("step_1"), is_directory=True)
+    assert reader.exists(Path("step_1"))  # torch_checkpointing's reader looks at the directory first
+    assert reader.read(Path("step_1/a")) == b"save 1"
+    writer.rmdir(Path("step_1"))
+    fresh = _storage(bucket)
+    _stage(fresh, "step_1", {"a": b"save 2", "b": b"save 2"})
+    fresh.rename(Path("tmp_step_1"), Path("step_1"), is_directory=True)
+    with pytest.raises(FileNotFoundError, match="is gone"):
+        reader.read(Path("step_1/b"))  # save 1's object is gone; save 2's is not taken for it
+    assert reader.exists(Path("step_1")) and reader.read(Path("step_1/b")) == b"save 2"  # the next load
+
+
+def test_an_interrupted_stage_is_never_committed_or_mixed(bucket: str) -> None:
+    crashed = _storage(bucket)
+    _stage(crashed, "step_2", {"model_0.pt": b"half"})  # its process dies before the rename
+    retry = _storage(bucket)
+    with pytest.raises(CheckpointExistsError, match=r"never committed.*dcp-s3 rm s3://"):
+        _stage(retry, "step_2", {"model_0.pt": b"whole"})
+    assert not retry.exists(Path("step_2")) and retry.ls(Path("")) == ["tmp_step_2"]
+
+
+# -- deletion by ownership -----------------------------------------------------------------------------
+
+
+def test_keep_last_deletes_only_owned_committed_checkpoints(bucket: str, s3_env: Any) -> None:
+    storage = _storage(bucket)
+    for n in (1, 2, 10, 11):
+        _stage(storage, f"step_{n}", {"m": b"x"})
+        storage.rename(Path(f"tmp_step_{n}"), Path(f"step_{n}"), is_directory=True)
+    _stage(storage, "best", {"m": b"x"})  # committed, but not a name of the scheme
+    storage.rename(Path("tmp_best"), Path("best"), is_directory=True)
+    _stage(_storage(bucket), "step_0", {"m": b"x"})  # a stage that never committed
+    storage.write(Path("step_3/m"), b"plain")  # a scheme name, never committed
+    kept = [k for k in _keys(s3_env, bucket) if not re.match(r"run/step_(1|2)/", k)]
+
+    assert storage.keep_last(2) == ["step_1", "step_2"]  # by the numbers in the names, not as strings
+
+    assert _keys(s3_env, bucket) == kept
+    for name in ("step_0", "step_3"):  # owned names, not committed
+        with pytest.raises(DeletionRefusedError, match="only committed checkpoints"):
+            storage.rmdir(Path(name))
+    for name in ("best", ""):  # not names of the scheme
+        with pytest.warns(UserWarning, match="does not delete"), pytest.raises(DeletionRefusedError):
+            storage.rmdir(Path(name))
+    assert _keys(s3_env, bucket) == kept
+    assert storage.ls(Path("")) == ["best", "step_10", "step_11", "step_3", "tmp_step_0"]
+
+
+# -- torch_checkpointing's CheckpointManager on 2 gloo ranks (FSDP2-sharded model) ----------------------
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))
+
+
+def _manager(root: str, *, sync: bool, keep_last: int | None = None, die_on_rank: int | None = None) -> Any:
+    from torch_checkpointing.checkpoint_manager import CheckpointManager
+    from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
+    from torch_checkpointing.checkpoint_writer import CheckpointWriterConfig
+    from torch_checkpointing.config import AsyncCheckpointSaverConfig, SyncCheckpointSaverConfig
+    from torch_checkpointing.schema import ItemSpec
+    from torch_checkpointing.staging import CheckpointStagerConfig
+
+    from dcp_s3.integrations.torch_checkpointing import KeepLast, S3StorageConfig
+
+    # Generous deadlines (a loaded 2-core machine starts a writer process slowly); a short barrier where a
+    # rank is killed on purpose, so that the survivor's wait ends.
+    writer = CheckpointWriterConfig(checkpoint_write_barrier_timeout_sec=20 if die_on_rank is not None else 180)
+    if sync:
+        save: Any = SyncCheckpointSaverConfig(writer_config=writer)
+    else:  # the upload runs in torch_checkpointing's own writer process; no accelerator here
+        stager = CheckpointStagerConfig(use_pinned_memory=False, use_non_blocking_copy=False)
+        process = CheckpointProcessConfig(subprocess_init_timeout_secs=180)
+        save = AsyncCheckpointSaverConfig(writer_config=writer, staging_config=stager, process_config=process)
+    return CheckpointManager(
+        CheckpointManager.Config(
+            # No resharder: torch-checkpointing 0.1.1's metadata all-gather (which a resharder needs) runs on
+            # device="cuda". Each rank saves and loads its own shard (the same 2 ranks on both sides).
+            items={"model": ItemSpec()},
+            save=save,
+            storage_config=S3StorageConfig(root),
+            finalize_callback=KeepLast(keep_last) if keep_last else None,
+            pre_finalize_callback=_Die(die_on_rank) if die_on_rank is not None else None,
+        )
+    )
+
+
+class _Die:
+    """A pre-finalize callback killing one rank after it wrote its files, before the barrier and the commit."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __call__(self, args: Any) -> None:
+        import torch.distributed as dist
+
+        if args.storage.rank == self.rank:
+            os._exit(9)
+        del dist
+
+
+def _save(rank: int, world: int, root: str, step: int, sync: bool, keep_last: int | None, die: int | None) -> Any:
+    from dist_utils import full
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed=step)
+    fully_shard(model)
+    manager = _manager(root, sync=sync, keep_last=keep_last, die_on_rank=die)
+    try:
+        future = manager.save(f"{root}/step_{step}", {"model": model.state_dict(), "step": step})
+        if future is not None:
+            future.result(timeout=120)
+    finally:
+        manager.close()
+    return _plain(full(model.state_dict()))
+
+
+def _plain(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Each tensor as (dtype, shape, bytes): what a rank returns (a tensor would travel by shared memory)."""
+    return {k: (str(v.dtype), tuple(v.shape), v.contiguous().numpy().tobytes()) for k, v in state.items()}
+
+
+def _load(rank: int, world: int, root: str, step: int) -> Any:
+    from dist_utils import full
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(seed=12345)  # different weights: the load must overwrite every element
+    fully_shard(model)
+    manager = _manager(root, sync=True)
+    try:
+        loaded = manager.load(f"{root}/step_{step}", into={"model": model.state_dict(), "step": 0})
+    finally:
+        manager.close()
+    model.load_state_dict(loaded["model"])
+    return _plain(full(model.state_dict())), loaded["step"]
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return bool(a) and a == b
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_sharded_save_and_resume_on_two_ranks_bit_exact(bucket: str, s3_env: Any, sync: bool, tmp_path: Path) -> None:
+    from dist_utils import run_ranks
+
+    root = f"s3://{bucket}/run"
+    saved = run_ranks(_save, 2, root, 7, sync, None, None, timeout=240)
+    assert _same(saved[0], saved[1])
+    keys = _keys(s3_env, bucket)
+    assert "run/step_7/.dcp_s3-commit" in keys and not any(".dcp_s3-staged/claims/" in k for k in keys)
+    assert all(k.startswith("run/step_7/") for k in keys)  # no tmp_step_7 objects: nothing was copied
+    assert not any(tmp_path.rglob("*.pt"))
+
+    loaded = run_ranks(_load, 2, root, 7, timeout=240)
+    for state, step in loaded:
+        assert step == 7 and _same(state, saved[0])
+
+
+@pytest.mark.multiproc
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_and_retention_keeps_the_stage(
+    bucket: str, s3_env: Any
+) -> None:
+    from dist_utils import run_ranks
+
+    from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
+
+    root = f"s3://{bucket}/run"
+    first = run_ranks(_save, 2, root, 1, True, None, None, timeout=240)[0]
+    with pytest.raises(queue.Empty):  # rank 1 dies (no result comes); rank 0's barrier times out: no commit
+        run_ranks(_save, 2, root, 2, True, None, 1, timeout=60)
+    storage = S3StorageConfig(root).create_storage()
+    assert not storage.exists(Path("step_2")) and storage.ls(Path("")) == ["step_1", "tmp_step_2"]
+    assert any(k.startswith("run/step_2/.dcp_s3-staged/") for k in _keys(s3_env, bucket))  # what the crash left
+
+    loaded = run_ranks(_load, 2, root, 1, timeout=240)
+    assert all(step == 1 and _same(state, first) for state, step in loaded)
+
+    third = run_ranks(_save, 2, root, 3, False, 1, None, timeout=240)[0]  # KeepLast(1) after the commit
+    assert storage.ls(Path("")) == ["step_3", "tmp_step_2"]  # step_1 went; the uncommitted stage stays
+    assert any(k.startswith("run/step_2/.dcp_s3-staged/") for k in _keys(s3_env, bucket))
+    loaded = run_ranks(_load, 2, root, 3, timeout=240)
+    assert all(step == 3 and _same(state, third) for state, step in loaded)
