@@ -6,7 +6,7 @@ directory ``<parent>/<temp_dir_prefix><name>`` its writer derives from it, and t
 path is one of three places (:class:`Where`):
 
 - a **stage**: a part starting with the temp prefix; its files live below the *final* name
-  (:mod:`dcp_s3.integrations.tc_commit`);
+  (:mod:`dcp_s3.integrations.torch_checkpointing.commit`);
 - in a **committed** checkpoint: an ancestor (or the path itself) has a commit marker; the path itself
   re-reads the marker (a load looks at the directory first), a file below one read before uses that read;
 - **plain**: anything else, an object or a prefix as it is.
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcp_s3.errors import InvalidCheckpointIdError
-from dcp_s3.integrations import tc_commit
-from dcp_s3.integrations.tc_commit import MARKER, STAGED, Manifest
+from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
+from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manifest
 from dcp_s3.store.base import Store
 
 __all__ = ["Where", "split", "locate"]

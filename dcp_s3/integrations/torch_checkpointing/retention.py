@@ -15,7 +15,7 @@ import re
 
 from dcp_s3.checkpointer.ownership import Ownership
 from dcp_s3.errors import ConfigError, DeletionRefusedError
-from dcp_s3.integrations.tc_commit import MARKER
+from dcp_s3.integrations.torch_checkpointing.commit import MARKER
 from dcp_s3.store.base import Store
 
 __all__ = ["ownership", "delete_checkpoint", "committed_checkpoints", "doomed"]

@@ -16,7 +16,7 @@ Chosen where a ``CheckpointManager`` is configured (tested with torch-checkpoint
 
 - **The commit.** torch_checkpointing writes a save under ``<parent>/tmp_<name>`` and rank 0 renames that
   directory onto ``<parent>/<name>`` after a barrier. On S3 the files are written below ``<name>/`` from
-  the start and the rename writes a commit marker (:mod:`dcp_s3.integrations.tc_commit`): no copy, no
+  the start and the rename writes a commit marker (:mod:`dcp_s3.integrations.torch_checkpointing.commit`): no copy, no
   delete, atomic, and an occupied destination is refused (``CheckpointExistsError``, an ``OSError``).
 - **What a listing shows.** ``exists``/``isdir``/``ls`` show ``<name>`` only once committed, with only the
   files its manifest names; an uncommitted stage shows as ``tmp_<name>`` (what it is), never as ``<name>``.
@@ -27,7 +27,7 @@ Chosen where a ``CheckpointManager`` is configured (tested with torch-checkpoint
   ``root``, the ``checkpoint_names`` pattern matches, through :mod:`dcp_s3.checkpointer.ownership`;
   anything else is refused (``DeletionRefusedError``). :class:`KeepLast` is a retention on top of it.
 - **Bounded memory.** ``stream_write`` is a multipart upload from a fixed pool of part buffers;
-  ``stream_read`` serves ``readinto`` with concurrent ranged GETs (:mod:`dcp_s3.integrations.tc_streams`).
+  ``stream_read`` serves ``readinto`` with concurrent ranged GETs (:mod:`dcp_s3.integrations.torch_checkpointing.streams`).
 
 What cannot be done: renaming a directory that is not a stage, or a stage onto another name (there is no
 rename on S3; ``ConfigError``); writing into a committed checkpoint; ``write_to_temp_dir=False`` (the
@@ -58,10 +58,12 @@ from dcp_s3.errors import (
     ConfigError,
     DeletionRefusedError,
 )
-from dcp_s3.integrations import tc_commit, tc_paths, tc_retention
-from dcp_s3.integrations.tc_commit import MARKER, STAGED, Manifest
-from dcp_s3.integrations.tc_paths import Where
-from dcp_s3.integrations.tc_streams import ObjectReadStream, ObjectWriteStream
+from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
+from dcp_s3.integrations.torch_checkpointing import paths as tc_paths
+from dcp_s3.integrations.torch_checkpointing import retention as tc_retention
+from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manifest
+from dcp_s3.integrations.torch_checkpointing.paths import Where
+from dcp_s3.integrations.torch_checkpointing.streams import ObjectReadStream, ObjectWriteStream
 from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.store.base import Store
 from dcp_s3.store.storage_options import StorageOptions
@@ -356,7 +358,7 @@ class S3Storage(Storage):
         self.store.delete([where.name])
 
     def rmdir(self, path: Path) -> None:
-        """Delete a committed checkpoint this storage owns (:mod:`dcp_s3.integrations.tc_retention`); anything
+        """Delete a committed checkpoint this storage owns (:mod:`dcp_s3.integrations.torch_checkpointing.retention`); anything
         else is refused with ``DeletionRefusedError`` and nothing is deleted."""
         name = self.name_of(path)
         tc_retention.delete_checkpoint(self.store, self.config.root, self.config.checkpoint_names, name)
