@@ -103,9 +103,7 @@ def main() -> None:
     print(f"| operation ({nbytes / MiB:.0f} MiB) | time | throughput | crc32c of the payload | crc share |")
     print("|---|---|---|---|---|")
     for op, secs, pct in (("save", save_s, result["crc_pct_of_save"]), ("load", load_s, result["crc_pct_of_load"])):
-        print(
-            f"| {op} | {secs:.2f} s | {nbytes / secs / 1e6:.0f} MB/s | {crc_state_s * 1e3:.0f} ms | {pct:.1f}% |"
-        )
+        print(f"| {op} | {secs:.2f} s | {nbytes / secs / 1e6:.0f} MB/s | {crc_state_s * 1e3:.0f} ms | {pct:.1f}% |")
     print(f"\nwrote {RESULTS}")
 
 

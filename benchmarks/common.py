@@ -97,12 +97,18 @@ def transformer_workload(size_mib: int) -> Workload:
     for i in range(layers):
         p = f"layers.{i}."
         params += [
-            (p + "ln1.weight", (d,)), (p + "ln1.bias", (d,)),
-            (p + "attn.qkv.weight", (3 * d, d)), (p + "attn.qkv.bias", (3 * d,)),
-            (p + "attn.out.weight", (d, d)), (p + "attn.out.bias", (d,)),
-            (p + "ln2.weight", (d,)), (p + "ln2.bias", (d,)),
-            (p + "mlp.fc.weight", (4 * d, d)), (p + "mlp.fc.bias", (4 * d,)),
-            (p + "mlp.proj.weight", (d, 4 * d)), (p + "mlp.proj.bias", (d,)),
+            (p + "ln1.weight", (d,)),
+            (p + "ln1.bias", (d,)),
+            (p + "attn.qkv.weight", (3 * d, d)),
+            (p + "attn.qkv.bias", (3 * d,)),
+            (p + "attn.out.weight", (d, d)),
+            (p + "attn.out.bias", (d,)),
+            (p + "ln2.weight", (d,)),
+            (p + "ln2.bias", (d,)),
+            (p + "mlp.fc.weight", (4 * d, d)),
+            (p + "mlp.fc.bias", (4 * d,)),
+            (p + "mlp.proj.weight", (d, 4 * d)),
+            (p + "mlp.proj.bias", (d,)),
         ]
     params += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
     tensors: list[TensorSpec] = []
@@ -121,8 +127,10 @@ def transformer_workload(size_mib: int) -> Workload:
         "trainer.rng_seed": 1234,
     }
     n_params = sum(math.prod(s) for _, s in params)
-    desc = (f"transformer d={d}, {layers} layers, vocab {vocab}: {n_params / 1e6:.1f}M params, "
-            f"{len(tensors)} tensors (bf16 weights + fp32 master/exp_avg/exp_avg_sq + step scalars)")
+    desc = (
+        f"transformer d={d}, {layers} layers, vocab {vocab}: {n_params / 1e6:.1f}M params, "
+        f"{len(tensors)} tensors (bf16 weights + fp32 master/exp_avg/exp_avg_sq + step scalars)"
+    )
     return Workload("transformer", tuple(tensors), extras, desc)
 
 
@@ -299,18 +307,27 @@ class Endpoint:
         """The same server over HTTPS (its CA in ``AWS_CA_BUNDLE``), if it was started with TLS."""
         if self.server is None or self.server.https_url is None:
             return None
-        return Endpoint(self.server.https_url, self.server.env(https=True), self.server, self.metrics_url,
-                        self.server_pid, self.fixed_bucket)
+        return Endpoint(
+            self.server.https_url,
+            self.server.env(https=True),
+            self.server,
+            self.metrics_url,
+            self.server_pid,
+            self.fixed_bucket,
+        )
 
     def client(self) -> Any:
         import boto3
         from botocore.config import Config
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint_url, region_name=self.env.get("AWS_DEFAULT_REGION", "us-east-1"),
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=self.env.get("AWS_DEFAULT_REGION", "us-east-1"),
             aws_access_key_id=self.env.get("AWS_ACCESS_KEY_ID"),
             aws_secret_access_key=self.env.get("AWS_SECRET_ACCESS_KEY"),
-            config=Config(s3={"addressing_style": "path"}), verify=self.env.get("AWS_CA_BUNDLE"),
+            config=Config(s3={"addressing_style": "path"}),
+            verify=self.env.get("AWS_CA_BUNDLE"),
         )
 
     def create_bucket(self, name: str) -> str:
@@ -325,14 +342,17 @@ class Endpoint:
 
     def delete_prefix(self, bucket: str, prefix: str) -> None:
         c = self.client()
-        keys = [o["Key"] for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-                for o in page.get("Contents", [])]
+        keys = [
+            o["Key"]
+            for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            for o in page.get("Contents", [])
+        ]
         if self.fixed_bucket is not None:  # the JuiceFS gateway wants Content-MD5 on DeleteObjects
             for k in keys:
                 c.delete_object(Bucket=bucket, Key=k)
             return
         for i in range(0, len(keys), 1000):
-            c.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
+            c.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]]})
 
     def counters(self, bucket: str) -> dict[str, float] | None:
         """SeaweedFS' per-bucket counters: bytes sent/received and requests by type (None elsewhere)."""
@@ -365,8 +385,17 @@ def open_endpoint(kind: str, endpoint_url: str | None = None, *, https: bool = F
     """Start a loopback server of ``kind`` (``benchmarks.servers.KINDS``), with an HTTPS port too when
     ``https`` (a throw-away ``trustme`` CA), or use ``endpoint_url`` with credentials from the environment."""
     if endpoint_url:
-        env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                                           "AWS_DEFAULT_REGION", "AWS_CA_BUNDLE") if k in os.environ}
+        env = {
+            k: os.environ[k]
+            for k in (
+                "AWS_ACCESS_KEY_ID",
+                "AWS_SECRET_ACCESS_KEY",
+                "AWS_SESSION_TOKEN",
+                "AWS_DEFAULT_REGION",
+                "AWS_CA_BUNDLE",
+            )
+            if k in os.environ
+        }
         env.setdefault("AWS_DEFAULT_REGION", "us-east-1")
         env["AWS_ENDPOINT_URL"] = endpoint_url
         return Endpoint(endpoint_url, env)
@@ -381,8 +410,9 @@ def open_endpoint(kind: str, endpoint_url: str | None = None, *, https: bool = F
         if tls_dir:
             shutil.rmtree(tls_dir, ignore_errors=True)
         raise
-    return Endpoint(server.endpoint_url, server.env(), server, server.metrics_url, server.pid, server.fixed_bucket,
-                    tls_dir)
+    return Endpoint(
+        server.endpoint_url, server.env(), server, server.metrics_url, server.pid, server.fixed_bucket, tls_dir
+    )
 
 
 def counter_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
@@ -398,8 +428,14 @@ def new_bucket_name(tag: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Child processes.
 # --------------------------------------------------------------------------------------------
-def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float = 900, *,
-              server_pid: int | None = None, prefix: Sequence[str] = ()) -> dict[str, Any]:
+def run_child(
+    spec: dict[str, Any],
+    env: dict[str, str],
+    timeout: float = 900,
+    *,
+    server_pid: int | None = None,
+    prefix: Sequence[str] = (),
+) -> dict[str, Any]:
     """Run one measurement in a fresh ``python -m benchmarks.worker``; returns its result dict.
 
     With ``server_pid``, the child's and the server's CPU are sampled by PID (psutil, every 50 ms) and the
@@ -414,7 +450,11 @@ def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float = 900, *
     child_env.pop("AWS_PROFILE", None)
     proc = subprocess.Popen(
         [*prefix, sys.executable, "-m", "benchmarks.worker", json.dumps(spec)],
-        cwd=REPO_ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO_ROOT,
+        env=child_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     sampler = CPUSampler(proc.pid, server_pid) if server_pid is not None else None
     try:
@@ -428,7 +468,7 @@ def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float = 900, *
             sampler.stop()
     for line in reversed(stdout.splitlines()):
         if line.startswith("RESULT "):
-            result: dict[str, Any] = json.loads(line[len("RESULT "):])
+            result: dict[str, Any] = json.loads(line[len("RESULT ") :])
             if sampler is not None and result.get("ok"):
                 result.update(sampler.shares(result["wall_start"], result["wall_end"]))
             return result
@@ -513,7 +553,9 @@ def machine_info() -> dict[str, Any]:
     import platform
 
     info: dict[str, Any] = {
-        "python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     try:

@@ -38,8 +38,10 @@ TENSOR_MIB = 32
 
 def build(size_mib: int) -> dict[str, torch.Tensor]:
     data = make_data(steps=20, verbose=False)
-    sources = [(data["bf16 weights"], torch.bfloat16, size_mib * 3 // 4), (data["adam exp_avg_sq"], torch.float32,
-                                                                          size_mib - size_mib * 3 // 4)]
+    sources = [
+        (data["bf16 weights"], torch.bfloat16, size_mib * 3 // 4),
+        (data["adam exp_avg_sq"], torch.float32, size_mib - size_mib * 3 // 4),
+    ]
     sd: dict[str, torch.Tensor] = {}
     for src, dtype, mib in sources:
         flat = torch.from_numpy(src.copy())
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         client = endpoint.client()
         opts: dict[str, Any] = {"endpoint_url": endpoint.endpoint_url, "region": "us-east-1"}
         for rep in range(args.reps):
-            order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+            order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
             for mode in order:
                 uri = f"s3://{bucket}/{mode}/{rep}"
                 writer = S3StorageWriter(uri, compression=None if mode == "none" else "zstd", **opts)
@@ -89,36 +91,66 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     writer_module.Codec = Codec  # type: ignore[misc]
                 save_s, save_cpu = time.perf_counter() - t0, time.process_time() - c0
-                stored = sum(o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{mode}/{rep}/")["Contents"])
+                stored = sum(
+                    o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{mode}/{rep}/")["Contents"]
+                )
                 out = {k: torch.empty_like(v) for k, v in sd.items()}
                 c0, t0 = time.process_time(), time.perf_counter()
                 dcp.load(out, storage_reader=S3StorageReader(uri, **opts), no_dist=True)
                 load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
                 assert all(torch.equal(out[k], sd[k]) for k in sd), f"{mode}: round trip differs"
-                for name, value in (("save_s", save_s), ("load_s", load_s), ("save_cpu_s", save_cpu),
-                                    ("load_cpu_s", load_cpu), ("stored", stored)):
+                for name, value in (
+                    ("save_s", save_s),
+                    ("load_s", load_s),
+                    ("save_cpu_s", save_cpu),
+                    ("load_cpu_s", load_cpu),
+                    ("stored", stored),
+                ):
                     results[mode].setdefault(name, []).append(value)
-                print(f"rep {rep} {mode:>7}: save {save_s:.2f}s ({save_cpu:.2f} CPU s) load {load_s:.2f}s "
-                      f"({load_cpu:.2f} CPU s) stored {stored / common.MiB:.0f} MiB", flush=True)
+                print(
+                    f"rep {rep} {mode:>7}: save {save_s:.2f}s ({save_cpu:.2f} CPU s) load {load_s:.2f}s "
+                    f"({load_cpu:.2f} CPU s) stored {stored / common.MiB:.0f} MiB",
+                    flush=True,
+                )
     finally:
         endpoint.stop()
 
     med = {m: {k: statistics.median(v) for k, v in r.items()} for m, r in results.items()}
     rows = [
-        [m, common.fmt(med[m]["save_s"]), common.fmt(med[m]["save_cpu_s"]), common.fmt(med[m]["load_s"]),
-         common.fmt(med[m]["load_cpu_s"]), f"{med[m]['stored'] / common.MiB:.0f}", common.fmt(med[m]["stored"] / logical, 3)]
+        [
+            m,
+            common.fmt(med[m]["save_s"]),
+            common.fmt(med[m]["save_cpu_s"]),
+            common.fmt(med[m]["load_s"]),
+            common.fmt(med[m]["load_cpu_s"]),
+            f"{med[m]['stored'] / common.MiB:.0f}",
+            common.fmt(med[m]["stored"] / logical, 3),
+        ]
         for m in modes
     ]
     print()
-    print(common.markdown_table(["compression", "save s", "save CPU s", "load s", "load CPU s", "stored MiB",
-                                 "stored/raw"], rows))
+    print(
+        common.markdown_table(
+            ["compression", "save s", "save CPU s", "load s", "load CPU s", "stored MiB", "stored/raw"], rows
+        )
+    )
     for m in ("zstd", "zstd-v1"):
-        print(f"\n{m} vs none: save time x{med[m]['save_s'] / med['none']['save_s']:.2f}, "
-              f"load time x{med[m]['load_s'] / med['none']['load_s']:.2f}, "
-              f"load CPU x{med[m]['load_cpu_s'] / med['none']['load_cpu_s']:.2f}, "
-              f"bytes stored -{100 * (1 - med[m]['stored'] / med['none']['stored']):.0f}%")
-    common.write_json(args.out, {"size_mib": args.size_mib, "reps": args.reps, "runs": results, "median": med,
-                                 "machine": common.machine_info()})
+        print(
+            f"\n{m} vs none: save time x{med[m]['save_s'] / med['none']['save_s']:.2f}, "
+            f"load time x{med[m]['load_s'] / med['none']['load_s']:.2f}, "
+            f"load CPU x{med[m]['load_cpu_s'] / med['none']['load_cpu_s']:.2f}, "
+            f"bytes stored -{100 * (1 - med[m]['stored'] / med['none']['stored']):.0f}%"
+        )
+    common.write_json(
+        args.out,
+        {
+            "size_mib": args.size_mib,
+            "reps": args.reps,
+            "runs": results,
+            "median": med,
+            "machine": common.machine_info(),
+        },
+    )
     return 0
 
 

@@ -50,20 +50,32 @@ def main(argv: list[str] | None = None) -> int:
     from dist_utils import run_ranks
     from fault_proxy import Rule
 
-    record: dict[str, object] = {"benchmark": "many_ranks", "ranks": args.ranks, "replicas": args.replicas,
-                                 "machine": common.machine_info()}
+    record: dict[str, object] = {
+        "benchmark": "many_ranks",
+        "ranks": args.ranks,
+        "replicas": args.replicas,
+        "machine": common.machine_info(),
+    }
     with LocalS3Server.start("seaweedfs") as server:
         bucket = server.create_bucket(f"many-{uuid.uuid4().hex[:12]}")
         with CountingProxy(server.endpoint_url, max_connections=8 * args.ranks, lifetime_s=2 * args.timeout) as proxy:
             env = {**server.env(), "AWS_ENDPOINT_URL": proxy.url}
             proxy.set_rules([Rule(ops={"GetObject", "GetObjectRange"}, key_contains="fsdp/bad/__3_", rate=1.0)])
             t0 = time.perf_counter()
-            rep = run_ranks(jobs.replicated_job, args.ranks, env, f"s3://{bucket}/hsdp/step-1", proxy.url,
-                            args.replicas, timeout=args.timeout)
+            rep = run_ranks(
+                jobs.replicated_job,
+                args.ranks,
+                env,
+                f"s3://{bucket}/hsdp/step-1",
+                proxy.url,
+                args.replicas,
+                timeout=args.timeout,
+            )
             t_rep = time.perf_counter() - t0
             t0 = time.perf_counter()
-            grp = run_ranks(jobs.groups_job, args.ranks, env, f"s3://{bucket}/fsdp/step-1", proxy.url,
-                            timeout=args.timeout)
+            grp = run_ranks(
+                jobs.groups_job, args.ranks, env, f"s3://{bucket}/fsdp/step-1", proxy.url, timeout=args.timeout
+            )
             t_grp = time.perf_counter() - t0
         stored_h = jobs.stored_bytes(server, bucket, "hsdp/step-1/")
         stored_f = jobs.stored_bytes(server, bucket, "fsdp/step-1/")
@@ -77,19 +89,39 @@ def main(argv: list[str] | None = None) -> int:
         ("FSDP ckpt, whole model on one half (sub-group)", grp[0]["one_subgroup"], stored_f),
         ("FSDP ckpt, whole model on both halves at once", grp[0]["two_subgroups"], stored_f),
     ):
-        rows.append([name, str(counts["metadata_gets"]), str(counts["data_gets"]),
-                     f"{counts['data_bytes'] / 1e6:.2f}", f"{stored / 1e6:.2f}", f"{counts['data_bytes'] / stored:.2f}x"])
-    failures = {k: sorted({t for r in grp for t in r.get(k, ((), ""))[0]}) for k in
-                ("wrong_group", "missing", "mismatch", "unreadable")}
+        rows.append(
+            [
+                name,
+                str(counts["metadata_gets"]),
+                str(counts["data_gets"]),
+                f"{counts['data_bytes'] / 1e6:.2f}",
+                f"{stored / 1e6:.2f}",
+                f"{counts['data_bytes'] / stored:.2f}x",
+            ]
+        )
+    failures = {
+        k: sorted({t for r in grp for t in r.get(k, ((), ""))[0]})
+        for k in ("wrong_group", "missing", "mismatch", "unreadable")
+    }
     table = common.markdown_table(
-        ["load", ".metadata GETs", "data GETs", "MB read from S3", "MB stored", "read / stored"], rows)
-    text = (f"{args.ranks} gloo ranks on one machine (HSDP: {args.replicas} replicas x "
-            f"{args.ranks // args.replicas}-way shard), every loaded tensor checked bit for bit; "
-            f"jobs took {t_rep:.0f} s and {t_grp:.0f} s.\n\n{table}\n\n"
-            "Failures raised on the ranks (none hung): " + ", ".join(f"{k}: {v}" for k, v in failures.items()))
+        ["load", ".metadata GETs", "data GETs", "MB read from S3", "MB stored", "read / stored"], rows
+    )
+    text = (
+        f"{args.ranks} gloo ranks on one machine (HSDP: {args.replicas} replicas x "
+        f"{args.ranks // args.replicas}-way shard), every loaded tensor checked bit for bit; "
+        f"jobs took {t_rep:.0f} s and {t_grp:.0f} s.\n\n{table}\n\n"
+        "Failures raised on the ranks (none hung): " + ", ".join(f"{k}: {v}" for k, v in failures.items())
+    )
     print(text)
-    record.update(replicated=rep[0], groups=grp[0], stored_hsdp=stored_h, stored_fsdp=stored_f, failures=failures,
-                  seconds={"replicated": t_rep, "groups": t_grp}, tables_markdown=text)
+    record.update(
+        replicated=rep[0],
+        groups=grp[0],
+        stored_hsdp=stored_h,
+        stored_fsdp=stored_f,
+        failures=failures,
+        seconds={"replicated": t_rep, "groups": t_grp},
+        tables_markdown=text,
+    )
     common.write_json(args.out, record)
     args.out.with_suffix(".md").write_text(text + "\n")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")

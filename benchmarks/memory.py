@@ -36,10 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workload", choices=["uniform", "transformer"], default="uniform")
-    ap.add_argument("--contestants", default="dcp_s3,naive",
-                    help="comma-separated; dcp_s3 variants like dcp_s3:part_size_mib=8,max_concurrency=4; dcp_s3_reads_naive")
+    ap.add_argument(
+        "--contestants",
+        default="dcp_s3,naive",
+        help="comma-separated; dcp_s3 variants like dcp_s3:part_size_mib=8,max_concurrency=4; dcp_s3_reads_naive",
+    )
     ap.add_argument("--server", choices=list(servers.KINDS), default="seaweedfs")
-    ap.add_argument("--endpoint-url", help="use this S3 endpoint (credentials from AWS_* env) instead of a local server")
+    ap.add_argument(
+        "--endpoint-url", help="use this S3 endpoint (credentials from AWS_* env) instead of a local server"
+    )
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "memory.json")
     args = ap.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the server and temporary data are cleaned up.
@@ -59,13 +64,26 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:  # interleaved, so background load hits every contestant alike
                 local_dir = tempfile.mkdtemp(prefix="dcp-s3-bench-")
                 prefix = f"memory/{name.replace(':', '_').replace(',', '_')}/rep{rep}"
-                target = {"bucket": bucket, "prefix": prefix, "endpoint_url": endpoint.endpoint_url,
-                          "region": endpoint.env.get("AWS_DEFAULT_REGION", "us-east-1"), "local_dir": local_dir}
+                target = {
+                    "bucket": bucket,
+                    "prefix": prefix,
+                    "endpoint_url": endpoint.endpoint_url,
+                    "region": endpoint.env.get("AWS_DEFAULT_REGION", "us-east-1"),
+                    "local_dir": local_dir,
+                }
                 try:
                     for op in ("save", "load"):
                         before = endpoint.counters(bucket)
-                        res = common.run_child({"contestant": name, "op": op, "workload": args.workload,
-                                                "size_mib": args.size_mib, "target": target}, endpoint.env)
+                        res = common.run_child(
+                            {
+                                "contestant": name,
+                                "op": op,
+                                "workload": args.workload,
+                                "size_mib": args.size_mib,
+                                "target": target,
+                            },
+                            endpoint.env,
+                        )
                         res["server"] = common.counter_delta(before, endpoint.counters(bucket))
                         runs[name][op].append(res)
                         _progress(rep, name, op, res)
@@ -81,15 +99,34 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         s = _summarize(runs[name])
         summary[name] = s
-        rows.append([name, common.fmt(s["save"]["growth_mib"], 0), common.fmt(s["load"]["growth_mib"], 0),
-                     common.fmt(s["save"]["seconds"]), common.fmt(s["load"]["seconds"]),
-                     _range(s["save"]["growth_all"]), _range(s["load"]["growth_all"])])
+        rows.append(
+            [
+                name,
+                common.fmt(s["save"]["growth_mib"], 0),
+                common.fmt(s["load"]["growth_mib"], 0),
+                common.fmt(s["save"]["seconds"]),
+                common.fmt(s["load"]["seconds"]),
+                _range(s["save"]["growth_all"]),
+                _range(s["load"]["growth_all"]),
+            ]
+        )
     table = common.markdown_table(
-        ["contestant", "save peak RSS growth MiB", "load peak RSS growth MiB", "save s", "load s",
-         "save growth, all reps", "load growth, all reps"], rows)
+        [
+            "contestant",
+            "save peak RSS growth MiB",
+            "load peak RSS growth MiB",
+            "save s",
+            "load s",
+            "save growth, all reps",
+            "load growth, all reps",
+        ],
+        rows,
+    )
     print()
-    print(f"Peak RSS growth, {workload.nbytes / common.MiB:.0f} MiB {workload.name} state dict, "
-          f"median of {args.reps} (fresh process each; target for dcp_s3 < {TARGET_MIB} MiB)")
+    print(
+        f"Peak RSS growth, {workload.nbytes / common.MiB:.0f} MiB {workload.name} state dict, "
+        f"median of {args.reps} (fresh process each; target for dcp_s3 < {TARGET_MIB} MiB)"
+    )
     print()
     print(table)
     for name in names:
@@ -97,13 +134,25 @@ def main(argv: list[str] | None = None) -> int:
             worst = max((summary[name][op]["growth_mib"] or 0) for op in ("save", "load"))
             verdict = "meets" if worst < TARGET_MIB else "MISSES"
             print(f"\ndcp_s3 {verdict} the {TARGET_MIB} MiB target (worst median growth {worst:.0f} MiB).")
-    common.write_json(args.out, {
-        "benchmark": "memory", "workload": workload.description, "size_mib": args.size_mib, "reps": args.reps,
-        "server": "external" if args.endpoint_url else args.server, "target_mib": TARGET_MIB,
-        "machine": info, "summary": summary, "runs": runs, "table_markdown": table,
-    })
-    header = (f"Peak RSS growth, {workload.nbytes / common.MiB:.0f} MiB {workload.name} state dict, median of "
-              f"{args.reps} (fresh process each; awscrt: {info['awscrt']})")
+    common.write_json(
+        args.out,
+        {
+            "benchmark": "memory",
+            "workload": workload.description,
+            "size_mib": args.size_mib,
+            "reps": args.reps,
+            "server": "external" if args.endpoint_url else args.server,
+            "target_mib": TARGET_MIB,
+            "machine": info,
+            "summary": summary,
+            "runs": runs,
+            "table_markdown": table,
+        },
+    )
+    header = (
+        f"Peak RSS growth, {workload.nbytes / common.MiB:.0f} MiB {workload.name} state dict, median of "
+        f"{args.reps} (fresh process each; awscrt: {info['awscrt']})"
+    )
     args.out.with_suffix(".md").write_text(header + "\n\n" + table + "\n")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
     return 0
@@ -125,9 +174,11 @@ def _awscrt_state() -> str:
 
 def _progress(rep: int, name: str, op: str, res: dict[str, Any]) -> None:
     if res.get("ok"):
-        print(f"  rep {rep} {name:>16} {op}: {res['seconds']:.2f} s, +{res['peak_rss_growth_mib']:.0f} MiB RSS, "
-              f"{res['cpu_s']:.2f} CPU s{'' if res.get('verified') in (None, True) else ' VERIFY FAILED'}",
-              flush=True)
+        print(
+            f"  rep {rep} {name:>16} {op}: {res['seconds']:.2f} s, +{res['peak_rss_growth_mib']:.0f} MiB RSS, "
+            f"{res['cpu_s']:.2f} CPU s{'' if res.get('verified') in (None, True) else ' VERIFY FAILED'}",
+            flush=True,
+        )
     else:
         print(f"  rep {rep} {name:>16} {op}: FAILED {res.get('error', '')[:300]}", flush=True)
 

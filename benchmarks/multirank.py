@@ -94,8 +94,14 @@ def sharded_state_dict(workload: common.Workload, mesh: Any, *, fill: str) -> di
         else:
             local = torch.empty((hi - lo, *spec.shape[1:]), dtype=dtype)
             local.view(common._int_dtype(dtype)).fill_(0)
-        sd[spec.key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                                          shape=torch.Size(spec.shape), stride=_contiguous_stride(spec.shape))
+        sd[spec.key] = DTensor.from_local(
+            local,
+            mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=torch.Size(spec.shape),
+            stride=_contiguous_stride(spec.shape),
+        )
     sd.update(workload.extras)
     return sd
 
@@ -198,8 +204,14 @@ def _rank_job(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     cpu = common.cpu_seconds() - cpu0
     gc.enable()
     verified = verify_shards(workload, sd, rank, world) if workload is not None and op == "load" else None
-    return {"rank": rank, "seconds": seconds, "logical_bytes": logical, "cpu_s": cpu,
-            "peak_rss_growth_mib": rss.growth / common.MiB, "verified": verified}
+    return {
+        "rank": rank,
+        "seconds": seconds,
+        "logical_bytes": logical,
+        "cpu_s": cpu,
+        "peak_rss_growth_mib": rss.growth / common.MiB,
+        "verified": verified,
+    }
 
 
 def _rank_entry(rank: int, world: int, port: int, spec: dict[str, Any], env: dict[str, str], out: Any) -> None:
@@ -231,8 +243,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(spec: dict[str, Any], world: int, env: dict[str, str],
-              timeout: float = JOB_TIMEOUT_S) -> list[dict[str, Any]]:
+def run_ranks(
+    spec: dict[str, Any], world: int, env: dict[str, str], timeout: float = JOB_TIMEOUT_S
+) -> list[dict[str, Any]]:
     """Run one measurement on ``world`` fresh spawned processes; every rank's result, or ``RuntimeError``.
 
     The processes are killed on any failure, timeout or interrupt, so none outlives the call.
@@ -242,8 +255,7 @@ def run_ranks(spec: dict[str, Any], world: int, env: dict[str, str],
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, spec, env, out), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, spec, env, out), daemon=True) for r in range(world)]
     results: dict[int, dict[str, Any]] = {}
     errors: list[str] = []
     deadline = time.monotonic() + timeout
@@ -299,8 +311,13 @@ class Bench:
         self.runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
 
     def target(self, prefix: str) -> dict[str, str]:
-        return {"bucket": self.bucket, "prefix": prefix, "endpoint_url": self.endpoint.endpoint_url,
-                "region": self.endpoint.env.get("AWS_DEFAULT_REGION", "us-east-1"), "local_dir": "/nonexistent"}
+        return {
+            "bucket": self.bucket,
+            "prefix": prefix,
+            "endpoint_url": self.endpoint.endpoint_url,
+            "region": self.endpoint.env.get("AWS_DEFAULT_REGION", "us-east-1"),
+            "local_dir": "/nonexistent",
+        }
 
     def record(self, name: str, op: str, res: dict[str, Any]) -> dict[str, Any]:
         self.runs.setdefault(name, {}).setdefault(op, []).append(res)
@@ -315,21 +332,37 @@ class Bench:
             res = {"ok": False, "error": str(exc)[:3000]}
         else:
             secs = max(r["seconds"] for r in per_rank)
-            logical = per_rank[0]["logical_bytes"] if spec["op"] == "lora_save" else \
-                common.make_workload("transformer", int(spec["size_mib"])).nbytes
-            res = {"ok": True, "seconds": secs, "logical_bytes": logical, "gbps": logical / secs / 1e9,
-                   "peak_rss_growth_mib": max(r["peak_rss_growth_mib"] for r in per_rank),
-                   "cpu_s": sum(r["cpu_s"] for r in per_rank),
-                   "verified": None if spec["op"] != "load" else all(r["verified"] for r in per_rank),
-                   "per_rank": per_rank}
+            logical = (
+                per_rank[0]["logical_bytes"]
+                if spec["op"] == "lora_save"
+                else common.make_workload("transformer", int(spec["size_mib"])).nbytes
+            )
+            res = {
+                "ok": True,
+                "seconds": secs,
+                "logical_bytes": logical,
+                "gbps": logical / secs / 1e9,
+                "peak_rss_growth_mib": max(r["peak_rss_growth_mib"] for r in per_rank),
+                "cpu_s": sum(r["cpu_s"] for r in per_rank),
+                "verified": None if spec["op"] != "load" else all(r["verified"] for r in per_rank),
+                "per_rank": per_rank,
+            }
         res["server"] = common.counter_delta(before, self.endpoint.counters(self.bucket))
         return self.record(name, op, res)
 
     def reshard_load(self, name: str, target: dict[str, str]) -> dict[str, Any]:
         """Load the 2-rank checkpoint into full tensors in one fresh process (``benchmarks.worker``)."""
         before = self.endpoint.counters(self.bucket)
-        res = common.run_child({"contestant": name, "op": "load", "workload": "transformer",
-                                "size_mib": self.args.size_mib, "target": target}, self.endpoint.env)
+        res = common.run_child(
+            {
+                "contestant": name,
+                "op": "load",
+                "workload": "transformer",
+                "size_mib": self.args.size_mib,
+                "target": target,
+            },
+            self.endpoint.env,
+        )
         res["server"] = common.counter_delta(before, self.endpoint.counters(self.bucket))
         return self.record(name, "reshard_load", res)
 
@@ -346,10 +379,12 @@ def _show(rep: int, name: str, op: str, res: dict[str, Any]) -> None:
         return
     srv = res.get("server") or {}
     extra = f"  stored {res['stored_bytes'] / 1e6:.1f} MB in {res['objects']} objects" if "objects" in res else ""
-    print(f"  rep {rep} {name:>34} {op:>12}: {res['seconds']:6.2f} s  {res.get('gbps') or 0:.3f} GB/s  "
-          f"server sent {srv.get('sent', 0) / 1e6:.1f} MB, received {srv.get('received', 0) / 1e6:.1f} MB, "
-          f"{_requests(srv) or 0:.0f} req{extra}"
-          + ("" if res.get("verified") in (None, True) else "  VERIFY FAILED"), flush=True)
+    print(
+        f"  rep {rep} {name:>34} {op:>12}: {res['seconds']:6.2f} s  {res.get('gbps') or 0:.3f} GB/s  "
+        f"server sent {srv.get('sent', 0) / 1e6:.1f} MB, received {srv.get('received', 0) / 1e6:.1f} MB, "
+        f"{_requests(srv) or 0:.0f} req{extra}" + ("" if res.get("verified") in (None, True) else "  VERIFY FAILED"),
+        flush=True,
+    )
 
 
 def multirank_round(bench: Bench, name: str, rep: int) -> str | None:
@@ -375,8 +410,14 @@ def multirank_round(bench: Bench, name: str, rep: int) -> str | None:
 
 def lora_round(bench: Bench, label: str, contestant: str, trainable_only: bool, rep: int) -> None:
     prefix = f"lora/{contestant}{'_trainable' if trainable_only else ''}/rep{rep}"
-    spec = {"contestant": contestant, "op": "lora_save", "size_mib": bench.args.lora_size_mib,
-            "lora_rank": bench.args.lora_rank, "trainable_only": trainable_only, "target": bench.target(prefix)}
+    spec = {
+        "contestant": contestant,
+        "op": "lora_save",
+        "size_mib": bench.args.lora_size_mib,
+        "lora_rank": bench.args.lora_rank,
+        "trainable_only": trainable_only,
+        "target": bench.target(prefix),
+    }
     try:
         res = bench.ranks(label, "lora_save", spec, 1)
         res["stored_bytes"], res["objects"] = _stored(bench.endpoint, bench.bucket, prefix)
@@ -423,59 +464,123 @@ def _ratio(s: dict[str, Any]) -> str:
     return common.fmt(sent / logical if sent is not None and logical else None, 2)
 
 
-def render_tables(summary: dict[str, dict[str, Any]], lora: dict[str, dict[str, Any]],
-                  workload: common.Workload, args: argparse.Namespace, lora_desc: str) -> str:
+def render_tables(
+    summary: dict[str, dict[str, Any]],
+    lora: dict[str, dict[str, Any]],
+    workload: common.Workload,
+    args: argparse.Namespace,
+    lora_desc: str,
+) -> str:
     f = common.fmt
     names = list(summary)
     rows = []
     for n in names:
         s, ld = summary[n].get("save", {}), summary[n].get("load", {})
-        rows.append([n, f(s.get("seconds")), f(s.get("gbps"), 3), f(ld.get("seconds")), f(ld.get("gbps"), 3),
-                     f(s.get("requests"), 0), _mb(s.get("server_received")), f(s.get("objects"), 0),
-                     f(ld.get("requests"), 0), _mb(ld.get("server_sent")), _ratio(ld),
-                     f(s.get("peak_rss_growth_mib"), 0), f(ld.get("peak_rss_growth_mib"), 0),
-                     "yes" if ld.get("verified") and ld.get("n") else "—"])
+        rows.append(
+            [
+                n,
+                f(s.get("seconds")),
+                f(s.get("gbps"), 3),
+                f(ld.get("seconds")),
+                f(ld.get("gbps"), 3),
+                f(s.get("requests"), 0),
+                _mb(s.get("server_received")),
+                f(s.get("objects"), 0),
+                f(ld.get("requests"), 0),
+                _mb(ld.get("server_sent")),
+                _ratio(ld),
+                f(s.get("peak_rss_growth_mib"), 0),
+                f(ld.get("peak_rss_growth_mib"), 0),
+                "yes" if ld.get("verified") and ld.get("n") else "—",
+            ]
+        )
     t1 = common.markdown_table(
-        ["contestant", "save s", "save GB/s", "load s", "load GB/s", "save requests", "save MB received",
-         "objects", "load requests", "load MB sent", "load read / needed", "save RSS +MiB (worst rank)", "load RSS +MiB (worst rank)",
-         "load verified"], rows)
+        [
+            "contestant",
+            "save s",
+            "save GB/s",
+            "load s",
+            "load GB/s",
+            "save requests",
+            "save MB received",
+            "objects",
+            "load requests",
+            "load MB sent",
+            "load read / needed",
+            "save RSS +MiB (worst rank)",
+            "load RSS +MiB (worst rank)",
+            "load verified",
+        ],
+        rows,
+    )
     rows = []
     for n in names:
         r = summary[n].get("reshard_load", {})
-        rows.append([n, f(r.get("seconds")), f(r.get("gbps"), 3), _mb(r.get("server_sent")), _ratio(r),
-                     f(r.get("requests"), 0),
-                     f(r.get("peak_rss_growth_mib"), 0), "yes" if r.get("verified") and r.get("n") else "—"])
-    t2 = common.markdown_table(["contestant", "load s", "load GB/s", "MB read", "read / needed", "requests",
-                                "RSS +MiB", "verified"], rows)
+        rows.append(
+            [
+                n,
+                f(r.get("seconds")),
+                f(r.get("gbps"), 3),
+                _mb(r.get("server_sent")),
+                _ratio(r),
+                f(r.get("requests"), 0),
+                f(r.get("peak_rss_growth_mib"), 0),
+                "yes" if r.get("verified") and r.get("n") else "—",
+            ]
+        )
+    t2 = common.markdown_table(
+        ["contestant", "load s", "load GB/s", "MB read", "read / needed", "requests", "RSS +MiB", "verified"], rows
+    )
     base = lora.get(TRAINABLE_ONLY, {})
     rows = []
     for label, s in lora.items():
         secs, stored = s.get("seconds"), s.get("stored_bytes")
-        rows.append([label, f(secs), _mb(stored), f(s.get("objects"), 0), f(s.get("requests"), 0),
-                     _mb(s.get("server_received")),
-                     f(secs / base["seconds"], 1) + "x" if secs and base.get("seconds") else "—",
-                     f(stored / base["stored_bytes"], 0) + "x" if stored and base.get("stored_bytes") else "—"])
-    t3 = common.markdown_table(["variant", "save s", "MB stored", "objects", "requests", "MB received by server",
-                                "s vs trainable-only", "bytes vs trainable-only"], rows)
+        rows.append(
+            [
+                label,
+                f(secs),
+                _mb(stored),
+                f(s.get("objects"), 0),
+                f(s.get("requests"), 0),
+                _mb(s.get("server_received")),
+                f(secs / base["seconds"], 1) + "x" if secs and base.get("seconds") else "—",
+                f(stored / base["stored_bytes"], 0) + "x" if stored and base.get("stored_bytes") else "—",
+            ]
+        )
+    t3 = common.markdown_table(
+        [
+            "variant",
+            "save s",
+            "MB stored",
+            "objects",
+            "requests",
+            "MB received by server",
+            "s vs trainable-only",
+            "bytes vs trainable-only",
+        ],
+        rows,
+    )
     server = "external S3" if args.endpoint_url else args.server
-    return "\n".join([
-        f"Server: {server}; median of {args.reps} runs, each in fresh processes; GB = 1e9 bytes of tensor data.",
-        "",
-        f"**2-rank save and load** of {workload.nbytes / common.MiB:.0f} MiB ({workload.description}), every "
-        "tensor with a dimension row-sharded (DTensor `Shard(0)` on a 2-rank CPU mesh, gloo), scalars and "
-        "extras replicated; time = slower rank; requests and bytes from the server's counters:",
-        "",
-        t1,
-        "",
-        "**Resharding load 2 -> 1**: the 2-rank checkpoint loaded into full tensors by one process "
-        "(`dcp.load(..., no_dist=True)`); MB read = server's bytes sent, needed = tensor bytes:",
-        "",
-        t2,
-        "",
-        f"**Trainable-only save** of a LoRA-like model, one process: {lora_desc}:",
-        "",
-        t3,
-    ])
+    return "\n".join(
+        [
+            f"Server: {server}; median of {args.reps} runs, each in fresh processes; GB = 1e9 bytes of tensor data.",
+            "",
+            f"**2-rank save and load** of {workload.nbytes / common.MiB:.0f} MiB ({workload.description}), every "
+            "tensor with a dimension row-sharded (DTensor `Shard(0)` on a 2-rank CPU mesh, gloo), scalars and "
+            "extras replicated; time = slower rank; requests and bytes from the server's counters:",
+            "",
+            t1,
+            "",
+            "**Resharding load 2 -> 1**: the 2-rank checkpoint loaded into full tensors by one process "
+            "(`dcp.load(..., no_dist=True)`); MB read = server's bytes sent, needed = tensor bytes:",
+            "",
+            t2,
+            "",
+            f"**Trainable-only save** of a LoRA-like model, one process: {lora_desc}:",
+            "",
+            t3,
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -483,11 +588,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=256, help="transformer state, all ranks together (default 256)")
     ap.add_argument("--lora-size-mib", type=int, default=256, help="frozen base weights of the LoRA model (256)")
     ap.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default 8: adapters 1.6%% of the base)")
-    ap.add_argument("--lora-alternative", default="auto",
-                    help="contestant for the LoRA comparison (default: the fastest non-dcp_s3 2-rank save)")
+    ap.add_argument(
+        "--lora-alternative",
+        default="auto",
+        help="contestant for the LoRA comparison (default: the fastest non-dcp_s3 2-rank save)",
+    )
     ap.add_argument("--reps", type=int, default=2, help="repetitions; medians are reported (default 2)")
-    ap.add_argument("--contestants", default=",".join(DEFAULT_CONTESTANTS),
-                    help=f"comma-separated DCP contestants (default {','.join(DEFAULT_CONTESTANTS)})")
+    ap.add_argument(
+        "--contestants",
+        default=",".join(DEFAULT_CONTESTANTS),
+        help=f"comma-separated DCP contestants (default {','.join(DEFAULT_CONTESTANTS)})",
+    )
     ap.add_argument("--server", choices=list(servers.KINDS), default="seaweedfs")
     ap.add_argument("--endpoint-url", help="use this S3 endpoint instead of starting a server")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "multirank.json")
@@ -502,9 +613,11 @@ def main(argv: list[str] | None = None) -> int:
     n_layers = max(1, args.lora_size_mib * common.MiB // (2048 * 2048 * 2))  # as lora_model builds it
     adapter_bytes = n_layers * 2 * 2048 * args.lora_rank * 4
     base_bytes = n_layers * 2048 * 2048 * 2
-    lora_desc = (f"{n_layers} frozen bf16 2048x2048 base weights ({base_bytes / common.MiB:.0f} MiB) + fp32 "
-                 f"rank-{args.lora_rank} adapters ({adapter_bytes / common.MiB:.1f} MiB, "
-                 f"{100 * adapter_bytes / base_bytes:.1f}% of the base)")
+    lora_desc = (
+        f"{n_layers} frozen bf16 2048x2048 base weights ({base_bytes / common.MiB:.0f} MiB) + fp32 "
+        f"rank-{args.lora_rank} adapters ({adapter_bytes / common.MiB:.1f} MiB, "
+        f"{100 * adapter_bytes / base_bytes:.1f}% of the base)"
+    )
     print(f"workload: {workload.description}; {workload.nbytes / common.MiB:.0f} MiB on {WORLD} ranks", flush=True)
     print(f"LoRA: {lora_desc}", flush=True)
 
@@ -522,13 +635,19 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {name}: skipped — {why}", flush=True)
         alt = args.lora_alternative
         if alt == "auto":
-            saves = {n: summarize(bench.runs.get(n, {}).get("save", [])).get("seconds") for n in names
-                     if not n.startswith("dcp_s3")}
+            saves = {
+                n: summarize(bench.runs.get(n, {}).get("save", [])).get("seconds")
+                for n in names
+                if not n.startswith("dcp_s3")
+            }
             timed = {n: s for n, s in saves.items() if s is not None}
             alt = min(timed, key=lambda n: timed[n]) if timed else "s3torchconnector"
-        lora_labels = {TRAINABLE_ONLY: ("dcp_s3", True), "dcp_s3 (DefaultSavePlanner)": ("dcp_s3", False),
-                       f"{alt} (DefaultSavePlanner)": (alt, False)}
-        if (why := get(alt).unavailable()):
+        lora_labels = {
+            TRAINABLE_ONLY: ("dcp_s3", True),
+            "dcp_s3 (DefaultSavePlanner)": ("dcp_s3", False),
+            f"{alt} (DefaultSavePlanner)": (alt, False),
+        }
+        if why := get(alt).unavailable():
             print(f"  LoRA alternative {alt}: skipped — {why}", flush=True)
             lora_labels.pop(f"{alt} (DefaultSavePlanner)")
         for rep in range(args.reps):
@@ -537,8 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         endpoint.stop()
 
-    summary = {n: {op: summarize(rs) for op, rs in bench.runs.get(n, {}).items()}
-               for n in names if n not in skipped}
+    summary = {n: {op: summarize(rs) for op, rs in bench.runs.get(n, {}).items()} for n in names if n not in skipped}
     lora = {label: summarize(bench.runs.get(label, {}).get("lora_save", [])) for label in lora_labels}
     tables = render_tables(summary, lora, workload, args, lora_desc)
     print()
@@ -546,11 +664,20 @@ def main(argv: list[str] | None = None) -> int:
     for n, why in skipped.items():
         print(f"\nskipped {n}: {why}")
     payload = {
-        "benchmark": "multirank", "workload": workload.description, "size_mib": args.size_mib,
-        "world_size": WORLD, "lora": lora_desc, "reps": args.reps,
-        "server": "external" if args.endpoint_url else args.server, "machine": info,
-        "elapsed_s": time.time() - t_start, "skipped": skipped,
-        "summary": summary, "lora_summary": lora, "runs": bench.runs, "tables_markdown": tables,
+        "benchmark": "multirank",
+        "workload": workload.description,
+        "size_mib": args.size_mib,
+        "world_size": WORLD,
+        "lora": lora_desc,
+        "reps": args.reps,
+        "server": "external" if args.endpoint_url else args.server,
+        "machine": info,
+        "elapsed_s": time.time() - t_start,
+        "skipped": skipped,
+        "summary": summary,
+        "lora_summary": lora,
+        "runs": bench.runs,
+        "tables_markdown": tables,
     }
     common.write_json(args.out, payload)
     args.out.with_suffix(".md").write_text(tables + "\n")

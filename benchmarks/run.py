@@ -43,8 +43,16 @@ from benchmarks.contestants import CONTESTANTS, get  # noqa: E402
 OPS = ("save", "load", "partial")
 CEILING = "boto3_ceiling"
 REFERENCE = "local_fs"
-DEFAULT_CONTESTANTS = ["dcp_s3", "dcp_s3_zstd", "fsspec_s3fs", "s3torchconnector", "msc", "naive", "local_fs",
-                       "boto3_ceiling"]
+DEFAULT_CONTESTANTS = [
+    "dcp_s3",
+    "dcp_s3_zstd",
+    "fsspec_s3fs",
+    "s3torchconnector",
+    "msc",
+    "naive",
+    "local_fs",
+    "boto3_ceiling",
+]
 
 
 @dataclass(frozen=True)
@@ -67,18 +75,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=512, help="logical size of the state dict (default 512)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; medians are reported (default 3)")
     ap.add_argument("--workload", choices=["transformer", "uniform"], default="transformer")
-    ap.add_argument("--contestants", default=",".join(DEFAULT_CONTESTANTS),
-                    help=f"comma-separated, from {', '.join(CONTESTANTS)} (and dcp_s3 variants, see memory.py)")
-    ap.add_argument("--warm", default="dcp_s3,boto3_ceiling",
-                    help="contestants also measured warm (a tiny save and load first in the same process: a "
-                         "training job's second and later checkpoints); '' for none")
-    ap.add_argument("--https", default="dcp_s3,boto3_ceiling",
-                    help="contestants also measured warm over HTTP and HTTPS on --https-server (trustme CA); "
-                         "'' for none")
-    ap.add_argument("--server", choices=list(servers.KINDS), default="juicefs_shm",
-                    help="local server to start (benchmarks.servers; moto's ranged GETs re-read whole objects)")
-    ap.add_argument("--https-server", choices=list(servers.KINDS), default="seaweedfs_shm",
-                    help="local server for the HTTP/HTTPS pair of rows (one that serves TLS)")
+    ap.add_argument(
+        "--contestants",
+        default=",".join(DEFAULT_CONTESTANTS),
+        help=f"comma-separated, from {', '.join(CONTESTANTS)} (and dcp_s3 variants, see memory.py)",
+    )
+    ap.add_argument(
+        "--warm",
+        default="dcp_s3,boto3_ceiling",
+        help="contestants also measured warm (a tiny save and load first in the same process: a "
+        "training job's second and later checkpoints); '' for none",
+    )
+    ap.add_argument(
+        "--https",
+        default="dcp_s3,boto3_ceiling",
+        help="contestants also measured warm over HTTP and HTTPS on --https-server (trustme CA); '' for none",
+    )
+    ap.add_argument(
+        "--server",
+        choices=list(servers.KINDS),
+        default="juicefs_shm",
+        help="local server to start (benchmarks.servers; moto's ranged GETs re-read whole objects)",
+    )
+    ap.add_argument(
+        "--https-server",
+        choices=list(servers.KINDS),
+        default="seaweedfs_shm",
+        help="local server for the HTTP/HTTPS pair of rows (one that serves TLS)",
+    )
     ap.add_argument("--endpoint-url", help="use this S3 endpoint instead of starting a server (no HTTPS rows)")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "run.json")
     ap.add_argument("--plot", type=Path, default=common.RESULTS_DIR / "run.png")
@@ -91,13 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = [Row(n, n) for n in names] + [Row(f"{n} warm", n, warm=True) for n in _names(args.warm)]
     if not args.endpoint_url:
         for n in _names(args.https):
-            rows += [Row(f"{n} warm http@{args.https_server}", n, "http", True),
-                     Row(f"{n} warm https@{args.https_server}", n, "https", True)]
+            rows += [
+                Row(f"{n} warm http@{args.https_server}", n, "http", True),
+                Row(f"{n} warm https@{args.https_server}", n, "https", True),
+            ]
     for r in rows:
         get(r.contestant)  # fail early on a typo
     workload = common.make_workload(args.workload, args.size_mib)
-    print(f"workload: {workload.description}; {workload.nbytes / common.MiB:.0f} MiB; "
-          f"partial load: {len(workload.partial_keys())} of {len(workload.tensors)} tensors", flush=True)
+    print(
+        f"workload: {workload.description}; {workload.nbytes / common.MiB:.0f} MiB; "
+        f"partial load: {len(workload.partial_keys())} of {len(workload.tensors)} tensors",
+        flush=True,
+    )
     info = common.machine_info()
     endpoints: dict[str, common.Endpoint] = {}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {r.label: {op: [] for op in OPS} for r in rows}
@@ -128,35 +157,68 @@ def main(argv: list[str] | None = None) -> int:
     for n, why in skipped.items():
         print(f"\nskipped {n}: {why}")
     payload = {
-        "benchmark": "run", "workload": workload.description, "size_mib": args.size_mib, "reps": args.reps,
-        "server": "external" if args.endpoint_url else args.server, "https_server": args.https_server,
-        "machine": info, "elapsed_s": time.time() - t_start,
-        "contestants": {r.label: get(r.contestant).description for r in rows}, "skipped": skipped,
-        "summary": summary, "runs": runs, "tables_markdown": tables,
+        "benchmark": "run",
+        "workload": workload.description,
+        "size_mib": args.size_mib,
+        "reps": args.reps,
+        "server": "external" if args.endpoint_url else args.server,
+        "https_server": args.https_server,
+        "machine": info,
+        "elapsed_s": time.time() - t_start,
+        "contestants": {r.label: get(r.contestant).description for r in rows},
+        "skipped": skipped,
+        "summary": summary,
+        "runs": runs,
+        "tables_markdown": tables,
     }
     common.write_json(args.out, payload)
     (args.out.with_suffix(".md")).write_text(tables + "\n")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
     if not args.no_plot:
         server = "external S3" if args.endpoint_url else f"loopback {args.server}, {os.cpu_count()} cores"
-        _plot({r.label: summary[r.label] for r in rows if r.where == "main" and r.label in summary},
-              workload, args.plot, server)
+        _plot(
+            {r.label: summary[r.label] for r in rows if r.where == "main" and r.label in summary},
+            workload,
+            args.plot,
+            server,
+        )
     return 0
 
 
-def _one_round(endpoint: common.Endpoint, bucket: str, row: Row, rep: int, args: argparse.Namespace,
-               runs: dict[str, dict[str, list[dict[str, Any]]]], skipped: dict[str, str]) -> None:
+def _one_round(
+    endpoint: common.Endpoint,
+    bucket: str,
+    row: Row,
+    rep: int,
+    args: argparse.Namespace,
+    runs: dict[str, dict[str, list[dict[str, Any]]]],
+    skipped: dict[str, str],
+) -> None:
     local_dir = tempfile.mkdtemp(prefix="dcp-s3-bench-")
     name = row.contestant
     prefix = f"run/{row.label.replace(':', '_').replace(',', '_').replace(' ', '_').replace('@', '_')}/rep{rep}"
-    target = {"bucket": bucket, "prefix": prefix, "endpoint_url": endpoint.endpoint_url,
-              "region": endpoint.env.get("AWS_DEFAULT_REGION", "us-east-1"), "local_dir": local_dir}
+    target = {
+        "bucket": bucket,
+        "prefix": prefix,
+        "endpoint_url": endpoint.endpoint_url,
+        "region": endpoint.env.get("AWS_DEFAULT_REGION", "us-east-1"),
+        "local_dir": local_dir,
+    }
     try:
         for op in OPS:
             before = endpoint.counters(bucket)
-            res = common.run_child({"contestant": name, "op": op, "workload": args.workload,
-                                    "size_mib": args.size_mib, "target": target, "warm": row.warm}, endpoint.env,
-                                   server_pid=endpoint.server_pid if get(name).uses_s3 else None)
+            res = common.run_child(
+                {
+                    "contestant": name,
+                    "op": op,
+                    "workload": args.workload,
+                    "size_mib": args.size_mib,
+                    "target": target,
+                    "warm": row.warm,
+                },
+                endpoint.env,
+                server_pid=endpoint.server_pid if get(name).uses_s3 else None,
+            )
             res["server"] = common.counter_delta(before, endpoint.counters(bucket)) if get(name).uses_s3 else None
             res["uses_s3"] = get(name).uses_s3
             if res.get("skipped"):
@@ -166,12 +228,18 @@ def _one_round(endpoint: common.Endpoint, bucket: str, row: Row, rep: int, args:
             runs[row.label][op].append(res)
             if res.get("ok"):
                 srv = res["server"] or {}
-                print(f"  rep {rep} {row.label:>30} {op:>7}: {res['seconds']:6.2f} s  {res['gbps'] or 0:.3f} GB/s  "
-                      f"+{res['peak_rss_growth_mib']:.0f} MiB  {res['cpu_s_per_gb'] or 0:.2f} CPU s/GB"
-                      + (f"  CPU% client {res['client_cpu_pct']:.0f} server {res['server_cpu_pct']:.0f}"
-                         if res.get("server_cpu_pct") is not None else "")
-                      + (f"  read {srv.get('sent', 0) / 1e6:.1f} MB in {_requests(srv)} req" if srv else "")
-                      + ("" if res.get("verified") in (None, True) else "  VERIFY FAILED"), flush=True)
+                print(
+                    f"  rep {rep} {row.label:>30} {op:>7}: {res['seconds']:6.2f} s  {res['gbps'] or 0:.3f} GB/s  "
+                    f"+{res['peak_rss_growth_mib']:.0f} MiB  {res['cpu_s_per_gb'] or 0:.2f} CPU s/GB"
+                    + (
+                        f"  CPU% client {res['client_cpu_pct']:.0f} server {res['server_cpu_pct']:.0f}"
+                        if res.get("server_cpu_pct") is not None
+                        else ""
+                    )
+                    + (f"  read {srv.get('sent', 0) / 1e6:.1f} MB in {_requests(srv)} req" if srv else "")
+                    + ("" if res.get("verified") in (None, True) else "  VERIFY FAILED"),
+                    flush=True,
+                )
             else:
                 print(f"  rep {rep} {row.label:>30} {op:>7}: FAILED {str(res.get('error'))[:400]}", flush=True)
                 if op == "save":
@@ -213,8 +281,9 @@ def _summarize(per_op: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "server_bytes_received": common.median([(r["server"] or {}).get("received") for r in ok]),
             "requests": common.median([_requests(r["server"]) for r in ok]),
             # rchar misses socket reads made with recv_into: only a file reader's (local_fs) is its bytes read.
-            "bytes_read": sent if sent is not None else (
-                None if ok[0].get("uses_s3", True) else common.median([r["rchar"] for r in ok])),
+            "bytes_read": sent
+            if sent is not None
+            else (None if ok[0].get("uses_s3", True) else common.median([r["rchar"] for r in ok])),
             "client_cpu_pct": common.median([r.get("client_cpu_pct") for r in ok]),
             "server_cpu_pct": common.median([r.get("server_cpu_pct") for r in ok]),
             "verified": all(r.get("verified") in (None, True) for r in ok),
@@ -229,8 +298,9 @@ def _get(summary: dict[str, Any], name: str, op: str, key: str) -> float | None:
 
 def render_tables(summary: dict[str, Any], workload: common.Workload, args: argparse.Namespace) -> str:
     names = list(summary)
-    alternatives = [n for n in names if n in DEFAULT_CONTESTANTS and not n.startswith("dcp_s3")
-                    and n not in (CEILING, REFERENCE)]
+    alternatives = [
+        n for n in names if n in DEFAULT_CONTESTANTS and not n.startswith("dcp_s3") and n not in (CEILING, REFERENCE)
+    ]
     f = common.fmt
 
     def pct_of_ceiling(name: str, op: str) -> str:
@@ -239,35 +309,73 @@ def render_tables(summary: dict[str, Any], workload: common.Workload, args: argp
 
     main_rows = []
     for n in names:
-        main_rows.append([
-            n,
-            f(_get(summary, n, "save", "seconds")), f(_get(summary, n, "save", "gbps"), 3), pct_of_ceiling(n, "save"),
-            f(_get(summary, n, "load", "seconds")), f(_get(summary, n, "load", "gbps"), 3), pct_of_ceiling(n, "load"),
-            f(_get(summary, n, "partial", "seconds")),
-            f(_get(summary, n, "save", "peak_rss_growth_mib"), 0), f(_get(summary, n, "load", "peak_rss_growth_mib"), 0),
-            f(_get(summary, n, "save", "cpu_s_per_gb"), 2), f(_get(summary, n, "load", "cpu_s_per_gb"), 2),
-            saturation(summary, n, "save"), saturation(summary, n, "load"),
-        ])
+        main_rows.append(
+            [
+                n,
+                f(_get(summary, n, "save", "seconds")),
+                f(_get(summary, n, "save", "gbps"), 3),
+                pct_of_ceiling(n, "save"),
+                f(_get(summary, n, "load", "seconds")),
+                f(_get(summary, n, "load", "gbps"), 3),
+                pct_of_ceiling(n, "load"),
+                f(_get(summary, n, "partial", "seconds")),
+                f(_get(summary, n, "save", "peak_rss_growth_mib"), 0),
+                f(_get(summary, n, "load", "peak_rss_growth_mib"), 0),
+                f(_get(summary, n, "save", "cpu_s_per_gb"), 2),
+                f(_get(summary, n, "load", "cpu_s_per_gb"), 2),
+                saturation(summary, n, "save"),
+                saturation(summary, n, "load"),
+            ]
+        )
     t1 = common.markdown_table(
-        ["contestant", "save s", "save GB/s", "save % of ceiling", "load s", "load GB/s", "load % of ceiling",
-         "partial load s", "save RSS +MiB", "load RSS +MiB", "save CPU s/GB", "load CPU s/GB",
-         "save CPU% client / server: busier", "load CPU% client / server: busier"], main_rows)
+        [
+            "contestant",
+            "save s",
+            "save GB/s",
+            "save % of ceiling",
+            "load s",
+            "load GB/s",
+            "load % of ceiling",
+            "partial load s",
+            "save RSS +MiB",
+            "load RSS +MiB",
+            "save CPU s/GB",
+            "load CPU s/GB",
+            "save CPU% client / server: busier",
+            "load CPU% client / server: busier",
+        ],
+        main_rows,
+    )
 
     io_rows = []
     for n in names:
         logical = _get(summary, n, "partial", "logical_bytes")
         read = _get(summary, n, "partial", "bytes_read")
-        io_rows.append([
-            n, f(read / 1e6 if read is not None else None, 1),
-            f(read / logical if read is not None and logical else None, 2),
-            f(_get(summary, n, "save", "requests"), 0), f(_get(summary, n, "load", "requests"), 0),
-            f(_get(summary, n, "partial", "requests"), 0),
-        ])
-    logical_partial = next((_get(summary, n, "partial", "logical_bytes") for n in names
-                            if _get(summary, n, "partial", "logical_bytes")), None)
+        io_rows.append(
+            [
+                n,
+                f(read / 1e6 if read is not None else None, 1),
+                f(read / logical if read is not None and logical else None, 2),
+                f(_get(summary, n, "save", "requests"), 0),
+                f(_get(summary, n, "load", "requests"), 0),
+                f(_get(summary, n, "partial", "requests"), 0),
+            ]
+        )
+    logical_partial = next(
+        (_get(summary, n, "partial", "logical_bytes") for n in names if _get(summary, n, "partial", "logical_bytes")),
+        None,
+    )
     t2 = common.markdown_table(
-        ["contestant", "partial load: MB read", "partial: read / needed", "save requests", "load requests",
-         "partial requests"], io_rows)
+        [
+            "contestant",
+            "partial load: MB read",
+            "partial: read / needed",
+            "save requests",
+            "load requests",
+            "partial requests",
+        ],
+        io_rows,
+    )
 
     lines = [
         f"{workload.nbytes / common.MiB:.0f} MiB {workload.name} state dict ({workload.description}); "
@@ -301,10 +409,16 @@ def saturation(summary: dict[str, Any], name: str, op: str) -> str:
 def _versus(summary: dict[str, Any], alternatives: list[str]) -> str:
     """dcp_s3 against the best alternative per metric (lower is better for all of them)."""
     rows = []
-    metrics = [("save s", "save", "seconds"), ("load s", "load", "seconds"), ("partial load s", "partial", "seconds"),
-               ("save RSS +MiB", "save", "peak_rss_growth_mib"), ("load RSS +MiB", "load", "peak_rss_growth_mib"),
-               ("save CPU s/GB", "save", "cpu_s_per_gb"), ("load CPU s/GB", "load", "cpu_s_per_gb"),
-               ("partial bytes read", "partial", "bytes_read")]
+    metrics = [
+        ("save s", "save", "seconds"),
+        ("load s", "load", "seconds"),
+        ("partial load s", "partial", "seconds"),
+        ("save RSS +MiB", "save", "peak_rss_growth_mib"),
+        ("load RSS +MiB", "load", "peak_rss_growth_mib"),
+        ("save CPU s/GB", "save", "cpu_s_per_gb"),
+        ("load CPU s/GB", "load", "cpu_s_per_gb"),
+        ("partial bytes read", "partial", "bytes_read"),
+    ]
     for label, op, key in metrics:
         ours = _get(summary, "dcp_s3", op, key)
         cands = [(v, n) for n in alternatives if (v := _get(summary, n, op, key)) is not None]
@@ -314,14 +428,21 @@ def _versus(summary: dict[str, Any], alternatives: list[str]) -> str:
         ceiling = _get(summary, CEILING, op, key)
         scale, digits = (1e6, 1) if key == "bytes_read" else (1, 2)
         label = label.replace("bytes read", "MB read")
-        rows.append([label, common.fmt(ours / scale, digits), f"{best_name} {common.fmt(best / scale, digits)}",
-                     f"{best / ours:.2f}x" if ours else "—",
-                     f"{ours / ceiling:.2f}x" if ceiling else "—"])
-    return ("dcp_s3 vs the best alternative (s3fs, s3torchconnector, msc, naive) and the boto3 ceiling "
-            "(ratio > 1 in 'best alt / dcp_s3' means dcp_s3 is better; 'dcp_s3 / ceiling' near 1 means "
-            "nothing left to gain):\n\n"
-            + common.markdown_table(["metric", "dcp_s3", "best alternative", "best alt / dcp_s3",
-                                     "dcp_s3 / ceiling"], rows))
+        rows.append(
+            [
+                label,
+                common.fmt(ours / scale, digits),
+                f"{best_name} {common.fmt(best / scale, digits)}",
+                f"{best / ours:.2f}x" if ours else "—",
+                f"{ours / ceiling:.2f}x" if ceiling else "—",
+            ]
+        )
+    return (
+        "dcp_s3 vs the best alternative (s3fs, s3torchconnector, msc, naive) and the boto3 ceiling "
+        "(ratio > 1 in 'best alt / dcp_s3' means dcp_s3 is better; 'dcp_s3 / ceiling' near 1 means "
+        "nothing left to gain):\n\n"
+        + common.markdown_table(["metric", "dcp_s3", "best alternative", "best alt / dcp_s3", "dcp_s3 / ceiling"], rows)
+    )
 
 
 def _plot(summary: dict[str, Any], workload: common.Workload, path: Path, server: str) -> None:
@@ -343,8 +464,9 @@ def _plot(summary: dict[str, Any], workload: common.Workload, path: Path, server
         ("partial load: bytes read / bytes needed", lambda n: _ratio(summary, n)),
     ]
     fig, axes = plt.subplots(3, 2, figsize=(12, 11))
-    colors = ["#d62728" if n.startswith("dcp_s3") else "#7f7f7f" if n in (CEILING, REFERENCE) else "#1f77b4"
-              for n in names]
+    colors = [
+        "#d62728" if n.startswith("dcp_s3") else "#7f7f7f" if n in (CEILING, REFERENCE) else "#1f77b4" for n in names
+    ]
     for ax, (title, fn) in zip(axes.flat, panels):
         if fn is None:
             xs = range(len(names))
@@ -358,14 +480,16 @@ def _plot(summary: dict[str, Any], workload: common.Workload, path: Path, server
             bars = ax.bar(range(len(names)), [v or 0 for v in values], color=colors)
             for bar, v in zip(bars, values):
                 if v is not None:
-                    ax.annotate(f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, v),
-                                ha="center", va="bottom", fontsize=7)
+                    ax.annotate(
+                        f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7
+                    )
         ax.set_title(title, fontsize=10)
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"DCP to S3 ({server}): {workload.nbytes / common.MiB:.0f} MiB {workload.name} "
-                 "state dict, medians", fontsize=11)
+    fig.suptitle(
+        f"DCP to S3 ({server}): {workload.nbytes / common.MiB:.0f} MiB {workload.name} state dict, medians", fontsize=11
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -129,8 +129,16 @@ def packed_results(model: ModelShape, ranks: int, hsdp: bool, rank: int, compres
         ends = np.arange(1, total + 1, dtype=np.int64) * (FRAME * 4 // 5)  # per item, restarted below
         starts = np.repeat(np.concatenate(([0], np.cumsum(count)[:-1])), count)
         ends -= starts * (FRAME * 4 // 5)
-        frames = (np.arange(len(rows)), FrameTable([CODEC_NAME], table, ends, np.arange(total, dtype=np.uint32),
-                                                   np.zeros(int(((count + 7) // 8).sum()), np.uint8)))
+        frames = (
+            np.arange(len(rows)),
+            FrameTable(
+                [CODEC_NAME],
+                table,
+                ends,
+                np.arange(total, dtype=np.uint32),
+                np.zeros(int(((count + 7) // 8).sum()), np.uint8),
+            ),
+        )
     names = [r[0] for r in rows]
     blob = "\0".join(names).encode()
     lengths = np.array([r[2] for r in rows], np.int64)
@@ -145,9 +153,20 @@ def packed_results(model: ModelShape, ranks: int, hsdp: bool, rank: int, compres
     ndim = np.array([2] * len(rows), np.int64)
     ndim[[i for i, n in enumerate(names) if "norm" in n]] = 1
     offsets[ndim == 1, 1] = -1
-    return PackedResults((blob, hashlib.blake2b(blob, digest_size=16).digest(), ndim,
-                          [f"p-{rank % 256:02x}/__{rank}_0.{TOKEN}.distcp"], [["dcp_s3.zstd/1"]] if compressed else [],
-                          np.arange(len(rows), dtype=np.int32), offsets, fields, frames, []))
+    return PackedResults(
+        (
+            blob,
+            hashlib.blake2b(blob, digest_size=16).digest(),
+            ndim,
+            [f"p-{rank % 256:02x}/__{rank}_0.{TOKEN}.distcp"],
+            [["dcp_s3.zstd/1"]] if compressed else [],
+            np.arange(len(rows), dtype=np.int32),
+            offsets,
+            fields,
+            frames,
+            [],
+        )
+    )
 
 
 def time_after(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = False) -> dict[str, float]:
@@ -172,8 +191,14 @@ def time_after(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = Fal
         broadcast = time_broadcast(md)
     finally:
         gc.enable()
-    return {"entries": float(len(md.storage_data)), "gathered_bytes": float(sum(map(len, blobs))),
-            "gathered_unpickle_s": t1 - t0, "encode_s": t2 - t1, "metadata_bytes": float(len(body)), **broadcast}
+    return {
+        "entries": float(len(md.storage_data)),
+        "gathered_bytes": float(sum(map(len, blobs))),
+        "gathered_unpickle_s": t1 - t0,
+        "encode_s": t2 - t1,
+        "metadata_bytes": float(len(body)),
+        **broadcast,
+    }
 
 
 def time_broadcast(md: Any) -> dict[str, float]:
@@ -182,8 +207,11 @@ def time_broadcast(md: Any) -> dict[str, float]:
     wire = pickle.dumps(md)
     t1 = time.perf_counter()
     pickle.loads(wire)
-    return {"broadcast_bytes": float(len(wire)), "broadcast_pickle_s": t1 - t0,
-            "broadcast_unpickle_s": time.perf_counter() - t1}
+    return {
+        "broadcast_bytes": float(len(wire)),
+        "broadcast_pickle_s": t1 - t0,
+        "broadcast_unpickle_s": time.perf_counter() - t1,
+    }
 
 
 def time_before(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = False) -> dict[str, float]:
@@ -209,9 +237,14 @@ def time_before(model: ModelShape, ranks: int, hsdp: bool, compressed: bool = Fa
     finally:
         gc.enable()
     per_item = len(md.storage_data) / len(full)
-    return {"entries": float(len(md.storage_data)), "gathered_bytes": len(one) * per_item,
-            "gathered_unpickle_s": one_unpickle * per_item, "encode_s": t2 - t1, "metadata_bytes": float(len(body)),
-            **broadcast}
+    return {
+        "entries": float(len(md.storage_data)),
+        "gathered_bytes": len(one) * per_item,
+        "gathered_unpickle_s": one_unpickle * per_item,
+        "encode_s": t2 - t1,
+        "metadata_bytes": float(len(body)),
+        **broadcast,
+    }
 
 
 def entries(model: ModelShape, ranks: int, hsdp: bool) -> int:
@@ -219,8 +252,9 @@ def entries(model: ModelShape, ranks: int, hsdp: bool) -> int:
     return sum(len({shard_rows(shape[0], n, s)[0] for s in range(n)}) for _, shape in tensors)
 
 
-def measure(model: ModelShape, ranks_list: list[int], before_max: int, hsdp: bool, compressed: bool
-            ) -> list[dict[str, Any]]:
+def measure(
+    model: ModelShape, ranks_list: list[int], before_max: int, hsdp: bool, compressed: bool
+) -> list[dict[str, Any]]:
     out = []
     measured_before: dict[int, dict[str, float]] = {}
     for n in ranks_list:
@@ -247,8 +281,7 @@ def _total(r: dict[str, float]) -> float:
     return r["gathered_unpickle_s"] + r["encode_s"] + r["broadcast_pickle_s"] + r["broadcast_unpickle_s"]
 
 
-def report(model: ModelShape, ranks_list: list[int], before_max: int, compressed: bool
-           ) -> tuple[str, dict[str, Any]]:
+def report(model: ModelShape, ranks_list: list[int], before_max: int, compressed: bool) -> tuple[str, dict[str, Any]]:
     sections, records = [], {}
     layouts = [("FSDP", False, False), (f"HSDP {HSDP_SHARD}-way shard", True, False)]
     if compressed:
@@ -258,26 +291,52 @@ def report(model: ModelShape, ranks_list: list[int], before_max: int, compressed
         rows = []
         for rec in recs:
             b, a, t = rec["before"], rec["after"], "~" if rec["before_extrapolated"] else ""
-            rows.append([
-                f"{rec['ranks']:,}", f"{int(a['entries']):,}",
-                f"{t}{b['gathered_bytes'] / 1e9:,.2f} → {a['gathered_bytes'] / 1e9:,.3f}",
-                f"{t}{b['gathered_unpickle_s']:,.1f} → {a['gathered_unpickle_s']:,.2f}",
-                f"{t}{b['encode_s']:,.1f} → {a['encode_s']:,.2f}",
-                f"{t}{b['broadcast_bytes'] / 1e6:,.0f} → {a['broadcast_bytes'] / 1e6:,.1f}",
-                f"{t}{b['broadcast_pickle_s']:,.1f} → {a['broadcast_pickle_s']:,.3f}",
-                f"{t}{b['broadcast_unpickle_s']:,.1f} → {a['broadcast_unpickle_s']:,.3f}",
-                f"{t}{_total(b):,.0f} → {_total(a):,.1f}",
-            ])
+            rows.append(
+                [
+                    f"{rec['ranks']:,}",
+                    f"{int(a['entries']):,}",
+                    f"{t}{b['gathered_bytes'] / 1e9:,.2f} → {a['gathered_bytes'] / 1e9:,.3f}",
+                    f"{t}{b['gathered_unpickle_s']:,.1f} → {a['gathered_unpickle_s']:,.2f}",
+                    f"{t}{b['encode_s']:,.1f} → {a['encode_s']:,.2f}",
+                    f"{t}{b['broadcast_bytes'] / 1e6:,.0f} → {a['broadcast_bytes'] / 1e6:,.1f}",
+                    f"{t}{b['broadcast_pickle_s']:,.1f} → {a['broadcast_pickle_s']:,.3f}",
+                    f"{t}{b['broadcast_unpickle_s']:,.1f} → {a['broadcast_unpickle_s']:,.3f}",
+                    f"{t}{_total(b):,.0f} → {_total(a):,.1f}",
+                ]
+            )
         xs = [r["ranks"] for r in recs]
-        rows.append(["growth exponent (last two)", "", *(
-            f"{exponent(xs, [r['before'][k] for r in recs])} → {exponent(xs, [r['after'][k] for r in recs])}"
-            for k in ("gathered_bytes", "gathered_unpickle_s", "encode_s", "broadcast_bytes", "broadcast_pickle_s",
-                      "broadcast_unpickle_s")),
-            f"{exponent(xs, [_total(r['before']) for r in recs])} → {exponent(xs, [_total(r['after']) for r in recs])}"])
+        rows.append(
+            [
+                "growth exponent (last two)",
+                "",
+                *(
+                    f"{exponent(xs, [r['before'][k] for r in recs])} → {exponent(xs, [r['after'][k] for r in recs])}"
+                    for k in (
+                        "gathered_bytes",
+                        "gathered_unpickle_s",
+                        "encode_s",
+                        "broadcast_bytes",
+                        "broadcast_pickle_s",
+                        "broadcast_unpickle_s",
+                    )
+                ),
+                f"{exponent(xs, [_total(r['before']) for r in recs])} → {exponent(xs, [_total(r['after']) for r in recs])}",
+            ]
+        )
         table = common.markdown_table(
-            ["ranks", "storage entries", "results gathered to rank 0, GB", "rank 0 unpickles them, s",
-             "rank 0 builds + encodes .metadata, s", "metadata broadcast to every rank, MB", "rank 0 pickles it, s",
-             "each rank unpickles it, s", "end of save, serial s"], rows)
+            [
+                "ranks",
+                "storage entries",
+                "results gathered to rank 0, GB",
+                "rank 0 unpickles them, s",
+                "rank 0 builds + encodes .metadata, s",
+                "metadata broadcast to every rank, MB",
+                "rank 0 pickles it, s",
+                "each rank unpickles it, s",
+                "end of save, serial s",
+            ],
+            rows,
+        )
         sections.append(f"**{name}** ({model.name}; before → after):\n\n{table}")
         records[name] = recs
     text = "\n\n".join(sections) + (
@@ -293,8 +352,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="llama-70b")
     ap.add_argument("--ranks", default="1024,4096,16384")
-    ap.add_argument("--before-max-ranks", type=int, default=1024,
-                    help="largest rank count at which the object-per-item path is run for real")
+    ap.add_argument(
+        "--before-max-ranks",
+        type=int,
+        default=1024,
+        help="largest rank count at which the object-per-item path is run for real",
+    )
     ap.add_argument("--compressed", action="store_true", help="also FSDP with every item zstd-compressed")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "scale_finish.json")
     args = ap.parse_args(argv)
@@ -303,9 +366,17 @@ def main(argv: list[str] | None = None) -> int:
     text, records = report(MODELS[args.model], ranks_list, args.before_max_ranks, args.compressed)
     print()
     print(text)
-    common.write_json(args.out, {"benchmark": "scale_finish", "model": args.model,
-                                 "args": vars(args) | {"out": str(args.out)}, "machine": common.machine_info(),
-                                 "records": records, "tables_markdown": text})
+    common.write_json(
+        args.out,
+        {
+            "benchmark": "scale_finish",
+            "model": args.model,
+            "args": vars(args) | {"out": str(args.out)},
+            "machine": common.machine_info(),
+            "records": records,
+            "tables_markdown": text,
+        },
+    )
     args.out.with_suffix(".md").write_text(text + "\n")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')} ({time.time() - t0:.0f} s)")
     return 0

@@ -77,14 +77,21 @@ def compact_fsdp(model: ModelShape, ranks: int) -> bytes:
     tensors = sharded_tensors(model)
     params = model.params()
     arrays = _Arrays()
-    props = {"dtype": "float32", "layout": "strided", "memory_format": "contiguous_format",
-             "requires_grad": False, "pin_memory": False}
+    props = {
+        "dtype": "float32",
+        "layout": "strided",
+        "memory_format": "contiguous_format",
+        "requires_grad": False,
+        "pin_memory": False,
+    }
     entries: list[dict[str, Any]] = [
         {"fqn": fqn, **props, "size": list(shape), "rule": {"dim": 0, "n": ranks}, "stored": "all"}
         for fqn, shape in tensors
     ]
-    entries += [{"fqn": f"optim.state.{name}.step", **props, "size": [], "rule": {"dim": -1, "n": 1}, "stored": "all"}
-                for name, _ in params]
+    entries += [
+        {"fqn": f"optim.state.{name}.step", **props, "size": [], "rule": {"dim": -1, "n": 1}, "stored": "all"}
+        for name, _ in params
+    ]
     entries.append({"fqn": "optim.param_groups", "bytes": 1})
     dim0 = np.array([shape[0] for _, shape in tensors], dtype=np.int64)[:, None]
     row = np.array([math.prod(shape[1:]) * 4 for _, shape in tensors], dtype=np.int64)[:, None]
@@ -104,8 +111,13 @@ def compact_fsdp(model: ModelShape, ranks: int) -> bytes:
         "length": np.concatenate((lengths.ravel(), np.full(n_p, STEP_LEN), [GROUPS_LEN])),
         "transform": np.full(n_t * ranks + n_p + 1, -1, dtype=np.int64),
         "payload": np.concatenate((np.full(n_t * ranks + n_p, HEADER), [-1])),
-        "crc": np.concatenate((crc_of(np.arange(n_t)[:, None], np.arange(ranks)[None, :]).ravel(),
-                               crc_of(n_t + np.arange(n_p), 0), [crc_of(n_t + n_p, 0)])),
+        "crc": np.concatenate(
+            (
+                crc_of(np.arange(n_t)[:, None], np.arange(ranks)[None, :]).ravel(),
+                crc_of(n_t + np.arange(n_p), 0),
+                [crc_of(n_t + n_p, 0)],
+            )
+        ),
         "frame": np.full(n_t * ranks + n_p + 1, -1, dtype=np.int64),
         "hint": np.concatenate((np.tile(np.arange(ranks, dtype=np.int64), n_t), np.zeros(n_p, np.int64), [-1])),
     }
@@ -113,17 +125,28 @@ def compact_fsdp(model: ModelShape, ranks: int) -> bytes:
     planner = {e["fqn"]: tuple(e["fqn"].split(".")) for e in entries}
     empty = np.zeros(0, dtype=np.int64)
     header: dict[str, Any] = {
-        "format": "dcp_s3.compact", "version": FORMAT_VERSION, "metadata_version": None,
-        "planner_data": tag(planner), "storage_meta": None, "entries": entries,
+        "format": "dcp_s3.compact",
+        "version": FORMAT_VERSION,
+        "metadata_version": None,
+        "planner_data": tag(planner),
+        "storage_meta": None,
+        "entries": entries,
         "chunk_offsets": arrays.add("chunk_offsets", empty.astype(np.uint64)),
         "chunk_sizes": arrays.add("chunk_sizes", empty.astype(np.uint64)),
         "stored_chunks": arrays.add("stored_chunks", empty.astype(np.uint32)),
         "storage": {
-            "count": n_t * ranks + n_p + 1, "objects": [f"__{r}_0.distcp" for r in range(ranks)], "transforms": [],
+            "count": n_t * ranks + n_p + 1,
+            "objects": [f"__{r}_0.distcp" for r in range(ranks)],
+            "transforms": [],
             "columns": {c: arrays.column(f"s.{c}", cols.pop(c)) for c in STORAGE_COLUMNS},
-            "frames": {"count": 0, "codecs": [], "columns": {c: {"c": 0} for c in FRAME_COLUMNS},
-                       "ends": arrays.add("f.ends", empty), "crcs": arrays.add("f.crcs", empty.astype("<u4")),
-                       "raw": arrays.add("f.raw", empty.astype("<u1"))},
+            "frames": {
+                "count": 0,
+                "codecs": [],
+                "columns": {c: {"c": 0} for c in FRAME_COLUMNS},
+                "ends": arrays.add("f.ends", empty),
+                "crcs": arrays.add("f.crcs", empty.astype("<u4")),
+                "raw": arrays.add("f.raw", empty.astype("<u1")),
+            },
         },
     }
     header["arrays"] = arrays.table
@@ -154,13 +177,22 @@ def measure_stock(model: ModelShape, ranks_list: list[int]) -> dict[str, float]:
         c_s, _ = timed(lambda blob=blob: pickle.loads(blob))
         r_s, _ = timed(lambda blob=blob: load_metadata(blob, "sim"))
         points.append((chunks, len(blob), c_s, r_s))
-        print(f"  stock at {n} ranks: {chunks:,} entries, {len(blob) / 1e6:.1f} MB, C unpickle {c_s:.2f} s, "
-              f"restricted {r_s:.2f} s", flush=True)
+        print(
+            f"  stock at {n} ranks: {chunks:,} entries, {len(blob) / 1e6:.1f} MB, C unpickle {c_s:.2f} s, "
+            f"restricted {r_s:.2f} s",
+            flush=True,
+        )
     (c0, *v0), (c1, *v1) = points[0], points[-1]
     slopes = [(b - a) / (c1 - c0) for a, b in zip(v0, v1)]
-    return {"entries": [p[0] for p in points], "bytes_per_entry": slopes[0], "c_s_per_entry": slopes[1],
-            "restricted_s_per_entry": slopes[2], "base": dict(zip(("bytes", "c_s", "restricted_s"), v0)),
-            "base_entries": c0, "measured": [dict(zip(("entries", "bytes", "c_s", "restricted_s"), p)) for p in points]}
+    return {
+        "entries": [p[0] for p in points],
+        "bytes_per_entry": slopes[0],
+        "c_s_per_entry": slopes[1],
+        "restricted_s_per_entry": slopes[2],
+        "base": dict(zip(("bytes", "c_s", "restricted_s"), v0)),
+        "base_entries": c0,
+        "measured": [dict(zip(("entries", "bytes", "c_s", "restricted_s"), p)) for p in points],
+    }
 
 
 def stock_at(stock: dict[str, Any], entries: int) -> dict[str, float]:
@@ -199,8 +231,9 @@ def measure_compact(model: ModelShape, ranks: int, shards: int) -> dict[str, Any
     def plan() -> list[Any]:
         items = []
         for fqn, off, sz in boxes:
-            items += read_items_for_chunks(fqn, md.state_dict_metadata[fqn].chunks,
-                                           [ChunkStorageMetadata(torch.Size(off), torch.Size(sz))])
+            items += read_items_for_chunks(
+                fqn, md.state_dict_metadata[fqn].chunks, [ChunkStorageMetadata(torch.Size(off), torch.Size(sz))]
+            )
         return items
 
     plan_s, items = timed(plan, repeat=3)
@@ -235,9 +268,18 @@ def measure_compact(model: ModelShape, ranks: int, shards: int) -> dict[str, Any
         old_setup_s += t * count
     storage = md.storage_data
     return {
-        "shards": shards, "compact_bytes": len(blob), "build_s": build_s, "entries": len(storage),
-        "decode_s": decode_s, "plan_s": plan_s, "items": len(items), "setup_s": setup_s, "lookup_s": lookup_s,
-        "default_plan_s": default_s, "default_plan_on_compact_s": default_lazy_s, "old_setup_s": old_setup_s,
+        "shards": shards,
+        "compact_bytes": len(blob),
+        "build_s": build_s,
+        "entries": len(storage),
+        "decode_s": decode_s,
+        "plan_s": plan_s,
+        "items": len(items),
+        "setup_s": setup_s,
+        "lookup_s": lookup_s,
+        "default_plan_s": default_s,
+        "default_plan_on_compact_s": default_lazy_s,
+        "old_setup_s": old_setup_s,
         "check_item": storage[MetadataIndex(boxes[0][0], torch.Size(boxes[0][1]))] is not None,
     }
 
@@ -271,8 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         rec = measure_compact(model, n, n)
         rec.update(ranks=n, stock=stock_at(stock, rec["entries"]), stock_measured=rec["entries"] in stock["entries"])
         layouts["FSDP"].append(rec)
-        print(f"    {rec['compact_bytes'] / 1e6:.1f} MB, decode {rec['decode_s']:.3f} s, plan {rec['plan_s']:.3f} s "
-              f"(torch's {rec['default_plan_s']:.1f} s), set-up {rec['setup_s'] * 1e3:.2f} ms", flush=True)
+        print(
+            f"    {rec['compact_bytes'] / 1e6:.1f} MB, decode {rec['decode_s']:.3f} s, plan {rec['plan_s']:.3f} s "
+            f"(torch's {rec['default_plan_s']:.1f} s), set-up {rec['setup_s'] * 1e3:.2f} ms",
+            flush=True,
+        )
         gc.collect()
         if hsdp is None:
             hsdp = measure_compact(model, n, HSDP_SHARD)
@@ -280,8 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         layouts[f"HSDP {HSDP_SHARD}-way shard"].append({**hsdp, "ranks": n})
     text = report(model, layouts)
     print(text)
-    common.write_json(args.out, {"machine": common.machine_info(), "model": model.name, "stock_fit": stock,
-                                 "layouts": layouts, "goal_s": GOAL_S})
+    common.write_json(
+        args.out,
+        {
+            "machine": common.machine_info(),
+            "model": model.name,
+            "stock_fit": stock,
+            "layouts": layouts,
+            "goal_s": GOAL_S,
+        },
+    )
     args.out.with_suffix(".md").write_text(text + "\n")
     return 0
 
@@ -293,21 +346,33 @@ def report(model: ModelShape, layouts: dict[str, list[dict[str, Any]]]) -> str:
         for r in recs:
             s = r["stock"]
             approx = "" if r.get("stock_measured") else "~"
-            rows.append([
-                f"{r['ranks']:,}", f"{approx}{s['bytes'] / 1e6:,.1f} → {r['compact_bytes'] / 1e6:,.1f}",
-                f"{approx}{s['c_s']:,.2f} / {approx}{s['restricted_s']:,.2f} → {r['decode_s']:.3f}",
-                f"{r['default_plan_s']:,.2f} → {r['plan_s']:.3f}",
-                f"{r['default_plan_on_compact_s']:,.2f}",
-                f"{r['old_setup_s']:,.2f} → {r['setup_s'] * 1e3:.2f} ms + {r['lookup_s']:.3f}",
-                f"{approx}{s['restricted_s'] + r['default_plan_s'] + r['old_setup_s']:,.1f} → "
-                f"{r['decode_s'] + r['plan_s'] + r['setup_s'] + r['lookup_s']:.2f}",
-            ])
+            rows.append(
+                [
+                    f"{r['ranks']:,}",
+                    f"{approx}{s['bytes'] / 1e6:,.1f} → {r['compact_bytes'] / 1e6:,.1f}",
+                    f"{approx}{s['c_s']:,.2f} / {approx}{s['restricted_s']:,.2f} → {r['decode_s']:.3f}",
+                    f"{r['default_plan_s']:,.2f} → {r['plan_s']:.3f}",
+                    f"{r['default_plan_on_compact_s']:,.2f}",
+                    f"{r['old_setup_s']:,.2f} → {r['setup_s'] * 1e3:.2f} ms + {r['lookup_s']:.3f}",
+                    f"{approx}{s['restricted_s'] + r['default_plan_s'] + r['old_setup_s']:,.1f} → "
+                    f"{r['decode_s'] + r['plan_s'] + r['setup_s'] + r['lookup_s']:.2f}",
+                ]
+            )
         out.append(f"**{name}** ({model.name}; stock pickle → compact, per rank):\n")
-        out.append(common.markdown_table(
-            ["ranks", ".metadata MB", "decode s: C unpickler / restricted → compact",
-             "local plan s: DefaultLoadPlanner → ScalableLoadPlanner", "DefaultLoadPlanner on compact s",
-             "set_up_storage_reader s → now (+ item lookups s)", f"metadata work s (goal ≤ {GOAL_S:g})"],
-            rows))
+        out.append(
+            common.markdown_table(
+                [
+                    "ranks",
+                    ".metadata MB",
+                    "decode s: C unpickler / restricted → compact",
+                    "local plan s: DefaultLoadPlanner → ScalableLoadPlanner",
+                    "DefaultLoadPlanner on compact s",
+                    "set_up_storage_reader s → now (+ item lookups s)",
+                    f"metadata work s (goal ≤ {GOAL_S:g})",
+                ],
+                rows,
+            )
+        )
         out.append("")
     out.append(
         "~ = extrapolated linearly in storage entries from the stock pickle built and timed at the "

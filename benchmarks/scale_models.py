@@ -92,15 +92,18 @@ def build_metadata(model: ModelShape, ranks: int) -> Any:
             chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
             length = header + rows * row + 200
             storage[MetadataIndex(fqn, offsets, r)] = ItemLocation(
-                f"__{r}_0.distcp", file_pos[r], length, payload_offset=header)
+                f"__{r}_0.distcp", file_pos[r], length, payload_offset=header
+            )
             file_pos[r] += length
         sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(shape), chunks=chunks)
     for name, _ in model.params():  # replicated AdamW step scalars: one copy each
         fqn = f"optim.state.{name}.step"
-        sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size([]),
-                                           chunks=[ChunkStorageMetadata(torch.Size([]), torch.Size([]))])
-        storage[MetadataIndex(fqn, torch.Size([]), 0)] = ItemLocation("__0_0.distcp", file_pos[0], 600,
-                                                                        payload_offset=420)
+        sd_md[fqn] = TensorStorageMetadata(
+            properties=props, size=torch.Size([]), chunks=[ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
+        )
+        storage[MetadataIndex(fqn, torch.Size([]), 0)] = ItemLocation(
+            "__0_0.distcp", file_pos[0], 600, payload_offset=420
+        )
         file_pos[0] += 600
     sd_md["optim.param_groups"] = BytesStorageMetadata()
     storage[MetadataIndex("optim.param_groups")] = ItemLocation("__0_0.distcp", file_pos[0], 900)
@@ -134,8 +137,12 @@ def measure_metadata(model: ModelShape, ranks_list: list[int], max_entries: int)
             gc.collect()
         else:
             assert per_entry is not None and load_per_entry is not None, "raise --metadata-max-entries"
-            out[n] = {"bytes": per_entry * entries, "entries": entries, "load_s": load_per_entry * entries,
-                      "measured": False}
+            out[n] = {
+                "bytes": per_entry * entries,
+                "entries": entries,
+                "load_s": load_per_entry * entries,
+                "measured": False,
+            }
     return out
 
 

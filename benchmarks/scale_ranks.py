@@ -74,8 +74,13 @@ def plans(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int, on
             off, rows = shard_rows(shape[0], shard, s)
             offsets = torch.Size([off] + [0] * (len(shape) - 1))
             chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *shape[1:]]))
-            items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(shape))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(shape)),
+                )
+            )
         items_of_shard.append(items)
     ranks_wanted = range(ranks) if only is None else [only]
     return [SavePlan(list(items_of_shard[r % shard]), planner_data=mappings) for r in ranks_wanted]
@@ -89,8 +94,9 @@ def _fresh(planner_cls: type) -> Any:
     return planner_cls()
 
 
-def time_first(planner_cls: type, tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int,
-               repeat: int = 1) -> float:
+def time_first(
+    planner_cls: type, tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int, repeat: int = 1
+) -> float:
     """Best-of seconds of a first save's ``create_global_plan``."""
     best = math.inf
     for _ in range(repeat):
@@ -124,8 +130,13 @@ def gathered(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int)
     for item in plan.items:
         assert item.type == WriteItemType.SHARD and item.tensor_data is not None
         length = math.prod(item.tensor_data.chunk.sizes) * 4 + 1100  # raw bytes + torch.save envelope
-        where = ItemLocation(relative_path="p-3f/__5_0_0123456789abcdef.distcp", offset=offset, length=length,
-                             payload_offset=1088, crc32c=0x12345678)
+        where = ItemLocation(
+            relative_path="p-3f/__5_0_0123456789abcdef.distcp",
+            offset=offset,
+            length=length,
+            payload_offset=1088,
+            crc32c=0x12345678,
+        )
         results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=where))
         offset += length
     out: dict[str, float] = {}
@@ -174,8 +185,13 @@ def time_after(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: in
         t3 = time.perf_counter()
     finally:
         gc.enable()
-    out = {"unpickle_s": t1 - t0, "plan_s": t2 - t1, "scatter_s": t3 - t2, "gathered_bytes": float(sum(map(len, blobs))),
-           "scatter_bytes": float(scatter)}
+    out = {
+        "unpickle_s": t1 - t0,
+        "plan_s": t2 - t1,
+        "scatter_s": t3 - t2,
+        "gathered_bytes": float(sum(map(len, blobs))),
+        "scatter_bytes": float(scatter),
+    }
     del wire, global_plans, blobs, planner
     gc.collect()
     return out
@@ -195,8 +211,15 @@ def time_repeat(ranks: int) -> tuple[float, int]:
     return time.perf_counter() - t0, len(pickle.dumps(empty[0], protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def planning(model: ModelShape, ranks_list: list[int], max_ranks: int, after_max_ranks: int, per_shape: int,
-             hsdp: bool, repeat: int = 1) -> dict[int, dict[str, Any]]:
+def planning(
+    model: ModelShape,
+    ranks_list: list[int],
+    max_ranks: int,
+    after_max_ranks: int,
+    per_shape: int,
+    hsdp: bool,
+    repeat: int = 1,
+) -> dict[int, dict[str, Any]]:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     tensors = sharded_tensors(model)
@@ -205,8 +228,11 @@ def planning(model: ModelShape, ranks_list: list[int], max_ranks: int, after_max
     after: dict[int, dict[str, float]] = {}
     for n in sorted({*(r for r in ranks_list if r <= max_ranks), *(r for r in MEASURED if r <= max_ranks)}):
         shard = HSDP_SHARD if hsdp else n
-        before[n] = {shape: time_first(DefaultSavePlanner, [(f"t{i}", shape) for i in range(per_shape)], n, shard,
-                                       repeat) / per_shape for shape in shapes}
+        before[n] = {
+            shape: time_first(DefaultSavePlanner, [(f"t{i}", shape) for i in range(per_shape)], n, shard, repeat)
+            / per_shape
+            for shape in shapes
+        }
         print(f"  {'HSDP' if hsdp else 'FSDP'} {n:,} ranks: before {_sum(before[n], shapes):.1f} s", flush=True)
     for n in sorted({*(r for r in ranks_list if r <= after_max_ranks), *(r for r in MEASURED if r <= after_max_ranks)}):
         after[n] = time_after(tensors, n, HSDP_SHARD if hsdp else n)
@@ -244,8 +270,9 @@ def _sum(per: dict[tuple[int, ...], float], shapes: Counter[tuple[int, ...]]) ->
     return sum(per[s] * c for s, c in shapes.items())
 
 
-def _per_shape(measured: dict[int, dict[tuple[int, ...], float]], shapes: Counter[tuple[int, ...]], n: int
-               ) -> tuple[dict[tuple[int, ...], float], bool]:
+def _per_shape(
+    measured: dict[int, dict[tuple[int, ...], float]], shapes: Counter[tuple[int, ...]], n: int
+) -> tuple[dict[tuple[int, ...], float], bool]:
     if n in measured:
         return measured[n], False
     a, b = sorted(measured)[-2:]
@@ -270,8 +297,9 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
     unpickle_per_entry = {n: meta[n]["load_s"] / meta[n]["entries"] for n in meta}
     sections, records = [], {}
     for layout, hsdp in (("FSDP", False), (f"HSDP {HSDP_SHARD}-way shard", True)):
-        plan = planning(model, ranks_list, args.plan_max_ranks, args.after_max_ranks, args.plan_per_shape, hsdp,
-                        args.plan_repeat)
+        plan = planning(
+            model, ranks_list, args.plan_max_ranks, args.after_max_ranks, args.plan_per_shape, hsdp, args.plan_repeat
+        )
         rows, recs = [], []
         for n in ranks_list:
             if hsdp:  # chunks: every tensor in HSDP_SHARD pieces, whatever the rank count
@@ -284,50 +312,85 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
             replicas = n // HSDP_SHARD if hsdp else 1
             before_total = p["before"] + (p["plan_unpickle_s"] + p["plan_pickle_s"]) * n
             after_total = p["after_unpickle_s"] + p["after_plan_s"] + p["after_scatter_s"]
-            rec = {"ranks": n, "metadata_bytes": md_bytes, "unpickle_s": md_s,
-                   "metadata_get_bytes_before": md_bytes * n, "metadata_get_bytes_after": md_bytes,
-                   "plan_first_s_before": p["before"], "plan_first_s_after": p["after"],
-                   "plan_first_extrapolated_before": p["before_extrapolated"],
-                   "plan_first_extrapolated_after": p["after_extrapolated"],
-                   "gathered_bytes_before": p["plan_bytes"] * n, "gathered_bytes_after": p["after_gathered_bytes"],
-                   "gathered_unpickle_s_before": p["plan_unpickle_s"] * n,
-                   "gathered_unpickle_s_after": p["after_unpickle_s"],
-                   "scatter_pickle_s_before": p["plan_pickle_s"] * n, "scatter_pickle_s_after": p["after_scatter_s"],
-                   "scatter_bytes_after": p["after_scatter_bytes"],
-                   "first_save_rank0_s_before": before_total, "first_save_rank0_s_after": after_total,
-                   "plan_repeat_s_before": p["before"], "plan_repeat_s_after": p["repeat_s"],
-                   "gathered_bytes_repeat_after": p["empty_plan_bytes"] * n,
-                   "results_bytes": p["results_bytes"] * n, "results_unpickle_s": p["results_unpickle_s"] * n,
-                   "load_s3_bytes_before": total * replicas, "load_s3_bytes_after": total}
+            rec = {
+                "ranks": n,
+                "metadata_bytes": md_bytes,
+                "unpickle_s": md_s,
+                "metadata_get_bytes_before": md_bytes * n,
+                "metadata_get_bytes_after": md_bytes,
+                "plan_first_s_before": p["before"],
+                "plan_first_s_after": p["after"],
+                "plan_first_extrapolated_before": p["before_extrapolated"],
+                "plan_first_extrapolated_after": p["after_extrapolated"],
+                "gathered_bytes_before": p["plan_bytes"] * n,
+                "gathered_bytes_after": p["after_gathered_bytes"],
+                "gathered_unpickle_s_before": p["plan_unpickle_s"] * n,
+                "gathered_unpickle_s_after": p["after_unpickle_s"],
+                "scatter_pickle_s_before": p["plan_pickle_s"] * n,
+                "scatter_pickle_s_after": p["after_scatter_s"],
+                "scatter_bytes_after": p["after_scatter_bytes"],
+                "first_save_rank0_s_before": before_total,
+                "first_save_rank0_s_after": after_total,
+                "plan_repeat_s_before": p["before"],
+                "plan_repeat_s_after": p["repeat_s"],
+                "gathered_bytes_repeat_after": p["empty_plan_bytes"] * n,
+                "results_bytes": p["results_bytes"] * n,
+                "results_unpickle_s": p["results_unpickle_s"] * n,
+                "load_s3_bytes_before": total * replicas,
+                "load_s3_bytes_after": total,
+            }
             recs.append(rec)
             tb = "~" if p["before_extrapolated"] else ""
             ta = "~" if p["after_extrapolated"] else ""
-            rows.append([
-                f"{n:,}", f"{md_tilde}{md_bytes / 1e6:,.1f}", f"{md_tilde}{md_s:,.2f}",
-                f"{md_tilde}{md_bytes * n / 1e9:,.1f} → {md_bytes / 1e9:,.3f}",
-                f"{tb}{p['before']:,.1f} → {ta}{p['after']:,.1f}",
-                f"{p['plan_bytes'] * n / 1e9:,.2f} → {ta}{p['after_gathered_bytes'] / 1e9:,.2f}",
-                f"{p['plan_unpickle_s'] * n:,.1f} → {ta}{p['after_unpickle_s']:,.1f}",
-                f"{tb}{before_total:,.0f} → {ta}{after_total:,.1f}",
-                f"{tb}{p['before']:,.1f} → {p['repeat_s']:.4f}",
-                f"{total * replicas / 1e9:,.0f} → {total / 1e9:,.0f}",
-            ])
-        growth = ["growth exponent (last two)"] + [
-            exponent(ranks_list, [r[k] for r in recs]) for k in ("metadata_bytes", "unpickle_s")
-        ] + [
-            f"{exponent(ranks_list, [r[k + '_before'] for r in recs])} → {exponent(ranks_list, [r[k + '_after'] for r in recs])}"
-            for k in ("metadata_get_bytes", "plan_first_s", "gathered_bytes", "gathered_unpickle_s", "first_save_rank0_s",
-                      "plan_repeat_s")
-        ] + [
-            f"{exponent(ranks_list, [r['load_s3_bytes_before'] for r in recs])} → "
-            f"{exponent(ranks_list, [r['load_s3_bytes_after'] for r in recs])}",
-        ]
+            rows.append(
+                [
+                    f"{n:,}",
+                    f"{md_tilde}{md_bytes / 1e6:,.1f}",
+                    f"{md_tilde}{md_s:,.2f}",
+                    f"{md_tilde}{md_bytes * n / 1e9:,.1f} → {md_bytes / 1e9:,.3f}",
+                    f"{tb}{p['before']:,.1f} → {ta}{p['after']:,.1f}",
+                    f"{p['plan_bytes'] * n / 1e9:,.2f} → {ta}{p['after_gathered_bytes'] / 1e9:,.2f}",
+                    f"{p['plan_unpickle_s'] * n:,.1f} → {ta}{p['after_unpickle_s']:,.1f}",
+                    f"{tb}{before_total:,.0f} → {ta}{after_total:,.1f}",
+                    f"{tb}{p['before']:,.1f} → {p['repeat_s']:.4f}",
+                    f"{total * replicas / 1e9:,.0f} → {total / 1e9:,.0f}",
+                ]
+            )
+        growth = (
+            ["growth exponent (last two)"]
+            + [exponent(ranks_list, [r[k] for r in recs]) for k in ("metadata_bytes", "unpickle_s")]
+            + [
+                f"{exponent(ranks_list, [r[k + '_before'] for r in recs])} → {exponent(ranks_list, [r[k + '_after'] for r in recs])}"
+                for k in (
+                    "metadata_get_bytes",
+                    "plan_first_s",
+                    "gathered_bytes",
+                    "gathered_unpickle_s",
+                    "first_save_rank0_s",
+                    "plan_repeat_s",
+                )
+            ]
+            + [
+                f"{exponent(ranks_list, [r['load_s3_bytes_before'] for r in recs])} → "
+                f"{exponent(ranks_list, [r['load_s3_bytes_after'] for r in recs])}",
+            ]
+        )
         rows.append(growth)
         table = common.markdown_table(
-            ["ranks", ".metadata MB", "unpickle s (each rank)", "GB of .metadata GET on one load",
-             "coordinator plan s, first save", "plans gathered to rank 0, GB", "rank 0 unpickles them, s",
-             "first save at rank 0, s (unpickle + plan + scatter)", "coordinator plan s, repeated save",
-             "GB read from S3 by one load"], rows)
+            [
+                "ranks",
+                ".metadata MB",
+                "unpickle s (each rank)",
+                "GB of .metadata GET on one load",
+                "coordinator plan s, first save",
+                "plans gathered to rank 0, GB",
+                "rank 0 unpickles them, s",
+                "first save at rank 0, s (unpickle + plan + scatter)",
+                "coordinator plan s, repeated save",
+                "GB read from S3 by one load",
+            ],
+            rows,
+        )
         sections.append(f"**{layout}** ({model.name}, {total / 1e9:,.0f} GB; before → after):\n\n{table}")
         records[layout] = recs
     text = "\n\n".join(sections) + (
@@ -351,8 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan-max-ranks", type=int, default=4096)
     ap.add_argument("--plan-per-shape", type=int, default=1)
     ap.add_argument("--plan-repeat", type=int, default=1, help="best of this many timed planning runs")
-    ap.add_argument("--after-max-ranks", type=int, default=2048,
-                    help="largest rank count at which ScalableSavePlanner's coordinator runs on the whole model")
+    ap.add_argument(
+        "--after-max-ranks",
+        type=int,
+        default=2048,
+        help="largest rank count at which ScalableSavePlanner's coordinator runs on the whole model",
+    )
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "scale_ranks.json")
     args = ap.parse_args(argv)
     ranks_list = sorted({int(x) for x in args.ranks.split(",")})
@@ -360,8 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     text, records = report(MODELS[args.model], ranks_list, args)
     print()
     print(text)
-    common.write_json(args.out, {"benchmark": "scale_ranks", "model": args.model, "args": vars(args) | {"out": str(args.out)},
-                                 "machine": common.machine_info(), "records": records, "tables_markdown": text})
+    common.write_json(
+        args.out,
+        {
+            "benchmark": "scale_ranks",
+            "model": args.model,
+            "args": vars(args) | {"out": str(args.out)},
+            "machine": common.machine_info(),
+            "records": records,
+            "tables_markdown": text,
+        },
+    )
     args.out.with_suffix(".md").write_text(text + "\n")
     print(f"\nwrote {args.out} and {args.out.with_suffix('.md')} ({time.time() - t0:.0f} s)")
     return 0

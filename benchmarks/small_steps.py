@@ -103,17 +103,25 @@ def main() -> None:
         with LocalS3Server.start("seaweedfs") as server:
             bucket = server.create_bucket(f"small-{uuid.uuid4().hex[:8]}")
             cred = Path(tmp) / "cred.json"
-            cred.write_text(json.dumps({
-                "aws_access_key_id": server.access_key, "aws_secret_access_key": server.secret_key,
-                "endpoint_url": server.endpoint_url, "region_name": server.region,
-            }))
+            cred.write_text(
+                json.dumps(
+                    {
+                        "aws_access_key_id": server.access_key,
+                        "aws_secret_access_key": server.secret_key,
+                        "endpoint_url": server.endpoint_url,
+                        "region_name": server.region,
+                    }
+                )
+            )
             cred.chmod(0o600)
             results["s3"] = measure(f"s3://{bucket}/run", {"credential_path": str(cred)}, args.reps)
     for where in ("local", "s3"):
         r = results[where]
         print(f"{where:>5}: save {r['save_s']:.3f} s, load {r['load_s']:.3f} s (median of {args.reps}, 4 parts)")
-    print(f"S3 / local: save {results['s3']['save_s'] / results['local']['save_s']:.1f}x, "
-          f"load {results['s3']['load_s'] / results['local']['load_s']:.1f}x")
+    print(
+        f"S3 / local: save {results['s3']['save_s'] / results['local']['save_s']:.1f}x, "
+        f"load {results['s3']['load_s'] / results['local']['load_s']:.1f}x"
+    )
     existing = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     existing[args.label or "current"] = results
     Path(args.out).write_text(json.dumps(existing, indent=2) + "\n")

@@ -88,8 +88,12 @@ def _one(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
 
     from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter
 
-    client = ClientConfig(**MODES[spec["mode"]], endpoint_url=spec["endpoint"], prefix_write_rate=spec["write_budget"],
-                          prefix_read_rate=spec["read_budget"])
+    client = ClientConfig(
+        **MODES[spec["mode"]],
+        endpoint_url=spec["endpoint"],
+        prefix_write_rate=spec["write_budget"],
+        prefix_read_rate=spec["read_budget"],
+    )
     objects = spec["objects"] * (spec["rank0_factor"] if rank == 0 else 1)
     state = _state(rank, objects)
     if spec["load"]:
@@ -127,19 +131,47 @@ def child(args: argparse.Namespace) -> None:
         error = None
     except BaseException as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print("RESULT " + json.dumps({"error": error, "t0": t0, "t1": time.monotonic(), "latencies": latencies}),
-          flush=True)
+    print(
+        "RESULT " + json.dumps({"error": error, "t0": t0, "t1": time.monotonic(), "latencies": latencies}), flush=True
+    )
 
 
-def run_independent(proxy: Any, bucket: str, env: dict[str, str], mode: str, args: argparse.Namespace,
-                    budget: float, run: str, src: Path = common.REPO_ROOT) -> list[dict[str, Any]]:
+def run_independent(
+    proxy: Any,
+    bucket: str,
+    env: dict[str, str],
+    mode: str,
+    args: argparse.Namespace,
+    budget: float,
+    run: str,
+    src: Path = common.REPO_ROOT,
+) -> list[dict[str, Any]]:
     start_at = time.time() + 8 + 2 * args.ranks  # every saver has imported torch by then
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.throttle", "--child", "--mode", mode, "--endpoint", proxy.url,
-             "--uri", f"s3://{bucket}/{run}/saver-{i}", "--rate", str(budget), "--objects", str(args.objects),
-             "--start-at", str(start_at)],
-            env={**env, "PYTHONPATH": str(src)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=src,
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.throttle",
+                "--child",
+                "--mode",
+                mode,
+                "--endpoint",
+                proxy.url,
+                "--uri",
+                f"s3://{bucket}/{run}/saver-{i}",
+                "--rate",
+                str(budget),
+                "--objects",
+                str(args.objects),
+                "--start-at",
+                str(start_at),
+            ],
+            env={**env, "PYTHONPATH": str(src)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=src,
         )
         for i in range(args.ranks)
     ]
@@ -149,13 +181,19 @@ def run_independent(proxy: Any, bucket: str, env: dict[str, str], mode: str, arg
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         if not lines:
             raise RuntimeError(f"saver died: {err[-2000:]}")
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
     return results
 
 
-def summarize(results: list[dict[str, Any]], events: list[tuple[float, str, bool, str]], kind: str,
-              rate: float | None, drop: tuple[float, float] | None, prefix: str | None = None,
-              burst: float = 0.0) -> dict[str, Any]:
+def summarize(
+    results: list[dict[str, Any]],
+    events: list[tuple[float, str, bool, str]],
+    kind: str,
+    rate: float | None,
+    drop: tuple[float, float] | None,
+    prefix: str | None = None,
+    burst: float = 0.0,
+) -> dict[str, Any]:
     t0, t1 = min(r["t0"] for r in results), max(r["t1"] for r in results)
     makespan = t1 - t0
     mine = [(t, ok) for t, k, ok, p in events if k == kind and (prefix is None or p == prefix)]
@@ -164,8 +202,12 @@ def summarize(results: list[dict[str, Any]], events: list[tuple[float, str, bool
     half = [ok for t, ok in mine if t >= t0 + makespan / 2]
     latencies = sorted(x for r in results for x in r["latencies"])
     row: dict[str, Any] = {
-        "failed": sum(r["error"] is not None for r in results), "ranks": len(results), "makespan_s": makespan,
-        "accepted": accepted, "refused": refused, "refused_fraction": refused / max(1, len(mine)),
+        "failed": sum(r["error"] is not None for r in results),
+        "ranks": len(results),
+        "makespan_s": makespan,
+        "accepted": accepted,
+        "refused": refused,
+        "refused_fraction": refused / max(1, len(mine)),
         "steady_refused_fraction": (len(half) - sum(half)) / max(1, len(half)),
         "attempts_per_success": len(mine) / max(1, accepted),
         "p99_latency_s": latencies[int(0.99 * (len(latencies) - 1))] if latencies else None,
@@ -203,8 +245,16 @@ def _by_window(answers: list[tuple[float, bool]], width: float) -> list[float | 
     return [round(1 - sum(w) / len(w), 3) if w else None for w in windows]
 
 
-def prepare(server: Any, bucket: str, args: argparse.Namespace, *, scenario: str, mode: str, overload: float,
-            budget_multiple: float = 1.0) -> dict[str, Any]:
+def prepare(
+    server: Any,
+    bucket: str,
+    args: argparse.Namespace,
+    *,
+    scenario: str,
+    mode: str,
+    overload: float,
+    budget_multiple: float = 1.0,
+) -> dict[str, Any]:
     """One row's proxy settings and the spec its ranks run."""
     rank0_factor = 4 if scenario == "uneven" else 1
     writes = (args.ranks - 1 + rank0_factor) * args.objects + 1
@@ -226,16 +276,39 @@ def prepare(server: Any, bucket: str, args: argparse.Namespace, *, scenario: str
         proxy_kw.update(drop_at_s=drop[0], drop_factor=drop[1])
     # "budget known": the per-prefix budget setting is the enforced rate; with no throttling, S3's default.
     budget = enforced * budget_multiple if rate is not None else 3500.0
-    spec = {"mode": mode, "endpoint": "", "uri": f"s3://{bucket}/{run}/ckpt", "objects": args.objects,
-            "key_prefixes": key_prefixes, "load": load, "rank0_factor": rank0_factor, "write_budget": 3500.0 if load else budget,
-            "read_budget": budget if load else 5500.0}
-    row = {"scenario": scenario, "mode": mode, "overload": overload, "budget_multiple": budget_multiple,
-           "enforced_rate": rate}
-    return {"row": row, "proxy_kw": proxy_kw, "spec": spec, "drop": drop, "run": run, "budget": budget,
-            "burst": max(senders, enforced * 0.2), "hot": f"{run}/ckpt/p-0" if scenario == "prefixes" else None}
+    spec = {
+        "mode": mode,
+        "endpoint": "",
+        "uri": f"s3://{bucket}/{run}/ckpt",
+        "objects": args.objects,
+        "key_prefixes": key_prefixes,
+        "load": load,
+        "rank0_factor": rank0_factor,
+        "write_budget": 3500.0 if load else budget,
+        "read_budget": budget if load else 5500.0,
+    }
+    row = {
+        "scenario": scenario,
+        "mode": mode,
+        "overload": overload,
+        "budget_multiple": budget_multiple,
+        "enforced_rate": rate,
+    }
+    return {
+        "row": row,
+        "proxy_kw": proxy_kw,
+        "spec": spec,
+        "drop": drop,
+        "run": run,
+        "budget": budget,
+        "burst": max(senders, enforced * 0.2),
+        "hot": f"{run}/ckpt/p-0" if scenario == "prefixes" else None,
+    }
 
 
-def measure_job(server: Any, bucket: str, args: argparse.Namespace, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def measure_job(
+    server: Any, bucket: str, args: argparse.Namespace, items: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Every item on one gloo job of ``args.ranks`` ranks (each with its own proxy), one after the other."""
     from dist_utils import run_ranks
     from throttle_proxy import ThrottleProxy
@@ -256,8 +329,15 @@ def measure_job(server: Any, bucket: str, args: argparse.Namespace, items: list[
             at += prep["spec"]["load"]  # skip the unthrottled save before a load
             results = [r[at] for r in per_rank]
             at += 1
-            row = summarize(results, list(prep["proxy"].events), "read" if prep["spec"]["load"] else "write",
-                            prep["row"]["enforced_rate"], prep["drop"], prep["hot"], prep["burst"])
+            row = summarize(
+                results,
+                list(prep["proxy"].events),
+                "read" if prep["spec"]["load"] else "write",
+                prep["row"]["enforced_rate"],
+                prep["drop"],
+                prep["hot"],
+                prep["burst"],
+            )
             rows.append({**row, **prep["row"]})
     return rows
 
@@ -274,52 +354,86 @@ def measure_independent(server: Any, bucket: str, args: argparse.Namespace, item
     with ThrottleProxy(server.endpoint_url, **prep["proxy_kw"]) as proxy:
         results = run_independent(proxy, bucket, env, item["mode"], args, prep["budget"], prep["run"], Path(src))
         events = list(proxy.events)
-    row = {**summarize(results, events, "write", prep["row"]["enforced_rate"], None, None, prep["burst"]),
-           **prep["row"]}
+    row = {
+        **summarize(results, events, "write", prep["row"]["enforced_rate"], None, None, prep["burst"]),
+        **prep["row"],
+    }
     return {**row, "mode": f"{row['mode']} ({label})"} if label else row
 
 
 def baseline_tree(ref: str) -> Path:
     """The repository's ``dcp_s3``, ``benchmarks`` and ``tests`` at git ``ref``, extracted to a temporary directory."""
     out = Path(tempfile.mkdtemp(prefix="throttle-baseline-"))
-    archive = subprocess.run(["git", "archive", ref, "dcp_s3", "benchmarks", "tests"], cwd=common.REPO_ROOT,
-                             check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "archive", ref, "dcp_s3", "benchmarks", "tests"], cwd=common.REPO_ROOT, check=True, capture_output=True
+    ).stdout
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
     return out
 
 
 def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    base = {m: statistics.median(r["makespan_s"] for r in rows if r["scenario"] == "none" and r["mode"] == m)
-            for m in {r["mode"] for r in rows if r["scenario"] == "none"}}
+    base = {
+        m: statistics.median(r["makespan_s"] for r in rows if r["scenario"] == "none" and r["mode"] == m)
+        for m in {r["mode"] for r in rows if r["scenario"] == "none"}
+    }
     fixed = base.get("controller", 0.0)  # what a save takes with nothing throttled: DCP's own steps, not pacing
 
     def net(r: dict[str, Any]) -> str:
         return common.fmt((r["makespan_s"] - fixed) / r["ideal_s"]) if r["overload"] and not r["failed"] else "—"
 
     table = [
-        [r["scenario"], f"{r['overload']:g}x" if r["overload"] else "none",
-         f"{r['budget_multiple']:g}x" if r["overload"] else "S3 default", r["mode"], f"{r['failed']}/{r['ranks']}",
-         common.fmt(r.get("makespan_over_ideal")) if r["overload"] else common.fmt(r["makespan_s"]) + " s", net(r),
-         common.fmt(r["attempts_per_success"]), common.fmt(r["refused_fraction"]),
-         common.fmt(r["steady_refused_fraction"]), common.fmt(r.get("goodput")), common.fmt(r.get("goodput_sending")),
-         common.fmt(r["p99_latency_s"]),
-         common.fmt(r["finish_spread_s"])]
+        [
+            r["scenario"],
+            f"{r['overload']:g}x" if r["overload"] else "none",
+            f"{r['budget_multiple']:g}x" if r["overload"] else "S3 default",
+            r["mode"],
+            f"{r['failed']}/{r['ranks']}",
+            common.fmt(r.get("makespan_over_ideal")) if r["overload"] else common.fmt(r["makespan_s"]) + " s",
+            net(r),
+            common.fmt(r["attempts_per_success"]),
+            common.fmt(r["refused_fraction"]),
+            common.fmt(r["steady_refused_fraction"]),
+            common.fmt(r.get("goodput")),
+            common.fmt(r.get("goodput_sending")),
+            common.fmt(r["p99_latency_s"]),
+            common.fmt(r["finish_spread_s"]),
+        ]
         for r in rows
     ]
     md = common.markdown_table(
-        ["scenario", "overload", "budget / capacity", "mode", "ranks failed", "makespan / ideal",
-         "(makespan - unthrottled) / ideal", "attempts per success", "refused", "refused, 2nd half", "goodput",
-         "goodput while sending", "p99 latency s", "finish spread s"], table)
-    overhead = (f"No throttling: controller makespan {base['controller']:.2f} s against {base['standard']:.2f} s for "
-                f"botocore alone, medians of 3 interleaved runs ({base['controller'] / base['standard'] - 1:+.1%}).\n"
-                if {"controller", "standard"} <= set(base) else "")
-    return (f"{args.ranks} ranks of one gloo job x {args.objects} objects (+ .metadata), offered = all writes in "
-            f"{args.burst_s:g} s, enforced rate = offered / overload, proxy bucket depth max(0.2 s, the ranks "
-            f"sending to the prefix: {args.ranks}, or {-(-args.ranks // 4)} with 4 prefixes), ideal = (accepted - bucket depth) / enforced rate; \"unthrottled\" = the controller's median "
-            f"save with nothing throttled ({fixed:.2f} s: DCP's planning and finish steps). \"ranks failed\": ranks whose "
-            f"dcp.save/load raised (for those rows makespan is the time to fail). p99 latency: a request's, from the "
-            f"call to its answer, retries and (controller) the wait for a token included. SeaweedFS behind "
-            f"tests/throttle_proxy.py\n\n{md}\n\n{overhead}")
+        [
+            "scenario",
+            "overload",
+            "budget / capacity",
+            "mode",
+            "ranks failed",
+            "makespan / ideal",
+            "(makespan - unthrottled) / ideal",
+            "attempts per success",
+            "refused",
+            "refused, 2nd half",
+            "goodput",
+            "goodput while sending",
+            "p99 latency s",
+            "finish spread s",
+        ],
+        table,
+    )
+    overhead = (
+        f"No throttling: controller makespan {base['controller']:.2f} s against {base['standard']:.2f} s for "
+        f"botocore alone, medians of 3 interleaved runs ({base['controller'] / base['standard'] - 1:+.1%}).\n"
+        if {"controller", "standard"} <= set(base)
+        else ""
+    )
+    return (
+        f"{args.ranks} ranks of one gloo job x {args.objects} objects (+ .metadata), offered = all writes in "
+        f"{args.burst_s:g} s, enforced rate = offered / overload, proxy bucket depth max(0.2 s, the ranks "
+        f'sending to the prefix: {args.ranks}, or {-(-args.ranks // 4)} with 4 prefixes), ideal = (accepted - bucket depth) / enforced rate; "unthrottled" = the controller\'s median '
+        f'save with nothing throttled ({fixed:.2f} s: DCP\'s planning and finish steps). "ranks failed": ranks whose '
+        f"dcp.save/load raised (for those rows makespan is the time to fail). p99 latency: a request's, from the "
+        f"call to its answer, retries and (controller) the wait for a token included. SeaweedFS behind "
+        f"tests/throttle_proxy.py\n\n{md}\n\n{overhead}"
+    )
 
 
 def main() -> None:
@@ -340,8 +454,11 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--out", default=str(common.RESULTS_DIR / "throttle.json"))
     ap.add_argument("--render", action="store_true", help="only rewrite the .md of --out from its .json")
-    ap.add_argument("--baseline-ref", default=None,
-                    help="independent scenario: also run the savers on the code at this git ref, interleaved")
+    ap.add_argument(
+        "--baseline-ref",
+        default=None,
+        help="independent scenario: also run the savers on the code at this git ref, interleaved",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="independent scenario: runs of each controller")
     args = ap.parse_args()
     if args.render:
@@ -384,8 +501,16 @@ def main() -> None:
                 shutil.rmtree(src, ignore_errors=True)
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
-    common.write_json(out, {"benchmark": "throttle", "rows": rows, "machine": common.machine_info(),
-                            "seconds": time.monotonic() - t0, "args": vars(args)})
+    common.write_json(
+        out,
+        {
+            "benchmark": "throttle",
+            "rows": rows,
+            "machine": common.machine_info(),
+            "seconds": time.monotonic() - t0,
+            "args": vars(args),
+        },
+    )
     text = render(rows, args)
     print(text)
     out.with_suffix(".md").write_text(text)

@@ -109,8 +109,9 @@ def measure_requests(endpoint: common.Endpoint, bucket: str, n: int) -> dict[str
 
     os.environ.update(endpoint.env)  # the clients' credentials (boto3's environment chain)
     # make_client: a new client each, not the process's shared one (the two off clients have equal settings).
-    clients = {m: ClientConfig(endpoint_url=endpoint.endpoint_url, rate_control=rc).make_client()
-               for m, rc in CLIENTS.items()}
+    clients = {
+        m: ClientConfig(endpoint_url=endpoint.endpoint_url, rate_control=rc).make_client() for m, rc in CLIENTS.items()
+    }
     clients["off"].put_object(Bucket=bucket, Key="requests/object", Body=BODY)
     for mode, client in clients.items():  # warm-up: connections, botocore's lazily built models and handlers
         for op in OPS:
@@ -136,16 +137,20 @@ def measure_requests(endpoint: common.Endpoint, bucket: str, n: int) -> dict[str
         finally:
             gc.enable()
     stats = {k: v for k, v in request_stats().items() if f"s3://{bucket}/" in k}
-    paced = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in ("attempts", "refusals", "wait_s")}
-             for k, v in stats.items()}
-    calls_per_request = {m: {op: _calls_per_request(_requests_of(c, bucket, op, f"calls-{m}"), 50) for op in OPS}
-                         for m, c in clients.items()}
+    paced = {
+        k: {f: v[f] - before.get(k, {}).get(f, 0) for f in ("attempts", "refusals", "wait_s")} for k, v in stats.items()
+    }
+    calls_per_request = {
+        m: {op: _calls_per_request(_requests_of(c, bucket, op, f"calls-{m}"), 50) for op in OPS}
+        for m, c in clients.items()
+    }
     endpoint.delete_prefix(bucket, "requests/")
     return {"requests": n, "samples": samples, "controller_keys": paced, "calls_per_request": calls_per_request}
 
 
 def _calls_per_request(fn: Callable[[int], None], n: int) -> float:
     """Function calls (Python and builtin, as cProfile counts them) per ``fn``: deterministic, unlike time."""
+
     def run() -> None:
         for i in range(n):
             fn(i)
@@ -173,10 +178,14 @@ def summarize_requests(samples: dict[str, dict[str, dict[str, list[float]]]]) ->
         row: dict[str, Any] = {}
         for m, s in series.items():
             tenth = max(1, len(s["cpu_us"]) // 10)
-            row[m] = {"cpu_us_mean": statistics.fmean(s["cpu_us"]), "cpu_us_median": statistics.median(s["cpu_us"]),
-                      "wall_us_mean": statistics.fmean(s["wall_us"]),
-                      "cpu_us_by_tenth": [round(statistics.fmean(s["cpu_us"][i:i + tenth]), 1)
-                                          for i in range(0, len(s["cpu_us"]), tenth)]}
+            row[m] = {
+                "cpu_us_mean": statistics.fmean(s["cpu_us"]),
+                "cpu_us_median": statistics.median(s["cpu_us"]),
+                "wall_us_mean": statistics.fmean(s["wall_us"]),
+                "cpu_us_by_tenth": [
+                    round(statistics.fmean(s["cpu_us"][i : i + tenth]), 1) for i in range(0, len(s["cpu_us"]), tenth)
+                ],
+            }
         for name, a in (("diff", "controller"), ("control_diff", "off2")):  # a - off, request by request
             for w in ("cpu_us", "wall_us"):
                 row[f"{name}_{w}"] = _mean_ci([x - y for x, y in zip(series[a][w], series["off"][w])])
@@ -184,8 +193,12 @@ def summarize_requests(samples: dict[str, dict[str, dict[str, list[float]]]]) ->
     return out
 
 
-HOOK_NAMES = {"before-parameter-build.s3": "tag", "request-created.s3": "pace", "needs-retry.s3": "decide",
-              "after-call.s3": "quota release"}
+HOOK_NAMES = {
+    "before-parameter-build.s3": "tag",
+    "request-created.s3": "pace",
+    "needs-retry.s3": "decide",
+    "after-call.s3": "quota release",
+}
 
 
 class _TimedEvents:
@@ -205,6 +218,7 @@ class _TimedEvents:
             finally:
                 self.ns[event] = self.ns.get(event, 0) + time.thread_time_ns() - t0
                 self.calls[event] = self.calls.get(event, 0) + 1
+
         return timed
 
     def register(self, event: str, handler: Callable[..., Any]) -> None:
@@ -225,9 +239,13 @@ def measure_hooks_in_place(endpoint: common.Endpoint, bucket: str, n: int) -> di
     config = ClientConfig(endpoint_url=endpoint.endpoint_url, rate_control=False)  # botocore's retries, no hooks
     client = config.make_client()
     events = _TimedEvents(client.meta.events)
-    install_rate_control(SimpleNamespace(meta=SimpleNamespace(endpoint_url=client.meta.endpoint_url, events=events)),
-                         retry_attempts=config.retry_attempts, deadline=config.throttle_deadline,
-                         write_rate=config.prefix_write_rate, read_rate=config.prefix_read_rate)
+    install_rate_control(
+        SimpleNamespace(meta=SimpleNamespace(endpoint_url=client.meta.endpoint_url, events=events)),
+        retry_attempts=config.retry_attempts,
+        deadline=config.throttle_deadline,
+        write_rate=config.prefix_write_rate,
+        read_rate=config.prefix_read_rate,
+    )
     events.register("before-call.s3", lambda **_: None)
     client.put_object(Bucket=bucket, Key="in-place/object", Body=BODY)
     for count in (20, n):  # warm-up, then the measurement
@@ -276,8 +294,12 @@ def measure_no_io(iterations: int, repeats: int) -> dict[str, Any]:
     fake = SimpleNamespace(meta=SimpleNamespace(endpoint_url="http://rate-hooks.invalid", events=events))
     install_rate_control(fake, retry_attempts=5, deadline=300.0, write_rate=huge, read_rate=huge)
     h = events.handlers
-    tag, pace, decide, after = (h["before-parameter-build.s3"], h["request-created.s3"], h["needs-retry.s3"],
-                                h["after-call.s3"])
+    tag, pace, decide, after = (
+        h["before-parameter-build.s3"],
+        h["request-created.s3"],
+        h["needs-retry.s3"],
+        h["after-call.s3"],
+    )
     model = botocore.session.get_session().get_service_model("s3").operation_model("UploadPart")
     params = {"Bucket": "overhead-bench", "Key": "ckpt/__0_0.distcp", "PartNumber": 1, "UploadId": "u"}
     ok = AWSResponse("http://rate-hooks.invalid/overhead-bench/ckpt/__0_0.distcp", 200, {}, None)
@@ -286,8 +308,7 @@ def measure_no_io(iterations: int, repeats: int) -> dict[str, Any]:
         context: dict[str, Any] = {}
         tag(params=params, model=model, context=context)
         pace(request=SimpleNamespace(context=context))
-        decide(response=(ok, {}), attempts=1, caught_exception=None, request_dict={"context": context},
-               operation=model)
+        decide(response=(ok, {}), attempts=1, caught_exception=None, request_dict={"context": context}, operation=model)
         after(context=context, http_response=ok, parsed={}, model=model)
 
     out: dict[str, Any] = {"iterations": iterations, "repeats": repeats}
@@ -306,28 +327,58 @@ def measure_saves(endpoint: common.Endpoint, bucket: str, args: argparse.Namespa
     runs = []
     for rep, mode in _abba(args.reps):
         prefix = f"saves/{mode}/rep{rep}"
-        target = {"bucket": bucket, "prefix": prefix, "endpoint_url": endpoint.endpoint_url, "region": region,
-                  "local_dir": ""}  # local_dir: only the local_fs contestant uses it
+        target = {
+            "bucket": bucket,
+            "prefix": prefix,
+            "endpoint_url": endpoint.endpoint_url,
+            "region": region,
+            "local_dir": "",
+        }  # local_dir: only the local_fs contestant uses it
         before = endpoint.counters(bucket)
-        res = common.run_child({"contestant": f"dcp_s3:rate_control={int(MODES[mode])}", "op": "save",
-                                "workload": args.workload, "size_mib": args.size_mib, "target": target}, endpoint.env)
+        res = common.run_child(
+            {
+                "contestant": f"dcp_s3:rate_control={int(MODES[mode])}",
+                "op": "save",
+                "workload": args.workload,
+                "size_mib": args.size_mib,
+                "target": target,
+            },
+            endpoint.env,
+        )
         server = common.counter_delta(before, endpoint.counters(bucket))
         requests = int(sum(v for k, v in server.items() if k.isupper())) if server else None
         endpoint.delete_prefix(bucket, prefix)
         if not res.get("ok"):
             raise RuntimeError(f"save rep {rep} ({mode}) failed: {str(res.get('error'))[:1000]}")
-        run = {"rep": rep, "mode": mode, "seconds": res["seconds"], "cpu_s": res["cpu_s"], "requests": requests,
-               "server": server, "logical_bytes": res["logical_bytes"], "n_tensors": res["n_tensors"]}
+        run = {
+            "rep": rep,
+            "mode": mode,
+            "seconds": res["seconds"],
+            "cpu_s": res["cpu_s"],
+            "requests": requests,
+            "server": server,
+            "logical_bytes": res["logical_bytes"],
+            "n_tensors": res["n_tensors"],
+        }
         runs.append(run)
-        print(f"  save rep {rep} {mode:>10}: {run['seconds']:6.2f} s wall, {run['cpu_s']:5.2f} s CPU, "
-              f"{requests} requests", flush=True)
+        print(
+            f"  save rep {rep} {mode:>10}: {run['seconds']:6.2f} s wall, {run['cpu_s']:5.2f} s CPU, "
+            f"{requests} requests",
+            flush=True,
+        )
     return runs
 
 
 def summarize_saves(runs: list[dict[str, Any]]) -> dict[str, Any]:
     by = {m: {r["rep"]: r for r in runs if r["mode"] == m} for m in MODES}
-    out: dict[str, Any] = {m: {"reps": len(by[m]), "seconds": _spread([r["seconds"] for r in by[m].values()]),
-                               "cpu_s": _spread([r["cpu_s"] for r in by[m].values()])} for m in MODES}
+    out: dict[str, Any] = {
+        m: {
+            "reps": len(by[m]),
+            "seconds": _spread([r["seconds"] for r in by[m].values()]),
+            "cpu_s": _spread([r["cpu_s"] for r in by[m].values()]),
+        }
+        for m in MODES
+    }
     for what in ("seconds", "cpu_s"):
         pairs = [by["controller"][i][what] / by["off"][i][what] for i in by["off"] if i in by["controller"]]
         out[f"{what}_ratio_of_medians"] = out["controller"][what]["median"] / out["off"][what]["median"]
@@ -337,8 +388,13 @@ def summarize_saves(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def expected_overhead(req: dict[str, Any], calls: dict[str, dict[str, float]], in_place: dict[str, float],
-                      no_io: dict[str, Any], saves: dict[str, Any]) -> dict[str, Any]:
+def expected_overhead(
+    req: dict[str, Any],
+    calls: dict[str, dict[str, float]],
+    in_place: dict[str, float],
+    no_io: dict[str, Any],
+    saves: dict[str, Any],
+) -> dict[str, Any]:
     """Part 3: extra CPU per request x requests per save / the save's CPU (off mode's median), for each estimate of
     the extra CPU per request: measured (mean, and the top of its 95% interval), the extra function calls at the
     off client's CPU per call, the hooks timed in place, the hooks alone in a tight loop."""
@@ -348,12 +404,20 @@ def expected_overhead(req: dict[str, Any], calls: dict[str, dict[str, float]], i
     off_calls = statistics.fmean(calls["off"].values())
     extra_calls = statistics.fmean(calls["controller"].values()) - off_calls
     diff = req["all"]["diff_cpu_us"]
-    per = {"measured": diff["mean"], "measured_ci95_high": diff["high"],
-           "extra_calls": extra_calls * req["all"]["off"]["cpu_us_mean"] / off_calls,
-           "hooks_in_place": in_place["total"], "hooks_alone": no_io["hooks_us"]["median"]}
-    return {"requests": requests, "save_cpu_s": cpu_s, "extra_calls_per_request": extra_calls,
-            **{f"{k}_us": v for k, v in per.items()},
-            **{f"{k}_fraction": v * 1e-6 * requests / cpu_s for k, v in per.items()}}
+    per = {
+        "measured": diff["mean"],
+        "measured_ci95_high": diff["high"],
+        "extra_calls": extra_calls * req["all"]["off"]["cpu_us_mean"] / off_calls,
+        "hooks_in_place": in_place["total"],
+        "hooks_alone": no_io["hooks_us"]["median"],
+    }
+    return {
+        "requests": requests,
+        "save_cpu_s": cpu_s,
+        "extra_calls_per_request": extra_calls,
+        **{f"{k}_us": v for k, v in per.items()},
+        **{f"{k}_fraction": v * 1e-6 * requests / cpu_s for k, v in per.items()},
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,47 +438,96 @@ def render(result: dict[str, Any]) -> str:
     def cpu(s: dict[str, Any]) -> str:
         return f"{s['cpu_us_mean']:.0f} ({s['cpu_us_median']:.0f})"
 
-    rows = [[op if op != "all" else "all three", str(part1["requests"] * (len(OPS) if op == "all" else 1)),
-             cpu(s["controller"]), cpu(s["off"]), ci(s["diff_cpu_us"]), ci(s["control_diff_cpu_us"]),
-             ci(s["diff_wall_us"]), f"{calls_of('controller', op):.0f} / {calls_of('off', op):.0f}"]
-            for op, s in req.items()]
+    rows = [
+        [
+            op if op != "all" else "all three",
+            str(part1["requests"] * (len(OPS) if op == "all" else 1)),
+            cpu(s["controller"]),
+            cpu(s["off"]),
+            ci(s["diff_cpu_us"]),
+            ci(s["control_diff_cpu_us"]),
+            ci(s["diff_wall_us"]),
+            f"{calls_of('controller', op):.0f} / {calls_of('off', op):.0f}",
+        ]
+        for op, s in req.items()
+    ]
     t1 = common.markdown_table(
-        ["request", "requests per client", "controller CPU µs", "off CPU µs", "controller − off, CPU µs",
-         "control: off2 − off, CPU µs", "controller − off, wall µs", "function calls, controller / off"], rows)
+        [
+            "request",
+            "requests per client",
+            "controller CPU µs",
+            "off CPU µs",
+            "controller − off, CPU µs",
+            "control: off2 − off, CPU µs",
+            "controller − off, wall µs",
+            "function calls, controller / off",
+        ],
+        rows,
+    )
     keys = part1["controller_keys"]
-    paced = (f"The controller paced {int(sum(k['attempts'] for k in keys.values()))} attempts, "
-             f"{int(sum(k['refusals'] for k in keys.values()))} refused, "
-             f"{sum(k['wait_s'] for k in keys.values()) * 1e3:.1f} ms in `acquire` in all (its `wait_s`, which counts "
-             f"the call's own time as well as any wait for a token).")
+    paced = (
+        f"The controller paced {int(sum(k['attempts'] for k in keys.values()))} attempts, "
+        f"{int(sum(k['refusals'] for k in keys.values()))} refused, "
+        f"{sum(k['wait_s'] for k in keys.values()) * 1e3:.1f} ms in `acquire` in all (its `wait_s`, which counts "
+        f"the call's own time as well as any wait for a token)."
+    )
     t2 = common.markdown_table(
         ["mode", "saves", "wall s", "CPU s"],
-        [[m, str(saves[m]["reps"]), _range(saves[m]["seconds"], digits=2), _range(saves[m]["cpu_s"], digits=2)]
-         for m in MODES])
+        [
+            [m, str(saves[m]["reps"]), _range(saves[m]["seconds"], digits=2), _range(saves[m]["cpu_s"], digits=2)]
+            for m in MODES
+        ],
+    )
     ratios = common.markdown_table(
         ["controller / off", "ratio of medians", "paired ratio, median (min–max)"],
-        [[what, common.fmt(saves[f"{key}_ratio_of_medians"], 3), _range(saves[f"{key}_paired_ratio"], digits=3)]
-         for what, key in (("wall", "seconds"), ("CPU", "cpu_s"))])
+        [
+            [what, common.fmt(saves[f"{key}_ratio_of_medians"], 3), _range(saves[f"{key}_paired_ratio"], digits=3)]
+            for what, key in (("wall", "seconds"), ("CPU", "cpu_s"))
+        ],
+    )
     pr = saves["cpu_s_paired_ratio"]
-    resolved = (f"The paired CPU ratios span {pr['min']:.3f}–{pr['max']:.3f}, {(pr['max'] - pr['min']) * 100:.0f} "
-                f"points: whole saves {'resolve' if pr['max'] - pr['min'] < 0.02 else 'cannot resolve'} a 2% "
-                f"difference here; part 3 estimates it from part 1.")
+    resolved = (
+        f"The paired CPU ratios span {pr['min']:.3f}–{pr['max']:.3f}, {(pr['max'] - pr['min']) * 100:.0f} "
+        f"points: whole saves {'resolve' if pr['max'] - pr['min'] < 0.02 else 'cannot resolve'} a 2% "
+        f"difference here; part 3 estimates it from part 1."
+    )
     if exp.get("requests") is None:
         part3 = "requests per save unknown (the request counters are SeaweedFS'), so not computed."
     else:
-        part3 = (f"{exp['requests']:g} requests per save (SeaweedFS' counters), save CPU {exp['save_cpu_s']:.2f} s "
-                 f"(off, median).\n\n"
-                 + common.markdown_table(
-                     ["extra CPU per request, from", "µs", "share of a save's CPU"],
-                     [["measured: controller − off, mean", f"{exp['measured_us']:+.1f}",
-                       f"{exp['measured_fraction']:+.3%}"],
-                      ["measured: top of its 95% interval", f"{exp['measured_ci95_high_us']:+.1f}",
-                       f"{exp['measured_ci95_high_fraction']:+.3%}"],
-                      [f"{exp['extra_calls_per_request']:.0f} extra function calls x off's CPU per call",
-                       f"{exp['extra_calls_us']:+.1f}", f"{exp['extra_calls_fraction']:+.3%}"],
-                      ["the hooks timed in place", f"{exp['hooks_in_place_us']:+.1f}",
-                       f"{exp['hooks_in_place_fraction']:+.3%}"],
-                      ["the hooks alone (no I/O, tight loop)", f"{exp['hooks_alone_us']:+.1f}",
-                       f"{exp['hooks_alone_fraction']:+.4%}"]]))
+        part3 = (
+            f"{exp['requests']:g} requests per save (SeaweedFS' counters), save CPU {exp['save_cpu_s']:.2f} s "
+            f"(off, median).\n\n"
+            + common.markdown_table(
+                ["extra CPU per request, from", "µs", "share of a save's CPU"],
+                [
+                    [
+                        "measured: controller − off, mean",
+                        f"{exp['measured_us']:+.1f}",
+                        f"{exp['measured_fraction']:+.3%}",
+                    ],
+                    [
+                        "measured: top of its 95% interval",
+                        f"{exp['measured_ci95_high_us']:+.1f}",
+                        f"{exp['measured_ci95_high_fraction']:+.3%}",
+                    ],
+                    [
+                        f"{exp['extra_calls_per_request']:.0f} extra function calls x off's CPU per call",
+                        f"{exp['extra_calls_us']:+.1f}",
+                        f"{exp['extra_calls_fraction']:+.3%}",
+                    ],
+                    [
+                        "the hooks timed in place",
+                        f"{exp['hooks_in_place_us']:+.1f}",
+                        f"{exp['hooks_in_place_fraction']:+.3%}",
+                    ],
+                    [
+                        "the hooks alone (no I/O, tight loop)",
+                        f"{exp['hooks_alone_us']:+.1f}",
+                        f"{exp['hooks_alone_fraction']:+.4%}",
+                    ],
+                ],
+            )
+        )
     a = result["args"]
     return (
         f"Rate controller (`ClientConfig(rate_control=True)`) against `rate_control=False`, nothing throttled; "
@@ -433,7 +546,8 @@ def render(result: dict[str, Any]) -> str:
         + f" µs; {hp['total']:.1f} µs per request in all.\n\n"
         f"**2. A save** (`dcp.save`, {a['size_mib']} MiB {a['workload']} state, fresh process each, "
         f"{a['reps']} per mode ABBA; median (min–max)):\n\n{t2}\n\n{ratios}\n\n{resolved}\n\n"
-        f"**3. Expected overhead** = extra CPU per request x requests per save / save CPU: {part3}\n")
+        f"**3. Expected overhead** = extra CPU per request x requests per save / save CPU: {part3}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workload", choices=["transformer", "uniform"], default="transformer")
     ap.add_argument("--reps", type=int, default=6, help="saves per mode (default 6)")
     ap.add_argument("--server", choices=list(servers.KINDS), default="seaweedfs")
-    ap.add_argument("--endpoint-url", help="use this S3 endpoint (credentials from AWS_* env) instead of a local server")
+    ap.add_argument(
+        "--endpoint-url", help="use this S3 endpoint (credentials from AWS_* env) instead of a local server"
+    )
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "throttle_overhead.json")
     args = ap.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so the server is stopped.
@@ -465,9 +581,17 @@ def main(argv: list[str] | None = None) -> int:
         endpoint.stop()
     req, saves = summarize_requests(raw.pop("samples")), summarize_saves(save_runs)
     result = {
-        "benchmark": "throttle_overhead", "args": vars(args), "machine": info, "seconds": time.monotonic() - t0,
+        "benchmark": "throttle_overhead",
+        "args": vars(args),
+        "machine": info,
+        "seconds": time.monotonic() - t0,
         "server": "external S3" if args.endpoint_url else args.server,
-        "requests": req, "requests_raw": raw, "hooks_in_place": in_place, "no_io": no_io, "saves": saves, "save_runs": save_runs,
+        "requests": req,
+        "requests_raw": raw,
+        "hooks_in_place": in_place,
+        "no_io": no_io,
+        "saves": saves,
+        "save_runs": save_runs,
         "expected_overhead": expected_overhead(req, raw["calls_per_request"], in_place, no_io, saves),
     }
     text = render(result)

@@ -85,7 +85,10 @@ def main() -> None:
             shutil.rmtree(local)
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
-        "model_bytes": nbytes, "reps": args.reps, "seconds": times, "median_s": med,
+        "model_bytes": nbytes,
+        "reps": args.reps,
+        "seconds": times,
+        "median_s": med,
         "stall_ratio_s3_over_local": med["s3_save"] / med["local_save"],
         "restart_ratio_s3_over_local": med["s3_load"] / med["local_load"],
     }

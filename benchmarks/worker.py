@@ -112,8 +112,7 @@ def _warm_up(contestant: Any, target: Target) -> None:
 
     import torch
 
-    warm = dataclasses.replace(target, prefix=target.prefix + "-warm",
-                               local_dir=os.path.join(target.local_dir, "warm"))
+    warm = dataclasses.replace(target, prefix=target.prefix + "-warm", local_dir=os.path.join(target.local_dir, "warm"))
     contestant.save({"warm": torch.ones(16)}, warm)
     contestant.load({"warm": torch.zeros(16)}, warm)
 
@@ -136,8 +135,7 @@ def main() -> None:
     try:
         result = measure(spec)
     except BaseException as exc:  # report, don't crash the suite
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()[-3000:]}
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
     print("RESULT " + json.dumps(result), flush=True)
 
 

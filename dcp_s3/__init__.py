@@ -1,10 +1,10 @@
 """dcp_s3: save and load PyTorch Distributed Checkpoints straight to S3 and S3-compatible stores.
 
-    import torch.distributed.checkpoint as dcp
-    from dcp_s3 import S3StorageWriter, S3StorageReader
+import torch.distributed.checkpoint as dcp
+from dcp_s3 import S3StorageWriter, S3StorageReader
 
-    dcp.save(state_dict, storage_writer=S3StorageWriter("s3://bucket/run1/step-0001000"))
-    dcp.load(state_dict, storage_reader=S3StorageReader("s3://bucket/run1/step-0001000"))
+dcp.save(state_dict, storage_writer=S3StorageWriter("s3://bucket/run1/step-0001000"))
+dcp.load(state_dict, storage_reader=S3StorageReader("s3://bucket/run1/step-0001000"))
 """
 
 from __future__ import annotations

@@ -105,9 +105,7 @@ def _free_port() -> int:
 
 
 def _run(world: int, env: dict[str, str], uri: str, ref: str, save: bool) -> None:
-    mp.start_processes(
-        _rank_main, args=(world, _free_port(), env, uri, ref, save), nprocs=world, start_method="spawn"
-    )
+    mp.start_processes(_rank_main, args=(world, _free_port(), env, uri, ref, save), nprocs=world, start_method="spawn")
 
 
 def main(argv: list[str] | None = None) -> int:

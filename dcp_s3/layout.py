@@ -35,9 +35,20 @@ from dcp_s3.codec.format import CODEC_NAME, CODEC_VERSION, FrameIndex
 from dcp_s3.errors import ConfigError
 
 __all__ = [
-    "METADATA_KEY", "DATA_SUFFIX", "PROBE_PREFIX", "CODEC_DESCRIPTOR", "FORMAT_TAG", "ItemLocation", "new_token",
-    "data_object_name", "referenced_objects", "replaceable_objects", "rank_prefix", "check_key_prefixes",
-    "is_key_prefix_dir", "checksum_error",
+    "METADATA_KEY",
+    "DATA_SUFFIX",
+    "PROBE_PREFIX",
+    "CODEC_DESCRIPTOR",
+    "FORMAT_TAG",
+    "ItemLocation",
+    "new_token",
+    "data_object_name",
+    "referenced_objects",
+    "replaceable_objects",
+    "rank_prefix",
+    "check_key_prefixes",
+    "is_key_prefix_dir",
+    "checksum_error",
 ]
 
 METADATA_KEY = ".metadata"

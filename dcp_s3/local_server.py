@@ -79,15 +79,27 @@ class LocalS3Server:
             s3, master, volume, filer, admin, metrics = (_free_port(ports) for _ in range(6))
             env["GOMEMLIMIT"] = "384MiB"
             cmd = [
-                weed, "mini", f"-dir={workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                "-webdav=false", "-admin.ui=false", f"-admin.port={admin}",
-                f"-s3.port={s3}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
-                f"-metricsPort={metrics}", "-master.vacuumIntervalSeconds=86400",
+                weed,
+                "mini",
+                f"-dir={workdir}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-webdav=false",
+                "-admin.ui=false",
+                f"-admin.port={admin}",
+                f"-s3.port={s3}",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                f"-master.port={master}",
+                f"-volume.port={volume}",
+                f"-filer.port={filer}",
+                f"-metricsPort={metrics}",
+                "-master.vacuumIntervalSeconds=86400",
                 # One volume per bucket at least; by default the count is free disk / 1 GiB, which a
                 # test session (a bucket per test) on a fuller disk exhausts: "no free volumes left".
                 "-volume.max=2000",
-                f"-filer.localSocket={workdir}/f.sock", f"-s3.localSocket={workdir}/s.sock",
+                f"-filer.localSocket={workdir}/f.sock",
+                f"-s3.localSocket={workdir}/s.sock",
             ]
             if tls is not None:
                 s3 = _free_port(ports)
@@ -101,13 +113,21 @@ class LocalS3Server:
             raise ConfigError(f"kind={kind!r}: unknown server kind; expected 'seaweedfs' or 'moto'")
         logfile = open(os.path.join(workdir, "server.log"), "wb")  # noqa: SIM115 - lives with the process
         proc = subprocess.Popen(
-            cmd, cwd=workdir, env=env, stdout=logfile, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            cmd,
+            cwd=workdir,
+            env=env,
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         logfile.close()
         scheme = "https" if tls is not None else "http"
         server = cls(
-            kind=kind, endpoint_url=f"{scheme}://127.0.0.1:{s3}", process=proc, workdir=workdir,
+            kind=kind,
+            endpoint_url=f"{scheme}://127.0.0.1:{s3}",
+            process=proc,
+            workdir=workdir,
             ca_bundle=tls[2] if tls is not None else None,
         )
         try:
@@ -121,9 +141,13 @@ class LocalS3Server:
     def client(self, **config: Any) -> Any:
         """A boto3 S3 client for this server."""
         return boto3.client(
-            "s3", endpoint_url=self.endpoint_url, region_name=self.region,
-            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
-            config=Config(s3={"addressing_style": "path"}, **config), verify=self.ca_bundle,
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=self.region,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            config=Config(s3={"addressing_style": "path"}, **config),
+            verify=self.ca_bundle,
         )
 
     def credentials(self) -> dict[str, str]:
@@ -155,7 +179,9 @@ class LocalS3Server:
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise LocalServerError(f"{self.kind} exited with {self.process.returncode}; see {self.workdir}/server.log")
+                raise LocalServerError(
+                    f"{self.kind} exited with {self.process.returncode}; see {self.workdir}/server.log"
+                )
             try:
                 client.list_buckets()
                 if self.kind == "seaweedfs":

@@ -63,7 +63,12 @@ _ERRORS = {
     # What servers lacking a feature answer: MinIO's gateway on a DeleteObjects without Content-MD5,
     # s3rver on ListMultipartUploads.
     "md5": (400, "Bad Request", "MissingContentMD5", "Missing required header for this request: Content-Md5."),
-    "501": (501, "Not Implemented", "NotImplemented", "A header you provided implies functionality that is not implemented."),
+    "501": (
+        501,
+        "Not Implemented",
+        "NotImplemented",
+        "A header you provided implies functionality that is not implemented.",
+    ),
 }
 
 
@@ -317,7 +322,9 @@ class FaultProxy:
 
     def injected(self, fault: str | None = None, op: str | None = None) -> int:
         with self._lock:
-            return sum(n for (o, f), n in self.faults.items() if (fault is None or f == fault) and (op is None or o == op))
+            return sum(
+                n for (o, f), n in self.faults.items() if (fault is None or f == fault) and (op is None or o == op)
+            )
 
     def _answer_before_body(self, method: str, target: str, headers: dict[str, str]) -> bytes | None:
         """A final answer to an ``Expect: 100-continue`` request, sent instead of ``100 Continue``
@@ -328,7 +335,9 @@ class FaultProxy:
     def _decide(self, req: _Request) -> tuple[str | None, Rule | None]:
         # A resumed ranged GET keeps its end and moves its start: it is the same request.
         ident = (
-            req.method, req.key, parse_qs(urlsplit(req.target).query).get("partNumber", [""])[0],
+            req.method,
+            req.key,
+            parse_qs(urlsplit(req.target).query).get("partNumber", [""])[0],
             req.headers.get("range", "").rpartition("-")[2],
         )
         with self._lock:
@@ -403,7 +412,8 @@ class FaultProxy:
             return head
         lines = head.split(b"\r\n")
         kept = [
-            line for line in lines
+            line
+            for line in lines
             if b":" not in line or line.split(b":", 1)[0].strip().lower().decode() not in self.drop_request_headers
         ]
         return b"\r\n".join(kept)

@@ -24,7 +24,9 @@ class HeldChild:
         self.held, self.release_file = tmp / f"held-{n}", tmp / f"go-{n}"
         self.proc = subprocess.Popen(
             [sys.executable, script, str(self.held), str(self.release_file), phase, *args],
-            env=dict(os.environ, **(env or {}), PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=dict(os.environ, **(env or {}), PYTHONPATH=ROOT),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
         )
 

@@ -201,7 +201,7 @@ def _rotl(x: int, r: int) -> int:
 def colliding_offsets(n: int) -> list[tuple[int, int]]:
     """``n`` distinct pairs of ints whose tuple hashes are equal (CPython's xxHash-based tuple hash)."""
     target = 0x1234_5678_9ABC_DEF0
-    need = (_rotl(target * pow(_P1, -1, 1 << 64) & _M64, 64 - 31))  # acc after lane 2, before the rotation
+    need = _rotl(target * pow(_P1, -1, 1 << 64) & _M64, 64 - 31)  # acc after lane 2, before the rotation
     out = []
     a = 0
     while len(out) < n:

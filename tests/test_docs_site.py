@@ -32,7 +32,9 @@ def test_the_readme_is_a_front_door_with_the_set_up_commands() -> None:
 
 
 def test_the_readmes_relative_links_lead_to_files_and_its_anchors_to_headings() -> None:
-    headings = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in re.findall(r"^#+ (.*)$", README, re.M)}
+    headings = {
+        re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in re.findall(r"^#+ (.*)$", README, re.M)
+    }
     for target in re.findall(r"\]\(([^)\s]+)\)", README):
         if target.startswith(("http://", "https://")):
             continue

@@ -23,8 +23,9 @@ pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest s
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dcp_s3"  # the tree these tests belong to
 # Errors only: SystemExit and KeyboardInterrupt are control flow (a CLI exits with SystemExit).
-BUILTIN_EXCEPTIONS = {name for name, value in vars(builtins).items()
-                      if isinstance(value, type) and issubclass(value, Exception)}
+BUILTIN_EXCEPTIONS = {
+    name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, Exception)
+}
 ALWAYS_ALLOWED = {"NotImplementedError"}
 #: (module, exception): a builtin that a protocol requires, not an error of ours.
 PROTOCOL = {
@@ -58,8 +59,9 @@ def builtin_raises(path: Path) -> list[tuple[int, str]]:
             visit(child, inner)
 
     visit(tree, "")
-    return [(line, name) for line, name in found
-            if name not in ALWAYS_ALLOWED and (_relative(path), name) not in PROTOCOL]
+    return [
+        (line, name) for line, name in found if name not in ALWAYS_ALLOWED and (_relative(path), name) not in PROTOCOL
+    ]
 
 
 def test_library_code_raises_only_dcp_s3_errors() -> None:

@@ -105,8 +105,9 @@ def test_golden_sets_are_complete() -> None:
 
 
 @pytest.mark.parametrize(("label", "entry"), DCP_CASES)
-def test_dcp_load_bit_exact(label: str, entry: dict[str, Any], tmp_path: Path, s3_env: LocalS3Server,
-                            bucket: str) -> None:
+def test_dcp_load_bit_exact(
+    label: str, entry: dict[str, Any], tmp_path: Path, s3_env: LocalS3Server, bucket: str
+) -> None:
     uri = _uri(label, entry, tmp_path, s3_env, bucket)
     golden_state.assert_same(_load_dcp(S3StorageReader(uri), entry), _expected(entry), f"{label}/{entry['name']}")
 
@@ -128,8 +129,9 @@ def test_torch_filesystem_reader(label: str, entry: dict[str, Any], tmp_path: Pa
 
 
 @pytest.mark.parametrize(("label", "entry"), DCP_CASES)
-def test_verify_and_inspect(label: str, entry: dict[str, Any], tmp_path: Path,
-                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_and_inspect(
+    label: str, entry: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = str(_local_copy(label, entry, tmp_path))
     assert cli_main(["verify", path]) == 0, capsys.readouterr()
     want = {k: v for k, v in _flat(_expected(entry)).items() if hasattr(v, "dtype")}
@@ -156,8 +158,14 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("label", "entry"), STEP_CASES)
-def test_checkpointer_step(label: str, entry: dict[str, Any], tmp_path: Path, s3_env: LocalS3Server,
-                           bucket: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_checkpointer_step(
+    label: str,
+    entry: dict[str, Any],
+    tmp_path: Path,
+    s3_env: LocalS3Server,
+    bucket: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """``Checkpointer.load`` resumes the step: model, optimizer state, scheduler, iteration."""
     root = _uri(label, entry, tmp_path, s3_env, bucket)
     steps = list_steps(root)
@@ -174,10 +182,18 @@ def test_checkpointer_step(label: str, entry: dict[str, Any], tmp_path: Path, s3
     golden_state.assert_same(got_opt["state"], want_opt_sd["state"], f"{where} optimizer state")
     # Hyperparameters: those this torch's AdamW/StepLR have (another torch may add or drop a default).
     assert len(got_opt["param_groups"]) == 1
-    _same_keys(got_opt["param_groups"][0], want_opt_sd["param_groups"][0], f"{where} param_groups",
-               {"lr", "initial_lr", "betas", "eps", "weight_decay", "params"})
-    _same_keys(sched.state_dict(), want_sched.state_dict(), f"{where} scheduler",
-               {"step_size", "gamma", "base_lrs", "last_epoch", "_last_lr"})
+    _same_keys(
+        got_opt["param_groups"][0],
+        want_opt_sd["param_groups"][0],
+        f"{where} param_groups",
+        {"lr", "initial_lr", "betas", "eps", "weight_decay", "params"},
+    )
+    _same_keys(
+        sched.state_dict(),
+        want_sched.state_dict(),
+        f"{where} scheduler",
+        {"step_size", "gamma", "base_lrs", "last_epoch", "_last_lr"},
+    )
     assert opt.param_groups[0]["lr"] == 0.01 * 0.5  # StepLR(step_size=2, gamma=0.5) after 3 steps
     assert cli_main(["verify", root]) == 0, capsys.readouterr()
 

@@ -37,7 +37,11 @@ def _lint(root: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(root)}
     return subprocess.run(
         [LINT, str(root / "pyproject.toml"), "--no-cache"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -69,8 +73,10 @@ def test_an_upward_import_fails_naming_it(package_copy: Path) -> None:
 
 def test_an_import_cycle_fails_naming_it(package_copy: Path) -> None:
     # codec.format is imported by codec.v1; importing it back (only for type checking) closes a circle.
-    _append(package_copy / "dcp_s3/codec/format.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-            "    from dcp_s3.codec.v1 import encode_frame")
+    _append(
+        package_copy / "dcp_s3/codec/format.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dcp_s3.codec.v1 import encode_frame",
+    )
     out = _lint(package_copy)
     assert out.returncode != 0
     assert "No cycles are allowed in dcp_s3.codec" in out.stdout, out.stdout

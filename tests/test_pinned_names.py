@@ -68,8 +68,12 @@ def pickled_globals(data: bytes) -> set[tuple[str, str]]:
 
 
 def _state() -> dict[str, Any]:
-    return {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(3, dtype=torch.bfloat16),
-            "step": 3, "groups": [{"lr": 0.1}]}
+    return {
+        "w": torch.arange(64, dtype=torch.float32).reshape(8, 8),
+        "b": torch.ones(3, dtype=torch.bfloat16),
+        "step": 3,
+        "groups": [{"lr": 0.1}],
+    }
 
 
 def _save(path: Path, **options: Any) -> bytes:
@@ -124,6 +128,7 @@ def test_the_dcp_s3_names_are_frozen() -> None:
 
 def _stack_global(module: str, name: str) -> bytes:
     """A protocol-4 pickle of just STACK_GLOBAL module name (how today's pickler names a class)."""
+
     def text(s: str) -> bytes:
         return b"\x8c" + bytes([len(s)]) + s.encode()
 

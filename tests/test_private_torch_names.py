@@ -168,9 +168,7 @@ def _class_uses(node: ast.ClassDef, klass: type) -> Iterator[tuple[int, str]]:
             if isinstance(sub, ast.Attribute) and is_private(sub.attr):
                 value = sub.value
                 is_self = isinstance(value, ast.Name) and value.id in selves
-                is_super = (
-                    isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super"
-                )
+                is_super = isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super"
                 if is_self or is_super:
                     name, text = sub.attr, ast.unparse(sub)
             elif (

@@ -13,8 +13,17 @@ import dcp_s3
 
 #: Paths the README documents, and what each must hold.
 DOCUMENTED = {
-    "dcp_s3.admin": ["list_steps", "inspect_checkpoint", "verify_checkpoint", "find_garbage", "collect_garbage",
-                     "copy_checkpoint", "remove_checkpoint", "convert_checkpoint", "list_local_tier"],
+    "dcp_s3.admin": [
+        "list_steps",
+        "inspect_checkpoint",
+        "verify_checkpoint",
+        "find_garbage",
+        "collect_garbage",
+        "copy_checkpoint",
+        "remove_checkpoint",
+        "convert_checkpoint",
+        "list_local_tier",
+    ],
     "dcp_s3.local_server": ["LocalS3Server"],
     "dcp_s3.testing": ["LocalS3Server", "StoreConformance", "ObjectStoreConformance"],
     "dcp_s3.objstore": ["ObjectStore", "ClientConfig", "TransferConfig"],

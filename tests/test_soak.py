@@ -73,7 +73,9 @@ def _soak_rank(rank: int, world: int, endpoint: str, bucket: str, cycles: int) -
         reader._session.close()
         for k, v in want.items():
             assert got[k].dtype == v.dtype and got[k].shape == v.shape, (cycle, k)
-            assert torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), f"cycle {cycle}: {k} differs"
+            assert torch.equal(got[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), (
+                f"cycle {cycle}: {k} differs"
+            )
             items += 1
         del mine, want, got, writer, reader
         gc.collect()
@@ -89,9 +91,13 @@ def proxy(s3_env: LocalS3Server) -> Iterator[FaultProxy]:
 
 def test_soak_50_cycles_two_ranks_with_transient_faults(proxy: FaultProxy, bucket: str, s3_env: LocalS3Server) -> None:
     faults = ("500", "503", "reset", "truncate")  # truncate becomes reset on non-GET requests
-    proxy.set_rules([
-        Rule({"UploadPart", "PutObject", "GetObject", "GetObjectRange"}, faults=faults, rate=0.05, max_per_request=2),
-    ])
+    proxy.set_rules(
+        [
+            Rule(
+                {"UploadPart", "PutObject", "GetObject", "GetObjectRange"}, faults=faults, rate=0.05, max_per_request=2
+            ),
+        ]
+    )
     t0 = time.monotonic()
     results = run_ranks(_soak_rank, WORLD, proxy.url, bucket, CYCLES, timeout=240)
     elapsed = time.monotonic() - t0

@@ -123,7 +123,9 @@ def test_async_checkpointer_in_one_process(bucket: str) -> None:
 def test_compression_on_a_torch_without_transform_descriptors(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     S3StorageWriter(f"s3://{bucket}/c", compression="zstd")  # every supported torch has them
     monkeypatch.setattr(compat, "HAS_TRANSFORM_DESCRIPTORS", False)
-    with pytest.raises(ConfigError, match=rf"compression='zstd' needs torch>=2\.7 .*torch {re.escape(torch.__version__)}"):
+    with pytest.raises(
+        ConfigError, match=rf"compression='zstd' needs torch>=2\.7 .*torch {re.escape(torch.__version__)}"
+    ):
         S3StorageWriter(f"s3://{bucket}/c", compression="zstd")
     S3StorageWriter(f"s3://{bucket}/c")  # uncompressed checkpoints need nothing more
 

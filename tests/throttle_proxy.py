@@ -53,9 +53,19 @@ class _Bucket:
 
 class ThrottleProxy(FaultProxy):
     def __init__(
-        self, upstream: str, *, write_rate: float, read_rate: float, burst_s: float = 0.2, prefix_depth: int = 1,
-        grow_after_s: float | None = None, max_growth: float = 4.0, drop_at_s: float | None = None,
-        drop_factor: float = 0.5, prefix_write_rates: dict[str, float] | None = None, min_burst: float = 1.0,
+        self,
+        upstream: str,
+        *,
+        write_rate: float,
+        read_rate: float,
+        burst_s: float = 0.2,
+        prefix_depth: int = 1,
+        grow_after_s: float | None = None,
+        max_growth: float = 4.0,
+        drop_at_s: float | None = None,
+        drop_factor: float = 0.5,
+        prefix_write_rates: dict[str, float] | None = None,
+        min_burst: float = 1.0,
         **kwargs: object,
     ) -> None:
         kwargs.setdefault("max_connections", 256)

@@ -36,8 +36,14 @@ from model_data import make_data  # noqa: E402
 
 from dcp_s3.codec import Codec  # noqa: E402
 
-ELEMENT = {"bf16 weights": (2, True), "fp32 weights": (4, True), "adam exp_avg": (4, True),
-           "adam exp_avg_sq": (4, True), "int64 token ids": (8, False), "random bytes (as fp32)": (4, True)}
+ELEMENT = {
+    "bf16 weights": (2, True),
+    "fp32 weights": (4, True),
+    "adam exp_avg": (4, True),
+    "adam exp_avg_sq": (4, True),
+    "int64 token ids": (8, False),
+    "random bytes (as fp32)": (4, True),
+}
 
 
 def _timed(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
@@ -81,8 +87,10 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
     t, _ = _timed(lambda: dctx.decompress(comp), reps)
     row["zstd1_decomp_gbs"] = raw / t / 1e9
     out = bytearray(raw)
-    codecs = {f"v{version} {threads}t": Codec(level=1, threads=threads, frame_size=frame_size, version=version)
-              for version, threads in ((1, 2), (2, 1), (2, 2))}
+    codecs = {
+        f"v{version} {threads}t": Codec(level=1, threads=threads, frame_size=frame_size, version=version)
+        for version, threads in ((1, 2), (2, 1), (2, 2))
+    }
     blosc = _blosc2_contestants(es)
     # name -> (encode, decode): encode returns what decode needs
     contestants: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
@@ -95,6 +103,7 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
 
         def dec(e: Any) -> None:
             codec.decode_into(e[0], e[1], 0, 0, raw, out)
+
         return enc, dec
 
     for label, codec in codecs.items():
@@ -104,13 +113,15 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
 
         chunk = frame_size - frame_size % es
         for label, params in blosc.items():
+
             def benc(params: dict[str, Any] = params) -> Any:
-                return [blosc2.compress2(data[p:p + chunk], **params) for p in range(0, raw, chunk)]
+                return [blosc2.compress2(data[p : p + chunk], **params) for p in range(0, raw, chunk)]
 
             def bdec(chunks: Any) -> None:
                 view = np.frombuffer(out, np.uint8)
                 for k, c in enumerate(chunks):
-                    blosc2.decompress2(c, dst=view[k * chunk:(k + 1) * chunk])
+                    blosc2.decompress2(c, dst=view[k * chunk : (k + 1) * chunk])
+
             contestants[label] = (benc, bdec)
     inf = float("inf")
     times = {k: {"enc": inf, "dec": inf, "enc_cpu": inf, "dec_cpu": inf} for k in contestants}
@@ -128,7 +139,7 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
                     times[label][step + "_cpu"] = min(times[label][step + "_cpu"], cpu)
                 if out != data.tobytes():
                     raise AssertionError(f"{name}: {label} round trip mismatch")
-        chunks = [data[p:p + (16 << 20)] for p in range(0, raw, 16 << 20)]
+        chunks = [data[p : p + (16 << 20)] for p in range(0, raw, 16 << 20)]
         # the writer's case: input arrives in 16 MiB chunks (e.g. from a GPU)
         t, _ = _timed(lambda: codecs["v2 2t"].encode(iter(chunks), es, floating, lambda b: None), reps)
         row["v2_comp_gbs_t2_16mib_chunks"] = raw / t / 1e9
@@ -141,8 +152,12 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
         stored = len(e[1]) if label in codecs else sum(map(len, e))
         tm = times[label]
         row["contestants"][label] = {
-            "ratio": stored / raw, "comp_gbs": raw / tm["enc"] / 1e9, "decomp_gbs": raw / tm["dec"] / 1e9,
-            "comp_cpu_s_per_gb": tm["enc_cpu"] / raw * 1e9, "decomp_cpu_s_per_gb": tm["dec_cpu"] / raw * 1e9}
+            "ratio": stored / raw,
+            "comp_gbs": raw / tm["enc"] / 1e9,
+            "decomp_gbs": raw / tm["dec"] / 1e9,
+            "comp_cpu_s_per_gb": tm["enc_cpu"] / raw * 1e9,
+            "decomp_cpu_s_per_gb": tm["dec_cpu"] / raw * 1e9,
+        }
         if label in codecs:
             index = e[0]
             row["contestants"][label]["raw_frames"] = bin(index.raw_frames).count("1")
@@ -160,7 +175,7 @@ def _spread(data: np.ndarray, nbytes: int, frame_size: int) -> np.ndarray:
     if want >= total:
         return data
     picks = np.linspace(0, total - 1, want).round().astype(int)
-    return np.concatenate([data[i * frame:(i + 1) * frame] for i in picks])
+    return np.concatenate([data[i * frame : (i + 1) * frame] for i in picks])
 
 
 def _describe(params: dict[str, Any]) -> str:
@@ -207,35 +222,65 @@ def wait_quiet(limit_s: float) -> None:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     labels = list(rows[0]["contestants"]) if rows else []
-    lines = ["| data | raw MB | " + " | ".join(labels) + " | zstd-1 item (1 thread) | other load (cores) |",
-             "|" + "---|" * (4 + len(labels))]
+    lines = [
+        "| data | raw MB | " + " | ".join(labels) + " | zstd-1 item (1 thread) | other load (cores) |",
+        "|" + "---|" * (4 + len(labels)),
+    ]
     for r in rows:
-        cells = [f"{c['ratio']:.3f}, {c['comp_gbs']:.2f}, {c['decomp_gbs']:.2f}"
-                 for c in (r["contestants"][k] for k in labels)]
-        lines.append(f"| {r['kind']} | {r['raw_mb']:.0f} | " + " | ".join(cells)
-                     + f" | {r['zstd1_ratio']:.3f}, {r['zstd1_comp_gbs']:.2f}, {r['zstd1_decomp_gbs']:.2f}"
-                     + f" | {r['other_processes_cores']} |")
-    lines += ["", "CPU seconds per GB (all threads; compress / decompress):", "",
-              "| data | " + " | ".join(labels) + " |", "|" + "---|" * (1 + len(labels))]
+        cells = [
+            f"{c['ratio']:.3f}, {c['comp_gbs']:.2f}, {c['decomp_gbs']:.2f}"
+            for c in (r["contestants"][k] for k in labels)
+        ]
+        lines.append(
+            f"| {r['kind']} | {r['raw_mb']:.0f} | "
+            + " | ".join(cells)
+            + f" | {r['zstd1_ratio']:.3f}, {r['zstd1_comp_gbs']:.2f}, {r['zstd1_decomp_gbs']:.2f}"
+            + f" | {r['other_processes_cores']} |"
+        )
+    lines += [
+        "",
+        "CPU seconds per GB (all threads; compress / decompress):",
+        "",
+        "| data | " + " | ".join(labels) + " |",
+        "|" + "---|" * (1 + len(labels)),
+    ]
     for r in rows:
-        cells = [f"{c['comp_cpu_s_per_gb']:.2f} / {c['decomp_cpu_s_per_gb']:.2f}"
-                 for c in (r["contestants"][k] for k in labels)]
+        cells = [
+            f"{c['comp_cpu_s_per_gb']:.2f} / {c['decomp_cpu_s_per_gb']:.2f}"
+            for c in (r["contestants"][k] for k in labels)
+        ]
         lines.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
-    lines += ["", "Codec v2 against its targets (2 threads; decode and CPU figures against Blosc2 shuffle+zstd-1, "
-              "ratio against v1):", "",
-              "| data | v2 decode / Blosc2 (wall) | v2 decode CPU / Blosc2 CPU | v2 compress GB/s "
-              "(16 MiB chunks) | v2 ratio / v1 ratio |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Codec v2 against its targets (2 threads; decode and CPU figures against Blosc2 shuffle+zstd-1, "
+        "ratio against v1):",
+        "",
+        "| data | v2 decode / Blosc2 (wall) | v2 decode CPU / Blosc2 CPU | v2 compress GB/s "
+        "(16 MiB chunks) | v2 ratio / v1 ratio |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
         c = r["contestants"]
         b = c.get("blosc2 shuffle+zstd-1")
         v1, v2 = c["v1 2t"], c["v2 2t"]
-        vs_b = (f"{v2['decomp_gbs'] / b['decomp_gbs']:.2f}x", f"{v2['decomp_cpu_s_per_gb'] / b['decomp_cpu_s_per_gb']:.2f}x") \
-            if b else ("-", "-")
-        lines.append(f"| {r['kind']} | {vs_b[0]} | {vs_b[1]} | {v2['comp_gbs']:.2f} "
-                     f"({r['v2_comp_gbs_t2_16mib_chunks']:.2f}) | {v2['ratio'] / v1['ratio']:.3f} |")
+        vs_b = (
+            (
+                f"{v2['decomp_gbs'] / b['decomp_gbs']:.2f}x",
+                f"{v2['decomp_cpu_s_per_gb'] / b['decomp_cpu_s_per_gb']:.2f}x",
+            )
+            if b
+            else ("-", "-")
+        )
+        lines.append(
+            f"| {r['kind']} | {vs_b[0]} | {vs_b[1]} | {v2['comp_gbs']:.2f} "
+            f"({r['v2_comp_gbs_t2_16mib_chunks']:.2f}) | {v2['ratio'] / v1['ratio']:.3f} |"
+        )
     if rows and any(not k.startswith("v") for k in labels):
-        lines += ["", "Blosc2 settings: " + "; ".join(f"{k}: {v['settings']}" for k, v in rows[0]["contestants"].items()
-                                                     if "settings" in v)]
+        lines += [
+            "",
+            "Blosc2 settings: "
+            + "; ".join(f"{k}: {v['settings']}" for k, v in rows[0]["contestants"].items() if "settings" in v),
+        ]
     return "\n".join(lines)
 
 
@@ -243,6 +288,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     """One figure: stored/raw against 2-thread decode GB/s, a marker per codec, a colour per data kind."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -255,14 +301,25 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         if not r["floating"]:
             continue
         c = colours[i % len(colours)]
-        points = {f"dcp_s3 {k}": (v["decomp_gbs"], v["ratio"]) for k, v in r["contestants"].items()
-                  if k.startswith("v") and k.endswith("2t")}
+        points = {
+            f"dcp_s3 {k}": (v["decomp_gbs"], v["ratio"])
+            for k, v in r["contestants"].items()
+            if k.startswith("v") and k.endswith("2t")
+        }
         points.update({k: (v["decomp_gbs"], v["ratio"]) for k, v in r["contestants"].items() if not k.startswith("v")})
         points["zstd-1 item (1 thread)"] = (r["zstd1_decomp_gbs"], r["zstd1_ratio"])
         for j, (label, (x, y)) in enumerate(points.items()):
             marker = "s" if label.startswith("zstd") else shapes[j % len(shapes)]
-            ax.scatter(x, y, color=c, marker=marker, s=140 if marker == "*" else 50,
-                       label=label if i == 0 else None, edgecolors="black", linewidths=0.4)
+            ax.scatter(
+                x,
+                y,
+                color=c,
+                marker=marker,
+                s=140 if marker == "*" else 50,
+                label=label if i == 0 else None,
+                edgecolors="black",
+                linewidths=0.4,
+            )
         ax.annotate(r["kind"], points["dcp_s3 v2 2t"], textcoords="offset points", xytext=(6, -12), color=c, fontsize=8)
     ax.set_xlabel("decompress GB/s (2 threads; zstd item: 1)")
     ax.set_ylabel("stored / raw (lower is better)")
@@ -283,14 +340,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results.json")
     ap.add_argument("--plot", type=Path, default=HERE / "ratio_vs_decode.png", help="the figure (PNG)")
     ap.add_argument("--limit-mb", type=float, default=0, help="use only the first N MB of each kind (quick runs)")
-    ap.add_argument("--spread-mb", type=float, default=0,
-                    help="use N MB of each kind: whole frames taken evenly across it (every layer and tensor kind "
-                         "represented; keeps a shared-machine run short)")
+    ap.add_argument(
+        "--spread-mb",
+        type=float,
+        default=0,
+        help="use N MB of each kind: whole frames taken evenly across it (every layer and tensor kind "
+        "represented; keeps a shared-machine run short)",
+    )
     ap.add_argument("--kinds", nargs="+", metavar="KIND", help=f"only these data kinds (of: {', '.join(ELEMENT)})")
-    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
-                    help="before each data kind, wait up to S seconds for the machine to be idle")
-    ap.add_argument("--retries", type=int, default=0,
-                    help="rerun a data kind up to N times while other processes load the machine")
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each data kind, wait up to S seconds for the machine to be idle",
+    )
+    ap.add_argument(
+        "--retries", type=int, default=0, help="rerun a data kind up to N times while other processes load the machine"
+    )
     args = ap.parse_args()
 
     if args.cache and args.cache.exists():
@@ -309,7 +376,7 @@ def main() -> None:
     if args.spread_mb:
         kinds = {k: _spread(v, int(args.spread_mb * 1e6), args.frame_size) for k, v in kinds.items()}
     if args.limit_mb:
-        kinds = {k: v[:int(args.limit_mb * 1e6)] for k, v in kinds.items()}
+        kinds = {k: v[: int(args.limit_mb * 1e6)] for k, v in kinds.items()}
     rows = []
     for name, data in kinds.items():
         best: dict[str, Any] | None = None
@@ -329,13 +396,21 @@ def main() -> None:
     plot(rows, args.plot)
     try:
         import blosc2
+
         blosc2_version = blosc2.__version__
     except ImportError:
         blosc2_version = None
-    env = {"python": platform.python_version(), "numpy": np.__version__, "zstandard": zstandard.__version__,
-           "blosc2": blosc2_version,
-           "zstd": ".".join(map(str, zstandard.ZSTD_VERSION)), "cpus": os.cpu_count(),
-           "machine": platform.machine(), "frame_size": args.frame_size, "reps": args.reps}
+    env = {
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "zstandard": zstandard.__version__,
+        "blosc2": blosc2_version,
+        "zstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "frame_size": args.frame_size,
+        "reps": args.reps,
+    }
     args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
 
 

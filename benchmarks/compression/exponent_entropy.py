@@ -47,7 +47,7 @@ def main() -> None:
     level19 = zstandard.ZstdCompressor(level=19)
     totals: dict[str, float] = {}
     for pos in range(0, len(exps), PLANE):
-        e = exps[pos:pos + PLANE]
+        e = exps[pos : pos + PLANE]
         k = e.astype(np.int64)
         delta = np.diff(e, prepend=np.uint8(0)).astype(np.uint8)
         z1, lit = len(level1.compress(e.tobytes())), len(literal.compress(e.tobytes()))
@@ -55,9 +55,14 @@ def main() -> None:
         row = {
             "order 0": _entropy(k) * len(e) / 8,
             "order 1": (_entropy(k[1:] * 256 + k[:-1]) - _entropy(k[:-1])) * len(e) / 8,
-            "order 2": (_entropy(k[2:] * 65536 + k[1:-1] * 256 + k[:-2]) - _entropy(k[1:-1] * 256 + k[:-2])) * len(e) / 8,
-            "zstd 1": z1, "literal-heavy": lit, "best of both (codec)": min(z1, lit),
-            "delta, best of both": dz, "zstd 19": len(level19.compress(e.tobytes())),
+            "order 2": (_entropy(k[2:] * 65536 + k[1:-1] * 256 + k[:-2]) - _entropy(k[1:-1] * 256 + k[:-2]))
+            * len(e)
+            / 8,
+            "zstd 1": z1,
+            "literal-heavy": lit,
+            "best of both (codec)": min(z1, lit),
+            "delta, best of both": dz,
+            "zstd 19": len(level19.compress(e.tobytes())),
         }
         for name, v in row.items():
             totals[name] = totals.get(name, 0.0) + v

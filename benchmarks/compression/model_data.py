@@ -61,8 +61,15 @@ class TinyGPT(nn.Module):
 
 
 def make_data(
-    *, vocab: int = 16384, d: int = 768, layers: int = 4, steps: int = 20, batch: int = 4, seq: int = 64,
-    seed: int = 0, verbose: bool = True,
+    *,
+    vocab: int = 16384,
+    d: int = 768,
+    layers: int = 4,
+    steps: int = 20,
+    batch: int = 4,
+    seq: int = 64,
+    seed: int = 0,
+    verbose: bool = True,
 ) -> dict[str, np.ndarray]:
     """Train briefly and return ``{kind: uint8 array}`` of the concatenated tensors."""
     torch.manual_seed(seed)

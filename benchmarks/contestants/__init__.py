@@ -69,11 +69,13 @@ def _load_with(reader: Factory) -> Callable[[dict[str, Any], Target], None]:
     return load
 
 
-def _backend(name: str, description: str, writer: Factory, reader: Factory,
-             unavailable: Callable[[], str | None] = lambda: None) -> Contestant:
+def _backend(
+    name: str, description: str, writer: Factory, reader: Factory, unavailable: Callable[[], str | None] = lambda: None
+) -> Contestant:
     """A contestant that is a DCP storage backend: save/load run through its writer/reader."""
-    return Contestant(name, description, _save_with(writer), _load_with(reader), unavailable,
-                      writer=writer, reader=reader)
+    return Contestant(
+        name, description, _save_with(writer), _load_with(reader), unavailable, writer=writer, reader=reader
+    )
 
 
 # -- dcp_s3 -------------------------------------------------------------------------------------
@@ -87,17 +89,37 @@ def _dcp_s3_client(opts: dict[str, Any]) -> Any:
 def _dcp_s3_writer(t: Target, **opts: Any) -> Any:
     from dcp_s3 import S3StorageWriter
 
-    return S3StorageWriter(t.uri, endpoint_url=t.endpoint_url, region=t.region, client=_dcp_s3_client(opts),
-                           **{k: v for k, v in opts.items() if k in ("part_size", "max_concurrency", "files_per_rank",
-                                                                     "compression", "compression_level",
-                                                                     "compression_threads")})
+    return S3StorageWriter(
+        t.uri,
+        endpoint_url=t.endpoint_url,
+        region=t.region,
+        client=_dcp_s3_client(opts),
+        **{
+            k: v
+            for k, v in opts.items()
+            if k
+            in (
+                "part_size",
+                "max_concurrency",
+                "files_per_rank",
+                "compression",
+                "compression_level",
+                "compression_threads",
+            )
+        },
+    )
 
 
 def _dcp_s3_reader(t: Target, **opts: Any) -> Any:
     from dcp_s3 import S3StorageReader
 
-    return S3StorageReader(t.uri, endpoint_url=t.endpoint_url, region=t.region, client=_dcp_s3_client(opts),
-                           **{k: v for k, v in opts.items() if k in ("max_concurrency", "max_range_size")})
+    return S3StorageReader(
+        t.uri,
+        endpoint_url=t.endpoint_url,
+        region=t.region,
+        client=_dcp_s3_client(opts),
+        **{k: v for k, v in opts.items() if k in ("max_concurrency", "max_range_size")},
+    )
 
 
 def dcp_s3_variant(spec: str) -> Contestant:
@@ -112,8 +134,9 @@ def dcp_s3_variant(spec: str) -> Contestant:
         else:
             opts[k] = int(v) if v.lstrip("-").isdigit() else v
 
-    return _backend(spec, f"dcp_s3 with options {opts}",
-                    lambda t: _dcp_s3_writer(t, **opts), lambda t: _dcp_s3_reader(t, **opts))
+    return _backend(
+        spec, f"dcp_s3 with options {opts}", lambda t: _dcp_s3_writer(t, **opts), lambda t: _dcp_s3_reader(t, **opts)
+    )
 
 
 # -- torch FsspecWriter/FsspecReader over s3fs ----------------------------------------------------
@@ -236,31 +259,75 @@ def _ceiling_load(sd: dict[str, Any], t: Target) -> None:
 CONTESTANTS: dict[str, Contestant] = {
     c.name: c
     for c in [
-        _backend("dcp_s3", "this project: streaming multipart upload from tensor memory (bounded part pool), "
-                 "concurrent coalesced ranged GETs into the destination tensors", _dcp_s3_writer, _dcp_s3_reader),
-        Contestant("dcp_s3_zstd", "this project with compression='zstd' (byte-grouped, frame-indexed zstd-1, "
-                   "2 codec threads)", _save_with(lambda t: _dcp_s3_writer(t, compression="zstd")),
-                   _load_with(_dcp_s3_reader)),
-        _backend("fsspec_s3fs", "torch FsspecWriter/FsspecReader over s3fs (FileSystemWriter through fsspec "
-                 "file objects; sync_files=False)", _fsspec_writer, _fsspec_reader, _fsspec_unavailable),
-        _backend("s3torchconnector", "AWS s3torchconnector DCP S3StorageWriter/S3StorageReader "
-                 "(Rust CRT client; endpoint from AWS_ENDPOINT_URL, path-style)", _s3tc_writer, _s3tc_reader,
-                 _s3tc_unavailable),
-        _backend("msc", "NVIDIA multi-storage-client DCP MultiStorageFileSystemWriter/Reader (boto3; each file "
-                 "buffered whole in a BytesIO and uploaded on close, read by downloading each whole file; "
-                 "path-style, no payload signing, cache off; sync_files=False)", _msc_writer, _msc_reader,
-                 _msc_unavailable),
-        _backend("naive", "FileSystemBase subclass buffering each whole file in a BytesIO, boto3 "
-                 "upload_fileobj on close, whole-object download_fileobj on read", _naive_writer, _naive_reader),
-        Contestant("dcp_s3_reads_naive", "cross-format check (not in the default set): saved by the naive "
-                   "FileSystemWriter backend (torch.save blobs without dcp_s3's payload offsets), loaded by "
-                   "dcp_s3's S3StorageReader", _save_with(_naive_writer), _load_with(_dcp_s3_reader)),
-        Contestant("local_fs", "reference: torch FileSystemWriter/FileSystemReader on local disk "
-                   "(defaults: fsync on, 1 thread; loads come from the page cache)", _save_with(_local_writer),
-                   _load_with(_local_reader), uses_s3=False),
-        Contestant("boto3_ceiling", "transport ceiling: the same tensor bytes as one object via boto3 "
-                   "upload_fileobj/download_fileobj (16 MiB parts, 8 threads); partial = one ranged GET per "
-                   "tensor; no DCP", _ceiling_save, _ceiling_load),
+        _backend(
+            "dcp_s3",
+            "this project: streaming multipart upload from tensor memory (bounded part pool), "
+            "concurrent coalesced ranged GETs into the destination tensors",
+            _dcp_s3_writer,
+            _dcp_s3_reader,
+        ),
+        Contestant(
+            "dcp_s3_zstd",
+            "this project with compression='zstd' (byte-grouped, frame-indexed zstd-1, 2 codec threads)",
+            _save_with(lambda t: _dcp_s3_writer(t, compression="zstd")),
+            _load_with(_dcp_s3_reader),
+        ),
+        _backend(
+            "fsspec_s3fs",
+            "torch FsspecWriter/FsspecReader over s3fs (FileSystemWriter through fsspec "
+            "file objects; sync_files=False)",
+            _fsspec_writer,
+            _fsspec_reader,
+            _fsspec_unavailable,
+        ),
+        _backend(
+            "s3torchconnector",
+            "AWS s3torchconnector DCP S3StorageWriter/S3StorageReader "
+            "(Rust CRT client; endpoint from AWS_ENDPOINT_URL, path-style)",
+            _s3tc_writer,
+            _s3tc_reader,
+            _s3tc_unavailable,
+        ),
+        _backend(
+            "msc",
+            "NVIDIA multi-storage-client DCP MultiStorageFileSystemWriter/Reader (boto3; each file "
+            "buffered whole in a BytesIO and uploaded on close, read by downloading each whole file; "
+            "path-style, no payload signing, cache off; sync_files=False)",
+            _msc_writer,
+            _msc_reader,
+            _msc_unavailable,
+        ),
+        _backend(
+            "naive",
+            "FileSystemBase subclass buffering each whole file in a BytesIO, boto3 "
+            "upload_fileobj on close, whole-object download_fileobj on read",
+            _naive_writer,
+            _naive_reader,
+        ),
+        Contestant(
+            "dcp_s3_reads_naive",
+            "cross-format check (not in the default set): saved by the naive "
+            "FileSystemWriter backend (torch.save blobs without dcp_s3's payload offsets), loaded by "
+            "dcp_s3's S3StorageReader",
+            _save_with(_naive_writer),
+            _load_with(_dcp_s3_reader),
+        ),
+        Contestant(
+            "local_fs",
+            "reference: torch FileSystemWriter/FileSystemReader on local disk "
+            "(defaults: fsync on, 1 thread; loads come from the page cache)",
+            _save_with(_local_writer),
+            _load_with(_local_reader),
+            uses_s3=False,
+        ),
+        Contestant(
+            "boto3_ceiling",
+            "transport ceiling: the same tensor bytes as one object via boto3 "
+            "upload_fileobj/download_fileobj (16 MiB parts, 8 threads); partial = one ranged GET per "
+            "tensor; no DCP",
+            _ceiling_save,
+            _ceiling_load,
+        ),
     ]
 }
 

@@ -86,7 +86,7 @@ class _Concat(io.RawIOBase):
         out = memoryview(b).cast("B")
         n = 0
         for v, off, k, at in self._spans(len(out)):
-            out[at:at + k] = v[off:off + k]
+            out[at : at + k] = v[off : off + k]
             n += k
         return n
 
@@ -94,7 +94,7 @@ class _Concat(io.RawIOBase):
         data = memoryview(b).cast("B")
         n = 0
         for v, off, k, at in self._spans(len(data)):
-            v[off:off + k] = data[at:at + k]
+            v[off : off + k] = data[at : at + k]
             n += k
         if n != len(data):
             raise ValueError("write past the end of the destination tensors")
@@ -105,8 +105,12 @@ def _client() -> Any:
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", config=Config(
-        max_pool_connections=CONCURRENCY + 2, s3={"addressing_style": "path", "payload_signing_enabled": False}))
+    return boto3.client(
+        "s3",
+        config=Config(
+            max_pool_connections=CONCURRENCY + 2, s3={"addressing_style": "path", "payload_signing_enabled": False}
+        ),
+    )
 
 
 def _config() -> Any:
@@ -146,7 +150,7 @@ def load(sd: dict[str, Any], bucket: str, prefix: str) -> None:
             chunk = body.read(min(1 << 20, n - got))
             if not chunk:
                 raise IOError(f"short read of {key}")
-            view[got:got + len(chunk)] = chunk
+            view[got : got + len(chunk)] = chunk
             got += len(chunk)
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:

@@ -83,6 +83,8 @@ def unavailable() -> str | None:
             MultiStorageFileSystemWriter,
         )
     except Exception as exc:  # ImportError, or a dependency failing to load
-        return (f"multi-storage-client is not usable here ({type(exc).__name__}: {exc}); "
-                "pip install -r benchmarks/requirements.txt")
+        return (
+            f"multi-storage-client is not usable here ({type(exc).__name__}: {exc}); "
+            "pip install -r benchmarks/requirements.txt"
+        )
     return None

@@ -33,7 +33,7 @@ def _split(path: str | os.PathLike[str]) -> tuple[str, str]:
     s = os.fspath(path)
     if not s.startswith("s3://"):
         raise ValueError(f"not an s3:// path: {s!r}")
-    bucket, _, key = s[len("s3://"):].partition("/")
+    bucket, _, key = s[len("s3://") :].partition("/")
     return bucket, key
 
 
@@ -144,8 +144,14 @@ class NaiveS3FileSystem(FileSystemBase):
 class NaiveS3Writer(FileSystemWriter):
     """``FileSystemWriter`` over ``NaiveS3FileSystem`` (torch defaults: one file per rank, one thread)."""
 
-    def __init__(self, path: str, *, credential_path: str | None = None,
-                 client_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        credential_path: str | None = None,
+        client_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         # No fsync: a BytesIO has no file descriptor, and torch would fall back to os.sync().
         kwargs.setdefault("sync_files", False)
         super().__init__(path, **kwargs)
@@ -160,8 +166,9 @@ class NaiveS3Writer(FileSystemWriter):
 class NaiveS3Reader(FileSystemReader):
     """``FileSystemReader`` over ``NaiveS3FileSystem``: whole-object downloads, one file at a time."""
 
-    def __init__(self, path: str, *, credential_path: str | None = None,
-                 client_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, path: str, *, credential_path: str | None = None, client_kwargs: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(path)
         self.fs = NaiveS3FileSystem(credential_path, client_kwargs)  # type: ignore[assignment]
         self.path = self.fs.init_path(path)

@@ -95,10 +95,13 @@ def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = No
         in_progress = [u for u in busy if _under(step, u.name)]
         inside = [c for c in committed if step.kind == "dcp" and step.name.startswith(c + "/" if c else "")]
         if in_progress:
-            garbage.skipped.append((store.url(step.name), f"an upload is in progress ({store.url(in_progress[0].name)})"))
+            garbage.skipped.append(
+                (store.url(step.name), f"an upload is in progress ({store.url(in_progress[0].name)})")
+            )
         elif step.error:  # which directories are the step's is unknown: touch none
-            garbage.skipped.append((store.url(step.name), f"its marker cannot be followed, so nothing of it is "
-                                                          f"removed: {step.error}"))
+            garbage.skipped.append(
+                (store.url(step.name), f"its marker cannot be followed, so nothing of it is removed: {step.error}")
+            )
         elif inside and not step.complete:  # data a committed checkpoint may reference from a subdirectory
             garbage.skipped.append((store.url(step.name), f"inside the complete checkpoint {store.url(inside[0])}"))
         elif not step.complete:
@@ -129,7 +132,9 @@ def _unreferenced(store: Store, part: Part, cutoff: float, garbage: Garbage) -> 
     try:
         metadata = read_metadata(store, part)
     except (DcpS3Error, OSError) as exc:
-        garbage.skipped.append((store.url(part.name), f"cannot read {METADATA_KEY}, so nothing in it is removed: {exc}"))
+        garbage.skipped.append(
+            (store.url(part.name), f"cannot read {METADATA_KEY}, so nothing in it is removed: {exc}")
+        )
         return
     prefix = part.name + "/" if part.name else ""
     referenced = {prefix + str(info.relative_path) for info in metadata.storage_data.values()}
@@ -160,9 +165,7 @@ class Removal:
         return [self.store.url(n) for n in self.objects]
 
 
-def remove_checkpoint(
-    uri: str, *, recursive: bool = False, dry_run: bool = False, **storage_options: Any
-) -> Removal:
+def remove_checkpoint(uri: str, *, recursive: bool = False, dry_run: bool = False, **storage_options: Any) -> Removal:
     """Delete the step or checkpoint at ``uri`` (marker and ``.metadata`` first); returns what is removed.
 
     Only checkpoint objects are removed (a ``notes.md`` in a checkpoint directory stays, listed

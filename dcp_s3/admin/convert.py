@@ -88,7 +88,9 @@ def convert_checkpoint(
     else:
         dst_store, name = open_object(out, **(dst_options or {}))
         if not overwrite and dst_store.size(name) is not None:
-            raise CheckpointExistsError(f"{dst_store.url(name)} already exists; pass overwrite=True (--force) to replace it")
+            raise CheckpointExistsError(
+                f"{dst_store.url(name)} already exists; pass overwrite=True (--force) to replace it"
+            )
     store, steps = resolve(uri, **(src_options or {}))
     step = _single(store, steps, uri)
     parts = [p for k, p in step.parts.items() if step.kind == "dcp" or k.endswith("_model")]

@@ -71,7 +71,7 @@ def copy_checkpoint(
     else:  # one step, named by its prefix: <name>.pth, <name>.<part>/...
         (step,) = steps
         dst_store, dst_name = open_object(dst, follow_symlinks=follow_symlinks, **(dst_options or {}))
-        pairs = [(e, dst_name + e.name[len(step.name):]) for e in step.objects]
+        pairs = [(e, dst_name + e.name[len(step.name) :]) for e in step.objects]
         tops = [p.name for p in [*step.parts.values(), *step.stale]] + ([step.marker.name] if step.marker else [])
     for entry, name in pairs:
         check_relative_name(entry.name, src_store.url())

@@ -29,7 +29,6 @@ def _tensor_sizes(metadata: Metadata) -> tuple[int, int]:
     return sum(map(_tensor_bytes, tensors.values())), stored
 
 
-
 @dataclass
 class StepSummary:
     """One row of ``dcp-s3 ls``."""
@@ -79,9 +78,17 @@ def list_steps(uri: str, **storage_options: Any) -> list[StepSummary]:
             logical = None  # a legacy single-file checkpoint: no metadata to read
         out.append(
             StepSummary(
-                name=step.name or ".", url=store.url(step.name), kind=step.kind, complete=step.complete,
-                stored_bytes=step.stored_bytes, logical_bytes=logical, tensor_stored_bytes=stored_tensors,
-                objects=len(step.objects), mtime=step.mtime, parts=sorted(step.parts), error=error,
+                name=step.name or ".",
+                url=store.url(step.name),
+                kind=step.kind,
+                complete=step.complete,
+                stored_bytes=step.stored_bytes,
+                logical_bytes=logical,
+                tensor_stored_bytes=stored_tensors,
+                objects=len(step.objects),
+                mtime=step.mtime,
+                parts=sorted(step.parts),
+                error=error,
                 unreadable=unreadable,
             )
         )
@@ -118,13 +125,29 @@ def inspect_checkpoint(uri: str, **storage_options: Any) -> list[TensorInfo]:
             stored[index.fqn] = stored.get(index.fqn, 0) + int(info.length)
         for fqn, md in sorted(metadata.state_dict_metadata.items()):
             if isinstance(md, TensorStorageMetadata):
-                out.append(TensorInfo(
-                    part=key, fqn=fqn, kind="tensor", shape=list(md.size),
-                    dtype=str(md.properties.dtype).replace("torch.", ""),
-                    chunks=[{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
-                    stored_bytes=stored.get(fqn, 0), logical_bytes=_tensor_bytes(md),
-                ))
+                out.append(
+                    TensorInfo(
+                        part=key,
+                        fqn=fqn,
+                        kind="tensor",
+                        shape=list(md.size),
+                        dtype=str(md.properties.dtype).replace("torch.", ""),
+                        chunks=[{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+                        stored_bytes=stored.get(fqn, 0),
+                        logical_bytes=_tensor_bytes(md),
+                    )
+                )
             else:
-                out.append(TensorInfo(part=key, fqn=fqn, kind="bytes", shape=None, dtype=None, chunks=[],
-                                      stored_bytes=stored.get(fqn, 0), logical_bytes=stored.get(fqn, 0)))
+                out.append(
+                    TensorInfo(
+                        part=key,
+                        fqn=fqn,
+                        kind="bytes",
+                        shape=None,
+                        dtype=None,
+                        chunks=[],
+                        stored_bytes=stored.get(fqn, 0),
+                        logical_bytes=stored.get(fqn, 0),
+                    )
+                )
     return out

@@ -81,7 +81,8 @@ def list_local_tier(local_root: str, s3: str | None = None, **s3_options: Any) -
     root = os.path.abspath(local_root)
     if not is_local_tier_root(root):
         raise CheckpointNotFoundError(
-            f"{local_root}: no rank<NNNNN>/ directories: not the local root of a Checkpointer(local_root=...)")
+            f"{local_root}: no rank<NNNNN>/ directories: not the local root of a Checkpointer(local_root=...)"
+        )
     found, refused = scan_copies(root)
     rows = [_row(step, by_rank, refused) for step, by_rank in found.items()]
     rows.sort(key=lambda r: (len(r.name), r.name))
@@ -99,9 +100,13 @@ def _row(step: str, by_rank: dict[int, Copy | str], refused: dict[int, str]) -> 
     why = copies_problem(by_rank, refused) or ""
     saves = {save_of(c.marker) for c in copies}
     return LocalStep(
-        name=step, iteration=iteration if type(iteration) is int else None,
-        world_size=next(iter(worlds)) if len(worlds) == 1 else None, ranks=[c.rank for c in copies],
-        complete=not why, why=why, problems=problems,
+        name=step,
+        iteration=iteration if type(iteration) is int else None,
+        world_size=next(iter(worlds)) if len(worlds) == 1 else None,
+        ranks=[c.rank for c in copies],
+        complete=not why,
+        why=why,
+        problems=problems,
         committed_at=max((c.committed_at for c in copies), default=None),
         save=next(iter(saves)) if len(saves) == 1 else None,
     )

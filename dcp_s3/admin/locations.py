@@ -48,11 +48,15 @@ def resolve(uri: str, *, follow_symlinks: bool = False, **storage_options: Any) 
         return parent, found
     step, dot, part = name.rpartition(".")
     if dot and PART_SUFFIX_RE.fullmatch(part):  # <step>.<part>: the directory the step's marker names
-        named = [s for s in settle(parent, [s for s in scan(parent.list_objects(f"{step}.")) if s.name == step])
-                 if part in s.parts and not s.error]
+        named = [
+            s
+            for s in settle(parent, [s for s in scan(parent.list_objects(f"{step}.")) if s.name == step])
+            if part in s.parts and not s.error
+        ]
         if named:
-            store = open_store(parent.url(named[0].parts[part].name), follow_symlinks=follow_symlinks,
-                               **storage_options)
+            store = open_store(
+                parent.url(named[0].parts[part].name), follow_symlinks=follow_symlinks, **storage_options
+            )
             return store, scan(store.list_objects())
     raise CheckpointNotFoundError(f"no checkpoint found at {uri}")
 

@@ -50,8 +50,19 @@ from dcp_s3.store.base import Store
 from dcp_s3.untrusted.torch_files import torch_load
 
 __all__ = [
-    "PART_DIRS", "new_token", "generation_name", "marker_entry", "part_dirs_of", "load_marker_bytes", "read_marker",
-    "settle", "find_complete", "delete_dirs", "replaced_dirs", "commit_step", "plan_parts",
+    "PART_DIRS",
+    "new_token",
+    "generation_name",
+    "marker_entry",
+    "part_dirs_of",
+    "load_marker_bytes",
+    "read_marker",
+    "settle",
+    "find_complete",
+    "delete_dirs",
+    "replaced_dirs",
+    "commit_step",
+    "plan_parts",
 ]
 
 log = logging.getLogger("dcp_s3")
@@ -108,7 +119,12 @@ def marker_entry(suffix: str, token: str | None) -> str:
 
 
 def plan_parts(
-    store: Store, step: str, marker: Any, marker_name: str, model_keys: list[str], optim_keys: list[str],
+    store: Store,
+    step: str,
+    marker: Any,
+    marker_name: str,
+    model_keys: list[str],
+    optim_keys: list[str],
     allow_missing: bool,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """For a load of ``step`` (rank 0): (the directory of each part to load, ``"load"``/``"missing"`` by
@@ -124,7 +140,9 @@ def plan_parts(
 
     for key in model_keys:
         if not present(f"{key}_model"):
-            raise CheckpointNotFoundError(f"model checkpoint {store.url(dirs[f'{key}_model'])} is missing or incomplete")
+            raise CheckpointNotFoundError(
+                f"model checkpoint {store.url(dirs[f'{key}_model'])} is missing or incomplete"
+            )
     optim: dict[str, str] = {}
     for key in optim_keys:
         if present(f"{key}_optim"):
@@ -217,8 +235,9 @@ def delete_dirs(store: Store, dirs: Iterable[str]) -> int:
     return len(names)
 
 
-def commit_step(store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str], *,
-                first: bool = False) -> None:
+def commit_step(
+    store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str], *, first: bool = False
+) -> None:
     """Rank 0, once every part is committed: write the marker ``<step>.pth`` (the step's commit).
 
     ``first`` (a first save: there was no marker when the save began): the marker is written only if
@@ -249,8 +268,11 @@ def commit_step(store: Store, step: str, marker: bytes, token: str | None, suffi
             n = delete_dirs(store, sorted(replaced))
             log.info("re-saved step %s: deleted %d objects of the parts it replaced", store.url(step), n)
     except (DcpS3Error, OSError) as exc:  # the step is saved; what is left over is gc's
-        log.warning("re-saved step %s, but could not delete the parts it replaced (`dcp-s3 gc` removes them "
-                    "later): %s", store.url(step), exc)
+        log.warning(
+            "re-saved step %s, but could not delete the parts it replaced (`dcp-s3 gc` removes them later): %s",
+            store.url(step),
+            exc,
+        )
 
 
 def _commit_first(store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str]) -> None:
@@ -260,8 +282,10 @@ def _commit_first(store: Store, step: str, marker: bytes, token: str | None, suf
         return
     except CheckpointExistsError:
         pass
-    lost = f"step {store.url(step)} was committed by another save while this first save of it ran (two jobs " \
+    lost = (
+        f"step {store.url(step)} was committed by another save while this first save of it ran (two jobs "
         "saving the same step): the step is the other save, every part of it; this save is not stored"
+    )
     try:
         if store.read(name) == marker:  # our own write, refused on a retry of it
             return
@@ -298,6 +322,7 @@ def find_complete(store: Store, count: int | None = 1, unreadable: dict[str, str
     saves have them, see the module docstring) also costs a GET of its marker, whose ``part_dirs`` names
     its parts. A step whose marker cannot be followed is not complete; ``unreadable`` (if given) gets why.
     """
+
     def complete(step: Step) -> bool:
         settle(store, [step])  # a GET of the marker if the step has generation directories
         if step.error and unreadable is not None:

@@ -45,8 +45,12 @@ def load_legacy(
         if not on_meta(model):
             result = set_model_state_dict(model, msd, options=StateDictOptions(full_state_dict=True, strict=False))
             if result is not None and (result.missing_keys or result.unexpected_keys):
-                log.warning("legacy checkpoint %s: %d missing, %d unexpected model keys (loaded non-strict)",
-                            where, len(result.missing_keys), len(result.unexpected_keys))
+                log.warning(
+                    "legacy checkpoint %s: %d missing, %d unexpected model keys (loaded non-strict)",
+                    where,
+                    len(result.missing_keys),
+                    len(result.unexpected_keys),
+                )
         optim = (optimizer_dict or {}).get(key)
         if optim is None or on_meta(model):
             continue
@@ -65,6 +69,8 @@ def load_legacy(
             else:
                 set_optimizer_state_dict(model, optim, osd, options=StateDictOptions(full_state_dict=True))
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-            warn(f"legacy checkpoint {where}: optimizer state does not match ({exc}); "
-                 "continuing with fresh optimizer state")
+            warn(
+                f"legacy checkpoint {where}: optimizer state does not match ({exc}); "
+                "continuing with fresh optimizer state"
+            )
     return int(marker.get("iteration", 0))

@@ -94,11 +94,14 @@ def globalize(md: Metadata, layout: Any, where: str) -> Metadata:
             continue
         spot = layout.get(fqn)
         if not spot or len(spot) != 3 or list(spot[2]) != list(entry.size):
-            raise CheckpointFormatError(f"{where}: the layout of {fqn!r} ({spot}) does not match its size {list(entry.size)}")
+            raise CheckpointFormatError(
+                f"{where}: the layout of {fqn!r} ({spot}) does not match its size {list(entry.size)}"
+            )
         size, offsets = _placement(spot, list(entry.size), fqn, where)
         shift[fqn] = offsets
-        chunks = [ChunkStorageMetadata(torch.Size([o + s for o, s in zip(c.offsets, offsets)]), c.sizes)
-                  for c in entry.chunks]
+        chunks = [
+            ChunkStorageMetadata(torch.Size([o + s for o, s in zip(c.offsets, offsets)]), c.sizes) for c in entry.chunks
+        ]
         state[fqn] = TensorStorageMetadata(entry.properties, size, chunks)
     storage = {}
     for index, info in md.storage_data.items():
@@ -115,7 +118,8 @@ def _placement(spot: Any, shard: list[int], fqn: str, where: str) -> tuple[torch
     per dimension, and the shard inside the global tensor (a marker is stored bytes: never trusted)."""
     size, offsets = spot[0], spot[1]
     ok = (
-        isinstance(size, (list, tuple)) and isinstance(offsets, (list, tuple))
+        isinstance(size, (list, tuple))
+        and isinstance(offsets, (list, tuple))
         and len(size) == len(offsets) == len(shard)
         and all(type(x) is int for x in (*size, *offsets))
         and all(0 <= o and o + n <= g for o, n, g in zip(offsets, shard, size))

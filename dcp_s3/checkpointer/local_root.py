@@ -55,8 +55,10 @@ def rank_dir_problem(local_root: str, name: str) -> str | None:
             target = os.readlink(path)
         except OSError:
             target = "?"
-        return (f"{path} is a symbolic link (to {target}); the local tier's rank directories are made by dcp_s3, "
-                "never links: nothing is read, written or deleted through it (replace it with a directory)")
+        return (
+            f"{path} is a symbolic link (to {target}); the local tier's rank directories are made by dcp_s3, "
+            "never links: nothing is read, written or deleted through it (replace it with a directory)"
+        )
     if not stat.S_ISDIR(st.st_mode):
         return f"{path} is not a directory; the local tier's rank directories are made by dcp_s3"
     return None

@@ -141,9 +141,20 @@ class Checkpointer:
         self._pending: AsyncSave | None = None
         self._finisher: ThreadPoolExecutor | None = None
         self._ranks = Ranks()
-        self._tiers = None if local_root is None else Tiers(
-            self.store, self._ranks, local_root, s3_every=s3_every, keep_last_local=keep_last_local,
-            keep_last=keep_last, attempts=promotion_attempts, promotion_timeout=promotion_timeout)
+        self._tiers = (
+            None
+            if local_root is None
+            else Tiers(
+                self.store,
+                self._ranks,
+                local_root,
+                s3_every=s3_every,
+                keep_last_local=keep_last_local,
+                keep_last=keep_last,
+                attempts=promotion_attempts,
+                promotion_timeout=promotion_timeout,
+            )
+        )
         self._io = StepIO(self.store, storage_options)  # locations, reusable writers/readers
 
     def __repr__(self) -> str:
@@ -220,10 +231,16 @@ class Checkpointer:
         futures = []
         for (key, kind, state, planner), group in zip(parts, groups):
             writer, url = self._io.writer(store, generation_name(step, key, kind, token), key, kind)
-            futures.append(async_save(
-                state, checkpoint_id=url, storage_writer=writer, planner=planner, process_group=group,
-                no_dist=not distributed(),
-            ))
+            futures.append(
+                async_save(
+                    state,
+                    checkpoint_id=url,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=group,
+                    no_dist=not distributed(),
+                )
+            )
         rank0 = rank() == 0
 
         def finish() -> str:
@@ -318,8 +335,11 @@ class Checkpointer:
         if self._tiers is not None and path is None:
             got = tiered_load(self._tiers, model_dict, optimizer_dict)
             if got is None:
-                log.info("no complete checkpoint in either tier (%s, %s): starting from scratch", self.save_dir,
-                         self._tiers.local_root)
+                log.info(
+                    "no complete checkpoint in either tier (%s, %s): starting from scratch",
+                    self.save_dir,
+                    self._tiers.local_root,
+                )
                 return 0
             if "s3_step" in got:
                 path = self.store.url(got["s3_step"])
@@ -329,7 +349,9 @@ class Checkpointer:
                 restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")
                 restore(callbacks, marker.get("callbacks"), "callbacks")
                 return int(marker.get("iteration", 0))
-        plan = self._ranks.run_on_rank0(lambda: self._io.plan_load(path, list(model_dict), optim_keys, allow_missing_optim))
+        plan = self._ranks.run_on_rank0(
+            lambda: self._io.plan_load(path, list(model_dict), optim_keys, allow_missing_optim)
+        )
         if plan is None:
             log.info("no complete checkpoint under %s: starting from scratch", self.save_dir)
             return 0
@@ -342,8 +364,7 @@ class Checkpointer:
         marker = torch_load(data, store.url(plan["marker"]))
         t0 = time.perf_counter()
         if plan["legacy"]:
-            iteration = load_legacy(marker, store.url(plan["marker"]), model_dict, optimizer_dict,
-                                    allow_missing_optim)
+            iteration = load_legacy(marker, store.url(plan["marker"]), model_dict, optimizer_dict, allow_missing_optim)
         else:
             for key, model in model_dict.items():
                 load_model(self._io.reader(store, dirs[f"{key}_model"], key, "model"), model)
@@ -352,8 +373,12 @@ class Checkpointer:
                 if status == "missing":
                     warn(f"optimizer checkpoint {store.url(name)} is missing; {key!r} continues with fresh state")
                     continue
-                load_optim(self._io.reader(store, name, key, "optim"), store.url(name), model_dict[key],
-                           (optimizer_dict or {}).get(key))
+                load_optim(
+                    self._io.reader(store, name, key, "optim"),
+                    store.url(name),
+                    model_dict[key],
+                    (optimizer_dict or {}).get(key),
+                )
             iteration = int(marker.get("iteration", 0))
         restore(scheduler_dict, marker.get("scheduler"), "scheduler_dict")
         restore(grad_scaler, marker.get("grad_scaler"), "grad_scaler")

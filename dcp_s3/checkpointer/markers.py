@@ -52,8 +52,11 @@ def marker_problem(marker: Any) -> str | None:
     checks = (
         ("format", lambda v: isinstance(v, str), "a str"),
         ("iteration", _whole, "a whole number"),
-        ("parts", lambda v: isinstance(v, list) and all(isinstance(p, str) and PART_SUFFIX_RE.fullmatch(p) for p in v),
-         "a list of part names"),
+        (
+            "parts",
+            lambda v: isinstance(v, list) and all(isinstance(p, str) and PART_SUFFIX_RE.fullmatch(p) for p in v),
+            "a list of part names",
+        ),
         ("world_size", lambda v: _whole(v) and v >= 1, "a whole number >= 1"),
         ("saved_at", lambda v: _whole(v) or isinstance(v, float), "a number"),
         ("part_dirs", lambda v: isinstance(v, dict), "a dict"),
@@ -64,8 +67,13 @@ def marker_problem(marker: Any) -> str | None:
             return f"{name!r} = {_short(marker[name])} is not {what}"
     if LOCAL_ENTRY in marker:
         entry = marker[LOCAL_ENTRY]
-        fine = isinstance(entry, dict) and _whole(entry.get("rank")) and _whole(entry.get("world_size")) \
-            and 0 <= entry["rank"] < entry["world_size"] and isinstance(entry.get("save", ""), (str, type(None)))
+        fine = (
+            isinstance(entry, dict)
+            and _whole(entry.get("rank"))
+            and _whole(entry.get("world_size"))
+            and 0 <= entry["rank"] < entry["world_size"]
+            and isinstance(entry.get("save", ""), (str, type(None)))
+        )
         if not fine:
             return f"{LOCAL_ENTRY!r} = {_short(entry)} names no rank of a world size (and a save token)"
     return None

@@ -82,8 +82,7 @@ def upload_rank(local: Store, s3: Store, parts: Sequence[tuple[str, str, Any]], 
             sent += local.size(src) or 0
         body = torch_save_bytes(layout)
         retry(lambda: s3.write(layout_name(s3_dir, rank), body), f"layout of rank {rank} to {s3.url(s3_dir)}", attempts)
-        retry(lambda: s3.write(report_name(s3_dir, rank), meta), f"report of rank {rank} to {s3.url(s3_dir)}",
-              attempts)
+        retry(lambda: s3.write(report_name(s3_dir, rank), meta), f"report of rank {rank} to {s3.url(s3_dir)}", attempts)
     return sent
 
 
@@ -112,8 +111,7 @@ def merge_metadata(per_rank: Sequence[Metadata]) -> Metadata:
                     have.chunks.append(chunk)
         for index, info in (md.storage_data or {}).items():
             storage.setdefault(index, info)
-    out = Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
-                   storage_meta=None)
+    out = Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, storage_meta=None)
     out.version = getattr(per_rank[0], "version", None) if per_rank else None
     return out
 
@@ -123,8 +121,16 @@ def _read(s3: Store, name: str, attempts: int) -> bytes:
 
 
 def commit_promoted(
-    s3: Store, step: str, parts: Sequence[tuple[str, str]], marker: bytes, token: str, world: int,
-    *, timeout: float, attempts: int, poll: float = 0.2,
+    s3: Store,
+    step: str,
+    parts: Sequence[tuple[str, str]],
+    marker: bytes,
+    token: str,
+    world: int,
+    *,
+    timeout: float,
+    attempts: int,
+    poll: float = 0.2,
 ) -> None:
     """Rank 0: wait for every rank's report in every S3 part directory, write each part's merged
     ``.metadata``, then the marker (``commit_step``), then delete the reports."""
@@ -146,11 +152,16 @@ def commit_promoted(
     for _, s3_dir in parts:
         reports = [_read(s3, report_name(s3_dir, r), attempts) for r in range(world)]
         layouts = [_read(s3, layout_name(s3_dir, r), attempts) for r in range(world)]
-        merged = merge_metadata([
-            globalize(load_metadata(b, s3.url(report_name(s3_dir, r))),
-                      torch_load(layouts[r], s3.url(layout_name(s3_dir, r))), s3.url(report_name(s3_dir, r)))
-            for r, b in enumerate(reports)
-        ])
+        merged = merge_metadata(
+            [
+                globalize(
+                    load_metadata(b, s3.url(report_name(s3_dir, r))),
+                    torch_load(layouts[r], s3.url(layout_name(s3_dir, r))),
+                    s3.url(report_name(s3_dir, r)),
+                )
+                for r, b in enumerate(reports)
+            ]
+        )
         body = dump_metadata(merged, "dcp")
         retry(lambda: s3.write(f"{s3_dir}/{METADATA_KEY}", body), f"commit of {s3.url(s3_dir)}", attempts)
     retry(lambda: commit_step(s3, step, marker, token, suffixes), f"marker of {s3.url(step)}", attempts)

@@ -45,8 +45,12 @@ def load_model(reader: Any, model: nn.Module) -> None:
     pointed at the part). A model entirely on the meta device takes part with an empty plan."""
     if on_meta(model):
         # All collectives, no reads: the planner gives this rank an empty plan.
-        dcp.load(model.state_dict(), storage_reader=reader, planner=TrainableOnlyLoadPlanner(model),
-                 no_dist=not distributed())
+        dcp.load(
+            model.state_dict(),
+            storage_reader=reader,
+            planner=TrainableOnlyLoadPlanner(model),
+            no_dist=not distributed(),
+        )
         return
     state = get_model_state_dict(model)
     dcp.load(state, storage_reader=reader, planner=TrainableOnlyLoadPlanner(model), no_dist=not distributed())
@@ -64,8 +68,10 @@ def load_optim(reader: Any, where: str, model: nn.Module, optim: torch.optim.Opt
     planner = OptimizerLoadPlanner(check=bool(state))
     dcp.load(state, storage_reader=reader, planner=planner, no_dist=not distributed())
     if planner.problem is not None:
-        warn(f"optimizer checkpoint {where} does not match the optimizer ({planner.problem}); "
-             "continuing with fresh optimizer state")
+        warn(
+            f"optimizer checkpoint {where} does not match the optimizer ({planner.problem}); "
+            "continuing with fresh optimizer state"
+        )
         return
     if state and optim is not None:
         set_optimizer_state_dict(model, optim, state)
@@ -155,8 +161,15 @@ class StepIO:
         legacy = marker.get("format") != MARKER_FORMAT and not is_foreign_step_marker(marker)
         if not legacy:
             check_marker(marker, store.url(marker_name))  # its fields by type, before any is used
-        plan: dict[str, Any] = {"root": store.url(), "step": step, "marker": marker_name, "legacy": legacy, "optim": {},
-                                "marker_data": None if legacy else marker_data, "dirs": {}}
+        plan: dict[str, Any] = {
+            "root": store.url(),
+            "step": step,
+            "marker": marker_name,
+            "legacy": legacy,
+            "optim": {},
+            "marker_data": None if legacy else marker_data,
+            "dirs": {},
+        }
         if legacy:
             if "model" not in marker:
                 raise CheckpointFormatError(
@@ -165,5 +178,7 @@ class StepIO:
                     "a 'model' entry"
                 )
             return plan
-        plan["dirs"], plan["optim"] = plan_parts(store, step, marker, marker_name, model_keys, optim_keys, allow_missing)
+        plan["dirs"], plan["optim"] = plan_parts(
+            store, step, marker, marker_name, model_keys, optim_keys, allow_missing
+        )
         return plan

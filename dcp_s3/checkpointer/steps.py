@@ -35,8 +35,19 @@ from dcp_s3.layout import DATA_SUFFIX, METADATA_KEY, is_key_prefix_dir
 from dcp_s3.store.base import Entry, Store
 
 __all__ = [
-    "MARKER_SUFFIX", "MARKER_FORMAT", "Part", "Step", "scan", "ordered", "complete_steps", "part_name",
-    "root_steps", "PART_SUFFIX_RE", "PROBE_PATTERN", "is_checkpoint_key", "is_checkpoint_object",
+    "MARKER_SUFFIX",
+    "MARKER_FORMAT",
+    "Part",
+    "Step",
+    "scan",
+    "ordered",
+    "complete_steps",
+    "part_name",
+    "root_steps",
+    "PART_SUFFIX_RE",
+    "PROBE_PATTERN",
+    "is_checkpoint_key",
+    "is_checkpoint_object",
 ]
 
 MARKER_SUFFIX = ".pth"

@@ -90,8 +90,13 @@ def _covers(store: Store, name: str | None, saved: Any, state: dict[str, Any], p
     return None
 
 
-def check_copy(store: Store, marker: Any, dirs: Mapping[str, str], model_dict: Mapping[str, nn.Module],
-               optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> str | None:
+def check_copy(
+    store: Store,
+    marker: Any,
+    dirs: Mapping[str, str],
+    model_dict: Mapping[str, nn.Module],
+    optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
+) -> str | None:
     """Why this rank's local copy (``marker``, part directories ``dirs`` in ``store``) cannot serve its load,
     or None."""
     layouts = marker.get(LAYOUT) if isinstance(marker, dict) else None
@@ -100,8 +105,13 @@ def check_copy(store: Store, marker: Any, dirs: Mapping[str, str], model_dict: M
         for key, model in model_dict.items():
             if on_meta(model):
                 return "the model is on the meta device"
-            why = _covers(store, dirs.get(f"{key}_model"), layouts.get(f"{key}_model"), get_model_state_dict(model),
-                          TrainableOnlySavePlanner(model))
+            why = _covers(
+                store,
+                dirs.get(f"{key}_model"),
+                layouts.get(f"{key}_model"),
+                get_model_state_dict(model),
+                TrainableOnlySavePlanner(model),
+            )
             if why:
                 return why
         for key, optim in sorted((optimizer_dict or {}).items()):
@@ -114,8 +124,13 @@ def check_copy(store: Store, marker: Any, dirs: Mapping[str, str], model_dict: M
     return None
 
 
-def load_alone(store: Store, dirs: Mapping[str, str], model_dict: Mapping[str, nn.Module],
-               optimizer_dict: Mapping[str, torch.optim.Optimizer] | None, local: bool) -> None:
+def load_alone(
+    store: Store,
+    dirs: Mapping[str, str],
+    model_dict: Mapping[str, nn.Module],
+    optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
+    local: bool,
+) -> None:
     """Load every part from ``store`` on this rank alone (``no_dist``: no collective): a local copy
     (``local``: local tensors, :mod:`dcp_s3.checkpointer.local_layout`) or a global checkpoint on S3."""
     view = local_view if local else (lambda state: state)
@@ -138,8 +153,10 @@ def load_alone(store: Store, dirs: Mapping[str, str], model_dict: Mapping[str, n
         dcp.load(into, storage_reader=store.reader(dirs[f"{key}_optim"]), planner=planner, no_dist=True)
         osd = from_view(osd, into) if local else osd
         if planner.problem is not None:
-            warn(f"optimizer checkpoint {store.url(dirs[f'{key}_optim'])} does not match the optimizer "
-                 f"({planner.problem}); continuing with fresh optimizer state")
+            warn(
+                f"optimizer checkpoint {store.url(dirs[f'{key}_optim'])} does not match the optimizer "
+                f"({planner.problem}); continuing with fresh optimizer state"
+            )
         elif osd:
             set_optimizer_state_dict(model, optim, osd)
 
@@ -172,8 +189,9 @@ class _S3Steps:
 
     def __init__(self, tiers: Tiers) -> None:
         self.tiers = tiers
-        self.named: set[str] = set(tiers.ranks.run_on_rank0(
-            lambda: sorted(s.name for s in root_steps(tiers.s3) if s.marker is not None)))
+        self.named: set[str] = set(
+            tiers.ranks.run_on_rank0(lambda: sorted(s.name for s in root_steps(tiers.s3) if s.marker is not None))
+        )
         self._seen: dict[str, tuple[StoredSave | None, str]] = {}
 
     def save(self, step: str) -> tuple[StoredSave | None, str]:
@@ -182,17 +200,20 @@ class _S3Steps:
         if step not in self.named:
             return None, "it is not on S3"
         if step not in self._seen:
+
             def probe() -> tuple[StoredSave | None, str]:
                 try:
                     return stored_save(self.tiers.s3, step), ""
                 except (DcpS3Error, OSError) as exc:
                     return None, f"on S3 {short_reason(exc)}"
+
             self._seen[step] = self.tiers.ranks.run_on_rank0(probe)
         return self._seen[step]
 
 
-def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
-                optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> dict[str, Any] | None:
+def tiered_load(
+    tiers: Tiers, model_dict: Mapping[str, nn.Module], optimizer_dict: Mapping[str, torch.optim.Optimizer] | None
+) -> dict[str, Any] | None:
     """Load the newest step of either tier (module docstring). Returns ``{"step", "marker", "source"}``
     once loaded here; ``{"s3_step"}`` when every rank is to load it from S3 (the caller runs the
     ordinary S3 load); None when no step is complete anywhere. ``tiers.last_load`` says where from and
@@ -209,8 +230,9 @@ def tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
     return got
 
 
-def _tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
-                 optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> dict[str, Any] | None:
+def _tiered_load(
+    tiers: Tiers, model_dict: Mapping[str, nn.Module], optimizer_dict: Mapping[str, torch.optim.Optimizer] | None
+) -> dict[str, Any] | None:
     s3 = _S3Steps(tiers)
     mine = tiers.local_steps()
     shared, refused = shared_copies(tiers.local_root)
@@ -237,20 +259,35 @@ def _tiered_load(tiers: Tiers, model_dict: Mapping[str, nn.Module],
             warn(f"loading step {step}, not the newer " + ", ".join(f"{p} ({why})" for p, why in newer.items()))
         tiers.last_load["skipped"] = {**newer, **skipped}
         return got
-    tiers.last_load = {"step": None, "source": None, "s3_ranks": [], "reasons": {},
-                       "skipped": {**_newer("", partial, every, refused), **skipped}}
+    tiers.last_load = {
+        "step": None,
+        "source": None,
+        "s3_ranks": [],
+        "reasons": {},
+        "skipped": {**_newer("", partial, every, refused), **skipped},
+    }
     return None
 
 
-def _load_step(tiers: Tiers, s3: _S3Steps, step: str, mine: Mapping[str, tuple[Any, dict[str, str]]],
-               every: list[dict[str, str | None]], common: set[str], model_dict: Mapping[str, nn.Module],
-               optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
-               skipped: dict[str, str]) -> dict[str, Any] | None:
+def _load_step(
+    tiers: Tiers,
+    s3: _S3Steps,
+    step: str,
+    mine: Mapping[str, tuple[Any, dict[str, str]]],
+    every: list[dict[str, str | None]],
+    common: set[str],
+    model_dict: Mapping[str, nn.Module],
+    optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
+    skipped: dict[str, str],
+) -> dict[str, Any] | None:
     """Every rank: load ``step`` from this rank's local copy, or from S3 when that copy cannot serve or is
     not proven to be of the save S3 holds (module docstring of :mod:`dcp_s3.checkpointer.saves`). None
     (the reason in ``skipped``, warned) when neither tier can serve it."""
-    problem = check_copy(tiers.local, *mine[step], model_dict, optimizer_dict) if step in mine \
+    problem = (
+        check_copy(tiers.local, *mine[step], model_dict, optimizer_dict)
+        if step in mine
         else tiers.unusable.get(step, tiers.refused or "no local copy")
+    )
     bad = {r: p for r, p in enumerate(_gather(tiers, problem)) if p}
     save: StoredSave | None = None
     if bad or step not in common:
@@ -272,8 +309,10 @@ def _load_step(tiers: Tiers, s3: _S3Steps, step: str, mine: Mapping[str, tuple[A
     error = _attempt(tiers.s3 if me in bad else tiers.local, dirs, model_dict, optimizer_dict, me not in bad)
     failed = {r: e for r, e in enumerate(_gather(tiers, (error, me not in bad))) if e[0]}
     if any(not was_local for _, was_local in failed.values()):
-        raise DcpS3Error(f"loading step {step} from S3 failed: "
-                         + "; ".join(f"rank {r}: {e}" for r, (e, _) in sorted(failed.items())))
+        raise DcpS3Error(
+            f"loading step {step} from S3 failed: "
+            + "; ".join(f"rank {r}: {e}" for r, (e, _) in sorted(failed.items()))
+        )
     if failed:
         lost = {r: f"its local copy failed to load: {e}" for r, (e, _) in failed.items()}
         if save is None:
@@ -285,8 +324,10 @@ def _load_step(tiers: Tiers, s3: _S3Steps, step: str, mine: Mapping[str, tuple[A
         bad.update(lost)
         if other:  # ranks loaded a local save that S3 does not hold: every rank reads S3's
             bad.update(other)
-            warn(f"step {step}: local copies failed to load, and S3 holds another save of it: every rank "
-                 f"reads S3 ({_describe(bad)})")
+            warn(
+                f"step {step}: local copies failed to load, and S3 holds another save of it: every rank "
+                f"reads S3 ({_describe(bad)})"
+            )
             tiers.last_load = {"step": step, "source": "s3", "s3_ranks": sorted(bad), "reasons": bad}
             return {"s3_step": step}
         warn(f"step {step}: local copies failed to load, those ranks read S3 (the same save): {_describe(lost)}")
@@ -299,22 +340,31 @@ def _load_step(tiers: Tiers, s3: _S3Steps, step: str, mine: Mapping[str, tuple[A
             raise DcpS3Error(f"loading step {step} from S3 failed: {_describe(again)}")
     source = "local" if not bad else "mixed"
     if bad:
-        log.info("loaded step %s: ranks %s from S3 (%s), the others from the local tier (save %s)", step,
-                 sorted(bad), _describe(bad), save.token if save else None)
+        log.info(
+            "loaded step %s: ranks %s from S3 (%s), the others from the local tier (save %s)",
+            step,
+            sorted(bad),
+            _describe(bad),
+            save.token if save else None,
+        )
     tiers.last_load = {"step": step, "source": source, "s3_ranks": sorted(bad), "reasons": bad}
     return {"step": step, "marker": marker, "source": source}
 
 
-def _other_save(step: str, every: list[dict[str, str | None]], bad: Mapping[int, str],
-                save: StoredSave) -> dict[int, str]:
+def _other_save(
+    step: str, every: list[dict[str, str | None]], bad: Mapping[int, str], save: StoredSave
+) -> dict[int, str]:
     """The ranks not in ``bad`` whose local copy of ``step`` is not proven to be of ``save``: they must not
     be combined with parts read from it."""
     out = {}
     for r, view in enumerate(every):
         token = view.get(step)
         if r not in bad and (token is None or token != save.token):
-            out[r] = (f"its local copy is of save {token}, S3 holds save {save.token}: not combined"
-                      if token else "its local copy records no save token: not combined with S3's parts")
+            out[r] = (
+                f"its local copy is of save {token}, S3 holds save {save.token}: not combined"
+                if token
+                else "its local copy records no save token: not combined with S3's parts"
+            )
     return out
 
 
@@ -331,22 +381,33 @@ def _agreed(views: list[dict[str, str | None]]) -> set[str]:
     return {s for s, save in views[0].items() if all(s in v and v[s] == save for v in views)}
 
 
-def _newer(step: str, partial: list[str], every: list[dict[str, str | None]], refused: Mapping[str, str]) -> dict[str, str]:
+def _newer(
+    step: str, partial: list[str], every: list[dict[str, str | None]], refused: Mapping[str, str]
+) -> dict[str, str]:
     """Why each step newer than ``step`` that was never a candidate cannot be loaded (by step)."""
     out = {}
     for p in (p for p in partial if _order(p) > _order(step)):
         held = [r for r, x in enumerate(every) if p in x]
-        out[p] = (f"committed locally on ranks {held} only, and not on S3" if len(held) < len(every)
-                  else "the ranks' local copies are of different saves of it, and it is not on S3")
+        out[p] = (
+            f"committed locally on ranks {held} only, and not on S3"
+            if len(held) < len(every)
+            else "the ranks' local copies are of different saves of it, and it is not on S3"
+        )
     for p in sorted(refused):
         if _order(p) > _order(step) and p not in out:
             out[p] = f"its copies under the local root cannot be combined: {refused[p]}"
     return out
 
 
-def _load_merged(tiers: Tiers, s3: _S3Steps, step: str, shared: Shared, model_dict: Mapping[str, nn.Module],
-                 optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
-                 skipped: dict[str, str]) -> dict[str, Any] | None:
+def _load_merged(
+    tiers: Tiers,
+    s3: _S3Steps,
+    step: str,
+    shared: Shared,
+    model_dict: Mapping[str, nn.Module],
+    optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
+    skipped: dict[str, str],
+) -> dict[str, Any] | None:
     """Every rank: load ``step`` from the copies of all its saving ranks, of one save
     (:mod:`dcp_s3.checkpointer.tier_reshard`); if they cannot serve it, every rank loads it from S3.
     Returns what :func:`tiered_load` returns, or None when the step cannot be had (warned): the next is tried."""
@@ -360,17 +421,28 @@ def _load_merged(tiers: Tiers, s3: _S3Steps, step: str, shared: Shared, model_di
             error = short_reason(exc)
         bad = {r: e for r, e in enumerate(_gather(tiers, error)) if e}
     if not bad:
-        log.info("loaded step %s from the local tier: the copies of its %d saving ranks under %s, resharded",
-                 step, shared.world_size, tiers.local_root)
-        tiers.last_load = {"step": step, "source": "local", "s3_ranks": [], "reasons": {},
-                           "resharded_from": shared.world_size}
+        log.info(
+            "loaded step %s from the local tier: the copies of its %d saving ranks under %s, resharded",
+            step,
+            shared.world_size,
+            tiers.local_root,
+        )
+        tiers.last_load = {
+            "step": step,
+            "source": "local",
+            "s3_ranks": [],
+            "reasons": {},
+            "resharded_from": shared.world_size,
+        }
         return {"step": step, "marker": shared.copies[0].marker, "source": "local"}
     save, why = s3.save(step)
     if save is None:
         skipped[step] = _skip(step, _describe(bad), why)
         return None
-    warn(f"step {step}: the copies of its {shared.world_size} saving ranks under {tiers.local_root} cannot serve "
-         f"this load, it is read from S3: {_describe(bad)}")
+    warn(
+        f"step {step}: the copies of its {shared.world_size} saving ranks under {tiers.local_root} cannot serve "
+        f"this load, it is read from S3: {_describe(bad)}"
+    )
     tiers.last_load = {"step": step, "source": "s3", "s3_ranks": list(range(world_size())), "reasons": bad}
     return {"s3_step": step}
 

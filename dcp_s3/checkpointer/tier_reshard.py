@@ -51,9 +51,19 @@ from dcp_s3.store import Store
 from dcp_s3.untrusted.metadata_check import tiling_problem
 
 __all__ = [
-    "Copy", "Shared", "rank_dir", "rank_dirs", "scan_copies", "copies_problem", "shared_copies", "merged_metadata",
-    "MergedReader", "check_shared", "load_merged",
+    "Copy",
+    "Shared",
+    "rank_dir",
+    "rank_dirs",
+    "scan_copies",
+    "copies_problem",
+    "shared_copies",
+    "merged_metadata",
+    "MergedReader",
+    "check_shared",
+    "load_merged",
 ]
+
 
 class Copy(NamedTuple):
     """One saving rank's committed local copy of a step."""
@@ -144,8 +154,11 @@ def copies_problem(by_rank: Mapping[int, Copy | str], refused: Mapping[int, str]
         return "its markers record no save token (saved by an older dcp_s3)"
     if len(saves) != 1:
         held = {s: [c.rank for c in copies if save_of(c.marker) == s] for s in saves}
-        return "its copies are of different saves of the step (ranks " + "; ".join(
-            map(str, held.values())) + "): a rerun that did not complete on every rank"
+        return (
+            "its copies are of different saves of the step (ranks "
+            + "; ".join(map(str, held.values()))
+            + "): a rerun that did not complete on every rank"
+        )
     parts = {tuple(sorted(c.dirs)) for c in copies}
     if len(parts) != 1:
         return f"its copies hold different parts {sorted(parts)}"
@@ -273,8 +286,12 @@ class MergedReader(S3StorageReader):
         return md
 
 
-def check_shared(local_root: str, shared: Shared, model_dict: Mapping[str, nn.Module],
-                 optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> tuple[dict[str, Metadata], str | None]:
+def check_shared(
+    local_root: str,
+    shared: Shared,
+    model_dict: Mapping[str, nn.Module],
+    optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
+) -> tuple[dict[str, Metadata], str | None]:
     """(merged metadata by part, None) for the parts this load needs, or ({}, why not)."""
     parts = [f"{k}_model" for k in model_dict] + [f"{k}_optim" for k in sorted(optimizer_dict or {})]
     out = {}
@@ -286,8 +303,12 @@ def check_shared(local_root: str, shared: Shared, model_dict: Mapping[str, nn.Mo
     return out, None
 
 
-def load_merged(local_root: str, merged: Mapping[str, Metadata], model_dict: Mapping[str, nn.Module],
-                optimizer_dict: Mapping[str, torch.optim.Optimizer] | None) -> None:
+def load_merged(
+    local_root: str,
+    merged: Mapping[str, Metadata],
+    model_dict: Mapping[str, nn.Module],
+    optimizer_dict: Mapping[str, torch.optim.Optimizer] | None,
+) -> None:
     """Every rank, collectively: load every part through a :class:`MergedReader` of ``merged``."""
     for key, model in model_dict.items():
         load_model(MergedReader(local_root, merged[f"{key}_model"]), model)

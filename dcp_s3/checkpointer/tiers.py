@@ -101,8 +101,18 @@ class StepStatus:
 class Tiers:
     """The local tier and the promotions of one Checkpointer (see the module docstring)."""
 
-    def __init__(self, s3: Store, ranks: Ranks, local_root: str | os.PathLike[str], *, s3_every: int | None,
-                 keep_last_local: int | None, keep_last: int | None, attempts: int, promotion_timeout: float) -> None:
+    def __init__(
+        self,
+        s3: Store,
+        ranks: Ranks,
+        local_root: str | os.PathLike[str],
+        *,
+        s3_every: int | None,
+        keep_last_local: int | None,
+        keep_last: int | None,
+        attempts: int,
+        promotion_timeout: float,
+    ) -> None:
         if s3_every is not None and s3_every < 1:
             raise ConfigError(f"s3_every={s3_every} must be >= 1 (or None: only save(..., tier='s3') promotes)")
         if keep_last_local is not None and keep_last_local < 1:
@@ -139,8 +149,13 @@ class Tiers:
         return rank_dir_problem(self.local_root, rank_dir(rank()))
 
     # -- save -------------------------------------------------------------------------------------
-    def save(self, parts: list[tuple[str, str, dict[str, Any], Any]], content: dict[str, Any], iteration: int,
-             tier: str | None) -> str:
+    def save(
+        self,
+        parts: list[tuple[str, str, dict[str, Any], Any]],
+        content: dict[str, Any],
+        iteration: int,
+        tier: str | None,
+    ) -> str:
         """Save ``parts`` to this rank's local root, commit the local step, start its promotion if due."""
         if tier is not None and tier not in TIERS:
             raise ConfigError(f"tier={tier!r}: expected one of {TIERS} (or None: s3_every decides)")
@@ -159,21 +174,39 @@ class Tiers:
         for key, kind, state, planner in parts:
             name = generation_name(step, key, kind, ltoken)
             layouts[f"{key}_{kind}"] = layout_of(state, copy.copy(planner))
-            dcp.save(local_view(state), checkpoint_id=local.url(name),
-                     storage_writer=local.writer(name, overwrite=True), planner=planner, no_dist=True)
+            dcp.save(
+                local_view(state),
+                checkpoint_id=local.url(name),
+                storage_writer=local.writer(name, overwrite=True),
+                planner=planner,
+                no_dist=True,
+            )
         mine = {**content, LOCAL_ENTRY: {"rank": rank(), "world_size": world_size(), "save": token}, LAYOUT: layouts}
         mine[PART_DIRS] = {s: marker_entry(s, ltoken) for s in suffixes}
         commit_step(local, step, torch_save_bytes(mine), ltoken, suffixes, first=first)
         took = time.perf_counter() - t0
-        status = StepStatus(step, int(iteration), ["local"], "pending" if promote else "not planned",
-                            saved_at=time.time(), local_seconds=took)
+        status = StepStatus(
+            step,
+            int(iteration),
+            ["local"],
+            "pending" if promote else "not planned",
+            saved_at=time.time(),
+            local_seconds=took,
+        )
         with self._lock:
             self._status[step] = status
-        log.info("saved step %s to the local tier %s in %.2fs%s", step, local.url(), took,
-                 "; promoting it to S3" if promote else "")
+        log.info(
+            "saved step %s to the local tier %s in %.2fs%s",
+            step,
+            local.url(),
+            took,
+            "; promoting it to S3" if promote else "",
+        )
         if promote:
-            dirs = [(s, f"{step}.{marker_entry(s, ltoken)}", f"{step}.{marker_entry(s, token)}", layouts[s])
-                    for s in suffixes]
+            dirs = [
+                (s, f"{step}.{marker_entry(s, ltoken)}", f"{step}.{marker_entry(s, token)}", layouts[s])
+                for s in suffixes
+            ]
             s3_marker = torch_save_bytes({**content, PART_DIRS: {s: marker_entry(s, token) for s in suffixes}})
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcp_s3-promotion")
@@ -181,27 +214,43 @@ class Tiers:
         self._retain_local(keep=step)
         return local.url(step)
 
-    def _promote(self, status: StepStatus, dirs: list[tuple[str, str, str, Any]], marker: bytes, token: str,
-                 world: int) -> None:
+    def _promote(
+        self, status: StepStatus, dirs: list[tuple[str, str, str, Any]], marker: bytes, token: str, world: int
+    ) -> None:
         me = rank()
         status.promotion = "uploading"
         try:
-            status.upload_bytes = upload_rank(self.local, self.s3, [(lo, s3, lay) for _, lo, s3, lay in dirs], me,
-                                              self.attempts)
+            status.upload_bytes = upload_rank(
+                self.local, self.s3, [(lo, s3, lay) for _, lo, s3, lay in dirs], me, self.attempts
+            )
             if me != 0:  # rank 0 commits; this rank's part is done
                 status.promotion, status.promoted_at = "uploaded", time.time()
                 return
-            commit_promoted(self.s3, status.step, [(s, s3) for s, _, s3, _ in dirs], marker, token, world,
-                            timeout=self.timeout, attempts=self.attempts)
+            commit_promoted(
+                self.s3,
+                status.step,
+                [(s, s3) for s, _, s3, _ in dirs],
+                marker,
+                token,
+                world,
+                timeout=self.timeout,
+                attempts=self.attempts,
+            )
             status.promotion, status.promoted_at = "done", time.time()
             status.tiers.append("s3")
-            log.info("promoted step %s to %s: %.1fs after its local save", status.step, self.s3.url(),
-                     status.promoted_at - status.saved_at)
+            log.info(
+                "promoted step %s to %s: %.1fs after its local save",
+                status.step,
+                self.s3.url(),
+                status.promoted_at - status.saved_at,
+            )
             self._retain_s3(keep=status.step)
         except Exception as exc:
             status.promotion, status.error = "failed", f"{type(exc).__name__}: {exc}"
-            message = (f"promotion of step {status.step} to {self.s3.url()} failed on rank {me} after "
-                       f"{self.attempts} attempts; it stays in the local tier only: {status.error}")
+            message = (
+                f"promotion of step {status.step} to {self.s3.url()} failed on rank {me} after "
+                f"{self.attempts} attempts; it stays in the local tier only: {status.error}"
+            )
             log.warning(message)
             with self._lock:
                 self._failures.append(message)

@@ -75,8 +75,18 @@ def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
         options["max_whole_read"] = args.max_whole_read
     if not uri.startswith("s3://"):
         return options
-    names = ("credential_path", "endpoint_url", "region", "profile", "connect_timeout", "read_timeout",
-             "retry_attempts", "verify", "client_cert", "addressing_style")
+    names = (
+        "credential_path",
+        "endpoint_url",
+        "region",
+        "profile",
+        "connect_timeout",
+        "read_timeout",
+        "retry_attempts",
+        "verify",
+        "client_cert",
+        "addressing_style",
+    )
     options.update({n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
     if getattr(args, "request_args", None):
         options["request_args"] = dict(args.request_args)
@@ -94,17 +104,29 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = [["STEP", "STATUS", "STORED", "LOGICAL", "RATIO", "OBJECTS", "TIME"]]
     for s in steps:
         status = ("UNREADABLE" if s.unreadable else "complete" if s.complete else "INCOMPLETE") + (
-            " (dcp)" if s.kind == "dcp" else "")
+            " (dcp)" if s.kind == "dcp" else ""
+        )
         ratio = f"{s.ratio:.2f}x" if s.ratio is not None else "-"
-        rows.append([s.name, status, human_size(s.stored_bytes), human_size(s.logical_bytes), ratio,
-                     str(s.objects), _when(s.mtime)])
+        rows.append(
+            [
+                s.name,
+                status,
+                human_size(s.stored_bytes),
+                human_size(s.logical_bytes),
+                ratio,
+                str(s.objects),
+                _when(s.mtime),
+            ]
+        )
     print(_table(rows, right={2, 3, 4, 5}))
     for s in steps:
         if s.unreadable:
             _say(f"{s.name}: {s.error or 'unreadable'}")
     done = sum(s.complete and not s.unreadable for s in steps)
-    print(f"{len(steps)} checkpoints ({done} complete, {len(steps) - done} incomplete), "
-          f"{human_size(sum(s.stored_bytes for s in steps))} stored")
+    print(
+        f"{len(steps)} checkpoints ({done} complete, {len(steps) - done} incomplete), "
+        f"{human_size(sum(s.stored_bytes for s in steps))} stored"
+    )
     return 0
 
 
@@ -122,15 +144,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows = [["NAME", "SHAPE", "DTYPE", "CHUNKS", "STORED"]]
         for e in mine:
             shape = "x".join(map(str, e.shape)) if e.shape else ("scalar" if e.kind == "tensor" else "-")
-            rows.append([e.fqn, shape, e.dtype or "object", str(len(e.chunks)) if e.kind == "tensor" else "-",
-                         human_size(e.stored_bytes)])
+            rows.append(
+                [
+                    e.fqn,
+                    shape,
+                    e.dtype or "object",
+                    str(len(e.chunks)) if e.kind == "tensor" else "-",
+                    human_size(e.stored_bytes),
+                ]
+            )
         print(_table(rows, right={3, 4}))
         tensors = [e for e in mine if e.kind == "tensor"]
         logical = sum(e.logical_bytes for e in tensors)
         stored = sum(e.stored_bytes for e in tensors)
         ratio = f", ratio {logical / stored:.2f}x" if stored else ""
-        print(f"{len(tensors)} tensors ({human_size(logical)}), {len(mine) - len(tensors)} other entries, "
-              f"{human_size(stored)} stored{ratio}")
+        print(
+            f"{len(tensors)} tensors ({human_size(logical)}), {len(mine) - len(tensors)} other entries, "
+            f"{human_size(stored)} stored{ratio}"
+        )
     return 0
 
 
@@ -145,8 +176,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for p in report.problems:
         item = f" [{p.item}]" if p.item else ""
         _say(f"FAIL {p.url}{item}: {p.message}")
-    summary = (f"{report.checkpoints} checkpoints, {report.objects} objects, {report.items} items, "
-               f"{human_size(report.bytes_read)} read")
+    summary = (
+        f"{report.checkpoints} checkpoints, {report.objects} objects, {report.items} items, "
+        f"{human_size(report.bytes_read)} read"
+    )
     if report.ok:
         print(f"OK: {summary}")
         return 0
@@ -163,8 +196,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     removed = {o.name for o in garbage.objects}
     for step in garbage.steps:
         mine = [o for o in step.objects if o.name in removed]
-        _say(f"{verb} incomplete {'step' if step.kind == 'step' else 'checkpoint'} {url(step.name)} "
-             f"({len(mine)} objects, {human_size(sum(o.size for o in mine))})")
+        _say(
+            f"{verb} incomplete {'step' if step.kind == 'step' else 'checkpoint'} {url(step.name)} "
+            f"({len(mine)} objects, {human_size(sum(o.size for o in mine))})"
+        )
     for entry in garbage.objects:
         _say(f"{verb} {url(entry.name)} ({human_size(entry.size)})")
     for upload in garbage.uploads:
@@ -177,9 +212,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         _say(f"nothing to remove under {args.uri} (older than {args.older_than:g}s)")
         return 0
     if not args.yes:
-        print(f"dry run: {len(garbage.objects)} objects ({human_size(garbage.bytes)}) of "
-              f"{len(garbage.steps)} incomplete checkpoints and unreferenced data, {len(garbage.uploads)} uploads; "
-              "pass --yes to remove them")
+        print(
+            f"dry run: {len(garbage.objects)} objects ({human_size(garbage.bytes)}) of "
+            f"{len(garbage.steps)} incomplete checkpoints and unreferenced data, {len(garbage.uploads)} uploads; "
+            "pass --yes to remove them"
+        )
         return 0
     objects, uploads = collect_garbage(garbage)
     print(f"removed {objects} objects ({human_size(garbage.bytes)}) and aborted {uploads} uploads")
@@ -192,23 +229,29 @@ def cmd_cp(args: argparse.Namespace) -> int:
     bar = _ProgressLine("cp")
     try:
         report = copy_checkpoint(
-            args.src, args.dst, workers=args.workers, overwrite=args.overwrite,
-            follow_symlinks=args.follow_symlinks, progress=bar,
-            src_options=_options(args, args.src), dst_options=_options(args, args.dst),
+            args.src,
+            args.dst,
+            workers=args.workers,
+            overwrite=args.overwrite,
+            follow_symlinks=args.follow_symlinks,
+            progress=bar,
+            src_options=_options(args, args.src),
+            dst_options=_options(args, args.dst),
         )
     finally:
         bar.close()
     rate = report.bytes / report.seconds if report.seconds > 0 else 0
-    _say(f"copied {report.objects} objects ({human_size(report.bytes)}) from {report.source} to "
-         f"{report.destination} in {report.seconds:.1f}s ({human_size(int(rate))}/s); sizes verified")
+    _say(
+        f"copied {report.objects} objects ({human_size(report.bytes)}) from {report.source} to "
+        f"{report.destination} in {report.seconds:.1f}s ({human_size(int(rate))}/s); sizes verified"
+    )
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
     from dcp_s3.admin import remove_checkpoint
 
-    removal = remove_checkpoint(args.uri, recursive=args.recursive, dry_run=args.dry_run,
-                                **_options(args, args.uri))
+    removal = remove_checkpoint(args.uri, recursive=args.recursive, dry_run=args.dry_run, **_options(args, args.uri))
     verb = "would remove" if args.dry_run else "removed"
     for url in removal.urls:
         _say(f"{verb} {url}")
@@ -225,16 +268,28 @@ def cmd_convert(args: argparse.Namespace) -> int:
     src_options = _options(args, args.uri)
     if args.allow_unsafe_byte_items:
         if not args.uri.startswith("s3://"):
-            raise ConfigError("--allow-unsafe-byte-items applies to s3:// sources; for a local checkpoint register "
-                              "its classes with torch.serialization.add_safe_globals instead")
+            raise ConfigError(
+                "--allow-unsafe-byte-items applies to s3:// sources; for a local checkpoint register "
+                "its classes with torch.serialization.add_safe_globals instead"
+            )
         src_options["allow_unsafe_byte_items"] = True
-    report = convert_checkpoint(args.uri, args.out, fmt=args.format, overwrite=args.force,
-                                src_options=src_options, dst_options=_options(args, args.out))
-    _say(f"wrote {report.destination} ({report.format}): {report.tensors} tensors, {human_size(report.bytes)} "
-         f"from {report.source}")
+    report = convert_checkpoint(
+        args.uri,
+        args.out,
+        fmt=args.format,
+        overwrite=args.force,
+        src_options=src_options,
+        dst_options=_options(args, args.out),
+    )
+    _say(
+        f"wrote {report.destination} ({report.format}): {report.tensors} tensors, {human_size(report.bytes)} "
+        f"from {report.source}"
+    )
     if report.skipped:
-        _say(f"left out {len(report.skipped)} non-tensor entries (safetensors holds tensors only), "
-             f"e.g. {report.skipped[0]}")
+        _say(
+            f"left out {len(report.skipped)} non-tensor entries (safetensors holds tensors only), "
+            f"e.g. {report.skipped[0]}"
+        )
     return 0
 
 
@@ -252,122 +307,211 @@ def build_parser() -> argparse.ArgumentParser:
     s3.add_argument("--region", help="S3 region")
     s3.add_argument("--profile", help="boto3 profile name")
     s3.add_argument("--credential-path", help="JSON file of boto3 client arguments")
-    s3.add_argument("--connect-timeout", type=float, metavar="SECONDS",
-                    help="seconds to wait for a connection (default 10)")
-    s3.add_argument("--read-timeout", type=float, metavar="SECONDS",
-                    help="seconds to wait for an answer or for more bytes (default 20)")
-    s3.add_argument("--max-attempts", dest="retry_attempts", type=int, metavar="N",
-                    help="attempts per request, first included (default 5); an endpoint that never "
-                         "answers fails after about N x read timeout")
-    s3.add_argument("--ca-bundle", dest="verify", metavar="PEM",
-                    help="verify the endpoint's TLS certificate with this CA bundle (a private certificate "
-                         "authority; default: the system's, or AWS_CA_BUNDLE)")
-    s3.add_argument("--no-verify-ssl", dest="verify", action="store_false",
-                    help="do not verify TLS certificates (a warning says so; for throw-away test servers only)")
-    s3.add_argument("--client-cert", metavar="PEM",
-                    help="client certificate for mutual TLS: one PEM holding certificate and key")
-    s3.add_argument("--addressing-style", choices=("path", "virtual", "auto"),
-                    help="bucket in the path or in the host name (default: path for --endpoint-url, else auto)")
-    s3.add_argument("--request-arg", dest="request_args", action="append", type=parse_request_arg,
-                    metavar="KEY=VALUE",
-                    help="an option added to every S3 request that takes it (repeatable): ServerSideEncryption, "
-                         "SSEKMSKeyId, SSEKMSEncryptionContext, BucketKeyEnabled, StorageClass, "
-                         "ExpectedBucketOwner, RequestPayer")
+    s3.add_argument(
+        "--connect-timeout", type=float, metavar="SECONDS", help="seconds to wait for a connection (default 10)"
+    )
+    s3.add_argument(
+        "--read-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds to wait for an answer or for more bytes (default 20)",
+    )
+    s3.add_argument(
+        "--max-attempts",
+        dest="retry_attempts",
+        type=int,
+        metavar="N",
+        help="attempts per request, first included (default 5); an endpoint that never "
+        "answers fails after about N x read timeout",
+    )
+    s3.add_argument(
+        "--ca-bundle",
+        dest="verify",
+        metavar="PEM",
+        help="verify the endpoint's TLS certificate with this CA bundle (a private certificate "
+        "authority; default: the system's, or AWS_CA_BUNDLE)",
+    )
+    s3.add_argument(
+        "--no-verify-ssl",
+        dest="verify",
+        action="store_false",
+        help="do not verify TLS certificates (a warning says so; for throw-away test servers only)",
+    )
+    s3.add_argument(
+        "--client-cert", metavar="PEM", help="client certificate for mutual TLS: one PEM holding certificate and key"
+    )
+    s3.add_argument(
+        "--addressing-style",
+        choices=("path", "virtual", "auto"),
+        help="bucket in the path or in the host name (default: path for --endpoint-url, else auto)",
+    )
+    s3.add_argument(
+        "--request-arg",
+        dest="request_args",
+        action="append",
+        type=parse_request_arg,
+        metavar="KEY=VALUE",
+        help="an option added to every S3 request that takes it (repeatable): ServerSideEncryption, "
+        "SSEKMSKeyId, SSEKMSEncryptionContext, BucketKeyEnabled, StorageClass, "
+        "ExpectedBucketOwner, RequestPayer",
+    )
     common.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
-    common.add_argument("--max-whole-read", type=int, metavar="BYTES",
-                        help="largest .metadata or step marker read into memory (default 4 GiB); a larger one "
-                             "is refused before it is read")
+    common.add_argument(
+        "--max-whole-read",
+        type=int,
+        metavar="BYTES",
+        help="largest .metadata or step marker read into memory (default 4 GiB); a larger one "
+        "is refused before it is read",
+    )
 
     parser = argparse.ArgumentParser(
-        prog="dcp-s3", description="Look after DCP checkpoints on S3 and on local disk.",
+        prog="dcp-s3",
+        description="Look after DCP checkpoints on S3 and on local disk.",
         epilog="run 'dcp-s3 COMMAND --help' for a command's options and examples",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, fn: Callable[[argparse.Namespace], int], help: str, description: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help, description=description, epilog=EXAMPLES.get(name),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            parents=[common],
+            help=help,
+            description=description,
+            epilog=EXAMPLES.get(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.set_defaults(func=fn)
         return p
 
-    p = add("ls", cmd_ls, "list steps under a prefix",
-            "List steps (and plain DCP checkpoints) under a prefix: complete or not, bytes stored, tensor bytes "
-            "per the metadata, their ratio (compression), object count and time. For the local root of a "
-            "Checkpointer(local_root=...) (rank<NNNNN>/ directories): per step, the ranks holding a committed "
-            "local copy, whether it is complete (every rank of the job that saved it, one save), and with --s3 "
-            "its state on S3 and the promotion lag (S3 marker's LastModified minus the newest local marker's "
-            "modification time).")
+    p = add(
+        "ls",
+        cmd_ls,
+        "list steps under a prefix",
+        "List steps (and plain DCP checkpoints) under a prefix: complete or not, bytes stored, tensor bytes "
+        "per the metadata, their ratio (compression), object count and time. For the local root of a "
+        "Checkpointer(local_root=...) (rank<NNNNN>/ directories): per step, the ranks holding a committed "
+        "local copy, whether it is complete (every rank of the job that saved it, one save), and with --s3 "
+        "its state on S3 and the promotion lag (S3 marker's LastModified minus the newest local marker's "
+        "modification time).",
+    )
     p.add_argument("uri", help="s3://bucket/prefix or a local directory")
-    p.add_argument("--s3", metavar="S3_ROOT",
-                   help="with a local tier root: the Checkpointer's S3 root, to show each step's state there")
+    p.add_argument(
+        "--s3",
+        metavar="S3_ROOT",
+        help="with a local tier root: the Checkpointer's S3 root, to show each step's state there",
+    )
 
-    p = add("inspect", cmd_inspect, "show the tensors of a checkpoint",
-            "Show every entry of a checkpoint (all parts of a step): shape, dtype, number of chunks (shards), "
-            "stored size.")
+    p = add(
+        "inspect",
+        cmd_inspect,
+        "show the tensors of a checkpoint",
+        "Show every entry of a checkpoint (all parts of a step): shape, dtype, number of chunks (shards), stored size.",
+    )
     p.add_argument("uri", help="a step or a DCP checkpoint")
     p.add_argument("--json", action="store_true", help="machine-readable output (chunks listed in full)")
 
-    p = add("verify", cmd_verify, "read every item and check integrity",
-            "Read every item of a checkpoint (or of every step under a prefix) and check it: markers, metadata, "
-            "object sizes, each tensor blob loads (weights_only) with the shape and dtype of the metadata.")
+    p = add(
+        "verify",
+        cmd_verify,
+        "read every item and check integrity",
+        "Read every item of a checkpoint (or of every step under a prefix) and check it: markers, metadata, "
+        "object sizes, each tensor blob loads (weights_only) with the shape and dtype of the metadata.",
+    )
     p.add_argument("uri", help="a step, a DCP checkpoint or a prefix of several")
 
-    p = add("gc", cmd_gc, "remove incomplete steps and stale uploads",
-            "Find, under a prefix, the checkpoint objects of incomplete steps/checkpoints (no marker or no "
-            ".metadata), directories of a complete step that its marker does not name (a killed re-save's "
-            "<step>.<part>.<hex>/), data objects of complete checkpoints that their .metadata does not reference, leftover "
-            "writer probes and unfinished multipart uploads, all older than --older-than; list every one, and "
-            "remove them with --yes (otherwise a dry run).")
+    p = add(
+        "gc",
+        cmd_gc,
+        "remove incomplete steps and stale uploads",
+        "Find, under a prefix, the checkpoint objects of incomplete steps/checkpoints (no marker or no "
+        ".metadata), directories of a complete step that its marker does not name (a killed re-save's "
+        "<step>.<part>.<hex>/), data objects of complete checkpoints that their .metadata does not reference, leftover "
+        "writer probes and unfinished multipart uploads, all older than --older-than; list every one, and "
+        "remove them with --yes (otherwise a dry run).",
+    )
     p.add_argument("uri", help="s3://bucket/prefix or a local directory")
-    p.add_argument("--older-than", type=parse_duration, default=3600.0, metavar="AGE",
-                   help="only objects last written, and multipart uploads last written to, more than AGE ago "
-                        "(e.g. 90s, 30m, 1h, 2d; default 1h): never an upload younger than AGE. Protects saves "
-                        "in progress: make it longer than your longest save")
+    p.add_argument(
+        "--older-than",
+        type=parse_duration,
+        default=3600.0,
+        metavar="AGE",
+        help="only objects last written, and multipart uploads last written to, more than AGE ago "
+        "(e.g. 90s, 30m, 1h, 2d; default 1h): never an upload younger than AGE. Protects saves "
+        "in progress: make it longer than your longest save",
+    )
     p.add_argument("--yes", action="store_true", help="really remove (default: dry run)")
 
-    p = add("cp", cmd_cp, "copy a checkpoint between S3 and local disk",
-            "Copy a step, a DCP checkpoint or a whole prefix between S3 and local disk (or S3 to S3), concurrently; "
-            "data first, then .metadata, then markers, so an interrupted copy never looks complete; sizes verified.")
+    p = add(
+        "cp",
+        cmd_cp,
+        "copy a checkpoint between S3 and local disk",
+        "Copy a step, a DCP checkpoint or a whole prefix between S3 and local disk (or S3 to S3), concurrently; "
+        "data first, then .metadata, then markers, so an interrupted copy never looks complete; sizes verified.",
+    )
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--workers", type=int, default=8, help="concurrent object copies (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace objects that exist at the destination")
-    p.add_argument("--follow-symlinks", action="store_true",
-                   help="read through symbolic links that lead out of a local source directory (refused by "
-                        "default; links in a local destination are always refused)")
+    p.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="read through symbolic links that lead out of a local source directory (refused by "
+        "default; links in a local destination are always refused)",
+    )
 
-    p = add("rm", cmd_rm, "remove a step or checkpoint",
-            "Remove a step or DCP checkpoint: its marker, .metadata, data objects and their unfinished "
-            "uploads (marker and .metadata first, so it never looks complete while half deleted); other files "
-            "in its directories are kept. A prefix holding several checkpoints needs --recursive.")
+    p = add(
+        "rm",
+        cmd_rm,
+        "remove a step or checkpoint",
+        "Remove a step or DCP checkpoint: its marker, .metadata, data objects and their unfinished "
+        "uploads (marker and .metadata first, so it never looks complete while half deleted); other files "
+        "in its directories are kept. A prefix holding several checkpoints needs --recursive.",
+    )
     p.add_argument("uri")
-    p.add_argument("-r", "--recursive", action="store_true",
-                   help="remove every object and unfinished upload under the prefix")
-    p.add_argument("-n", "--dry-run", action="store_true",
-                   help="only list every object and upload that would be removed")
+    p.add_argument(
+        "-r", "--recursive", action="store_true", help="remove every object and unfinished upload under the prefix"
+    )
+    p.add_argument(
+        "-n", "--dry-run", action="store_true", help="only list every object and upload that would be removed"
+    )
 
-    p = add("convert", cmd_convert, "convert to one torch.save/safetensors file or plain DCP",
-            "Load a checkpoint into this process as full (unsharded) tensors and write it as one torch.save file, "
-            "a safetensors file (if the safetensors package is installed) or a new uncompressed DCP checkpoint.")
+    p = add(
+        "convert",
+        cmd_convert,
+        "convert to one torch.save/safetensors file or plain DCP",
+        "Load a checkpoint into this process as full (unsharded) tensors and write it as one torch.save file, "
+        "a safetensors file (if the safetensors package is installed) or a new uncompressed DCP checkpoint.",
+    )
     p.add_argument("uri", help="a DCP checkpoint, or a step with one *_model part")
     p.add_argument("out", help="output file, or for --format dcp a checkpoint location")
-    p.add_argument("--format", choices=("torch", "safetensors", "dcp"),
-                   help="default: safetensors if OUT ends with .safetensors, else torch")
+    p.add_argument(
+        "--format",
+        choices=("torch", "safetensors", "dcp"),
+        help="default: safetensors if OUT ends with .safetensors, else torch",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing OUT (refused by default)")
-    p.add_argument("--allow-unsafe-byte-items", action="store_true",
-                   help="load non-tensor values that weights-only loading refuses (they can run code: trusted "
-                        "checkpoints only)")
+    p.add_argument(
+        "--allow-unsafe-byte-items",
+        action="store_true",
+        help="load non-tensor values that weights-only loading refuses (they can run code: trusted checkpoints only)",
+    )
 
-    add("demo", cmd_demo, "save a 2-rank FSDP2 checkpoint to a local S3 server and load it on 1 rank",
-        "Starts SeaweedFS on 127.0.0.1, saves from 2 ranks, loads on 1, checks every tensor.")
+    add(
+        "demo",
+        cmd_demo,
+        "save a 2-rank FSDP2 checkpoint to a local S3 server and load it on 1 rank",
+        "Starts SeaweedFS on 127.0.0.1, saves from 2 ranks, loads on 1, checks every tensor.",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     if not args.verbose:
         logging.getLogger("torch").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -39,7 +39,9 @@ def parse_request_arg(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` -> (KEY, VALUE); ``BucketKeyEnabled`` takes ``true``/``false``."""
     key, sep, value = text.partition("=")
     if not sep or not key or not value:
-        raise argparse.ArgumentTypeError(f"invalid request argument {text!r}; use KEY=VALUE, e.g. ServerSideEncryption=aws:kms")
+        raise argparse.ArgumentTypeError(
+            f"invalid request argument {text!r}; use KEY=VALUE, e.g. ServerSideEncryption=aws:kms"
+        )
     if key == "BucketKeyEnabled":
         if value.lower() not in ("true", "false"):
             raise argparse.ArgumentTypeError(f"BucketKeyEnabled={value!r}: expected true or false")

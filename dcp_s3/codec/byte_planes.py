@@ -32,30 +32,30 @@ def group(src: np.ndarray, es: int, out: np.ndarray) -> None:
     Trailing bytes that do not make a whole element are copied unchanged after the planes."""
     dt = UINT[es]
     ne = len(src) // es
-    x_all = src[:ne * es].view(dt)
+    x_all = src[: ne * es].view(dt)
     bits = dt(8 * es - 1)
     one = dt(1)
     block = max(1, min(ne, BLOCK_ELEMENTS))
     t1, t2 = np.empty(block, dt), np.empty(block, dt)
     for s in range(0, ne, block):
         e = min(ne, s + block)
-        x, r, t = x_all[s:e], t1[:e - s], t2[:e - s]
+        x, r, t = x_all[s:e], t1[: e - s], t2[: e - s]
         np.left_shift(x, one, out=r)
         np.right_shift(x, bits, out=t)
         np.bitwise_or(r, t, out=r)
         if es == 8:  # strided copies beat shift+cast for 8 planes
             r8 = r.view(np.uint8).reshape(-1, es)
             for p in range(es):
-                out[p * ne + s:p * ne + e] = r8[:, es - 1 - p]
+                out[p * ne + s : p * ne + e] = r8[:, es - 1 - p]
             continue
         for p in range(es):
             shift = 8 * (es - 1 - p)
             if shift:
                 np.right_shift(r, dt(shift), out=t)
-                np.copyto(out[p * ne + s:p * ne + e], t, casting="unsafe")
+                np.copyto(out[p * ne + s : p * ne + e], t, casting="unsafe")
             else:
-                np.copyto(out[p * ne + s:p * ne + e], r, casting="unsafe")
-    out[ne * es:len(src)] = src[ne * es:]
+                np.copyto(out[p * ne + s : p * ne + e], r, casting="unsafe")
+    out[ne * es : len(src)] = src[ne * es :]
 
 
 def ungroup(planes: np.ndarray, ne: int, es: int, a: int, b: int, out: np.ndarray) -> None:
@@ -72,24 +72,24 @@ def ungroup(planes: np.ndarray, ne: int, es: int, a: int, b: int, out: np.ndarra
     eight = dt(8)
     for s in range(a, b, block):
         e = min(b, s + block)
-        r, t = t1[:e - s], t2[:e - s]
+        r, t = t1[: e - s], t2[: e - s]
         if es == 8:
             r8 = r.view(np.uint8).reshape(-1, es)
             for p in range(es):
-                r8[:, es - 1 - p] = planes[p * ne + s:p * ne + e]
+                r8[:, es - 1 - p] = planes[p * ne + s : p * ne + e]
         else:
             np.copyto(r, planes[s:e])
             for p in range(1, es):
                 np.left_shift(r, eight, out=r)
-                np.copyto(t, planes[p * ne + s:p * ne + e])
+                np.copyto(t, planes[p * ne + s : p * ne + e])
                 np.bitwise_or(r, t, out=r)
         np.left_shift(r, bits, out=t)
         np.right_shift(r, one, out=r)
         if o_all is not None:
-            np.bitwise_or(r, t, out=o_all[s - a:e - a])
+            np.bitwise_or(r, t, out=o_all[s - a : e - a])
         else:  # unaligned destination: combine in place, then copy bytes
             np.bitwise_or(r, t, out=r)
-            out[(s - a) * es:(e - a) * es] = r.view(np.uint8)
+            out[(s - a) * es : (e - a) * es] = r.view(np.uint8)
 
 
 def split_top(src: np.ndarray, es: int, top: np.ndarray | None, rest: np.ndarray | None) -> None:
@@ -100,7 +100,7 @@ def split_top(src: np.ndarray, es: int, top: np.ndarray | None, rest: np.ndarray
     ne = len(src) // es
     if not ne:
         return
-    whole = src[:ne * es].reshape(ne, es)
+    whole = src[: ne * es].reshape(ne, es)
     if top is not None:
         np.copyto(top[:ne], whole[:, es - 1])
     if rest is None:
@@ -110,7 +110,7 @@ def split_top(src: np.ndarray, es: int, top: np.ndarray | None, rest: np.ndarray
         return
     void = np.dtype((np.void, es - 1))
     src_rest = np.ndarray((ne,), dtype=void, buffer=src, offset=0, strides=(es,))
-    np.copyto(rest[:ne * (es - 1)].view(void), src_rest)
+    np.copyto(rest[: ne * (es - 1)].view(void), src_rest)
 
 
 def join_top(top: np.ndarray, rest: np.ndarray, ne: int, es: int, a: int, b: int, out: np.ndarray) -> None:
@@ -120,18 +120,18 @@ def join_top(top: np.ndarray, rest: np.ndarray, ne: int, es: int, a: int, b: int
     if b <= a:
         return
     if b == ne and es > 2:  # the last element's es-byte load would read past the rest: by hand
-        out[(b - 1 - a) * es:(b - a) * es - 1] = rest[(ne - 1) * (es - 1):ne * (es - 1)]
+        out[(b - 1 - a) * es : (b - a) * es - 1] = rest[(ne - 1) * (es - 1) : ne * (es - 1)]
         out[(b - a) * es - 1] = top[ne - 1]
         b -= 1
         if b <= a:
             return
     dt = np.dtype(UINT[es]).newbyteorder("<")
-    o_all = out[:(b - a) * es].view(dt)
-    o8 = out[:(b - a) * es].reshape(b - a, es)
+    o_all = out[: (b - a) * es].view(dt)
+    o8 = out[: (b - a) * es].reshape(b - a, es)
     if es == 2:
         for s in range(a, b, BLOCK_ELEMENTS):
             e = min(b, s + BLOCK_ELEMENTS)
-            o = o_all[s - a:e - a]
+            o = o_all[s - a : e - a]
             np.left_shift(top[s:e], 8, out=o, dtype=dt)
             np.bitwise_or(o, rest[s:e], out=o)
         return
@@ -141,4 +141,4 @@ def join_top(top: np.ndarray, rest: np.ndarray, ne: int, es: int, a: int, b: int
     for s in range(0, b - a, BLOCK_ELEMENTS):
         e = min(b - a, s + BLOCK_ELEMENTS)
         np.copyto(o_all[s:e], loads[s:e])
-        np.copyto(o8[s:e, es - 1], top[a + s:a + e])
+        np.copyto(o8[s:e, es - 1], top[a + s : a + e])

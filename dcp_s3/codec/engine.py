@@ -43,8 +43,14 @@ class Codec:
     as a context manager) to stop the pool.
     """
 
-    def __init__(self, level: int = 1, threads: int = 2, frame_size: int = DEFAULT_FRAME_SIZE,
-                 max_in_flight: int | None = None, version: int = CODEC_VERSION) -> None:
+    def __init__(
+        self,
+        level: int = 1,
+        threads: int = 2,
+        frame_size: int = DEFAULT_FRAME_SIZE,
+        max_in_flight: int | None = None,
+        version: int = CODEC_VERSION,
+    ) -> None:
         """``level``: zstd level of plain frames, and one of the two candidates tried on
         grouped frames (the other is a literal-heavy setting). ``threads``: pool size.
         ``frame_size``: raw bytes per frame (rounded down to a multiple of the element
@@ -99,8 +105,15 @@ class Codec:
 
     # ------------------------------------------------------------------ encode
 
-    def encode(self, data: Chunk | Iterable[Chunk], element_size: int, floating: bool,
-               sink: Callable[[bytes | memoryview], object], *, stable_chunks: bool = False) -> FrameIndex:
+    def encode(
+        self,
+        data: Chunk | Iterable[Chunk],
+        element_size: int,
+        floating: bool,
+        sink: Callable[[bytes | memoryview], object],
+        *,
+        stable_chunks: bool = False,
+    ) -> FrameIndex:
         """Compress ``data`` frame by frame and pass the stored frames to ``sink`` in order.
 
         ``data`` is one buffer (bytes, memoryview, numpy array...) or an iterable of
@@ -150,24 +163,26 @@ class Codec:
             single = as_bytes_view(data)
             if single is not None:
                 for pos in range(0, len(single), fs):
-                    submit(single[pos:pos + fs])
+                    submit(single[pos : pos + fs])
             else:
                 partial, fill = None, 0
                 for chunk in data:  # type: ignore[union-attr,unused-ignore]
                     view = as_bytes_view(chunk)
                     if view is None:
-                        raise InvalidTypeError(f"encode: data must be buffers, got a chunk of type {type(chunk).__name__}")
+                        raise InvalidTypeError(
+                            f"encode: data must be buffers, got a chunk of type {type(chunk).__name__}"
+                        )
                     pos = 0
                     if partial is not None:
                         pos = min(fs - fill, len(view))
-                        partial[fill:fill + pos] = view[:pos]
+                        partial[fill : fill + pos] = view[:pos]
                         fill += pos
                         if fill == fs:
                             submit(memoryview(partial), partial)
                             partial, fill = None, 0
                     referenced = len(view) - pos >= fs
                     while len(view) - pos >= fs:
-                        submit(view[pos:pos + fs])
+                        submit(view[pos : pos + fs])
                         pos += fs
                     if pos < len(view):  # copy the start of a frame that spans chunks
                         partial = spare.pop() if spare else bytearray(fs)
@@ -196,8 +211,9 @@ class Codec:
 
     # ------------------------------------------------------------------ decode
 
-    def decode_into(self, index: FrameIndex, stored: Chunk, stored_start: int,
-                    raw_start: int, raw_end: int, out: Chunk) -> None:
+    def decode_into(
+        self, index: FrameIndex, stored: Chunk, stored_start: int, raw_start: int, raw_end: int, out: Chunk
+    ) -> None:
         """Write raw bytes ``[raw_start, raw_end)`` of the item into ``out``.
 
         ``stored`` holds the item's stored bytes from offset ``stored_start`` on and
@@ -216,7 +232,8 @@ class Codec:
             raise InvalidTypeError("decode_into: stored must be a buffer and out a writable buffer")
         if len(dst) != raw_end - raw_start:
             raise ConfigError(
-                f"decode_into: out has {len(dst)} bytes, the range [{raw_start}, {raw_end}) needs {raw_end - raw_start}")
+                f"decode_into: out has {len(dst)} bytes, the range [{raw_start}, {raw_end}) needs {raw_end - raw_start}"
+            )
         first, last = frame_range(index, raw_start, raw_end)
         if first > last:
             return
@@ -231,8 +248,16 @@ class Codec:
             f_start, f_end = index.raw_range(i)
             s_start, s_end = index.stored_range(i)
             lo, hi = max(raw_start, f_start), min(raw_end, f_end)
-            tasks.append((index, i, src[s_start - stored_start:s_end - stored_start],
-                          lo - f_start, hi - f_start, dst[lo - raw_start:hi - raw_start]))
+            tasks.append(
+                (
+                    index,
+                    i,
+                    src[s_start - stored_start : s_end - stored_start],
+                    lo - f_start,
+                    hi - f_start,
+                    dst[lo - raw_start : hi - raw_start],
+                )
+            )
         if len(tasks) == 1 or self.threads == 1:
             for t in tasks:
                 decode_frame(self._local, *t)

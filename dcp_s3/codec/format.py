@@ -96,10 +96,12 @@ MAX_FRAME_SIZE: Final = 64 << 20
 
 #: The registry: ``(codec, version)`` -> the module that decodes its frames (``check_index``,
 #: ``decode_frame``). What a reader accepts is exactly this; nothing else lists codecs.
-DECODERS: Final[Mapping[tuple[str, int], str]] = MappingProxyType({
-    (CODEC_NAME, 1): "dcp_s3.codec.v1",
-    (CODEC_NAME, 2): "dcp_s3.codec.v2",
-})
+DECODERS: Final[Mapping[tuple[str, int], str]] = MappingProxyType(
+    {
+        (CODEC_NAME, 1): "dcp_s3.codec.v1",
+        (CODEC_NAME, 2): "dcp_s3.codec.v2",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +145,11 @@ class FrameIndex:
             )
         if any(type(e) is not int for e in self.ends):
             raise CheckpointFormatError("bad frame index: a stored offset is not an integer")
-        if any(b < a for a, b in zip((0,) + self.ends, self.ends)) or self.raw_frames < 0 or self.raw_frames >> len(self.ends):
+        if (
+            any(b < a for a, b in zip((0,) + self.ends, self.ends))
+            or self.raw_frames < 0
+            or self.raw_frames >> len(self.ends)
+        ):
             raise CheckpointFormatError("bad frame index: stored offsets decrease or raw_frames has extra bits")
 
     # Pickled as the class plus a state tuple, so a restricted unpickler only has

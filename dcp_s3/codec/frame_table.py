@@ -30,7 +30,9 @@ Framed = tuple[FrameIndex, "tuple[int, ...] | None"]
 class FrameTable:
     """Frame indexes (and their frame CRC32Cs) as arrays; see the module doc."""
 
-    def __init__(self, codecs: list[str], rows: np.ndarray, ends: np.ndarray, crcs: np.ndarray, raw: np.ndarray) -> None:
+    def __init__(
+        self, codecs: list[str], rows: np.ndarray, ends: np.ndarray, crcs: np.ndarray, raw: np.ndarray
+    ) -> None:
         self.codecs, self.rows, self.ends, self.crcs, self.raw = codecs, rows, ends, crcs, raw
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -42,9 +44,18 @@ class FrameTable:
     @staticmethod
     def fits(frames: Any, crcs: Any) -> bool:
         """Whether ``(frames, crcs)`` is a frame index and checksums a table can hold."""
-        return (type(frames) is FrameIndex and type(frames.codec) is str
-                and (crcs is None or (type(crcs) is tuple and len(crcs) == len(frames.ends)
-                                      and all(type(c) is int and 0 <= c < 1 << 32 for c in crcs))))
+        return (
+            type(frames) is FrameIndex
+            and type(frames.codec) is str
+            and (
+                crcs is None
+                or (
+                    type(crcs) is tuple
+                    and len(crcs) == len(frames.ends)
+                    and all(type(c) is int and 0 <= c < 1 << 32 for c in crcs)
+                )
+            )
+        )
 
     @classmethod
     def of(cls, framed: Sequence[Framed]) -> FrameTable:
@@ -55,14 +66,28 @@ class FrameTable:
         crcs: list[int] = []
         raw = bytearray()
         for frames, frame_crcs in framed:
-            rows.append((codecs.setdefault(frames.codec, len(codecs)), frames.version, frames.element_size,
-                         frames.grouping, frames.raw_length, frames.frame_size, len(frames.ends),
-                         int(frame_crcs is not None)))
+            rows.append(
+                (
+                    codecs.setdefault(frames.codec, len(codecs)),
+                    frames.version,
+                    frames.element_size,
+                    frames.grouping,
+                    frames.raw_length,
+                    frames.frame_size,
+                    len(frames.ends),
+                    int(frame_crcs is not None),
+                )
+            )
             ends.extend(frames.ends)
             crcs.extend(frame_crcs or ())
             raw += frames.raw_frames.to_bytes(-(-len(frames.ends) // 8), "little")
-        return cls(list(codecs), np.array(rows, np.int64).reshape(-1, len(FIELDS)), np.array(ends, np.int64),
-                   np.array(crcs, np.uint32), np.frombuffer(bytes(raw), np.uint8))
+        return cls(
+            list(codecs),
+            np.array(rows, np.int64).reshape(-1, len(FIELDS)),
+            np.array(ends, np.int64),
+            np.array(crcs, np.uint32),
+            np.frombuffer(bytes(raw), np.uint8),
+        )
 
     @classmethod
     def concat(cls, tables: Sequence[FrameTable]) -> FrameTable:
@@ -74,10 +99,18 @@ class FrameTable:
             part = table.rows.copy()
             part[:, 0] = renumber[part[:, 0]]
             rows.append(part)
-        return cls(list(codecs), np.concatenate(rows) if rows else np.zeros((0, len(FIELDS)), np.int64),
-                   *(np.concatenate([getattr(t, k) for t in tables]) if tables else empty
-                     for k, empty in (("ends", np.zeros(0, np.int64)), ("crcs", np.zeros(0, np.uint32)),
-                                      ("raw", np.zeros(0, np.uint8)))))
+        return cls(
+            list(codecs),
+            np.concatenate(rows) if rows else np.zeros((0, len(FIELDS)), np.int64),
+            *(
+                np.concatenate([getattr(t, k) for t in tables]) if tables else empty
+                for k, empty in (
+                    ("ends", np.zeros(0, np.int64)),
+                    ("crcs", np.zeros(0, np.uint32)),
+                    ("raw", np.zeros(0, np.uint8)),
+                )
+            ),
+        )
 
     def _spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per index: its number of frame ends, of CRCs and of raw-bit bytes."""
@@ -99,10 +132,10 @@ class FrameTable:
         starts = [np.concatenate(([0], np.cumsum(lens))).tolist() for lens in self._spans()]
         for i, row in enumerate(self.rows.tolist()):
             codec, version, element_size, grouping, raw_length, frame_size, _, has = row
-            ends = tuple(self.ends[starts[0][i]: starts[0][i + 1]].tolist())
-            bits = int.from_bytes(self.raw[starts[2][i]: starts[2][i + 1]].tobytes(), "little")
+            ends = tuple(self.ends[starts[0][i] : starts[0][i + 1]].tolist())
+            bits = int.from_bytes(self.raw[starts[2][i] : starts[2][i + 1]].tobytes(), "little")
             index = FrameIndex(self.codecs[codec], version, element_size, grouping, raw_length, frame_size, ends, bits)
-            out.append((index, tuple(self.crcs[starts[1][i]: starts[1][i + 1]].tolist()) if has else None))
+            out.append((index, tuple(self.crcs[starts[1][i] : starts[1][i + 1]].tolist()) if has else None))
         return out
 
 

@@ -24,7 +24,12 @@ SAMPLE_BYTES: Final = 32 << 10  # exponent-plane sample used to pick zstd parame
 # this is ~2x faster than level 1 and closer to the order-0 entropy; on planes
 # with long-range structure (Adam exp_avg_sq) level 1 wins, hence the sampling.
 LITERAL_PARAMS: Final = dict(
-    window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
+    window_log=17,
+    hash_log=6,
+    chain_log=6,
+    search_log=1,
+    min_match=7,
+    target_length=0,
     strategy=zstandard.STRATEGY_FAST,
 )
 
@@ -32,21 +37,25 @@ LITERAL_PARAMS: Final = dict(
 def check_index(index: FrameIndex) -> None:
     """``CheckpointFormatError`` unless ``index`` has a grouping this version defines for its element size."""
     if index.grouping not in (GROUP_NONE, GROUP_FLOAT) or (
-            index.grouping == GROUP_FLOAT and index.element_size not in UINT):
+        index.grouping == GROUP_FLOAT and index.element_size not in UINT
+    ):
         raise CheckpointFormatError(
             f"unknown grouping {index.grouping} for element size {index.element_size} "
-            f"in codec {index.codec!r} version {index.version}")
+            f"in codec {index.codec!r} version {index.version}"
+        )
 
 
-def encode_frame(local: threading.local, level: int, frame: memoryview, es: int,
-                 grouping: int) -> tuple[bytes | memoryview, bool]:
+def encode_frame(
+    local: threading.local, level: int, frame: memoryview, es: int, grouping: int
+) -> tuple[bytes | memoryview, bool]:
     """The stored bytes of one frame and whether they are the raw bytes (zstd ``level`` for
     plain frames; ``local`` keeps this thread's compressors and scratch buffer)."""
     cctx = getattr(local, "cctx", None)
     if cctx is None:
         cctx = local.cctx = zstandard.ZstdCompressor(level=level)
         local.literal_cctx = zstandard.ZstdCompressor(
-            compression_params=zstandard.ZstdCompressionParameters(**LITERAL_PARAMS))
+            compression_params=zstandard.ZstdCompressionParameters(**LITERAL_PARAMS)
+        )
     src = frame
     if grouping == GROUP_FLOAT:
         planes = scratch(local, len(frame))
@@ -66,8 +75,9 @@ def encode_frame(local: threading.local, level: int, frame: memoryview, es: int,
     return out, False
 
 
-def decode_frame(local: threading.local, index: FrameIndex, i: int, piece: memoryview,
-                     lo: int, hi: int, dst: memoryview) -> None:
+def decode_frame(
+    local: threading.local, index: FrameIndex, i: int, piece: memoryview, lo: int, hi: int, dst: memoryview
+) -> None:
     """Decode raw bytes ``[lo, hi)`` (relative to the frame) of frame ``i`` into ``dst``."""
     f_start, f_end = index.raw_range(i)
     n = f_end - f_start
@@ -90,20 +100,20 @@ def decode_frame(local: threading.local, index: FrameIndex, i: int, piece: memor
     a, b = -(-lo // es), min(hi // es, ne)  # whole elements inside [lo, hi)
     if a <= b:
         if a < b:
-            ungroup(buf, ne, es, a, b, out[a * es - lo:b * es - lo])
+            ungroup(buf, ne, es, a, b, out[a * es - lo : b * es - lo])
         pieces: tuple[tuple[int, int], ...] = ((lo, a * es), (b * es, hi))
     else:
         pieces = ((lo, hi),)
     for s, e in pieces:  # partial elements and the ungrouped tail bytes, if any
         while s < e:
             if s >= ne * es:
-                out[s - lo:e - lo] = buf[s:e]
+                out[s - lo : e - lo] = buf[s:e]
                 break
             el = s // es
             stop = min(e, (el + 1) * es)
             tmp = np.empty(es, np.uint8)
             ungroup(buf, ne, es, el, el + 1, tmp)
-            out[s - lo:stop - lo] = tmp[s - el * es:stop - el * es]
+            out[s - lo : stop - lo] = tmp[s - el * es : stop - el * es]
             s = stop
 
 

@@ -102,8 +102,15 @@ def _part(location: str, name: str) -> str:
 
 
 def save_fsdp_model(
-    fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: Any, model_index: int = 0,
-    adapter_only: bool = False, use_dcp: bool = True, *, options: StorageOptions | Mapping[str, Any] | None = None,
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: Any,
+    output_dir: Any,
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+    *,
+    options: StorageOptions | Mapping[str, Any] | None = None,
     local_dirs: LocalDirsArg = None,
 ) -> None:
     """Accelerate's ``save_fsdp_model``; an ``s3://`` (or mapped local) ``output_dir`` saves through dcp_s3."""
@@ -124,8 +131,15 @@ def save_fsdp_model(
 
 
 def load_fsdp_model(
-    fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: Any, model_index: int = 0,
-    adapter_only: bool = False, use_dcp: bool = True, *, options: StorageOptions | Mapping[str, Any] | None = None,
+    fsdp_plugin: Any,
+    accelerator: Any,
+    model: Any,
+    input_dir: Any,
+    model_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+    *,
+    options: StorageOptions | Mapping[str, Any] | None = None,
     local_dirs: LocalDirsArg = None,
 ) -> Any:
     """Accelerate's ``load_fsdp_model``; an ``s3://`` (or mapped local) ``input_dir`` loads through dcp_s3."""
@@ -140,14 +154,23 @@ def load_fsdp_model(
     state_dict = {"model": _fsdp_utils._get_model_state_dict(model, adapter_only=adapter_only, sd_options=sd_options)}
     reader = storage_options.reader(_part(location, f"{FSDP_MODEL_NAME}_{model_index}"))
     dcp.load(state_dict, storage_reader=reader)
-    result = _fsdp_utils._set_model_state_dict(model, state_dict["model"], adapter_only=adapter_only, sd_options=sd_options)
+    result = _fsdp_utils._set_model_state_dict(
+        model, state_dict["model"], adapter_only=adapter_only, sd_options=sd_options
+    )
     accelerator.wait_for_everyone()
     return result
 
 
 def save_fsdp_optimizer(
-    fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: Any, optimizer_index: int = 0,
-    use_dcp: bool = True, *, options: StorageOptions | Mapping[str, Any] | None = None,
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: Any,
+    output_dir: Any,
+    optimizer_index: int = 0,
+    use_dcp: bool = True,
+    *,
+    options: StorageOptions | Mapping[str, Any] | None = None,
     local_dirs: LocalDirsArg = None,
 ) -> None:
     """Accelerate's ``save_fsdp_optimizer``; an ``s3://`` (or mapped local) ``output_dir`` saves through dcp_s3."""
@@ -167,8 +190,16 @@ def save_fsdp_optimizer(
 
 
 def load_fsdp_optimizer(
-    fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: Any, optimizer_index: int = 0,
-    adapter_only: bool = False, use_dcp: bool = True, *, options: StorageOptions | Mapping[str, Any] | None = None,
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: Any,
+    input_dir: Any,
+    optimizer_index: int = 0,
+    adapter_only: bool = False,
+    use_dcp: bool = True,
+    *,
+    options: StorageOptions | Mapping[str, Any] | None = None,
     local_dirs: LocalDirsArg = None,
 ) -> None:
     """Accelerate's ``load_fsdp_optimizer``; an ``s3://`` (or mapped local) ``input_dir`` loads through dcp_s3."""
@@ -176,8 +207,14 @@ def load_fsdp_optimizer(
     location = _routed(fsdp_plugin, input_dir, use_dcp, "load_fsdp_optimizer", _local_dirs(local_dirs, storage_options))
     if location is None:
         return _ORIGINAL["load_fsdp_optimizer"](
-            fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index,
-            adapter_only=adapter_only, use_dcp=use_dcp,
+            fsdp_plugin,
+            accelerator,
+            optimizer,
+            model,
+            input_dir,
+            optimizer_index,
+            adapter_only=adapter_only,
+            use_dcp=use_dcp,
         )
     accelerator.wait_for_everyone()
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
@@ -227,12 +264,16 @@ def _mirrored_rotation(original: Callable[..., Any], local_dirs: LocalDirs) -> C
 
 def _holders() -> list[Any]:
     """Every loaded accelerate/transformers module, and the three that call the functions."""
-    return [m for n, m in list(sys.modules.items()) if m is not None and n.split(".")[0] in ("accelerate", "transformers")]
+    return [
+        m for n, m in list(sys.modules.items()) if m is not None and n.split(".")[0] in ("accelerate", "transformers")
+    ]
 
 
 @contextlib.contextmanager
 def route_fsdp_checkpoints(
-    options: StorageOptions | Mapping[str, Any] | None = None, *, local_dirs: Mapping[Any, str] | None = None,
+    options: StorageOptions | Mapping[str, Any] | None = None,
+    *,
+    local_dirs: Mapping[Any, str] | None = None,
 ) -> Iterator[StorageOptions]:
     """Within the block, Accelerate's four FSDP checkpoint functions — wherever Accelerate, the
     transformers ``Trainer`` or your code call them by name — send ``s3://`` directories, and

@@ -85,7 +85,9 @@ class S3FabricStrategy(ModelParallelStrategy):
                 f"{type(self).__name__}(options=...)"
             )
         if filter is not None:
-            raise ConfigError(f"save_checkpoint({location}, filter=...): filtered sharded checkpoints are not supported")
+            raise ConfigError(
+                f"save_checkpoint({location}, filter=...): filtered sharded checkpoints are not supported"
+            )
         if not self._save_distributed_checkpoint:
             raise ConfigError(
                 f"{type(self).__name__}(save_distributed_checkpoint=False) writes one torch.save file; "
@@ -124,8 +126,13 @@ class S3FabricStrategy(ModelParallelStrategy):
         module_key = sharded_module_key(state, location)
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
         metadata = load_sharded(
-            location, module_key, state[module_key], optimizers, self.storage_options,
-            strict=strict, weights_only=weights_only,
+            location,
+            module_key,
+            state[module_key],
+            optimizers,
+            self.storage_options,
+            strict=strict,
+            weights_only=weights_only,
         )
         metadata = {} if metadata is None else metadata
         requested = [k for k in state if k != module_key and k not in optimizers]

@@ -76,7 +76,7 @@ def s3_location(path: Any) -> str | None:
     if text.startswith("s3://"):
         return text.rstrip("/")
     if text.startswith("s3:/"):
-        return "s3://" + text[len("s3:/"):].lstrip("/").rstrip("/")
+        return "s3://" + text[len("s3:/") :].lstrip("/").rstrip("/")
     return None
 
 

@@ -90,8 +90,13 @@ class S3TrainerStrategy(ModelParallelStrategy):
         assert self.model is not None and self.lightning_module is not None
         optimizers = {f"optimizer_{idx}": optimizer for idx, optimizer in enumerate(self.optimizers)}
         metadata = load_sharded(
-            location, "state_dict", self.model, optimizers, self.storage_options,
-            strict=self.lightning_module.strict_loading, weights_only=weights_only,
+            location,
+            "state_dict",
+            self.model,
+            optimizers,
+            self.storage_options,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
         )
         if metadata is None:
             raise CheckpointFormatError(
@@ -108,7 +113,9 @@ class S3TrainerStrategy(ModelParallelStrategy):
             return
         owner = next((o for o in self.ownerships if o.name_of(location) is not None), None)
         if owner is None:
-            refuse(type(self).__name__, location, "no S3ModelCheckpoint of this trainer made that name under its dirpath")
+            refuse(
+                type(self).__name__, location, "no S3ModelCheckpoint of this trainer made that name under its dirpath"
+            )
             return
         store = self.storage_options.store(owner.root)
         try:
@@ -171,7 +178,12 @@ class S3ModelCheckpoint(ModelCheckpoint):
         ownership = self.ownership()
         if ownership not in strategy.ownerships:
             strategy.ownerships.append(ownership)
-        if trainer.is_global_zero and stage == "fit" and self.save_top_k != 0 and strategy.list_checkpoints(self.dirpath):
+        if (
+            trainer.is_global_zero
+            and stage == "fit"
+            and self.save_top_k != 0
+            and strategy.list_checkpoints(self.dirpath)
+        ):
             rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
 
     def file_exists(self, filepath: Any, trainer: Any) -> bool:
@@ -184,8 +196,9 @@ class S3ModelCheckpoint(ModelCheckpoint):
         (``<filename>[-v<N>].ckpt``, ``<last>[-v<N>].ckpt``; see :mod:`dcp_s3.checkpointer.ownership`)."""
         assert self.dirpath is not None
         templates = [self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}", self.CHECKPOINT_NAME_LAST]
-        names = "|".join(_template_pattern(t, self.auto_insert_metric_name, self.CHECKPOINT_EQUALS_CHAR)
-                         for t in templates)
+        names = "|".join(
+            _template_pattern(t, self.auto_insert_metric_name, self.CHECKPOINT_EQUALS_CHAR) for t in templates
+        )
         version = re.escape(self.CHECKPOINT_JOIN_CHAR) + r"v\d+"
         scheme = re.compile(rf"(?:{names})(?:{version})?{re.escape(self.FILE_EXTENSION)}")
         return Ownership(f"S3ModelCheckpoint({self.dirpath})", self.dirpath, scheme)

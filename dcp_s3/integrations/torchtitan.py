@@ -155,8 +155,12 @@ class S3CheckpointManager(CheckpointManager):
 
     @torch.no_grad()
     def dcp_save(
-        self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
-        enable_garbage_collection: bool = False, to_hf: bool = False,
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
     ) -> Future[Any] | None:
         if to_hf:  # torchtitan's HF writer, local folders only (its Config refuses a remote one)
             return CheckpointManager.dcp_save(
@@ -196,7 +200,10 @@ class S3CheckpointManager(CheckpointManager):
         checkpoint_id, model_only, from_hf, from_quantized = plan
         logger.info("Loading the checkpoint from %s.", checkpoint_id)
         self.dcp_load(
-            self._states_to_load(model_only), checkpoint_id=checkpoint_id, from_hf=from_hf, from_quantized=from_quantized
+            self._states_to_load(model_only),
+            checkpoint_id=checkpoint_id,
+            from_hf=from_hf,
+            from_quantized=from_quantized,
         )
         GarbageCollection.collect("GC collection for checkpoint loading.")
         return True
@@ -245,7 +252,8 @@ class S3CheckpointManager(CheckpointManager):
             return
         ownership = self._ownership()
         committed = [
-            step for step in self._steps(self.folder)
+            step
+            for step in self._steps(self.folder)
             if ownership.owns(f"step-{step}") and self._committed(self._create_checkpoint_id(step))
         ]
         for step in committed[: -self.keep_latest_k]:

@@ -123,7 +123,8 @@ class LocalDirs:
             except CheckpointNotFoundError:
                 logger.debug("no checkpoint to remove at %s (the Trainer's rotation removed %s)", location, path)
                 continue
-            logger.info("removed %s (%d objects): the Trainer's rotation deleted %s", location,
-                        len(removal.objects), path)
+            logger.info(
+                "removed %s (%d objects): the Trainer's rotation deleted %s", location, len(removal.objects), path
+            )
             deleted.append(location)
         return deleted

@@ -57,8 +57,11 @@ KIND_STORAGE_INFO, KIND_ITEM_LOCATION = 0, 1
 
 DTYPES: dict[str, torch.dtype] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
 LAYOUTS: dict[str, torch.layout] = {n: v for n, v in vars(torch).items() if isinstance(v, torch.layout)}
-MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
-                  "preserve_format": torch.preserve_format}
+MEMORY_FORMATS = {
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "preserve_format": torch.preserve_format,
+}
 _INT_TYPES = ("<u1", "<u2", "<u4", "<u8", "<i1", "<i2", "<i4", "<i8")
 
 
@@ -127,8 +130,12 @@ class ArraysBuilder:
                 return {"m": [period, first, step]}
             if split and whole >= 2 and whole * period * 2 >= n:  # a periodic head (FSDP's ranks) and a tail
                 head = whole * period
-                return {"s": [[{"m": [period, first, step]}, head],
-                              [self.column(f"{name}.t", values[head:], split=False), n - head]]}
+                return {
+                    "s": [
+                        [{"m": [period, first, step]}, head],
+                        [self.column(f"{name}.t", values[head:], split=False), n - head],
+                    ]
+                }
         starts = np.concatenate(([0], np.flatnonzero(diff != 0) + 1))
         if len(starts) * 4 <= n:
             lengths = np.diff(np.concatenate((starts, [n])))

@@ -105,7 +105,7 @@ class RuleChunks(Sequence[ChunkStorageMetadata]):
         lo = np.minimum(np.arange(self.n, dtype=np.int64) * self._step, d)
         new, out = object.__new__, []
         for start, rows in zip(lo.tolist(), (np.minimum(lo + self._step, d) - lo).tolist()):
-            offsets, sizes = (0,) * dim + (start,) + (0,) * (len(size) - dim - 1), (*size[:dim], rows, *size[dim + 1:])
+            offsets, sizes = (0,) * dim + (start,) + (0,) * (len(size) - dim - 1), (*size[:dim], rows, *size[dim + 1 :])
             a, b = known.get(offsets), known.get(sizes)
             if a is None:
                 a = known[offsets] = torch.Size(offsets)
@@ -208,6 +208,7 @@ class ExplicitChunks(Sequence[ChunkStorageMetadata]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ExplicitChunks, (self.size, self.offsets, self.sizes))
+
 
 class ChunkLookup:
     """``(sizes, dtype)`` of the stored chunk of a tensor at given offsets, found when asked.

@@ -67,8 +67,9 @@ class Entries:
         k = key[order]
         return order[np.r_[k[1:] != k[:-1], True]]
 
-    def numbers(self, entries: np.ndarray, offsets: np.ndarray, ndims: np.ndarray, spec: np.ndarray | None = None
-                ) -> np.ndarray:
+    def numbers(
+        self, entries: np.ndarray, offsets: np.ndarray, ndims: np.ndarray, spec: np.ndarray | None = None
+    ) -> np.ndarray:
         """Chunk numbers (-1: none) of rows of ``entries`` at ``offsets`` (padded) of ``ndims`` dimensions
         (``spec``: ``array()[entries]``, if the caller has it)."""
         spec = self.array()[entries] if spec is None else spec

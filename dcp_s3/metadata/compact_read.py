@@ -68,12 +68,19 @@ def _properties(e: dict[str, Any], ndim: int, where: str) -> TensorProperties:
         values = tuple(_int(x, f"{where}: stride") for x in strides)
         if "strides" in _PROPERTY_FIELDS:
             extra["strides"] = values
-    return TensorProperties(dtype=dtype, layout=layout, requires_grad=_get(e, "requires_grad", bool, where),
-                            memory_format=memory_format, pin_memory=_get(e, "pin_memory", bool, where), **extra)
+    return TensorProperties(
+        dtype=dtype,
+        layout=layout,
+        requires_grad=_get(e, "requires_grad", bool, where),
+        memory_format=memory_format,
+        pin_memory=_get(e, "pin_memory", bool, where),
+        **extra,
+    )
 
 
-def _chunks(e: dict[str, Any], size: torch.Size, elem: int, explicit: list[np.ndarray], pos: list[int],
-            where: str) -> Sequence[ChunkStorageMetadata]:
+def _chunks(
+    e: dict[str, Any], size: torch.Size, elem: int, explicit: list[np.ndarray], pos: list[int], where: str
+) -> Sequence[ChunkStorageMetadata]:
     if "rule" in e:
         rule = _get(e, "rule", dict, where)
         dim = _int(_get(rule, "dim", int, where), f"{where}: rule dim", -1, len(size) - 1)
@@ -120,7 +127,7 @@ def load_compact(data: bytes, where: str) -> Metadata:
     if head_len > MAX_HEADER or start + head_len > len(data):
         raise _bad(f"header of {head_len} bytes does not fit in {len(data)} bytes (at most {MAX_HEADER})")
     try:
-        header = json.loads(data[start:start + head_len].decode("utf-8"))
+        header = json.loads(data[start : start + head_len].decode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise _bad(f"header is not JSON ({type(exc).__name__})") from None
     if type(header) is not dict or header.get("format") != "dcp_s3.compact":
@@ -163,10 +170,13 @@ def load_compact(data: bytes, where: str) -> Metadata:
             count = len(chunks)
         else:
             count = _int(stored_spec, f"{what}: stored count", 0, len(chunks))
-            stored = stored_all[stored_pos: stored_pos + count]
+            stored = stored_all[stored_pos : stored_pos + count]
             stored_pos += count
-            if len(stored) != count or (count and int(stored[-1]) >= len(chunks)) or \
-                    (count > 1 and bool((np.diff(stored.astype(np.int64)) <= 0).any())):
+            if (
+                len(stored) != count
+                or (count and int(stored[-1]) >= len(chunks))
+                or (count > 1 and bool((np.diff(stored.astype(np.int64)) <= 0).any()))
+            ):
                 raise _bad(f"{what}: its stored chunk numbers are out of range or not increasing")
         entries.append(_Entry(fqn, start_pos, count, chunks, stored, elem))
         start_pos += count
@@ -191,8 +201,12 @@ def load_compact(data: bytes, where: str) -> Metadata:
     version = header.get("metadata_version")
     if version is not None and type(version) is not str:
         raise _bad(f"metadata version is {describe(version)}")
-    metadata = Metadata(state_dict_metadata=state, planner_data=untag(header.get("planner_data")),
-                        storage_data=storage, storage_meta=storage_meta)
+    metadata = Metadata(
+        state_dict_metadata=state,
+        planner_data=untag(header.get("planner_data")),
+        storage_data=storage,
+        storage_meta=storage_meta,
+    )
     metadata.version = version
     return metadata
 
@@ -209,8 +223,12 @@ def materialize(metadata: Metadata) -> Metadata:
     storage = metadata.storage_data
     if storage is not None and type(storage) is not dict:
         storage = dict(storage.items())
-    out = Metadata(state_dict_metadata=state, planner_data=metadata.planner_data, storage_data=storage,
-                   storage_meta=metadata.storage_meta)
+    out = Metadata(
+        state_dict_metadata=state,
+        planner_data=metadata.planner_data,
+        storage_data=storage,
+        storage_meta=metadata.storage_meta,
+    )
     out.version = getattr(metadata, "version", None)
     return out
 

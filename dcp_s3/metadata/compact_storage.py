@@ -60,7 +60,7 @@ def untag(value: Any, depth: int = 0) -> Any:
         return value
     if type(value) is not dict or len(value) != 1:
         raise _bad(f"a tagged value is {describe(value)}")
-    (kind, inner), = value.items()
+    ((kind, inner),) = value.items()
     if kind == "S" and type(inner) is list and len(inner) <= MAX_NDIM:
         return torch.Size([_int(v, "a torch.Size element") for v in inner])
     if kind in ("P", "PP") and type(inner) is str:
@@ -75,8 +75,9 @@ def untag(value: Any, depth: int = 0) -> Any:
                 raise _bad("a tagged dict item is not a pair")
             key = untag(pair[0], depth + 1)
             # str hashes are randomized; small ints have distinct hashes: no crafted collisions
-            if not (type(key) is str or key is None or type(key) is bool or
-                    (type(key) is int and abs(key) <= MAX_INT_KEY)):
+            if not (
+                type(key) is str or key is None or type(key) is bool or (type(key) is int and abs(key) <= MAX_INT_KEY)
+            ):
                 raise _bad(f"a dict key is {describe(key)}")
             out[key] = untag(pair[1], depth + 1)
         return out
@@ -115,7 +116,7 @@ class Column:
         self.period = 0
         if type(spec) is not dict or len(spec) != 1:
             raise _bad(f"column {name} is {describe(spec)}")
-        (kind, arg), = spec.items()
+        ((kind, arg),) = spec.items()
         if kind == "c":
             self.const = _int(arg, f"column {name}", -1)
             self.start, self.step = self.const, 0
@@ -145,8 +146,11 @@ class Column:
             head = _int(parts[0][1], f"column {name} head", 0, n)
             if parts[1][1] != n - head:
                 raise _bad(f"column {name}: segments do not add up to {n} entries")
-            self.segments = (head, Column(parts[0][0], head, arrays, name, True),
-                             Column(parts[1][0], n - head, arrays, name, True))
+            self.segments = (
+                head,
+                Column(parts[0][0], head, arrays, name, True),
+                Column(parts[1][0], n - head, arrays, name, True),
+            )
         else:
             raise _bad(f"column {name} has unknown encoding {describe(kind)}")
 
@@ -189,8 +193,15 @@ class Column:
 class _Entry:
     __slots__ = ("fqn", "start", "count", "chunks", "stored", "elem")
 
-    def __init__(self, fqn: str, start: int, count: int, chunks: Sequence[ChunkStorageMetadata] | None,
-                 stored: np.ndarray | None, elem: int) -> None:
+    def __init__(
+        self,
+        fqn: str,
+        start: int,
+        count: int,
+        chunks: Sequence[ChunkStorageMetadata] | None,
+        stored: np.ndarray | None,
+        elem: int,
+    ) -> None:
         self.fqn, self.start, self.count, self.chunks, self.stored, self.elem = fqn, start, count, chunks, stored, elem
 
 
@@ -198,7 +209,12 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
     """``Metadata.storage_data`` of a compact ``.metadata``: entries built (and checked) on lookup."""
 
     def __init__(
-        self, data: bytes, entries: list[_Entry], header: dict[str, Any], arrays: ArraysReader, where: str,
+        self,
+        data: bytes,
+        entries: list[_Entry],
+        header: dict[str, Any],
+        arrays: ArraysReader,
+        where: str,
         rebuild: Callable[[bytes, str], CompactStorage],
     ) -> None:
         self._data = data
@@ -227,9 +243,17 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
         self.fends = arrays.get(fr.get("ends"))
         self.fcrcs = arrays.get(fr.get("crcs"))
         self.fraw = arrays.get(fr.get("raw"))
-        limits = {"kind": (0, 1), "object": (0, len(self.objects) - 1), "transform": (-1, len(self.transforms) - 1),
-                  "frame": (-1, self.nframes - 1), "offset": (0, MAX_OFFSET), "length": (0, MAX_OFFSET),
-                  "payload": (-1, MAX_OFFSET), "crc": (-1, 0xFFFFFFFF), "hint": (-1, MAX_OFFSET)}
+        limits = {
+            "kind": (0, 1),
+            "object": (0, len(self.objects) - 1),
+            "transform": (-1, len(self.transforms) - 1),
+            "frame": (-1, self.nframes - 1),
+            "offset": (0, MAX_OFFSET),
+            "length": (0, MAX_OFFSET),
+            "payload": (-1, MAX_OFFSET),
+            "crc": (-1, 0xFFFFFFFF),
+            "hint": (-1, MAX_OFFSET),
+        }
         for name, (lo, hi) in limits.items():  # (an empty column has no values to check: bounds() says (0, 0))
             have = self.cols[name].bounds()
             if self.count and (have[0] < lo or have[1] > hi):
@@ -238,7 +262,8 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
             if self.fcols[name].bounds()[0] < 0:
                 raise _bad(f"frame column {name} holds a negative value")
         if (self.nframes and self.fcols["codec"].bounds()[1] >= len(self.codecs)) or any(
-                type(c) is not str for c in self.codecs):  # (an empty codecs table: every index is out of range)
+            type(c) is not str for c in self.codecs
+        ):  # (an empty codecs table: every index is out of range)
             raise _bad(f"frame column codec indexes a codecs table of {len(self.codecs)} names out of range")
         self._frame_at: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._cache: dict[int, _StorageInfo] = {}
@@ -312,13 +337,22 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
     def _build(self, entry: _Entry, p: int, c: int) -> _StorageInfo:
         col = self.cols
         t = col["transform"][p]
-        args = (self.objects[col["object"][p]], col["offset"][p], col["length"][p],
-                None if t == -1 else self.transforms[t])
+        args = (
+            self.objects[col["object"][p]],
+            col["offset"][p],
+            col["length"][p],
+            None if t == -1 else self.transforms[t],
+        )
         if col["kind"][p] == KIND_ITEM_LOCATION:
             payload, crc, f = col["payload"][p], col["crc"][p], col["frame"][p]
             frames, frame_crcs = self._frames(f) if f != -1 else (None, None)
-            info: _StorageInfo = ItemLocation(*args, payload_offset=None if payload == -1 else payload,
-                                crc32c=None if crc == -1 else crc, frames=frames, frame_crc32c=frame_crcs)
+            info: _StorageInfo = ItemLocation(
+                *args,
+                payload_offset=None if payload == -1 else payload,
+                crc32c=None if crc == -1 else crc,
+                frames=frames,
+                frame_crc32c=frame_crcs,
+            )
         else:
             info = _StorageInfo(*args)
         nbytes = None
@@ -326,8 +360,9 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
             nbytes = math.prod(entry.chunks[c].sizes) * entry.elem
             if nbytes > MAX_OFFSET:
                 raise _bad(f"tensor {entry.fqn[:200]}: chunk {c} is too large")
-        check_location(MetadataIndex(entry.fqn, entry.chunks[c].offsets if entry.chunks is not None else None),
-                       info, nbytes)
+        check_location(
+            MetadataIndex(entry.fqn, entry.chunks[c].offsets if entry.chunks is not None else None), info, nbytes
+        )
         return info
 
     def _frame_positions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -345,14 +380,22 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
     def _frames(self, f: int) -> tuple[FrameIndex, tuple[int, ...] | None]:
         fc = self.fcols
         ends_at, crcs_at, raw_at = self._frame_positions()
-        ends = tuple(self.fends[ends_at[f]: ends_at[f + 1]].tolist())
-        raw = int.from_bytes(self.fraw[raw_at[f]: raw_at[f + 1]].tobytes(), "little")
+        ends = tuple(self.fends[ends_at[f] : ends_at[f + 1]].tolist())
+        raw = int.from_bytes(self.fraw[raw_at[f] : raw_at[f + 1]].tobytes(), "little")
         try:
-            frames = FrameIndex(self.codecs[fc["codec"][f]], fc["version"][f], fc["element_size"][f],
-                                fc["grouping"][f], fc["raw_length"][f], fc["frame_size"][f], ends, raw)
+            frames = FrameIndex(
+                self.codecs[fc["codec"][f]],
+                fc["version"][f],
+                fc["element_size"][f],
+                fc["grouping"][f],
+                fc["raw_length"][f],
+                fc["frame_size"][f],
+                ends,
+                raw,
+            )
         except TypeError:
             raise _bad(f"frame index {f} is malformed") from None
-        crcs = tuple(self.fcrcs[crcs_at[f]: crcs_at[f + 1]].tolist()) if fc["crcs"][f] else None
+        crcs = tuple(self.fcrcs[crcs_at[f] : crcs_at[f + 1]].tolist()) if fc["crcs"][f] else None
         return frames, crcs
 
     def __eq__(self, other: object) -> bool:

@@ -78,7 +78,9 @@ def dump_compact(metadata: Metadata, results: Sequence[Sequence[WriteResult]] | 
             entry["rule"] = rule
             chunks = RuleChunks(md.size, rule["dim"], rule["n"])
             length = md.size[rule["dim"]] if md.size else 0
-            table.add(fqn, entry, (1, len(md.size), rule["dim"], rule["n"], -(-length // rule["n"]), length), chunks.find)
+            table.add(
+                fqn, entry, (1, len(md.size), rule["dim"], rule["n"], -(-length // rule["n"]), length), chunks.find
+            )
             continue
         entry["chunks"] = len(md.chunks)
         first: dict[tuple[int, ...], int] = {}
@@ -94,8 +96,11 @@ def dump_compact(metadata: Metadata, results: Sequence[Sequence[WriteResult]] | 
         for seq, (index, info) in enumerate(storage.items()):
             rows.add(seq, index, info)
     header: dict[str, Any] = {
-        "format": "dcp_s3.compact", "version": FORMAT_VERSION, "metadata_version": getattr(metadata, "version", None),
-        "planner_data": tag(metadata.planner_data), "storage_meta": _storage_meta(metadata),
+        "format": "dcp_s3.compact",
+        "version": FORMAT_VERSION,
+        "metadata_version": getattr(metadata, "version", None),
+        "planner_data": tag(metadata.planner_data),
+        "storage_meta": _storage_meta(metadata),
         "entries": table.headers,
         "chunk_offsets": arrays.add("chunk_offsets", np.array(chunk_offsets, dtype=np.uint64)),
         "chunk_sizes": arrays.add("chunk_sizes", np.array(chunk_sizes, dtype=np.uint64)),
@@ -143,8 +148,12 @@ class _Rows:
         if c is None:
             raise _unsupported(no_chunk(index.fqn, index.offset))
         kind = {_StorageInfo: KIND_STORAGE_INFO, ItemLocation: KIND_ITEM_LOCATION}.get(type(info))
-        if kind is None or type(info.relative_path) is not str or type(info.offset) is not int or \
-                type(info.length) is not int:
+        if (
+            kind is None
+            or type(info.relative_path) is not str
+            or type(info.offset) is not int
+            or type(info.length) is not int
+        ):
             raise _unsupported(f"storage entry {index.fqn!r}: {type(info).__name__} {info!r}"[:300])
         payload = crc = None
         frame = -1
@@ -152,18 +161,29 @@ class _Rows:
             payload, crc = info.payload_offset, info.crc32c
             if info.frames is not None:
                 if type(info.frames) is not FrameIndex or type(info.frames.codec) is not str:
-                    raise _unsupported(f"storage entry {index.fqn!r}: a frame index of type {type(info.frames).__name__}")
+                    raise _unsupported(
+                        f"storage entry {index.fqn!r}: a frame index of type {type(info.frames).__name__}"
+                    )
                 if not FrameTable.fits(info.frames, info.frame_crc32c):
-                    raise _unsupported(f"storage entry {index.fqn!r}: frame checksums that do not match its frame index")
+                    raise _unsupported(
+                        f"storage entry {index.fqn!r}: frame checksums that do not match its frame index"
+                    )
                 frame = len(self.framed)
                 self.framed.append((info.frames, info.frame_crc32c))
             elif info.frame_crc32c is not None:
                 raise _unsupported(f"storage entry {index.fqn!r}: frame checksums without frames")
         if index.index is not None and (type(index.index) is not int or index.index < 0):
             raise _unsupported(f"storage entry {index.fqn!r}: index hint {index.index!r}")
-        values = (kind, self.objects.setdefault(info.relative_path, len(self.objects)), info.offset, info.length,
-                  self.transform(getattr(info, "transform_descriptors", None)), _opt(payload), _opt(crc),
-                  _opt(index.index))
+        values = (
+            kind,
+            self.objects.setdefault(info.relative_path, len(self.objects)),
+            info.offset,
+            info.length,
+            self.transform(getattr(info, "transform_descriptors", None)),
+            _opt(payload),
+            _opt(crc),
+            _opt(index.index),
+        )
         for name, value in zip(_ROW, values):
             if type(value) is not int or not -1 <= value < _LIMIT:
                 raise _unsupported(f"storage entry {index.fqn!r}: {name} {value!r}")
@@ -213,22 +233,32 @@ class _Rows:
                 frame_base += len(pk.frames[1])
             objects.extend(self.objects.setdefault(name, len(self.objects)) for name in pk.objects)
             transforms.extend([*(self.transform(t) for t in pk.transforms), -1])  # the -1: none, at least one
-        maps = (np.array(to_entry, np.int64), np.array(ndims, np.int64), np.array(objects, np.int64),
-                np.array(transforms, np.int64))
+        maps = (
+            np.array(to_entry, np.int64),
+            np.array(ndims, np.int64),
+            np.array(objects, np.int64),
+            np.array(transforms, np.int64),
+        )
         width = max(pk.offsets.shape[1] for pk, _ in self.packs)
         total = sum(len(pk.ids) for pk, _ in self.packs)
-        out = (np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total, np.int64),
-               np.full(total, -1, np.int64), np.empty((total, len(_ROW)), np.int64))
+        out = (
+            np.empty(total, np.int64),
+            np.empty(total, np.int64),
+            np.empty(total, np.int64),
+            np.full(total, -1, np.int64),
+            np.empty((total, len(_ROW)), np.int64),
+        )
         first = rows = done = 0
         for i, (pk, *_) in enumerate(ranks):
             rows += len(pk.ids)
             if rows >= _BATCH_ROWS or i == len(ranks) - 1:
-                self._batch(ranks[first: i + 1], maps, width, tuple(a[done: done + rows] for a in out))
+                self._batch(ranks[first : i + 1], maps, width, tuple(a[done : done + rows] for a in out))
                 first, done, rows = i + 1, done + rows, 0
         return out
 
-    def _batch(self, ranks: list[tuple[Any, ...]], maps: tuple[np.ndarray, ...], width: int,
-               out: tuple[np.ndarray, ...]) -> None:
+    def _batch(
+        self, ranks: list[tuple[Any, ...]], maps: tuple[np.ndarray, ...], width: int, out: tuple[np.ndarray, ...]
+    ) -> None:
         """Rows of ``ranks`` into ``out`` (entry, chunk, seq, frame, columns: slices of the whole)."""
         to_entry, ndims, objects, transforms = maps
         entry_out, chunk_out, seq, frame, cols = out
@@ -240,9 +270,14 @@ class _Rows:
 
         names = per_row([r[2] for r in ranks]) + np.concatenate([pk.ids for pk, *_ in ranks])
         entry, ndim = to_entry[names], ndims[names]
-        offsets = np.concatenate([pk.offsets if pk.offsets.shape[1] == width else
-                                  np.pad(pk.offsets, ((0, 0), (0, width - pk.offsets.shape[1])), constant_values=-1)
-                                  for pk, *_ in ranks])
+        offsets = np.concatenate(
+            [
+                pk.offsets
+                if pk.offsets.shape[1] == width
+                else np.pad(pk.offsets, ((0, 0), (0, width - pk.offsets.shape[1])), constant_values=-1)
+                for pk, *_ in ranks
+            ]
+        )
         chunk = self.entries.numbers(entry, offsets, ndim)
         if (chunk < 0).any():
             i = int(np.flatnonzero(chunk < 0)[0])
@@ -258,7 +293,7 @@ class _Rows:
         seq[:] = per_row([r[1] for r in ranks]) + np.arange(len(fields)) - np.repeat(starts, lens)
         for (pk, base, *_, frame_base), at in zip(ranks, starts.tolist()):
             if pk.extras:  # its rows are not its first results: their positions
-                seq[at: at + len(pk.ids)] = base + pk.row_positions()
+                seq[at : at + len(pk.ids)] = base + pk.row_positions()
             if pk.frames is not None:
                 frame[at + pk.frames[0]] = frame_base + np.arange(len(pk.frames[0]))
 
@@ -293,13 +328,15 @@ class _Rows:
                 header["stored"] = "all"
             else:
                 header["stored"] = int(counts[i])
-                stored.append(c[bounds[i]: bounds[i + 1]])
+                stored.append(c[bounds[i] : bounds[i + 1]])
         self.stored_chunks = np.concatenate(stored).astype(np.uint32) if stored else np.zeros(0, np.uint32)
         if not with_columns:
             return None
         values["object"], values["transform"], values["frame"] = objects[0], transforms[0], frame
         return {
-            "count": len(e), "objects": objects[1], "transforms": [self.tagged[self.transforms[k]] for k in transforms[1]],
+            "count": len(e),
+            "objects": objects[1],
+            "transforms": [self.tagged[self.transforms[k]] for k in transforms[1]],
             "columns": {name: arrays.column(f"s.{name}", values[name]) for name in STORAGE_COLUMNS},
             "frames": _frames(arrays, frames),
         }
@@ -327,8 +364,12 @@ def _storage_meta(metadata: Metadata) -> dict[str, Any] | None:
     meta = metadata.storage_meta
     if meta is None:
         return None
-    return {"checkpoint_id": tag(meta.checkpoint_id), "save_id": tag(meta.save_id), "load_id": tag(meta.load_id),
-            "modules": tag(meta.modules)}
+    return {
+        "checkpoint_id": tag(meta.checkpoint_id),
+        "save_id": tag(meta.save_id),
+        "load_id": tag(meta.load_id),
+        "modules": tag(meta.modules),
+    }
 
 
 def _opt(value: int | None) -> int:

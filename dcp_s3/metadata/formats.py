@@ -21,7 +21,14 @@ from dcp_s3.metadata.compact_write import dump_compact
 from dcp_s3.untrusted.metadata_check import check_metadata
 from dcp_s3.untrusted.metadata_pickle import budget_for, describe, unpickle_metadata
 
-__all__ = ["METADATA_FORMATS", "AUTO_COMPACT_CHUNKS", "metadata_format_option", "compact_wanted", "dump_metadata", "load_metadata"]
+__all__ = [
+    "METADATA_FORMATS",
+    "AUTO_COMPACT_CHUNKS",
+    "metadata_format_option",
+    "compact_wanted",
+    "dump_metadata",
+    "load_metadata",
+]
 
 
 #: ``metadata_format`` values of ``dump_metadata`` (and ``S3StorageWriter``).

@@ -27,8 +27,17 @@ from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
 from dcp_s3.objstore.throttle import JobProgress
 
 __all__ = [
-    "ObjectStore", "ObjectWriter", "ObjectInfo", "PendingUpload", "RangeRead", "coalesce", "wait_all",
-    "open_destination", "check_relative_name", "relative_name_problem", "check_whole_size",
+    "ObjectStore",
+    "ObjectWriter",
+    "ObjectInfo",
+    "PendingUpload",
+    "RangeRead",
+    "coalesce",
+    "wait_all",
+    "open_destination",
+    "check_relative_name",
+    "relative_name_problem",
+    "check_whole_size",
 ]
 
 log = logging.getLogger("dcp_s3")

@@ -131,9 +131,15 @@ class TransferConfig:
         return dataclasses.replace(self, **given) if given else self
 
     def __post_init__(self) -> None:
-        for name, minimum in (("part_size", 1), ("max_concurrency", 1), ("files_per_rank", 1),
-                              ("max_range_size", 64 * 1024), ("coalesce_gap", 0), ("decode_threads", 1),
-                              ("max_whole_read", 1)):
+        for name, minimum in (
+            ("part_size", 1),
+            ("max_concurrency", 1),
+            ("files_per_rank", 1),
+            ("max_range_size", 64 * 1024),
+            ("coalesce_gap", 0),
+            ("decode_threads", 1),
+            ("max_whole_read", 1),
+        ):
             _check_int(self, name, minimum)
         if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
             raise ConfigError(f"part_size={self.part_size} must be between 5 MiB and 5 GiB (S3 limits)")
@@ -245,8 +251,8 @@ class ClientConfig:
         """A new boto3 S3 client. boto3 clients are thread-safe; sessions are not."""
         install_log_redaction()
         kwargs = self.client_kwargs()
-        custom_endpoint = kwargs.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-            "AWS_ENDPOINT_URL"
+        custom_endpoint = (
+            kwargs.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         )
         config = Config(
             connect_timeout=self.connect_timeout,
@@ -269,7 +275,8 @@ class ClientConfig:
             warnings.warn(
                 f"dcp_s3: TLS certificate verification is off (verify=False) for "
                 f"{custom_endpoint or 'the AWS endpoint'}: anyone on the path can read and change checkpoints",
-                UserWarning, stacklevel=3,
+                UserWarning,
+                stacklevel=3,
             )
         if self.verify is not True:
             kwargs["verify"] = self.verify
@@ -279,8 +286,11 @@ class ClientConfig:
         install_request_deadline(client, self.request_deadline)
         if self.rate_control:
             install_rate_control(
-                client, retry_attempts=self.retry_attempts, deadline=self.throttle_deadline,
-                write_rate=self.prefix_write_rate, read_rate=self.prefix_read_rate,
+                client,
+                retry_attempts=self.retry_attempts,
+                deadline=self.throttle_deadline,
+                write_rate=self.prefix_write_rate,
+                read_rate=self.prefix_read_rate,
             )
         return client
 
@@ -342,7 +352,11 @@ def client_config(client: ClientConfig | None, pool: int, **fields: Any) -> Clie
 
 
 def _log_failed_attempt(
-    response: Any, operation: Any, attempts: int, caught_exception: BaseException | None, request_dict: Any,
+    response: Any,
+    operation: Any,
+    attempts: int,
+    caught_exception: BaseException | None,
+    request_dict: Any,
     **_: Any,
 ) -> None:
     """Log, at debug, each failed attempt botocore may retry; the URL names bucket and key, never secrets."""
@@ -378,6 +392,7 @@ def _read_credential_file(path: str) -> dict[str, Any]:
         # warnings, not only logging: library users see it without configuring logging.
         warnings.warn(
             f"credential file {path!r} holds {' and '.join(secrets)} and is readable by other users; chmod 600 it",
-            UserWarning, stacklevel=2,
+            UserWarning,
+            stacklevel=2,
         )
     return {k: v for k, v in data.items() if v is not None}

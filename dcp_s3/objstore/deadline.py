@@ -197,8 +197,9 @@ class _Hooks:
         _LOCAL.attempt = (now, self.seconds)
         context[_WATCH] = _WATCHDOG.watch(now + self.seconds)
 
-    def check(self, request_dict: dict[str, Any], operation: Any, caught_exception: BaseException | None,
-              **_: Any) -> None:
+    def check(
+        self, request_dict: dict[str, Any], operation: Any, caught_exception: BaseException | None, **_: Any
+    ) -> None:
         watch: _Watch | None = request_dict["context"].pop(_WATCH, None)
         if watch is None:
             return

@@ -59,7 +59,10 @@ class LocalObjectStore(ObjectStore):
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], *, follow_symlinks: bool = False,
+        self,
+        root: str | os.PathLike[str],
+        *,
+        follow_symlinks: bool = False,
         max_whole_read: int = DEFAULT_MAX_WHOLE_READ,
     ) -> None:
         self.root = self.container = os.path.abspath(os.fspath(root))

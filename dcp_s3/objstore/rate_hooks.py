@@ -106,7 +106,9 @@ def request_stats() -> dict[str, dict[str, float]]:
     return out
 
 
-def install_rate_control(client: Any, *, retry_attempts: int, deadline: float, write_rate: float, read_rate: float) -> None:
+def install_rate_control(
+    client: Any, *, retry_attempts: int, deadline: float, write_rate: float, read_rate: float
+) -> None:
     """Register the handlers above on ``client`` (made with botocore retries limited to 1 attempt)."""
     controller = controller_for(str(client.meta.endpoint_url), write_rate, read_rate)
     retry_quota = RetryQuotaChecker(quota.RetryQuota())
@@ -153,8 +155,14 @@ class _Hooks:
         except S3ThrottledError:  # no token in time: nothing taken
             refusals = context.get(_REFUSALS, 0)
             since = f", {refusals} refusals since the first {time.monotonic() - first:.1f} s ago" if first else ""
-            log.warning("%s %s: no request token of %s in time%s; giving up (throttle_deadline=%s s)",
-                        operation_name, context.get(_OBJECT), key, since, self.deadline)
+            log.warning(
+                "%s %s: no request token of %s in time%s; giving up (throttle_deadline=%s s)",
+                operation_name,
+                context.get(_OBJECT),
+                key,
+                since,
+                self.deadline,
+            )
             raise S3ThrottledError(
                 f"{operation_name} {context.get(_OBJECT)} failed: waited {timeout:.1f} s for a request token of {key} "
                 f"(paced at {self.controller.rate(key):.3g} requests/s{since}): past ClientConfig "
@@ -170,7 +178,11 @@ class _Hooks:
             self.controller.release(key, refused=False)
 
     def decide(
-        self, response: Any, attempts: int, caught_exception: BaseException | None, request_dict: dict[str, Any],
+        self,
+        response: Any,
+        attempts: int,
+        caught_exception: BaseException | None,
+        request_dict: dict[str, Any],
         **kwargs: Any,
     ) -> float | None:
         context = request_dict["context"]
@@ -187,7 +199,10 @@ class _Hooks:
             # Other failures: botocore's standard policy, counting only the attempts that were not refused.
             others = attempts - context.get(_REFUSALS, 0)
             return self.others.needs_retry(  # type: ignore[no-any-return]
-                response=response, attempts=others, caught_exception=caught_exception, request_dict=request_dict,
+                response=response,
+                attempts=others,
+                caught_exception=caught_exception,
+                request_dict=request_dict,
                 **kwargs,
             )
         now = time.monotonic()
@@ -198,11 +213,20 @@ class _Hooks:
             if isinstance(parsed, dict):
                 rate = self.controller.rate(key) if key is not None else 0.0
                 parsed["DcpS3Throttle"] = {
-                    "key": str(key) if key is not None else "", "refusals": context[_REFUSALS],
-                    "seconds": round(waited, 1), "rate": round(rate, 2), "deadline": self.deadline,
+                    "key": str(key) if key is not None else "",
+                    "refusals": context[_REFUSALS],
+                    "seconds": round(waited, 1),
+                    "rate": round(rate, 2),
+                    "deadline": self.deadline,
                 }
-            log.warning("%s: still refused (%s) after %.0f s and %d refusals; giving up (throttle_deadline=%s s)",
-                        key, code or status, waited, context[_REFUSALS], self.deadline)
+            log.warning(
+                "%s: still refused (%s) after %.0f s and %d refusals; giving up (throttle_deadline=%s s)",
+                key,
+                code or status,
+                waited,
+                context[_REFUSALS],
+                self.deadline,
+            )
             return None
         delay = _retry_after(response[0].headers) if response is not None else None
         if delay is None:  # the tokens pace the retry; a little jitter spreads a burst of refusals

@@ -41,8 +41,17 @@ _PATTERNS = (
 _LOGGER_ROOTS = ("botocore", "boto3", "s3transfer", "urllib3", "dcp_s3")
 #: Loggers known to emit such records, created up front so they get the filter even if
 #: the module that logs to them is imported later.
-_KNOWN = ("botocore.endpoint", "botocore.auth", "botocore.awsrequest", "botocore.hooks", "botocore.parsers",
-          "botocore.httpsession", "botocore.credentials", "botocore.retryhandler", "urllib3.connectionpool")
+_KNOWN = (
+    "botocore.endpoint",
+    "botocore.auth",
+    "botocore.awsrequest",
+    "botocore.hooks",
+    "botocore.parsers",
+    "botocore.httpsession",
+    "botocore.credentials",
+    "botocore.retryhandler",
+    "urllib3.connectionpool",
+)
 
 
 def redact(text: str) -> str:

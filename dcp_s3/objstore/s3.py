@@ -251,7 +251,10 @@ class S3ObjectStore(ObjectStore):
         paginator = self.client.get_paginator("list_objects_v2")
         try:
             for page in paginator.paginate(
-                Bucket=self.bucket, Prefix=prefix, Delimiter="/", **request_args_for(self.request_args, "list_objects_v2")
+                Bucket=self.bucket,
+                Prefix=prefix,
+                Delimiter="/",
+                **request_args_for(self.request_args, "list_objects_v2"),
             ):
                 objects.extend(_info(o) for o in page.get("Contents", []))
                 prefixes.extend(p["Prefix"] for p in page.get("CommonPrefixes", []))
@@ -317,7 +320,8 @@ class S3ObjectStore(ObjectStore):
             warnings.warn(
                 f"s3://{self.bucket} at {self.client.meta.endpoint_url} does not list multipart uploads: "
                 "unfinished uploads cannot be found or aborted there (abort them by other means)",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )
             return []
         except BotoCoreError as exc:
@@ -329,9 +333,11 @@ class S3ObjectStore(ObjectStore):
 
     def upload_activity(self, upload: PendingUpload) -> float | None:
         try:
-            parts = list(self._paginate(
-                "list_parts", upload.key, "LIST parts", "Parts", Key=upload.key, UploadId=upload.upload_id
-            ))
+            parts = list(
+                self._paginate(
+                    "list_parts", upload.key, "LIST parts", "Parts", Key=upload.key, UploadId=upload.upload_id
+                )
+            )
         except CheckpointNotFoundError:
             return None  # completed or aborted meanwhile
         return max([upload.initiated] + [p["LastModified"].timestamp() for p in parts])

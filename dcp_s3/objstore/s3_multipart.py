@@ -49,23 +49,35 @@ def _abort(store: S3Requests, key: str, upload_id: str, what: str) -> None:
         warnings.warn(
             f"could not abort the {what} of s3://{store.bucket}/{key} ({exc}); its parts stay on the "
             "server until aborted (`dcp-s3 gc`, or the server's own tools)",
-            RuntimeWarning, stacklevel=3,
+            RuntimeWarning,
+            stacklevel=3,
         )
 
 
 def copy_multipart(
-    store: S3Requests, key: str, copy_source: dict[str, str], size: int, extra: dict[str, str],
+    store: S3Requests,
+    key: str,
+    copy_source: dict[str, str],
+    size: int,
+    extra: dict[str, str],
     executor: ThreadPoolExecutor,
 ) -> None:
     """Copy ``copy_source`` (``size`` bytes) to ``key`` by concurrent UploadPartCopy requests."""
     part_size = fit_part_size(COPY_PART_SIZE, size)
     upload_id = store.call("create_multipart_upload", key, Key=key)["UploadId"]
     try:
+
         def copy_part(number: int, start: int) -> dict[str, Any]:
             end = min(size, start + part_size)
             resp = store.call(
-                "upload_part_copy", key, Key=key, UploadId=upload_id, PartNumber=number,
-                CopySource=copy_source, CopySourceRange=range_header(start, end), **extra,
+                "upload_part_copy",
+                key,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                CopySource=copy_source,
+                CopySourceRange=range_header(start, end),
+                **extra,
             )
             return {"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]}
 
@@ -186,8 +198,13 @@ class MultipartWriter(ObjectWriter):
             # A file over the pieces, not bytes: botocore copies bytes-like bodies (see BufferReader).
             with BufferReader.of(views, send_block=True) as body:
                 resp = self.store.call(
-                    "upload_part", self.key, Key=self.key, UploadId=self._upload_id, PartNumber=part_number,
-                    Body=body, **self.store.upload_checksum(views),
+                    "upload_part",
+                    self.key,
+                    Key=self.key,
+                    UploadId=self._upload_id,
+                    PartNumber=part_number,
+                    Body=body,
+                    **self.store.upload_checksum(views),
                 )
             return {"PartNumber": part_number, "ETag": resp["ETag"]}
         finally:
@@ -214,8 +231,11 @@ class MultipartWriter(ObjectWriter):
         wait_all(self._parts)
         parts = [fut.result() for fut in self._parts]
         self.store.call(
-            "complete_multipart_upload", self.key,
-            Key=self.key, UploadId=self._upload_id, MultipartUpload={"Parts": parts},
+            "complete_multipart_upload",
+            self.key,
+            Key=self.key,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": parts},
         )
         self._upload_id = None
 

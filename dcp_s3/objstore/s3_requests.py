@@ -46,13 +46,30 @@ from dcp_s3.errors import (
 )
 from dcp_s3.objstore.throttle import is_throttle
 
-__all__ = ["translate_error", "untrusted_certificate", "check_request_args", "range_header", "status_of", "is_not_implemented", "op_label", "request_args_for",
-           "BODY_ERRORS", "upload_checksum"]
+__all__ = [
+    "translate_error",
+    "untrusted_certificate",
+    "check_request_args",
+    "range_header",
+    "status_of",
+    "is_not_implemented",
+    "op_label",
+    "request_args_for",
+    "BODY_ERRORS",
+    "upload_checksum",
+]
 
 _NOT_FOUND = {"NoSuchKey", "NoSuchBucket", "NoSuchUpload", "404", "NotFound"}
 _DENIED = {
-    "AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-    "ExpiredToken", "InvalidToken", "AllAccessDisabled", "AccountProblem",
+    "AccessDenied",
+    "403",
+    "Forbidden",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "AllAccessDisabled",
+    "AccountProblem",
 }
 _EXISTS = {"PreconditionFailed", "412", "ConditionalRequestConflict"}
 #: What a server answers to a request header it does not implement (S3's own code for one: NotImplemented).
@@ -61,15 +78,27 @@ _UPLOADS = {"PutObject", "UploadPart"}
 _WRONG_REGION = {"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException", "301"}
 # Errors raised while a response body is being read: botocore does not retry these.
 BODY_ERRORS = (
-    IncompleteReadError, ResponseStreamingError, ReadTimeoutError, ConnectionClosedError,
-    EndpointConnectionError, Urllib3HTTPError, HTTPException, ConnectionError, TimeoutError,
+    IncompleteReadError,
+    ResponseStreamingError,
+    ReadTimeoutError,
+    ConnectionClosedError,
+    EndpointConnectionError,
+    Urllib3HTTPError,
+    HTTPException,
+    ConnectionError,
+    TimeoutError,
 )
 
 
 # botocore's failures to find or refresh credentials: no request was sent, the user must fix their setup.
 _CREDENTIAL_ERRORS = (
-    NoCredentialsError, PartialCredentialsError, CredentialRetrievalError, UnknownCredentialError,
-    NoAuthTokenError, TokenRetrievalError, SSOError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    CredentialRetrievalError,
+    UnknownCredentialError,
+    NoAuthTokenError,
+    TokenRetrievalError,
+    SSOError,
 )
 
 
@@ -111,7 +140,9 @@ def translate_error(exc: BaseException, action: str, bucket: str, key: str | Non
         if code in _WRONG_REGION or status == 301:
             headers = exc.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
             hint = f"; the bucket is in {headers['x-amz-bucket-region']!r}" if "x-amz-bucket-region" in headers else ""
-            return ConfigError(f"{action} {where}: wrong region or endpoint for this bucket ({cause}){hint}; pass region=")
+            return ConfigError(
+                f"{action} {where}: wrong region or endpoint for this bucket ({cause}){hint}; pass region="
+            )
         if is_throttle(status, code):
             return _throttled(exc.response, action, where, cause)
         if action in _UPLOADS and code in _REFUSED_HEADER:
@@ -180,9 +211,22 @@ def is_not_implemented(exc: ClientError) -> bool:
 
 
 _OBJECT_OPS = frozenset(
-    {"put_object", "create_multipart_upload", "upload_part", "complete_multipart_upload", "abort_multipart_upload",
-     "get_object", "head_object", "delete_object", "delete_objects", "list_objects_v2", "list_multipart_uploads",
-     "list_parts", "copy_object", "upload_part_copy"}
+    {
+        "put_object",
+        "create_multipart_upload",
+        "upload_part",
+        "complete_multipart_upload",
+        "abort_multipart_upload",
+        "get_object",
+        "head_object",
+        "delete_object",
+        "delete_objects",
+        "list_objects_v2",
+        "list_multipart_uploads",
+        "list_parts",
+        "copy_object",
+        "upload_part_copy",
+    }
 )
 _NEW_OBJECT_OPS = frozenset({"put_object", "create_multipart_upload", "copy_object"})
 #: Request options passed through to S3, and the operations that take each.

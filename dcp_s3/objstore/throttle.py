@@ -60,22 +60,48 @@ from typing import Protocol
 from dcp_s3.errors import S3ThrottledError
 
 __all__ = [
-    "RateKey", "RateController", "KeyStats", "JobProgress", "is_throttle", "rate_key", "THROTTLE_CODES",
+    "RateKey",
+    "RateController",
+    "KeyStats",
+    "JobProgress",
+    "is_throttle",
+    "rate_key",
+    "THROTTLE_CODES",
     "THROTTLE_STATUSES",
 ]
 
 #: Error codes that mean "too many requests" (S3's SlowDown and the codes botocore treats as throttling).
-THROTTLE_CODES = frozenset({
-    "SlowDown", "SlowDownRead", "SlowDownWrite", "Throttling", "ThrottlingException", "ThrottledException",
-    "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
-    "RequestThrottled", "LimitExceededException", "ProvisionedThroughputExceededException",
-})
+THROTTLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "SlowDownRead",
+        "SlowDownWrite",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "RequestThrottled",
+        "LimitExceededException",
+        "ProvisionedThroughputExceededException",
+    }
+)
 #: HTTP statuses that mean the same whatever the code (a 503 without a body, a proxy's 429).
 THROTTLE_STATUSES = frozenset({429, 503})
 #: Operations of the read class (S3's GET/HEAD limit); every other one is a write (PUT/POST/DELETE).
-READ_OPERATIONS = frozenset({
-    "GetObject", "HeadObject", "HeadBucket", "ListObjects", "ListObjectsV2", "ListParts", "ListMultipartUploads",
-})
+READ_OPERATIONS = frozenset(
+    {
+        "GetObject",
+        "HeadObject",
+        "HeadBucket",
+        "ListObjects",
+        "ListObjectsV2",
+        "ListParts",
+        "ListMultipartUploads",
+    }
+)
 
 DECREASE = 0.8  # multiplicative decrease on a refusal
 INCREASE = 0.01  # additive increase per second while paced, as a fraction of the start rate or the last cut
@@ -85,10 +111,14 @@ RECOVERY_GAIN = 0.2  # below the level to regain, the rate grows by this fractio
 MIN_ANSWERS = 4  # answers since the last decrease before their accepted fraction may set the next one
 PROBE_INCREASE = 0.002  # a process alone, below its budget: its probe per second starts at this fraction of it...
 PROBE_DOUBLING_S = 2.0  # ...and doubles this often while nothing is refused
-IDLE_FORGET_S = 600.0  # a key unused this long is forgotten when the next save or load plans (its parent's learnt rate stays)
+IDLE_FORGET_S = (
+    600.0  # a key unused this long is forgotten when the next save or load plans (its parent's learnt rate stays)
+)
 LEARNT_DOUBLING_S = 5.0  # a learnt rate below the share doubles this often since its key's last refusal
 START_FRACTION = 0.125  # a key never starts (a save or load never plans) below this fraction of its share
-POLLS_PER_SECOND = 2000.0  # a job's ranks ask its JobProgress at most this often in all (and each at most once a second)
+POLLS_PER_SECOND = (
+    2000.0  # a job's ranks ask its JobProgress at most this often in all (and each at most once a second)
+)
 
 
 class JobProgress(Protocol):
@@ -252,8 +282,13 @@ class RateController:
     """
 
     def __init__(
-        self, *, write_rate: float = 3500.0, read_rate: float = 5500.0, decrease_interval: float = 0.0,
-        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] | None = None,
+        self,
+        *,
+        write_rate: float = 3500.0,
+        read_rate: float = 5500.0,
+        decrease_interval: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         self.budget = {"write": float(write_rate), "read": float(read_rate)}
         self.share = 1.0

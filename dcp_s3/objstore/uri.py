@@ -63,7 +63,7 @@ def parse_s3_uri(uri: str | os.PathLike[str], *, require_key: bool = True) -> S3
         scheme = uri.split("://", 1)[0] + "://" if "://" in uri else None
         what = f"has scheme {scheme!r}" if scheme else "is not a URI"
         raise InvalidCheckpointIdError(f"checkpoint id {uri!r} {what}; expected s3://bucket/key")
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     key = key.strip("/")
     if not bucket:
         raise InvalidCheckpointIdError(f"checkpoint id {uri!r} names no bucket; expected s3://bucket/key")

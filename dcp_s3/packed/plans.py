@@ -83,13 +83,37 @@ class PackedItems(PackedSequence[WriteItem]):
     def __init__(self, state: tuple[Any, ...]) -> None:
         # per tensor: fqns (and their digest), prop_of (into props), size_of (padded), ndim; per packed row:
         # ids (into fqns), types, offsets, sizes (padded), hints (-1: None); extras: (position, WriteItem)
-        (self.fqns, self.digest, self.props, self.prop_of, self.size_of, self.ndim, self.ids, self.types,
-         self.offsets, self.sizes, self.hints, self.extras) = state
+        (
+            self.fqns,
+            self.digest,
+            self.props,
+            self.prop_of,
+            self.size_of,
+            self.ndim,
+            self.ids,
+            self.types,
+            self.offsets,
+            self.sizes,
+            self.hints,
+            self.extras,
+        ) = state
         self._items: list[WriteItem] | None = None
 
     def _state(self) -> tuple[Any, ...]:
-        return (self.fqns, self.digest, self.props, self.prop_of, self.size_of, self.ndim, self.ids, self.types,
-                self.offsets, self.sizes, self.hints, self.extras)
+        return (
+            self.fqns,
+            self.digest,
+            self.props,
+            self.prop_of,
+            self.size_of,
+            self.ndim,
+            self.ids,
+            self.types,
+            self.offsets,
+            self.sizes,
+            self.hints,
+            self.extras,
+        )
 
     @classmethod
     def pack(cls, items: Sequence[WriteItem]) -> PackedItems | None:
@@ -102,10 +126,14 @@ class PackedItems(PackedSequence[WriteItem]):
         extras: list[tuple[int, WriteItem]] = []
         for pos, item in enumerate(items):
             td = item.tensor_data
-            if (td is None or getattr(item, "bytes_io_data", None) is not None or td.chunk is None
-                    or tuple(td.chunk.offsets) != tuple(item.index.offset or ())
-                    or not len(td.chunk.offsets) == len(td.chunk.sizes) == len(td.size)
-                    or min((*td.chunk.offsets, *td.chunk.sizes, *td.size), default=0) < 0):
+            if (
+                td is None
+                or getattr(item, "bytes_io_data", None) is not None
+                or td.chunk is None
+                or tuple(td.chunk.offsets) != tuple(item.index.offset or ())
+                or not len(td.chunk.offsets) == len(td.chunk.sizes) == len(td.size)
+                or min((*td.chunk.offsets, *td.chunk.sizes, *td.size), default=0) < 0
+            ):
                 extras.append((pos, item))
                 continue
             fid = fqns.get(item.index.fqn)
@@ -123,12 +151,22 @@ class PackedItems(PackedSequence[WriteItem]):
         width = max(len(s) for s in size_of)
         names = list(fqns)
         digest = hashlib.blake2b("\0".join(names).encode(), digest_size=16).digest()
-        packed = cls((
-            names, digest, props, np.array(prop_of, np.int32), _matrix(size_of, width),
-            np.array([len(s) for s in size_of], np.int64), np.array([r[0] for r in rows], np.int32), np.array([r[1] for r in rows], np.uint8),
-            _matrix([r[2] for r in rows], width), _matrix([r[3] for r in rows], width),
-            np.array([r[4] for r in rows], np.int64), extras,
-        ))
+        packed = cls(
+            (
+                names,
+                digest,
+                props,
+                np.array(prop_of, np.int32),
+                _matrix(size_of, width),
+                np.array([len(s) for s in size_of], np.int64),
+                np.array([r[0] for r in rows], np.int32),
+                np.array([r[1] for r in rows], np.uint8),
+                _matrix([r[2] for r in rows], width),
+                _matrix([r[3] for r in rows], width),
+                np.array([r[4] for r in rows], np.int64),
+                extras,
+            )
+        )
         packed._items = list(items)
         return packed
 
@@ -144,8 +182,17 @@ class PackedItems(PackedSequence[WriteItem]):
             order = np.empty(len(kept), np.int64)
             order[np.argsort(kept, kind="stable")] = np.arange(len(kept))
             new_extras = [(int(order[len(rows) + j]), item) for j, (_, item) in enumerate(extras)]
-        return PackedItems((*self._state()[:6], self.ids[rows], self.types[rows], self.offsets[rows],
-                            self.sizes[rows], hints, new_extras))
+        return PackedItems(
+            (
+                *self._state()[:6],
+                self.ids[rows],
+                self.types[rows],
+                self.offsets[rows],
+                self.sizes[rows],
+                hints,
+                new_extras,
+            )
+        )
 
     def subset(self, positions: list[int]) -> PackedItems:
         """The items at ``positions`` (ascending), hints unchanged."""
@@ -192,8 +239,9 @@ class PackedItems(PackedSequence[WriteItem]):
         props = [self.props[p] for p in self.prop_of.tolist()]
         sizes = [torch.Size(row[:d]) for row, d in zip(self.size_of.tolist(), self.ndim.tolist())]
         out: list[WriteItem] = []
-        for fid, kind, off, size, hint in zip(self.ids.tolist(), self.types.tolist(), self.offsets.tolist(),
-                                             self.sizes.tolist(), self.hints.tolist()):
+        for fid, kind, off, size, hint in zip(
+            self.ids.tolist(), self.types.tolist(), self.offsets.tolist(), self.sizes.tolist(), self.hints.tolist()
+        ):
             dims = len(sizes[fid])
             offsets = torch.Size(off[:dims])
             chunk = new(ChunkStorageMetadata)

@@ -42,13 +42,33 @@ class PackedResults(PackedSequence[WriteResult]):
         # names (b"\0"-joined tensor names) and their digest; ndim per name; objects; transforms;
         # per row: ids (into names), offsets (padded with -1), fields (rows x FIELDS); frames: None or
         # (the compressed rows, their frame indexes as a FrameTable); extras: (position, WriteResult).
-        (self.names, self.digest, self.ndim, self.objects, self.transforms, self.ids, self.offsets,
-         self.fields, self.frames, self.extras) = state
+        (
+            self.names,
+            self.digest,
+            self.ndim,
+            self.objects,
+            self.transforms,
+            self.ids,
+            self.offsets,
+            self.fields,
+            self.frames,
+            self.extras,
+        ) = state
         self._results: list[WriteResult] | None = None
 
     def _state(self) -> tuple[Any, ...]:
-        return (self.names, self.digest, self.ndim, self.objects, self.transforms, self.ids, self.offsets,
-                self.fields, self.frames, self.extras)
+        return (
+            self.names,
+            self.digest,
+            self.ndim,
+            self.objects,
+            self.transforms,
+            self.ids,
+            self.offsets,
+            self.fields,
+            self.frames,
+            self.extras,
+        )
 
     @classmethod
     def pack(cls, results: list[WriteResult]) -> PackedResults | list[WriteResult]:
@@ -89,11 +109,20 @@ class PackedResults(PackedSequence[WriteResult]):
         for i, off in enumerate(offsets):
             padded[i, : len(off)] = off
         blob = "\0".join(names).encode()
-        packed = cls((
-            blob, hashlib.blake2b(blob, digest_size=16).digest(), np.array(ndim, np.int64), list(objects),
-            transforms, np.array(ids, np.int32), padded, np.array(fields, np.int64).reshape(-1, len(FIELDS)),
-            (np.array(framed_rows, np.int64), FrameTable.of(framed)) if framed else None, extras,
-        ))
+        packed = cls(
+            (
+                blob,
+                hashlib.blake2b(blob, digest_size=16).digest(),
+                np.array(ndim, np.int64),
+                list(objects),
+                transforms,
+                np.array(ids, np.int32),
+                padded,
+                np.array(fields, np.int64).reshape(-1, len(FIELDS)),
+                (np.array(framed_rows, np.int64), FrameTable.of(framed)) if framed else None,
+                extras,
+            )
+        )
         packed._results = results
         return packed
 
@@ -120,9 +149,16 @@ class PackedResults(PackedSequence[WriteResult]):
         for row, (fid, off, values) in enumerate(zip(self.ids.tolist(), self.offsets.tolist(), self.fields.tolist())):
             obj, offset, length, size, t, payload, crc, hint = values
             index, crcs = frames.get(row, (None, None))
-            info = ItemLocation(self.objects[obj], offset, length, None if t < 0 else self.transforms[t],
-                                payload_offset=None if payload < 0 else payload, crc32c=None if crc < 0 else crc,
-                                frames=index, frame_crc32c=crcs)
+            info = ItemLocation(
+                self.objects[obj],
+                offset,
+                length,
+                None if t < 0 else self.transforms[t],
+                payload_offset=None if payload < 0 else payload,
+                crc32c=None if crc < 0 else crc,
+                frames=index,
+                frame_crc32c=crcs,
+            )
             key = MetadataIndex(fqns[fid], off[: self.ndim[fid]], None if hint < 0 else hint)
             out.append(WriteResult(index=key, size_in_bytes=size, storage_data=info))
         for pos, extra in self.extras:
@@ -134,9 +170,15 @@ class PackedResults(PackedSequence[WriteResult]):
 def _row(result: WriteResult, objects: dict[str, int], transforms: list[Any]) -> tuple[int, ...] | None:
     """``result``'s integer fields (``FIELDS``), or None when it does not fit a row."""
     index, info = result.index, result.storage_data
-    if (type(result) is not WriteResult or type(index) is not MetadataIndex or type(index.fqn) is not str
-            or "\0" in index.fqn or index.offset is None or type(info) is not ItemLocation
-            or type(info.relative_path) is not str):
+    if (
+        type(result) is not WriteResult
+        or type(index) is not MetadataIndex
+        or type(index.fqn) is not str
+        or "\0" in index.fqn
+        or index.offset is None
+        or type(info) is not ItemLocation
+        or type(info.relative_path) is not str
+    ):
         return None
     td = info.transform_descriptors
     t = -1
@@ -147,12 +189,23 @@ def _row(result: WriteResult, objects: dict[str, int], transforms: list[Any]) ->
         if t < 0:
             t = len(transforms)
             transforms.append(td)
-    if (info.frame_crc32c is not None or info.frames is not None) and not FrameTable.fits(info.frames, info.frame_crc32c):
+    if (info.frame_crc32c is not None or info.frames is not None) and not FrameTable.fits(
+        info.frames, info.frame_crc32c
+    ):
         return None
-    values = (objects.setdefault(info.relative_path, len(objects)), info.offset, info.length, result.size_in_bytes,
-              t, _opt(info.payload_offset), _opt(info.crc32c), _opt(index.index))
+    values = (
+        objects.setdefault(info.relative_path, len(objects)),
+        info.offset,
+        info.length,
+        result.size_in_bytes,
+        t,
+        _opt(info.payload_offset),
+        _opt(info.crc32c),
+        _opt(index.index),
+    )
     if any(type(v) is not int or not -1 <= v < _LIMIT for v in values) or any(
-            type(o) is not int or not 0 <= o < _LIMIT for o in index.offset):
+        type(o) is not int or not 0 <= o < _LIMIT for o in index.offset
+    ):
         return None
     return values
 

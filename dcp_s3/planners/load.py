@@ -51,7 +51,8 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
         md = metadata.state_dict_metadata.get(fqn)
         chunks = getattr(md, "chunks", None)
         fast = (
-            isinstance(md, TensorStorageMetadata) and hasattr(chunks, "overlapping")
+            isinstance(md, TensorStorageMetadata)
+            and hasattr(chunks, "overlapping")
             and (isinstance(obj, DTensor) or type(obj) in (torch.Tensor, torch.nn.Parameter))  # not ShardedTensor
             and md.size == obj.size()
         )
@@ -59,9 +60,11 @@ def local_load_plan(state_dict: dict[str, Any], metadata: Metadata, strict: bool
             # torch's own code: its errors (missing key, size mismatch), byte items, other types
             requests += create_default_local_load_plan({fqn: obj}, metadata, strict).items
             continue
-        local = obj.__create_chunk_list__() if isinstance(obj, DTensor) else [
-            ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())
-        ]
+        local = (
+            obj.__create_chunk_list__()
+            if isinstance(obj, DTensor)
+            else [ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())]
+        )
         requests += read_items_for_chunks(fqn, chunks, local)
     return LoadPlan(requests)
 
@@ -79,8 +82,9 @@ def read_items_for_chunks(fqn: str, chunks: Any, local: list[ChunkStorageMetadat
     return out
 
 
-def _read_item(fqn: str, mine: ChunkStorageMetadata, local_idx: int, saved: ChunkStorageMetadata,
-               storage_idx: int) -> ReadItem | None:
+def _read_item(
+    fqn: str, mine: ChunkStorageMetadata, local_idx: int, saved: ChunkStorageMetadata, storage_idx: int
+) -> ReadItem | None:
     """The read of ``saved``'s overlap with ``mine``, or None (torch's overlap rule and region)."""
     storage_offsets, dest_offsets, lengths = [], [], []
     for so, ss, lo, ls in zip(saved.offsets, saved.sizes, mine.offsets, mine.sizes):

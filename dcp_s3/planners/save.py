@@ -67,13 +67,15 @@ def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = Fals
         if mine is not None:
             items = plan.items
             plan = dataclasses.replace(
-                plan, items=as_items(items.subset(mine)) if isinstance(items, PackedItems) else [items[p] for p in mine])
+                plan, items=as_items(items.subset(mine)) if isinstance(items, PackedItems) else [items[p] for p in mine]
+            )
         out.append(plan)
     return out
 
 
-def kept_positions(keys: list[tuple[Key, ...]], size_of: Callable[[int, int], int], save_to_lowest_rank: bool
-                   ) -> list[list[int] | None]:
+def kept_positions(
+    keys: list[tuple[Key, ...]], size_of: Callable[[int, int], int], save_to_lowest_rank: bool
+) -> list[list[int] | None]:
     """The deduplication on each rank's ``(fqn, offset)`` list: per rank, the positions it keeps
     (ascending), or None when it keeps all. ``size_of(rank, position)``: torch's size of that item."""
     # Group the ranks whose plans list the same indices in the same order: one entry per group.
@@ -178,8 +180,9 @@ def _add_item(md: dict[str, Any], chunk_lists: dict[str, list[Any]], item: Write
     return new_item
 
 
-def _chunks_of(md: dict[str, Any], chunk_lists: dict[str, list[Any]], fqn: str, properties: Any, size: Any
-               ) -> list[Any]:
+def _chunks_of(
+    md: dict[str, Any], chunk_lists: dict[str, list[Any]], fqn: str, properties: Any, size: Any
+) -> list[Any]:
     chunks = chunk_lists.get(fqn)
     if chunks is None:
         if isinstance(md.get(fqn), BytesStorageMetadata):

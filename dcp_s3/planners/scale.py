@@ -214,7 +214,4 @@ def _overlaps(key: str, size: tuple[int, ...], chunks: list[ChunkStorageMetadata
 
 
 def _share_element(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
-    return all(
-        ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
-    )
-
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))

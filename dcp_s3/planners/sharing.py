@@ -38,8 +38,15 @@ from dcp_s3._torch_compat import dist_wrapper_class, group_device_types
 from dcp_s3.errors import ConfigError, DcpS3Error
 
 __all__ = [
-    "running_dcp_group", "DcpGroup", "collective_device", "broadcast_bytes", "same_group", "group_ranks",
-    "check_explicit_group", "metadata_source", "error_payload",
+    "running_dcp_group",
+    "DcpGroup",
+    "collective_device",
+    "broadcast_bytes",
+    "same_group",
+    "group_ranks",
+    "check_explicit_group",
+    "metadata_source",
+    "error_payload",
 ]
 
 log = logging.getLogger("dcp_s3")
@@ -118,9 +125,7 @@ def error_payload(exc: BaseException) -> bytes:
         return pickle.dumps(DcpS3Error(f"{type(exc).__name__}: {exc}"))
 
 
-def broadcast_bytes(
-    produce: Callable[[], bytes], src: int, group: dist.ProcessGroup | None, what: str
-) -> bytes:
+def broadcast_bytes(produce: Callable[[], bytes], src: int, group: dist.ProcessGroup | None, what: str) -> bytes:
     """``produce()`` on global rank ``src``, its bytes (or its exception) on every rank of ``group``.
 
     Every rank of ``group`` must call this with the same ``src``. If ``produce`` raises on
@@ -169,7 +174,6 @@ def check_explicit_group(explicit: dist.ProcessGroup | None, running: DcpGroup |
             f"dcp.load runs on (global ranks {group_ranks(running.group)}); pass dcp.load's process_group, "
             "or share_metadata=True to use it automatically"
         )
-
 
 
 def metadata_source(share: bool | dist.ProcessGroup) -> tuple[dist.ProcessGroup | None, int] | None:

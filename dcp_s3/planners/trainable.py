@@ -69,7 +69,9 @@ def frozen_parameter_fqns(module_or_modules: ModuleOrModules) -> frozenset[str]:
     frozen = set()
     for prefix, module in modules.items():
         if not isinstance(module, nn.Module):
-            raise InvalidTypeError(f"frozen_parameter_fqns: expected an nn.Module for key {prefix!r}, got {type(module).__name__}")
+            raise InvalidTypeError(
+                f"frozen_parameter_fqns: expected an nn.Module for key {prefix!r}, got {type(module).__name__}"
+            )
         for name, param in module.named_parameters(remove_duplicate=False):
             if not param.requires_grad:
                 frozen.add(_clean_fqn(f"{prefix}.{name}" if prefix else name))
@@ -94,7 +96,9 @@ def _split_frozen(
         logger.warning(
             "%s: none of the %d frozen parameters (e.g. %r) is a key of the state dict; "
             "if the state dict nests the model under a key, pass {key: model}",
-            who, len(frozen), min(frozen),
+            who,
+            len(frozen),
+            min(frozen),
         )
     return kept, left_out
 
@@ -123,7 +127,8 @@ class TrainableOnlySavePlanner(DefaultSavePlanner):
         self._left_out = tuple(sorted(left_out))
         logger.info(
             "TrainableOnlySavePlanner: leaving out %d frozen entries (%d bytes on this rank)",
-            len(left_out), sum(map(_local_nbytes, left_out.values())),
+            len(left_out),
+            sum(map(_local_nbytes, left_out.values())),
         )
 
     def create_local_plan(self) -> SavePlan:

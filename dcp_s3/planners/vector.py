@@ -50,8 +50,9 @@ _SHARD = list(WriteItemType).index(WriteItemType.SHARD)
 _LINEAR_LIMIT = 1 << 40  # elements per tensor for which (tensor id, linear offset) fits one int64
 
 
-def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
-                       ) -> tuple[list[SavePlan], Metadata, list[tuple[str, np.ndarray, np.ndarray]]] | None:
+def vector_global_plan(
+    all_plans: list[SavePlan], save_to_lowest_rank: bool
+) -> tuple[list[SavePlan], Metadata, list[tuple[str, np.ndarray, np.ndarray]]] | None:
     """(global plans, metadata, per tensor with a chunk list (fqn, offsets, sizes) of its chunks) or
     None when some plan is not packed, holds object items other than byte items, or a tensor is too large to key."""
     packs: list[PackedItems | None] = []
@@ -97,13 +98,22 @@ def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
         length[where, : pk.sizes.shape[1]] = pk.sizes
         for pos, item in pk.extras:  # byte items: keys below every tensor's
             key[pos] = -1 - byte_keys.setdefault(item.index.fqn, len(byte_keys))
-        for name, value in (("key", key), ("size", size), ("gid", g), ("row", row), ("type", kind), ("off", off),
-                            ("len", length), ("rank", np.full(n, rank, np.int64))):
+        for name, value in (
+            ("key", key),
+            ("size", size),
+            ("gid", g),
+            ("row", row),
+            ("type", kind),
+            ("off", off),
+            ("len", length),
+            ("rank", np.full(n, rank, np.int64)),
+        ):
             parts[name].append(value)
     if not parts["key"]:
         return None
     key, rank_of, size_of, g_of, row_of, type_of, off_all, len_all = (
-        np.concatenate(parts[k]) for k in ("key", "rank", "size", "gid", "row", "type", "off", "len"))
+        np.concatenate(parts[k]) for k in ("key", "rank", "size", "gid", "row", "type", "off", "len")
+    )
     del parts
     kept = _dedup(key, rank_of, starts, size_of, save_to_lowest_rank)
 
@@ -119,7 +129,9 @@ def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
     several = np.diff(bounds)[g_of] > 1
     bad = np.flatnonzero(kept & (g_of >= 0) & (type_of != _SHARD) & several)
     if len(bad):
-        raise CheckpointFormatError(f"the save plans write {fqn_of[int(g_of[bad[0]])]!r} more than once (not as a shard)")
+        raise CheckpointFormatError(
+            f"the save plans write {fqn_of[int(g_of[bad[0]])]!r} more than once (not as a shard)"
+        )
     hints = np.empty(len(key), np.int64)
     hints[order] = np.arange(len(order)) - bounds[g_sorted]
     entries: list[tuple[int, str, Any]] = []  # (first kept item, fqn, storage metadata): torch's order
@@ -167,7 +179,9 @@ def vector_global_plan(all_plans: list[SavePlan], save_to_lowest_rank: bool
         mine, row = kept[lo:hi], row_of[lo:hi]
         rows = row[mine & (row >= 0)]
         extras = [(pos, item) for pos, item in pk.extras if mine[pos]]
-        new_plans.append(dataclasses.replace(plan, items=as_items(pk.select(rows, extras, hints[lo:hi][mine & (row >= 0)]))))
+        new_plans.append(
+            dataclasses.replace(plan, items=as_items(pk.select(rows, extras, hints[lo:hi][mine & (row >= 0)])))
+        )
     return new_plans, Metadata(md), tiles
 
 
@@ -200,8 +214,9 @@ def rule_dim(size: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> int
     return None
 
 
-def _table(pk: PackedItems, gid: dict[str, int], props: list[Any], sizes: list[torch.Size]
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _table(
+    pk: PackedItems, gid: dict[str, int], props: list[Any], sizes: list[torch.Size]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """A rank's tensor table against the global one: global ids, torch's byte size of each tensor
     (global size x element size), row-major strides (0 past its dimensions); None if too large."""
     ids, row_bytes = [], []
@@ -241,7 +256,7 @@ def _dedup(key: np.ndarray, rank: np.ndarray, starts: np.ndarray, size: np.ndarr
     won = np.zeros(int(rank.max()) + 1, np.int64)
     prefix: dict[int, np.ndarray] = {}  # rank -> cumulative bytes of its unique items, by position
     for r in dup_runs[np.argsort(first, kind="stable")]:
-        members = order[run_starts[r]: run_starts[r] + counts[r]]
+        members = order[run_starts[r] : run_starts[r] + counts[r]]
         holders = rank[members]
         f = int(holders[0])
         if lowest:

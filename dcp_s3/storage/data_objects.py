@@ -46,8 +46,13 @@ def split_items(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
 
 
 def write_item(
-    writer: ObjectWriter, name: str, item: WriteItem, planner: SavePlanner, failed: threading.Event,
-    codec: Codec | None, stagings: Stagings | None = None,
+    writer: ObjectWriter,
+    name: str,
+    item: WriteItem,
+    planner: SavePlanner,
+    failed: threading.Event,
+    codec: Codec | None,
+    stagings: Stagings | None = None,
 ) -> WriteResult:
     if failed.is_set():
         raise DcpS3Error(f"not writing {item.index.fqn}: another object of this save failed")
@@ -55,7 +60,9 @@ def write_item(
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
-            raise CheckpointFormatError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO")
+            raise CheckpointFormatError(
+                f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO"
+            )
         writer.write(data.getbuffer())
         location = ItemLocation(name, offset, writer.tell() - offset, crc32c=crc32c(data.getbuffer()))
     else:
@@ -89,9 +96,7 @@ def _write_tensor(
             write(chunk)
             checksum = crc32c(chunk, checksum)
         writer.write(blob.trailer)
-        return ItemLocation(
-            name, offset, writer.tell() - offset, payload_offset=blob.payload_offset, crc32c=checksum
-        )
+        return ItemLocation(name, offset, writer.tell() - offset, payload_offset=blob.payload_offset, crc32c=checksum)
     # Compressed: one CRC per frame covers every byte, and lets partial reads be checked too.
     tensor = compact(tensor)
     element_size, floating = grouping_for_dtype(tensor.dtype)
@@ -101,8 +106,12 @@ def _write_tensor(
         block_crcs.feed(payload_chunks(tensor)), element_size, floating, writer.write, stable_chunks=True
     )
     return ItemLocation(
-        name, offset, writer.tell() - offset, transform_descriptors=[f"{frames.codec}/{frames.version}"],  # what codec.accepts checks
-        frames=frames, frame_crc32c=block_crcs.finish(),
+        name,
+        offset,
+        writer.tell() - offset,
+        transform_descriptors=[f"{frames.codec}/{frames.version}"],  # what codec.accepts checks
+        frames=frames,
+        frame_crc32c=block_crcs.finish(),
     )
 
 

@@ -106,8 +106,13 @@ class S3StorageReader(Location, StorageReader):
             max_concurrency=max_concurrency, max_range_size=max_range_size, max_whole_read=max_whole_read
         )
         client = client_config(
-            client, transfer.max_concurrency + 2, credential_path=credential_path, endpoint_url=endpoint_url,
-            region=region, profile=profile, request_args=request_args,
+            client,
+            transfer.max_concurrency + 2,
+            credential_path=credential_path,
+            endpoint_url=endpoint_url,
+            region=region,
+            profile=profile,
+            request_args=request_args,
         )
         self._session = Session(path, client, transfer)
         self._codec = Codec(threads=transfer.decode_threads)  # decodes compressed checkpoints
@@ -128,12 +133,25 @@ class S3StorageReader(Location, StorageReader):
     def __getstate__(self) -> dict[str, Any]:
         # Process groups do not pickle: a copy finds dcp.load's group again (share_metadata=True),
         # an explicit group becomes False (every rank reads) and replica_group None.
-        return {"_session": self._session, "_codec": self._codec, "load_id": self.load_id, "_stagings": self._stagings,
-                "share_metadata": self.share_metadata is True, "allow_unsafe_byte_items": self.allow_unsafe_byte_items}
+        return {
+            "_session": self._session,
+            "_codec": self._codec,
+            "load_id": self.load_id,
+            "_stagings": self._stagings,
+            "share_metadata": self.share_metadata is True,
+            "allow_unsafe_byte_items": self.allow_unsafe_byte_items,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, storage_data={}, _chunks=None, replica_group=None, _metadata_error=None,
-                             _meter=Meter(), request_stats={})
+        self.__dict__.update(
+            state,
+            storage_data={},
+            _chunks=None,
+            replica_group=None,
+            _metadata_error=None,
+            _meter=Meter(),
+            request_stats={},
+        )
 
     def close(self) -> None:
         """Release the pinned host buffers kept for reads into CUDA tensors (a later load makes new ones)."""
@@ -206,8 +224,10 @@ class S3StorageReader(Location, StorageReader):
         """Coordinator only: where each rank counts itself finished (``job_progress``); a plan that already
         carries storage data (another reader's, wrapped) keeps it."""
         counts = job_counts(len(plans))
-        return [plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=count)
-                for plan, count in zip(plans, counts)]
+        return [
+            plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=count)
+            for plan, count in zip(plans, counts)
+        ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         fut: Future[None] = Future()
@@ -400,8 +420,14 @@ class S3StorageReader(Location, StorageReader):
         return False
 
     def _add_read(
-        self, reads: list[RangeRead], key: str, info: Any, lo: int, hi: int,
-        open_dest: Callable[[], memoryview], done: Callable[[], None] | None = None,
+        self,
+        reads: list[RangeRead],
+        key: str,
+        info: Any,
+        lo: int,
+        hi: int,
+        open_dest: Callable[[], memoryview],
+        done: Callable[[], None] | None = None,
     ) -> None:
         """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``."""
         frames: FrameIndex | None = getattr(info, "frames", None)

@@ -140,8 +140,20 @@ def _digest(entries: list[_Entry]) -> bytes:
     for e in entries:
         r = e.req
         dtype = str(e.dest.dtype) if e.dest is not None else "bytes"
-        h.update(repr((r.type.name, r.dest_index, tuple(r.dest_offsets), r.storage_index,
-                       tuple(r.storage_offsets), tuple(r.lengths), dtype, e.nbytes)).encode())
+        h.update(
+            repr(
+                (
+                    r.type.name,
+                    r.dest_index,
+                    tuple(r.dest_offsets),
+                    r.storage_index,
+                    tuple(r.storage_offsets),
+                    tuple(r.lengths),
+                    dtype,
+                    e.nbytes,
+                )
+            ).encode()
+        )
     return h.digest()
 
 
@@ -195,8 +207,12 @@ def _tensor_of(entries: list[_Entry], piece: _Piece) -> torch.Tensor:
 
 
 def _broadcast_batch(
-    entries: list[_Entry], batch: list[tuple[_Piece, int]], sending: bool, src: int,
-    group: dist.ProcessGroup, device: torch.device,
+    entries: list[_Entry],
+    batch: list[tuple[_Piece, int]],
+    sending: bool,
+    src: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
 ) -> None:
     if len(batch) == 1 and entries[batch[0][0].entry].dest is not None:
         t = _tensor_of(entries, batch[0][0])

@@ -78,7 +78,7 @@ def file_url_path(url: str) -> str:
 
     The path is taken verbatim (no percent-decoding), as the plain path would be.
     """
-    rest = url[len("file:"):]
+    rest = url[len("file:") :]
     if rest.startswith("//"):
         host, slash, path = rest[2:].partition("/")
         if host not in ("", "localhost"):
@@ -167,13 +167,17 @@ class Session:
             if self._object_store is None:
                 if isinstance(location, LocalDir):
                     self._object_store = LocalObjectStore(
-                        location.root, follow_symlinks=location.follow_symlinks,
+                        location.root,
+                        follow_symlinks=location.follow_symlinks,
                         max_whole_read=self.transfer.max_whole_read,
                     )
                 else:
                     self._object_store = S3ObjectStore(
-                        self.client_config.client, location.bucket, max_attempts=self.client_config.retry_attempts,
-                        request_args=self.client_config.request_args, max_whole_read=self.transfer.max_whole_read,
+                        self.client_config.client,
+                        location.bucket,
+                        max_attempts=self.client_config.retry_attempts,
+                        request_args=self.client_config.request_args,
+                        max_whole_read=self.transfer.max_whole_read,
                     )
             return self._object_store
 

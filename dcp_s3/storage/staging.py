@@ -44,8 +44,17 @@ import torch
 from dcp_s3.errors import DcpS3Error
 
 __all__ = [
-    "Event", "SideStream", "CudaSideStream", "PinnedPool", "DeviceStaging", "device_chunks",
-    "Stagings", "save_pinned_bound", "load_pinned_bound", "wait_copy", "COPY_TIMEOUT",
+    "Event",
+    "SideStream",
+    "CudaSideStream",
+    "PinnedPool",
+    "DeviceStaging",
+    "device_chunks",
+    "Stagings",
+    "save_pinned_bound",
+    "load_pinned_bound",
+    "wait_copy",
+    "COPY_TIMEOUT",
 ]
 
 log = logging.getLogger("dcp_s3")
@@ -124,7 +133,8 @@ def _warn_fallback(error: BaseException) -> None:
     warnings.warn(
         f"dcp_s3: pinned host memory is unavailable ({type(error).__name__}: {error}); device tensors are "
         "staged through pageable memory, synchronously (slower; check the locked-memory limit, ulimit -l)",
-        RuntimeWarning, stacklevel=3,
+        RuntimeWarning,
+        stacklevel=3,
     )
 
 
@@ -207,7 +217,9 @@ def device_chunks(flat: torch.Tensor, pool: PinnedPool, stream: SideStream) -> I
     return _pipelined(flat, bufs, pool, stream)
 
 
-def _pipelined(flat: torch.Tensor, bufs: list[torch.Tensor], pool: PinnedPool, stream: SideStream) -> Iterator[memoryview]:
+def _pipelined(
+    flat: torch.Tensor, bufs: list[torch.Tensor], pool: PinnedPool, stream: SideStream
+) -> Iterator[memoryview]:
     chunk = pool.size
     total = flat.numel()
     starts = list(range(0, total, chunk))
@@ -264,7 +276,9 @@ class Stagings:
     current stream is per thread, so that is where the stream producing (or about to use) the tensors is
     found; the serializer and I/O threads copy on a side stream ordered after it."""
 
-    def __init__(self, count: int, size: int, make: Callable[[torch.device, int, int, object], DeviceStaging] | None = None) -> None:
+    def __init__(
+        self, count: int, size: int, make: Callable[[torch.device, int, int, object], DeviceStaging] | None = None
+    ) -> None:
         self.count, self.size = count, size
         self._make = make or _cuda_staging
         self._by_device: dict[torch.device, DeviceStaging] = {}
@@ -293,7 +307,9 @@ class Stagings:
         with self._lock:
             staging = self._by_device.get(tensor.device)
             if staging is None:
-                staging = self._by_device[tensor.device] = self._make(tensor.device, self.count, self.size, self._producer)
+                staging = self._by_device[tensor.device] = self._make(
+                    tensor.device, self.count, self.size, self._producer
+                )
             return staging
 
     def all(self) -> list[DeviceStaging]:

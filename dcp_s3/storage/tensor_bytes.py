@@ -173,11 +173,7 @@ def _save_frame(tensor: torch.Tensor) -> tuple[bytes, bytes]:
         torch.save(tensor, cast(IO[bytes], recorder))
     writes = sorted(recorder.writes)
     # torch.save writes its records in order and seeks once, over the storage bytes.
-    gaps = [
-        (pos + len(data), nxt)
-        for (pos, data), (nxt, _) in zip(writes, writes[1:])
-        if pos + len(data) != nxt
-    ]
+    gaps = [(pos + len(data), nxt) for (pos, data), (nxt, _) in zip(writes, writes[1:]) if pos + len(data) != nxt]
     if not gaps and tensor.nbytes == 0:
         return b"".join(d for _, d in writes), b""
     if len(gaps) != 1 or gaps[0][1] - gaps[0][0] != tensor.nbytes:
@@ -200,7 +196,13 @@ class StagedRows:
     buffer, or without ``staging``, a pageable buffer and a blocking ``copy_``, as before."""
 
     def __init__(
-        self, dest: torch.Tensor, sizes: torch.Size, dtype: torch.dtype, req: ReadItem, r: int, n: int,
+        self,
+        dest: torch.Tensor,
+        sizes: torch.Size,
+        dtype: torch.dtype,
+        req: ReadItem,
+        r: int,
+        n: int,
         staging: DeviceStaging | None = None,
     ) -> None:
         self.dest, self.sizes, self.dtype, self.req, self.r, self.n = dest, sizes, dtype, req, r, n

@@ -156,12 +156,19 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         self.metadata_format = metadata_format_option(metadata_format)  # metadata.formats.dump_metadata
         BlockingAsyncStager.__init__(self)
         transfer = (transfer or TransferConfig()).override(
-            part_size=part_size, max_concurrency=max_concurrency, files_per_rank=files_per_rank,
+            part_size=part_size,
+            max_concurrency=max_concurrency,
+            files_per_rank=files_per_rank,
             max_whole_read=max_whole_read,
         )
         client = client_config(
-            client, transfer.max_concurrency + transfer.files_per_rank + 2, credential_path=credential_path,
-            endpoint_url=endpoint_url, region=region, profile=profile, request_args=request_args,
+            client,
+            transfer.max_concurrency + transfer.files_per_rank + 2,
+            credential_path=credential_path,
+            endpoint_url=endpoint_url,
+            region=region,
+            profile=profile,
+            request_args=request_args,
         )
         self._session = Session(path, client, transfer)
         # Pinned staging of CUDA tensors (made at the first one, kept across saves until close).
@@ -236,7 +243,8 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
                 warnings.warn(
                     f"{where} ignores If-None-Match: overwrite=False for {self.checkpoint_id} is checked "
                     "with a HEAD before the commit only (best effort; a racing save can be replaced)",
-                    RuntimeWarning, stacklevel=2,
+                    RuntimeWarning,
+                    stacklevel=2,
                 )
         counts = self._counts = job_counts(len(plans), self.key_prefixes)  # the ranks still sending
         return [
@@ -291,7 +299,9 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
                 self._session.key(name), pool=pool, executor=executor, expected_size=planned_size(items)
             )
             try:
-                results = [write_item(writer, name, item, planner, failed, self._codec, self._stagings) for item in items]
+                results = [
+                    write_item(writer, name, item, planner, failed, self._codec, self._stagings) for item in items
+                ]
                 writer.close()
             except BaseException:
                 failed.set()
@@ -427,5 +437,6 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
             warnings.warn(
                 f"could not delete {len(names)} {what} under {self.checkpoint_id} ({exc}); "
                 "`dcp-s3 gc` removes them later",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning,
+                stacklevel=2,
             )

@@ -12,6 +12,7 @@ copy between buckets of one server) and :class:`dcp_s3.store.local.LocalStore` (
 symbolic-link policy); :func:`dcp_s3.store.opening.open_store` picks one for a location, and
 :func:`dcp_s3.store.options.parse_storage_options` parses the storage options of both.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
@@ -56,8 +57,13 @@ class Store:
     """
 
     def __init__(
-        self, session: Session, prefix: str, root: str, *,
-        writer_options: dict[str, Any] | None = None, reader_options: dict[str, Any] | None = None,
+        self,
+        session: Session,
+        prefix: str,
+        root: str,
+        *,
+        writer_options: dict[str, Any] | None = None,
+        reader_options: dict[str, Any] | None = None,
     ) -> None:
         self.session = session
         self.prefix = prefix
@@ -74,7 +80,6 @@ class Store:
     @property
     def object_store(self) -> ObjectStore:
         return self.session.object_store
-
 
     def close(self) -> None:
         self.session.close()
@@ -99,7 +104,9 @@ class Store:
 
     def list_objects(self, prefix: str = "") -> list[Entry]:
         """Every object whose relative name starts with ``prefix`` (a plain string prefix)."""
-        return [self._entry(o) for o in self.object_store.list_objects(self._dir_key(prefix)) if not o.key.endswith("/")]
+        return [
+            self._entry(o) for o in self.object_store.list_objects(self._dir_key(prefix)) if not o.key.endswith("/")
+        ]
 
     def list_dir(self, prefix: str = "") -> tuple[list[Entry], list[str]]:
         """(objects directly in directory ``prefix`` (``""`` or ending in ``/``), its subdirectories
@@ -115,7 +122,9 @@ class Store:
         """Bytes ``[start, end)`` of ``name`` for each range, fetched concurrently."""
         bufs = [bytearray(end - start) for start, end in ranges]
         reads = [
-            RangeRead(self.key(name), start, end, _opener(buf)) for (start, end), buf in zip(ranges, bufs) if end > start
+            RangeRead(self.key(name), start, end, _opener(buf))
+            for (start, end), buf in zip(ranges, bufs)
+            if end > start
         ]
         transfer = self.session.transfer
         self.object_store.read_ranges(
@@ -136,7 +145,9 @@ class Store:
         try:
             self.object_store.put(self.key(name), data, if_none_match=not overwrite)
         except CheckpointExistsError:
-            raise CheckpointExistsError(f"{self.url(name)} already exists; pass overwrite (--force) to replace it") from None
+            raise CheckpointExistsError(
+                f"{self.url(name)} already exists; pass overwrite (--force) to replace it"
+            ) from None
 
     def delete(self, names: Iterable[str]) -> None:
         """Delete objects (missing ones are ignored)."""
@@ -155,7 +166,10 @@ class Store:
 
     def uploads(self, prefix: str = "") -> list[Upload]:
         """Unfinished multipart uploads under ``prefix`` (always empty on disk)."""
-        return [Upload(self._rel(u.key), u.upload_id, u.initiated) for u in self.object_store.list_uploads(self._dir_key(prefix))]
+        return [
+            Upload(self._rel(u.key), u.upload_id, u.initiated)
+            for u in self.object_store.list_uploads(self._dir_key(prefix))
+        ]
 
     def _pending(self, upload: Upload) -> PendingUpload:
         return PendingUpload(self.key(upload.name), upload.upload_id, upload.initiated)
@@ -185,10 +199,13 @@ class Store:
         )
         try:
             for first in range(0, head.size, window):
-                bufs = [bytearray(min(head.size, start + step) - start)
-                        for start in range(first, min(head.size, first + window), step)]
-                reads = [RangeRead(key, first + i * step, first + i * step + len(b), _opener(b))
-                         for i, b in enumerate(bufs)]
+                bufs = [
+                    bytearray(min(head.size, start + step) - start)
+                    for start in range(first, min(head.size, first + window), step)
+                ]
+                reads = [
+                    RangeRead(key, first + i * step, first + i * step + len(b), _opener(b)) for i, b in enumerate(bufs)
+                ]
                 self.object_store.read_ranges(reads, executor=self.session.executor, max_gap=0, max_size=step)
                 for buf in bufs:
                     writer.write(buf)
@@ -214,7 +231,9 @@ class Store:
         size = source.size(source_name)
         if size is None:
             raise CheckpointNotFoundError(f"COPY {source.url(source_name)}: not found")
-        self.object_store.copy(self.key(name), source.object_store, source.key(source_name), size, executor=self.session.executor)
+        self.object_store.copy(
+            self.key(name), source.object_store, source.key(source_name), size, executor=self.session.executor
+        )
 
 
 def _opener(buf: bytearray) -> Callable[[], memoryview]:

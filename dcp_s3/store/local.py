@@ -33,8 +33,9 @@ class LocalStore(Store):
     the local object store: same format, checksums, compression and commit protocol as on S3.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, follow_symlinks: bool = False, below: str = "",
-                 **options: Any) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, follow_symlinks: bool = False, below: str = "", **options: Any
+    ) -> None:
         root = os.path.abspath(os.fspath(root))
         parsed = parse_storage_options(options, local=root)  # only LOCAL_OPTIONS; a bad one is refused now
         self.follow_symlinks = follow_symlinks

@@ -32,14 +32,34 @@ __all__ = ["ParsedOptions", "parse_storage_options", "CLIENT_OPTIONS", "CLIENT_S
 #: Options that choose the S3 client (the rest tune the writer/reader).
 CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "request_args")
 #: Options that mean something for a local directory (the rest are S3's: client, parts, conditional writes).
-LOCAL_OPTIONS = frozenset({
-    "compression", "compression_level", "compression_threads", "key_prefixes", "files_per_rank", "max_concurrency",
-    "max_range_size", "transfer", "overwrite", "share_metadata", "replica_group", "allow_unsafe_byte_items",
-    "metadata_format", "max_whole_read",
-})
+LOCAL_OPTIONS = frozenset(
+    {
+        "compression",
+        "compression_level",
+        "compression_threads",
+        "key_prefixes",
+        "files_per_rank",
+        "max_concurrency",
+        "max_range_size",
+        "transfer",
+        "overwrite",
+        "share_metadata",
+        "replica_group",
+        "allow_unsafe_byte_items",
+        "metadata_format",
+        "max_whole_read",
+    }
+)
 #: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
-CLIENT_SETTINGS = ("connect_timeout", "read_timeout", "retry_attempts", "retry_mode", "verify", "client_cert",
-                   "addressing_style")
+CLIENT_SETTINGS = (
+    "connect_timeout",
+    "read_timeout",
+    "retry_attempts",
+    "retry_mode",
+    "verify",
+    "client_cert",
+    "addressing_style",
+)
 
 
 def _keyword_names(cls: type) -> frozenset[str]:
@@ -89,15 +109,19 @@ def parse_storage_options(options: Mapping[str, Any], *, local: str | None = Non
         accepted = sorted(_WRITER_OPTIONS | _READER_OPTIONS | set(CLIENT_SETTINGS))
         raise ConfigError(f"unknown storage option(s) {unknown}; S3 locations accept {accepted}")
     transfer = (options.get("transfer") or TransferConfig()).override(
-        part_size=options.get("part_size"), max_concurrency=options.get("max_concurrency"),
-        files_per_rank=options.get("files_per_rank"), max_range_size=options.get("max_range_size"),
+        part_size=options.get("part_size"),
+        max_concurrency=options.get("max_concurrency"),
+        files_per_rank=options.get("files_per_rank"),
+        max_range_size=options.get("max_range_size"),
         max_whole_read=options.get("max_whole_read"),
     )
     for name, value in options.items():
         check = _VALUE_CHECKS.get(name)
         if check is not None:
             check(value)
-    check_compression(options.get("compression"), options.get("compression_level", 1), options.get("compression_threads", 2))
+    check_compression(
+        options.get("compression"), options.get("compression_level", 1), options.get("compression_threads", 2)
+    )
     if local is None:
         # The writer's pool size, so that the store and its writers share one client.
         pool = transfer.max_concurrency + transfer.files_per_rank + 2

@@ -94,6 +94,7 @@ class StorageOptions:
 
     def __repr__(self) -> str:
         shown = (
-            f"{k}=<{len(v or {})} keys>" if k in _SECRET_VALUES else f"{k}={v!r}" for k, v in sorted(self._options.items())
+            f"{k}=<{len(v or {})} keys>" if k in _SECRET_VALUES else f"{k}={v!r}"
+            for k, v in sorted(self._options.items())
         )
         return f"StorageOptions({', '.join(shown)})"

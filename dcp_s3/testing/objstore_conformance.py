@@ -149,9 +149,18 @@ class ObjectStoreConformance:
             assert all(k.startswith(base) for k in keys), keys
             return sorted(k[len(base) :] for k in keys)
 
-        assert rel([o.key for o in objstore.list_objects(f"{base}run/")]) == ["run/a", "run/s1/x", "run/s1/y", "run/s2/z"]
+        assert rel([o.key for o in objstore.list_objects(f"{base}run/")]) == [
+            "run/a",
+            "run/s1/x",
+            "run/s1/y",
+            "run/s2/z",
+        ]
         assert rel([o.key for o in objstore.list_objects(f"{base}run")]) == [
-            "run/a", "run/s1/x", "run/s1/y", "run/s2/z", "run2/q",
+            "run/a",
+            "run/s1/x",
+            "run/s1/y",
+            "run/s2/z",
+            "run2/q",
         ]
         objects, dirs = objstore.list_dir(f"{base}run/")
         assert [o.size for o in objects] == [5] and rel([o.key for o in objects]) == ["run/a"]

@@ -156,9 +156,7 @@ class Target:
     def url(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
 
-    def writer(
-        self, name: str, *, overwrite: bool = True, part_size: int | None = None, **s3: Any
-    ) -> StorageWriter:
+    def writer(self, name: str, *, overwrite: bool = True, part_size: int | None = None, **s3: Any) -> StorageWriter:
         """The writer dcp_s3 uses at this location."""
         return S3StorageWriter(self.url(name), overwrite=overwrite, part_size=part_size, **s3, **self.options)
 

@@ -52,8 +52,12 @@ def load_tensor_archive(
     if problem is not None:
         raise CheckpointFormatError(f"{where}: the torch.save archive of a tensor chunk is refused: {problem}")
     tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    if not (isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.dtype == dtype
-            and tuple(tensor.shape) == tuple(sizes)):
+    if not (
+        isinstance(tensor, torch.Tensor)
+        and tensor.layout == torch.strided
+        and tensor.dtype == dtype
+        and tuple(tensor.shape) == tuple(sizes)
+    ):
         is_tensor = isinstance(tensor, torch.Tensor)
         got = f"a {list(tensor.shape)} {tensor.dtype} tensor" if is_tensor else type(tensor).__name__
         raise CheckpointFormatError(f"{where}: the archive holds {got}, its chunk is {list(sizes)} {dtype}")

@@ -116,8 +116,12 @@ def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[str, int]:
     dtype = _field(props, "dtype", where)
     if type(dtype) is not torch.dtype:
         raise CheckpointFormatError(f"{where}: dtype is {describe(dtype)}")
-    for name, kind in (("layout", torch.layout), ("memory_format", torch.memory_format),
-                       ("requires_grad", bool), ("pin_memory", bool)):
+    for name, kind in (
+        ("layout", torch.layout),
+        ("memory_format", torch.memory_format),
+        ("requires_grad", bool),
+        ("pin_memory", bool),
+    ):
         if type(_field(props, name, where)) is not kind:
             raise CheckpointFormatError(f"{where}: {name} is {describe(getattr(props, name))}")
     size = _shape(_field(md, "size", where), f"{where}: size")
@@ -177,7 +181,8 @@ def _tiling(fqn: str, md: TensorStorageMetadata) -> None:
         problem = tiling_problem(size, offsets, sizes)
     if problem is not None:
         raise CheckpointFormatError(
-            f"tensor {_name(fqn)} of {list(size)}: {problem} (a reader would return bytes it never read)")
+            f"tensor {_name(fqn)} of {list(size)}: {problem} (a reader would return bytes it never read)"
+        )
 
 
 #: Pairs of chunks the overlap sweep may compare (chunks that are not a grid: rare in practice).
@@ -262,7 +267,9 @@ def _location(index: MetadataIndex, info: _StorageInfo, nbytes: int | None, walk
             raise CheckpointFormatError(f"{where}: holds {have} bytes, too few for its chunk's {nbytes}")
         return
     if type(frames) is not FrameIndex or payload_offset is not None:
-        raise CheckpointFormatError(f"{where}: frames is {describe(frames)} with payload_offset {describe(payload_offset)}")
+        raise CheckpointFormatError(
+            f"{where}: frames is {describe(frames)} with payload_offset {describe(payload_offset)}"
+        )
     walk.spend(2 * frames.num_frames)
     if frames.raw_length != nbytes:
         raise CheckpointFormatError(

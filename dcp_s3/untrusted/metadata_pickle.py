@@ -161,7 +161,9 @@ class _Unpickler(pickle._Unpickler):
         self.built: dict[int, Any] = {}  # id -> instance (kept alive so that ids stay unique)
         for cls in classes:
             if cls not in self.table.values():
-                raise ConfigError(f"{describe(cls)} has no pinned stored name (add it to dcp_s3.untrusted.pinned_names._frozen)")
+                raise ConfigError(
+                    f"{describe(cls)} has no pinned stored name (add it to dcp_s3.untrusted.pinned_names._frozen)"
+                )
         classes = (*metadata_classes(), *classes)
         # Looked up by id: hashing an untrusted stack object could itself be the attack.
         self.calls = {id(func): check for func, check in _call_checks(self._keyed_args).items()}
@@ -346,17 +348,33 @@ def _refuse(name: str) -> Callable[[Any], None]:
 def _setup_dispatch() -> None:
     table = _Unpickler.dispatch
     ops = {
-        pickle.REDUCE: _Unpickler.load_reduce, pickle.NEWOBJ: _Unpickler.load_newobj,
-        pickle.BUILD: _Unpickler.load_build, pickle.SETITEM: _Unpickler.load_setitem,
-        pickle.SETITEMS: _Unpickler.load_setitems, pickle.DICT: _Unpickler.load_dict,
-        pickle.ADDITEMS: _Unpickler.load_additems, pickle.FROZENSET: _Unpickler.load_frozenset,
+        pickle.REDUCE: _Unpickler.load_reduce,
+        pickle.NEWOBJ: _Unpickler.load_newobj,
+        pickle.BUILD: _Unpickler.load_build,
+        pickle.SETITEM: _Unpickler.load_setitem,
+        pickle.SETITEMS: _Unpickler.load_setitems,
+        pickle.DICT: _Unpickler.load_dict,
+        pickle.ADDITEMS: _Unpickler.load_additems,
+        pickle.FROZENSET: _Unpickler.load_frozenset,
         pickle.FRAME: _Unpickler.load_frame,
-        pickle.APPEND: _Unpickler.load_append, pickle.APPENDS: _Unpickler.load_appends,
+        pickle.APPEND: _Unpickler.load_append,
+        pickle.APPENDS: _Unpickler.load_appends,
     }
     for opcode, handler in ops.items():
         table[opcode[0]] = handler
-    refused = ("NEWOBJ_EX", "OBJ", "INST", "PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4", "BYTEARRAY8",
-               "NEXT_BUFFER", "READONLY_BUFFER")
+    refused = (
+        "NEWOBJ_EX",
+        "OBJ",
+        "INST",
+        "PERSID",
+        "BINPERSID",
+        "EXT1",
+        "EXT2",
+        "EXT4",
+        "BYTEARRAY8",
+        "NEXT_BUFFER",
+        "READONLY_BUFFER",
+    )
     for name in refused:
         table[getattr(pickle, name)[0]] = _refuse(name)
 

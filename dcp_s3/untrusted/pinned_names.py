@@ -104,8 +104,17 @@ def pinned() -> Mapping[tuple[str, str], Any]:
 def metadata_classes() -> tuple[type, ...]:
     """The classes a metadata pickle may instantiate (NEWOBJ) and give state (BUILD)."""
     table = pinned()
-    return tuple(table[key] for key in (
-        (_DCP, "Metadata"), (_DCP, "TensorStorageMetadata"), (_DCP, "TensorProperties"),
-        (_DCP, "ChunkStorageMetadata"), (_DCP, "BytesStorageMetadata"), (_DCP, "MetadataIndex"),
-        (_DCP, "StorageMeta"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), *DCP_S3_NAMES,
-    ))
+    return tuple(
+        table[key]
+        for key in (
+            (_DCP, "Metadata"),
+            (_DCP, "TensorStorageMetadata"),
+            (_DCP, "TensorProperties"),
+            (_DCP, "ChunkStorageMetadata"),
+            (_DCP, "BytesStorageMetadata"),
+            (_DCP, "MetadataIndex"),
+            (_DCP, "StorageMeta"),
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            *DCP_S3_NAMES,
+        )
+    )

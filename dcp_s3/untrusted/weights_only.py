@@ -234,8 +234,12 @@ class _Checker:
         of one container with one hash are refused.
         """
         self.charge(key)
-        if isinstance(key, (str, bytes, Global)) or key is None or is_bytes(key) or (
-                type(key) in (int, bool) and -MAX_INT_KEY <= key <= MAX_INT_KEY):  # type: ignore[operator]
+        if (
+            isinstance(key, (str, bytes, Global))
+            or key is None
+            or is_bytes(key)
+            or (type(key) in (int, bool) and -MAX_INT_KEY <= key <= MAX_INT_KEY)
+        ):  # type: ignore[operator]
             return
         h = str(hash(real(key)))
         seen[h] = seen.get(h, 0) + 1
@@ -248,8 +252,14 @@ class _Checker:
         if not items or len(items) != 5 or items[0] != "storage":
             raise Refused("it holds a persistent id that is not a storage")
         storage_type, key, location, numel = items[1:]
-        if not (isinstance(storage_type, Global) and "Storage" in storage_type.name and type(key) is str
-                and type(location) is str and type(numel) is int and numel >= 0):
+        if not (
+            isinstance(storage_type, Global)
+            and "Storage" in storage_type.name
+            and type(key) is str
+            and type(location) is str
+            and type(numel) is int
+            and numel >= 0
+        ):
             raise Refused("it holds a malformed storage reference")
         try:  # how torch.load reads the storage type's name
             dtype = torch.serialization.StorageType(storage_type.name.rpartition(".")[2]).dtype
@@ -266,8 +276,13 @@ class _Checker:
 
     def op_setitems(self, items: list[Any]) -> None:
         target = self.stack[-1]
-        if not (isinstance(target, Node) and (target.kind == "dict" or (
-                target.kind == "call" and target.callee is not None and target.callee.obj in (OrderedDict, Counter)))):
+        if not (
+            isinstance(target, Node)
+            and (
+                target.kind == "dict"
+                or (target.kind == "call" and target.callee is not None and target.callee.obj in (OrderedDict, Counter))
+            )
+        ):
             raise Refused(f"it would set items on {label(target)}")
         seen = self.keys.setdefault(id(target), (target, {}))[1]  # (target kept alive: its id stays unique)
         for key in items[::2]:
@@ -313,8 +328,10 @@ def _put(c: _Checker, index: int) -> None:
     if not c.stack:
         raise Refused("the pickle is malformed (PUT on an empty stack)")
     if index > len(c.memo):
-        raise Refused(f"it stores memo entry {index} after only {len(c.memo)} entries (the pickler numbers them "
-                      "0, 1, 2...; the unpickler would allocate memory for every index up to it)")
+        raise Refused(
+            f"it stores memo entry {index} after only {len(c.memo)} entries (the pickler numbers them "
+            "0, 1, 2...; the unpickler would allocate memory for every index up to it)"
+        )
     c.memo[index] = c.stack[-1]
 
 

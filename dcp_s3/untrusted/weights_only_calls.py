@@ -32,8 +32,17 @@ from dcp_s3._torch_compat import REBUILD_FROM_TYPE_V2, REBUILD_PREFIX, get_layou
 from dcp_s3.untrusted.metadata_pickle import describe
 
 __all__ = [
-    "Refused", "Global", "Node", "label", "is_bytes", "bytes_size", "real", "check_call", "check_state",
-    "MAX_SAME_HASH", "EXTRA_GLOBALS",
+    "Refused",
+    "Global",
+    "Node",
+    "label",
+    "is_bytes",
+    "bytes_size",
+    "real",
+    "check_call",
+    "check_state",
+    "MAX_SAME_HASH",
+    "EXTRA_GLOBALS",
 ]
 
 #: Globals allowed beyond torch's weights-only allowlist, each with the calls and state :func:`check_call`
@@ -103,8 +112,14 @@ _VIEW_NAMES = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3")
 #: The others ``torch.save``'s pickles call that cost what their stored bytes do. Not: storage and
 #: tensor classes (``torch.ByteTensor(n)`` allocates n bytes), ``_rebuild_qtensor`` (likewise),
 #: sparse and nested tensors (rebuilt without checking their indices).
-_CALLABLE_NAMES = ("_rebuild_parameter", "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage",
-                   "_rebuild_wrapper_subclass", "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_from_type_v2")
+_CALLABLE_NAMES = (
+    "_rebuild_parameter",
+    "_rebuild_parameter_with_state",
+    "_rebuild_meta_tensor_no_storage",
+    "_rebuild_wrapper_subclass",
+    "_rebuild_device_tensor_from_cpu_tensor",
+    "_rebuild_from_type_v2",
+)
 _UNCHECKED = ("_rebuild_sparse_tensor", "_rebuild_sparse_csr", "_rebuild_nested_tensor")
 
 
@@ -125,8 +140,17 @@ def _callable_ids() -> frozenset[int]:
     """What ``torch.save``'s pickles call among torch's allowlist (by identity)."""
     functions = rebuild_functions()
     allowed: list[Any] = [
-        OrderedDict, Counter, set, bytearray, complex, _codecs.encode, torch.Size, torch.device,
-        get_layout, *_views(), *(functions[n] for n in _CALLABLE_NAMES if n in functions),
+        OrderedDict,
+        Counter,
+        set,
+        bytearray,
+        complex,
+        _codecs.encode,
+        torch.Size,
+        torch.device,
+        get_layout,
+        *_views(),
+        *(functions[n] for n in _CALLABLE_NAMES if n in functions),
     ]
     return frozenset(id(obj) for obj in allowed)
 
@@ -151,8 +175,10 @@ def _view(func: Global, args: list[Any]) -> None:
     for s in sizes:
         n *= s
         if s < 0 or n > have:
-            raise Refused(f"it would rebuild a tensor of size {list(sizes[:8])} over a storage of "
-                          f"{storage.items[0]} elements (a view larger than its stored bytes)")
+            raise Refused(
+                f"it would rebuild a tensor of size {list(sizes[:8])} over a storage of "
+                f"{storage.items[0]} elements (a view larger than its stored bytes)"
+            )
 
 
 def check_call(
@@ -165,17 +191,25 @@ def check_call(
     obj, items = func.obj, args.items
     if id(obj) in torch_ids and id(obj) not in _callable_ids():
         if any(obj is f for f in _unchecked()):
-            raise Refused(f"it would call {func.name}: torch rebuilds sparse and nested tensors without checking "
-                          "their indices (out-of-range ones crash the process on first use)")
-        raise Refused(f"it would call {func.name}, which can allocate or cost more than its stored bytes "
-                      "(dcp_s3 allows only the calls torch.save's pickles of dense values make)")
+            raise Refused(
+                f"it would call {func.name}: torch rebuilds sparse and nested tensors without checking "
+                "their indices (out-of-range ones crash the process on first use)"
+            )
+        raise Refused(
+            f"it would call {func.name}, which can allocate or cost more than its stored bytes "
+            "(dcp_s3 allows only the calls torch.save's pickles of dense values make)"
+        )
     if obj is bytearray and not (not items or (len(items) == 1 and is_bytes(items[0]))):
-        raise Refused("it would call bytearray with arguments other than bytes (bytearray(<int>) allocates, "
-                      "bytearray(str, encoding) decodes at any cost)")
+        raise Refused(
+            "it would call bytearray with arguments other than bytes (bytearray(<int>) allocates, "
+            "bytearray(str, encoding) decodes at any cost)"
+        )
     if obj is _codecs.encode and not (len(items) == 2 and type(items[0]) is str and items[1] == "latin1"):
         encoding = describe(items[1] if len(items) > 1 else None)
-        raise Refused(f"it would call _codecs.encode with encoding {encoding}: only latin1 (what the pickler "
-                      "emits for bytes) is linear in its input")
+        raise Refused(
+            f"it would call _codecs.encode with encoding {encoding}: only latin1 (what the pickler "
+            "emits for bytes) is linear in its input"
+        )
     if obj in (set, Counter, OrderedDict) and items:  # they hash what they are given
         source = items[0]
         seen: dict[str, int] = {}
@@ -202,8 +236,13 @@ def check_state(inst: Node, state: object) -> None:
     if inst.callee is None or inst.callee.obj is not io.BytesIO:
         return
     items = state.items if isinstance(state, Node) and state.kind == "tuple" else None
-    if not (items is not None and len(items) == 3 and is_bytes(items[0]) and type(items[1]) is int
-            and (items[2] is None or (isinstance(items[2], Node) and items[2].kind == "dict"))):
+    if not (
+        items is not None
+        and len(items) == 3
+        and is_bytes(items[0])
+        and type(items[1]) is int
+        and (items[2] is None or (isinstance(items[2], Node) and items[2].kind == "dict"))
+    ):
         raise Refused(f"it would set the state of _io.BytesIO to {label(state)}, not (bytes, position, None or dict)")
     size = bytes_size(items[0])
     if not 0 <= items[1] <= size:

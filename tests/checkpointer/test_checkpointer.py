@@ -70,7 +70,6 @@ def train(model: nn.Module, optim: torch.optim.Optimizer, sched: Any, seed: int)
     optim.zero_grad()
 
 
-
 def snapshot(model: nn.Module, optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
     out = {"model": full(get_model_state_dict(model))}
     if optim is not None:

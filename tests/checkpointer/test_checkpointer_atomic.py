@@ -73,7 +73,7 @@ def same(a: Any, b: Any) -> bool:
 
 
 def which(got: dict[str, Any], old: dict[str, Any], new: dict[str, Any]) -> str:
-    """"old" or "new" if every part of ``got`` is that save's; else which part came from where."""
+    """ "old" or "new" if every part of ``got`` is that save's; else which part came from where."""
     assert not same(old, new)
     for name, ref in (("old", old), ("new", new)):
         if same(got, ref):
@@ -233,17 +233,20 @@ def test_retention_and_gc_remove_every_generation(tmp_path: Path) -> None:
     assert not find_garbage(str(run), older_than=3600).objects  # the age bound protects a save in progress
     assert retain_last(open_store(str(run)), 1, keep=str(run / "0000002")) == [str(run / "0000001")]
     left = sorted(re.sub(rf"^(0000002\..*)\.{GENERATION}$", r"\1.<token>", p.name) for p in run.iterdir())
-    assert left == ["0000001.m_model.0123456789abcdef", "0000002.m_model.<token>", "0000002.m_optim.<token>",
-                    "0000002.pth"]
+    assert left == [
+        "0000001.m_model.0123456789abcdef",
+        "0000002.m_model.<token>",
+        "0000002.m_optim.<token>",
+        "0000002.pth",
+    ]
     assert [p.name for p in orphan.iterdir()] == ["notes.md"]  # not a checkpoint object: kept
 
 
 # -- a hostile marker ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("bad", ["../0000001.m_model", "m_model/../../x", "m_model.zz", "m_model.0123456789abcdeF",
-                                 {"m_model": "m_model"}])
-def test_marker_naming_other_directories_is_refused_and_nothing_outside_is_deleted(
-    tmp_path: Path, bad: Any
-) -> None:
+@pytest.mark.parametrize(
+    "bad", ["../0000001.m_model", "m_model/../../x", "m_model.zz", "m_model.0123456789abcdeF", {"m_model": "m_model"}]
+)
+def test_marker_naming_other_directories_is_refused_and_nothing_outside_is_deleted(tmp_path: Path, bad: Any) -> None:
     run = tmp_path / "run"
     model, optim, _ = first_state()
     ckpt = Checkpointer(run)
@@ -326,8 +329,9 @@ def test_resave_on_2_fsdp2_ranks(tmp_path: Path, async_save: bool) -> None:
     names = run_ranks(resave_job, 2, str(tmp_path / "run"), async_save)[0]
     dirs = {n.split("/")[0] for n in names if "/" in n}
     assert len(dirs) == 2 and all(re.fullmatch(rf"0001000\.m_(model|optim)\.{GENERATION}", d) for d in dirs), dirs
-    assert {d.rpartition(".")[2] for d in dirs} == {torch.load(tmp_path / "run" / "0001000.pth",
-                                                               weights_only=True)["part_dirs"]["m_model"][8:]}
+    assert {d.rpartition(".")[2] for d in dirs} == {
+        torch.load(tmp_path / "run" / "0001000.pth", weights_only=True)["part_dirs"]["m_model"][8:]
+    }
     # both ranks' data objects are in it
     ranks = {m[1] for n in names if (m := re.fullmatch(rf"0001000\.m_model\.{GENERATION}/__(\d+)_.*\.distcp", n))}
     assert ranks == {"0", "1"}, names

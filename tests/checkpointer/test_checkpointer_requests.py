@@ -35,8 +35,14 @@ def metadata_gets(rank: int, proxy: str) -> dict[str, int] | None:
     if got is None:
         return None
     # Each part lies in the save's generation directory (<step>.m_<part>.<16 hex>/).
-    return {part: sum(n for op, key, n, _ in got.rows if op.startswith("GetObject")
-                      and re.search(rf"\.m_{part}(\.[0-9a-f]{{16}})?/\.metadata$", key)) for part in ("model", "optim")}
+    return {
+        part: sum(
+            n
+            for op, key, n, _ in got.rows
+            if op.startswith("GetObject") and re.search(rf"\.m_{part}(\.[0-9a-f]{{16}})?/\.metadata$", key)
+        )
+        for part in ("model", "optim")
+    }
 
 
 def mismatch_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
@@ -82,8 +88,12 @@ def load_job(rank: int, world: int, env: dict[str, str], root: str, proxy: str) 
         assert ckpt.load({"m": plain}, {"m": mine}, path=f"{root}/0000010") == 10
     out["one_mismatch_warnings"] = mismatch_warnings(caught)
     # fresh moments are zeros (get_optimizer_state_dict initializes them by a step with zero grads)
-    out["one_mismatch_nonzero"] = sum(int(torch.count_nonzero(v)) for s in mine.state.values()
-                                      for k, v in s.items() if k != "step" and isinstance(v, torch.Tensor))
+    out["one_mismatch_nonzero"] = sum(
+        int(torch.count_nonzero(v))
+        for s in mine.state.values()
+        for k, v in s.items()
+        if k != "step" and isinstance(v, torch.Tensor)
+    )
     same(trainable(ref["model"]), trainable(plain.state_dict()))
     out["one_mismatch"] = metadata_gets(rank, proxy)
     return out
@@ -95,14 +105,14 @@ def proxy(s3_env: LocalS3Server) -> Iterator[CountingProxy]:
         yield p
 
 
-def test_load_with_optimizer_gets_each_metadata_once(bucket: str, s3_env: LocalS3Server,
-                                                     proxy: CountingProxy) -> None:
+def test_load_with_optimizer_gets_each_metadata_once(bucket: str, s3_env: LocalS3Server, proxy: CountingProxy) -> None:
     world = 3
     env = {**s3_env.env(), "AWS_ENDPOINT_URL": proxy.url}
     results = run_ranks(load_job, world, env, f"s3://{bucket}/run", proxy.url, timeout=400)
     counts = results[0]
-    print("'.metadata' GETs per part:", {k: v for k, v in counts.items() if k in ("load", "all_mismatch",
-                                                                                     "one_mismatch")})
+    print(
+        "'.metadata' GETs per part:", {k: v for k, v in counts.items() if k in ("load", "all_mismatch", "one_mismatch")}
+    )
     assert counts["load"] == {"model": 1, "optim": 1}, counts
     assert counts["all_mismatch"] == {"model": 1, "optim": 1}, counts
     assert counts["one_mismatch"] == {"model": 1, "optim": 1}, counts

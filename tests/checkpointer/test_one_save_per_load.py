@@ -86,16 +86,21 @@ def resaved_local_job(rank: int, world: int, env: dict[str, str], root: str, bas
             damage(obj, how)
         dist.barrier()
         it, got, where, warned = fresh_load(root, local)
-        out[how] = {"it": it, "save": which(got, saves), "source": where["source"], "reasons": where["reasons"],
-                    "skipped": where.get("skipped", {}), "warned": warned}
+        out[how] = {
+            "it": it,
+            "save": which(got, saves),
+            "source": where["source"],
+            "reasons": where["reasons"],
+            "skipped": where.get("skipped", {}),
+            "warned": warned,
+        }
         dist.barrier()
         if rank == 1:
             obj.write_bytes(original)
     return out
 
 
-def test_tiered_load_never_combines_two_saves_of_one_step(bucket: str, s3_env: LocalS3Server,
-                                                          tmp_path: Path) -> None:
+def test_tiered_load_never_combines_two_saves_of_one_step(bucket: str, s3_env: LocalS3Server, tmp_path: Path) -> None:
     out = run_ranks(resaved_local_job, 2, s3_env.env(), f"s3://{bucket}/run", str(tmp_path), timeout=400)
     for r, res in enumerate(out):
         for how in ("truncated", "corrupt"):
@@ -141,8 +146,9 @@ def reasons_job(rank: int, world: int, env: dict[str, str], root: str, base: str
     return {"it": it, "save": which(got, saves), "last_load": where}
 
 
-def test_last_load_reasons_are_short_and_every_skipped_step_has_one(bucket: str, s3_env: LocalS3Server,
-                                                                     tmp_path: Path) -> None:
+def test_last_load_reasons_are_short_and_every_skipped_step_has_one(
+    bucket: str, s3_env: LocalS3Server, tmp_path: Path
+) -> None:
     """Issue 35 item 16: the reason of a rank that read S3 is one short line naming that rank's real cause
     (not torch's 1.6 KB ``CheckpointException`` text saying "RANK 0"), and the skipped newer step has one."""
     out = run_ranks(reasons_job, 2, s3_env.env(), f"s3://{bucket}/run", str(tmp_path), timeout=400)
@@ -179,19 +185,24 @@ def rank_copies_job(rank: int, world: int, env: dict[str, str], root: str, base:
     it, got, where, _ = fresh_load(root, str(local))
     if rank == 0:
         torch.save(saves, f"{base}/saves.pt")
-    return {"it": it, "save": which(got, saves), "source": where["source"], "s3_ranks": where["s3_ranks"],
-            "reasons": where["reasons"]}
+    return {
+        "it": it,
+        "save": which(got, saves),
+        "source": where["source"],
+        "s3_ranks": where["s3_ranks"],
+        "reasons": where["reasons"],
+    }
 
 
 def resharded_job(rank: int, world: int, env: dict[str, str], root: str, base: str) -> dict[str, Any]:
     os.environ.update(env)
     it, got, where, _ = fresh_load(root, f"{base}/shared")
-    return {"it": it, "save": which(got, torch.load(f"{base}/saves.pt", weights_only=True)),
-            "source": where["source"]}
+    return {"it": it, "save": which(got, torch.load(f"{base}/saves.pt", weights_only=True)), "source": where["source"]}
 
 
-def test_copies_of_two_saves_are_combined_only_where_tokens_agree(bucket: str, s3_env: LocalS3Server,
-                                                                   tmp_path: Path) -> None:
+def test_copies_of_two_saves_are_combined_only_where_tokens_agree(
+    bucket: str, s3_env: LocalS3Server, tmp_path: Path
+) -> None:
     """The mixed load with proven tokens: rank 1's copy (save A, the save S3 holds) is used, rank 0's
     (save B) is not: rank 0 reads S3. The resharded load over those two copies (rank00000 of save B,
     rank00001 of save A under one root) never merges them: the step comes from S3, whole."""
@@ -210,8 +221,9 @@ def test_copies_of_two_saves_are_combined_only_where_tokens_agree(bucket: str, s
 
 # -- first saves: two jobs racing the first save of one step -------------------------------------------------
 @pytest.mark.parametrize("where", ["s3", "local-tier"])
-def test_racing_first_saves_commit_exactly_one_save(where: str, bucket: str, s3_env: LocalS3Server,
-                                                   tmp_path: Path) -> None:
+def test_racing_first_saves_commit_exactly_one_save(
+    where: str, bucket: str, s3_env: LocalS3Server, tmp_path: Path
+) -> None:
     """Issue 35 item 7: job X begins the first save of step 1000 (its model part written, held before its
     optimizer part); job Y saves step 1000 from start to end; X goes on. The step is Y's save, every part
     of it; X fails naming the step."""

@@ -53,8 +53,11 @@ def test_a_layout_that_is_not_a_mapping_is_refused() -> None:
 
 
 def _chunks(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> TensorStorageMetadata:
-    return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
-                                 [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes])
+    return TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size(size),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes],
+    )
 
 
 def test_merged_shards_must_cover_each_tensor_exactly_once() -> None:
@@ -95,8 +98,10 @@ def test_the_cover_check_agrees_with_counting_every_element() -> None:
     for _ in range(400):
         size = [rng.randint(1, 5) for _ in range(rng.randint(1, 3))]
         cuts = [sorted({0, d, *(rng.randint(0, d) for _ in range(2))}) for d in size]
-        boxes = [([c[0] for c in cell], [c[1] - c[0] for c in cell])
-                 for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts])]
+        boxes = [
+            ([c[0] for c in cell], [c[1] - c[0] for c in cell])
+            for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts])
+        ]
         for _ in range(rng.randint(0, 2)):  # damage: move, grow or drop one shard (kept inside the tensor)
             i = rng.randrange(len(boxes))
             o, s = boxes[i]

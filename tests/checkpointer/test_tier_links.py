@@ -168,8 +168,7 @@ def test_a_rank_store_never_reads_through_its_rank_dir(tmp_path: Path) -> None:
     assert not (target / "x").exists()
 
 
-def test_the_resharded_path_and_ls_report_a_linked_rank_dir(tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_resharded_path_and_ls_report_a_linked_rank_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Rank 1's copy of a 2-rank step sits behind a link: the step is not combined, and both the load's reason
     and ``dcp-s3 ls`` say the link is why."""
     local = tmp_path / "local"

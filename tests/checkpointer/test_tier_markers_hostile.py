@@ -21,8 +21,10 @@ from dcp_s3.checkpointer.tiers import LOCAL_ENTRY
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
-              pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
 
 GiB = 1 << 30
 
@@ -56,8 +58,7 @@ def load(root: str, local: str) -> tuple[int, dict[str, Any], dict[str, Any]]:
 @pytest.mark.timeout(120)
 def test_a_world_size_of_a_trillion_costs_nothing(tmp_path: Path) -> None:
     root, local, ten = two_steps(tmp_path)
-    rewrite(Path(local, "rank00000", "0000020.pth"),
-            lambda m: m[LOCAL_ENTRY].update(world_size=10**12))
+    rewrite(Path(local, "rank00000", "0000020.pth"), lambda m: m[LOCAL_ENTRY].update(world_size=10**12))
     t0 = time.monotonic()
     with memory_cap(2 * GiB), PeakRss().watch() as rss:
         it, got, last = load(root, local)

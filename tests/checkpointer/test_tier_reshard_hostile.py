@@ -75,8 +75,9 @@ def test_an_item_past_the_end_of_its_object_is_refused(saved: tuple) -> None:
     assert why is not None and "its items need" in why and "bytes" in why, why
 
 
-@pytest.mark.parametrize("entry", [{"rank": "0", "world_size": 1}, {"rank": 3, "world_size": 2},
-                                   {"rank": -1, "world_size": 1}, ["rank", 0]])
+@pytest.mark.parametrize(
+    "entry", [{"rank": "0", "world_size": 1}, {"rank": 3, "world_size": 2}, {"rank": -1, "world_size": 1}, ["rank", 0]]
+)
 def test_a_marker_naming_no_rank_is_refused(saved: tuple, entry: Any) -> None:
     local, model, optim, _ = saved
     marker_path = Path(local) / "rank00000" / f"{STEP}.pth"

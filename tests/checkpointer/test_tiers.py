@@ -121,8 +121,11 @@ def tiers_job(rank: int, world: int, env: dict[str, str], root: str, base: str, 
         it, got, where, warned = fresh_load(root, local)
         assert it == 20, it
         check(refs[20], got)
-        out[how] = (where["source"], where["s3_ranks"], how in where["reasons"].get(damaged, "")
-                    or any("0000020" in w and f"rank {damaged}" in w for w in warned))
+        out[how] = (
+            where["source"],
+            where["s3_ranks"],
+            how in where["reasons"].get(damaged, "") or any("0000020" in w and f"rank {damaged}" in w for w in warned),
+        )
         dist.barrier()
         if rank == damaged:
             obj.write_bytes(original)

@@ -66,12 +66,20 @@ def states(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     return {"old": old, "new": snapshot(model, optim, sched, 20)}
 
 
-@pytest.mark.parametrize(("phase", "expected"), [
-    ("local-model", "old"), ("local-marker", "old"),
-    ("upload", "new"), ("report", "new"), ("part-commit", "new"), ("s3-marker", "new"),
-])
-def test_killed_save_or_promotion(bucket: str, tmp_path: Path, states: dict[str, Any], phase: str,
-                                  expected: str) -> None:
+@pytest.mark.parametrize(
+    ("phase", "expected"),
+    [
+        ("local-model", "old"),
+        ("local-marker", "old"),
+        ("upload", "new"),
+        ("report", "new"),
+        ("part-commit", "new"),
+        ("s3-marker", "new"),
+    ],
+)
+def test_killed_save_or_promotion(
+    bucket: str, tmp_path: Path, states: dict[str, Any], phase: str, expected: str
+) -> None:
     root, local = f"s3://{bucket}/run", str(tmp_path / "local")
     run(tmp_path, "first", root, local)
     held = child(tmp_path, phase, "second", root, local)

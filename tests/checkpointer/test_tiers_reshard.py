@@ -104,8 +104,12 @@ def refused(root: str, base: str, refs: dict[int, Any], proxy: str) -> dict[str,
     data_gets(0, proxy)
     it, got, where, warned = fresh_load(root, local)
     check(refs[10], got)
-    out["corrupt_on_s3"] = (it, where["source"], data_gets(0, proxy),
-                            any("0000010" in w and "read from S3" in w for w in warned))
+    out["corrupt_on_s3"] = (
+        it,
+        where["source"],
+        data_gets(0, proxy),
+        any("0000010" in w and "read from S3" in w for w in warned),
+    )
     for path in (obj, obj10):
         path.write_bytes(originals[path])
 
@@ -157,8 +161,9 @@ def proxy(s3_env: LocalS3Server) -> Iterator[CountingProxy]:
         yield p
 
 
-def test_resharded_load_from_the_local_tier(bucket: str, s3_env: LocalS3Server, proxy: CountingProxy,
-                                            tmp_path: Path) -> None:
+def test_resharded_load_from_the_local_tier(
+    bucket: str, s3_env: LocalS3Server, proxy: CountingProxy, tmp_path: Path
+) -> None:
     env = {**s3_env.env(), "AWS_ENDPOINT_URL": proxy.url}
     root = f"s3://{bucket}/run"
     run_ranks(save_job, 2, env, root, str(tmp_path), timeout=300)

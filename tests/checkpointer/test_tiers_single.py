@@ -41,13 +41,15 @@ def test_retention_in_each_tier(bucket: str, tmp_path: Path) -> None:
     ckpt.close()
 
 
-def test_failing_promotion_warns_and_is_queryable(bucket: str, s3_env: LocalS3Server, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failing_promotion_warns_and_is_queryable(
+    bucket: str, s3_env: LocalS3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root, local = f"s3://{bucket}/run", str(tmp_path / "local")
     model, optim, sched = build(seed=0, shard=False)
     # Every upload to S3 is refused (501: not retried by the client), so each promotion attempt fails.
-    with FaultProxy(s3_env.endpoint_url, [Rule(ops={"PutObject", "CreateMultipartUpload", "UploadPart"},
-                                               fault="501")]) as proxy:
+    with FaultProxy(
+        s3_env.endpoint_url, [Rule(ops={"PutObject", "CreateMultipartUpload", "UploadPart"}, fault="501")]
+    ) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         ckpt = Checkpointer(root, local_root=local, promotion_attempts=2)
         ckpt.save({"m": model}, {"m": optim}, {"m": sched}, iteration=5, tier="s3")
@@ -81,8 +83,9 @@ def test_bad_arguments(tmp_path: Path) -> None:
         Checkpointer(root).save({"m": model}, iteration=1, tier="s3")
 
 
-def test_local_retention_keeps_a_step_being_promoted(bucket: str, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_retention_keeps_a_step_being_promoted(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root, local = f"s3://{bucket}/run", str(tmp_path / "local")
     go = threading.Event()
     stream_to = Store.stream_to
@@ -107,9 +110,9 @@ def test_local_retention_keeps_a_step_being_promoted(bucket: str, tmp_path: Path
     ckpt.close()
 
 
-def test_tiered_restart_requests_do_not_grow_with_the_steps_kept(bucket: str, s3_env: LocalS3Server,
-                                                                  tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiered_restart_requests_do_not_grow_with_the_steps_kept(
+    bucket: str, s3_env: LocalS3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A restart (from the local tier, and with the local tier empty: from S3) reads S3 newest first: the
     same requests with 2 and with 6 committed S3 steps (issue 35 item 17)."""
     counted: dict[tuple[int, str], dict[str, int]] = {}

@@ -231,8 +231,12 @@ def test_formatting_helpers() -> None:
 
 
 def test_module_entry_point_exits_non_zero_with_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "dcp_s3", "verify", str(tmp_path / "missing")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcp_s3", "verify", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"dcp-s3: error: no checkpoint found at {tmp_path / 'missing'}"]
 

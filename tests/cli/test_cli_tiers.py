@@ -40,8 +40,13 @@ def as_rank(marker: Path, rank: int, world: int) -> None:
     torch.save(content, marker)
 
 
-def test_ls_shows_the_tiers_of_a_local_root(bucket: str, s3_env: LocalS3Server, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ls_shows_the_tiers_of_a_local_root(
+    bucket: str,
+    s3_env: LocalS3Server,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     for k, v in s3_env.env().items():
         monkeypatch.setenv(k, v)
     root, local = f"s3://{bucket}/run", tmp_path / "local"

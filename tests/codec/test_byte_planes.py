@@ -29,30 +29,30 @@ def old_group(src: np.ndarray, es: int, out: np.ndarray) -> None:
     Trailing bytes that do not make a whole element are copied unchanged after the planes."""
     dt = UINT[es]
     ne = len(src) // es
-    x_all = src[:ne * es].view(dt)
+    x_all = src[: ne * es].view(dt)
     bits = dt(8 * es - 1)
     one = dt(1)
     block = max(1, min(ne, BLOCK_ELEMENTS))
     t1, t2 = np.empty(block, dt), np.empty(block, dt)
     for s in range(0, ne, block):
         e = min(ne, s + block)
-        x, r, t = x_all[s:e], t1[:e - s], t2[:e - s]
+        x, r, t = x_all[s:e], t1[: e - s], t2[: e - s]
         np.left_shift(x, one, out=r)
         np.right_shift(x, bits, out=t)
         np.bitwise_or(r, t, out=r)
         if es == 8:  # strided copies beat shift+cast for 8 planes
             r8 = r.view(np.uint8).reshape(-1, es)
             for p in range(es):
-                out[p * ne + s:p * ne + e] = r8[:, es - 1 - p]
+                out[p * ne + s : p * ne + e] = r8[:, es - 1 - p]
             continue
         for p in range(es):
             shift = 8 * (es - 1 - p)
             if shift:
                 np.right_shift(r, dt(shift), out=t)
-                np.copyto(out[p * ne + s:p * ne + e], t, casting="unsafe")
+                np.copyto(out[p * ne + s : p * ne + e], t, casting="unsafe")
             else:
-                np.copyto(out[p * ne + s:p * ne + e], r, casting="unsafe")
-    out[ne * es:len(src)] = src[ne * es:]
+                np.copyto(out[p * ne + s : p * ne + e], r, casting="unsafe")
+    out[ne * es : len(src)] = src[ne * es :]
 
 
 def old_ungroup(planes: np.ndarray, ne: int, es: int, a: int, b: int, out: np.ndarray) -> None:
@@ -67,24 +67,24 @@ def old_ungroup(planes: np.ndarray, ne: int, es: int, a: int, b: int, out: np.nd
     eight = dt(8)
     for s in range(a, b, block):
         e = min(b, s + block)
-        r, t = t1[:e - s], t2[:e - s]
+        r, t = t1[: e - s], t2[: e - s]
         if es == 8:
             r8 = r.view(np.uint8).reshape(-1, es)
             for p in range(es):
-                r8[:, es - 1 - p] = planes[p * ne + s:p * ne + e]
+                r8[:, es - 1 - p] = planes[p * ne + s : p * ne + e]
         else:
             np.copyto(r, planes[s:e])
             for p in range(1, es):
                 np.left_shift(r, eight, out=r)
-                np.copyto(t, planes[p * ne + s:p * ne + e])
+                np.copyto(t, planes[p * ne + s : p * ne + e])
                 np.bitwise_or(r, t, out=r)
         np.left_shift(r, bits, out=t)
         np.right_shift(r, one, out=r)
         if o_all is not None:
-            np.bitwise_or(r, t, out=o_all[s - a:e - a])
+            np.bitwise_or(r, t, out=o_all[s - a : e - a])
         else:  # unaligned destination: combine in place, then copy bytes
             np.bitwise_or(r, t, out=r)
-            out[(s - a) * es:(e - a) * es] = r.view(np.uint8)
+            out[(s - a) * es : (e - a) * es] = r.view(np.uint8)
 
 
 def frame_bytes(draw: st.DrawFn, es: int, max_elements: int) -> np.ndarray:
@@ -121,9 +121,9 @@ def test_ungroup_ranges_into_unaligned_destinations(data: st.DataObject, es: int
     a = data.draw(st.integers(0, ne))
     b = data.draw(st.integers(a, ne))
     backing = np.full((b - a) * es + offset + 1, 0xAB, np.uint8)
-    out = backing[offset:offset + (b - a) * es]  # misaligned for every offset % es != 0
+    out = backing[offset : offset + (b - a) * es]  # misaligned for every offset % es != 0
     ungroup(planes, ne, es, a, b, out)
-    assert out.tobytes() == src[a * es:b * es].tobytes()
+    assert out.tobytes() == src[a * es : b * es].tobytes()
     assert backing[:offset].tobytes() == b"\xab" * offset and backing[-1] == 0xAB  # nothing written outside
     if a < b:  # (the old function needed a non-empty range)
         ref = np.empty((b - a) * es, np.uint8)
@@ -134,10 +134,11 @@ def test_ungroup_ranges_into_unaligned_destinations(data: st.DataObject, es: int
 @pytest.mark.parametrize("es", sorted(UINT))
 def test_special_values_survive(es: int) -> None:
     dtype = {2: np.float16, 4: np.float32, 8: np.float64}[es]
-    values = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, np.finfo(dtype).tiny, -np.finfo(dtype).max],
-                      dtype)
+    values = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, np.finfo(dtype).tiny, -np.finfo(dtype).max], dtype
+    )
     raw = np.concatenate([values.view(np.uint8), np.arange(256, dtype=np.uint8).view(np.uint8)])
-    raw = raw[:len(raw) // es * es]
+    raw = raw[: len(raw) // es * es]
     planes = np.empty(len(raw), np.uint8)
     group(raw, es, planes)
     old = np.empty(len(raw), np.uint8)
@@ -149,11 +150,15 @@ def test_special_values_survive(es: int) -> None:
 
 
 @settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64,
-                                              torch.complex64]),
-       frame_size=st.sampled_from([64, 1000, 4096, 1 << 17]), offset=st.integers(0, 7))
-def test_codec_partial_ranges_into_unaligned_destinations(data: st.DataObject, dtype: torch.dtype, frame_size: int,
-                                                          offset: int) -> None:
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex64]),
+    frame_size=st.sampled_from([64, 1000, 4096, 1 << 17]),
+    offset=st.integers(0, 7),
+)
+def test_codec_partial_ranges_into_unaligned_destinations(
+    data: st.DataObject, dtype: torch.dtype, frame_size: int, offset: int
+) -> None:
     # Through the codec: the reader decodes sub-ranges [a, b) that start and end inside elements and frames.
     n = data.draw(st.integers(1, 40_000))
     t = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.02).to(dtype)

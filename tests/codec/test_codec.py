@@ -31,9 +31,21 @@ from dcp_s3.codec import (
 )
 from dcp_s3.errors import CheckpointFormatError
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-          torch.float8_e4m3fn]
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+]
 FAST = settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -75,15 +87,25 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
     if draw(st.booleans()) or not (dtype.is_floating_point or dtype.is_complex):
         raw = draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
-    return weights(n * (2 if dtype.is_complex else 1), torch.float32, draw(st.integers(0, 9))).view(
-        torch.complex64).to(dtype) if dtype.is_complex else weights(n, dtype, draw(st.integers(0, 9)))
+    return (
+        weights(n * (2 if dtype.is_complex else 1), torch.float32, draw(st.integers(0, 9)))
+        .view(torch.complex64)
+        .to(dtype)
+        if dtype.is_complex
+        else weights(n, dtype, draw(st.integers(0, 9)))
+    )
 
 
 # ---------------------------------------------------------------- round trips
 
+
 @FAST
-@given(t=tensors(), frame_size=st.sampled_from([1, 8, 100, 1000, 4096, 1 << 16]), threads=st.sampled_from([1, 3]),
-       version=st.sampled_from([1, 2]))
+@given(
+    t=tensors(),
+    frame_size=st.sampled_from([1, 8, 100, 1000, 4096, 1 << 16]),
+    threads=st.sampled_from([1, 3]),
+    version=st.sampled_from([1, 2]),
+)
 def test_round_trip_every_dtype(t: torch.Tensor, frame_size: int, threads: int, version: int) -> None:
     es, floating = grouping_for_dtype(t.dtype)
     raw = tensor_bytes(t)
@@ -100,8 +122,12 @@ def test_round_trip_every_dtype(t: torch.Tensor, frame_size: int, threads: int, 
 
 
 @FAST
-@given(data=st.binary(max_size=20000), es=st.sampled_from([1, 2, 3, 4, 8, 16]), floating=st.booleans(),
-       version=st.sampled_from([1, 2]))
+@given(
+    data=st.binary(max_size=20000),
+    es=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    floating=st.booleans(),
+    version=st.sampled_from([1, 2]),
+)
 def test_round_trip_random_bytes_any_length(codec: Codec, data: bytes, es: int, floating: bool, version: int) -> None:
     # Lengths need not be multiples of the element size: the tail is stored ungrouped.
     with Codec(threads=2, frame_size=4096, version=version) as writer:
@@ -111,8 +137,11 @@ def test_round_trip_random_bytes_any_length(codec: Codec, data: bytes, es: int, 
 
 
 @FAST
-@given(data=st.data(), dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64, torch.int32]),
-       n=st.integers(0, 5000))
+@given(
+    data=st.data(),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float64, torch.int32]),
+    n=st.integers(0, 5000),
+)
 def test_chunked_input_matches_single_buffer(codec: Codec, data: st.DataObject, dtype: torch.dtype, n: int) -> None:
     raw = tensor_bytes(weights(n, dtype) if dtype.is_floating_point else torch.arange(n, dtype=dtype))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12)))
@@ -131,9 +160,9 @@ def test_chunk_buffer_may_be_reused_after_next_is_requested(codec: Codec) -> Non
 
     def reused() -> Iterator[memoryview]:
         for pos in range(0, len(raw), len(buf)):
-            piece = raw[pos:pos + len(buf)]
-            buf[:len(piece)] = piece.tobytes()
-            yield memoryview(buf)[:len(piece)]
+            piece = raw[pos : pos + len(buf)]
+            buf[: len(piece)] = piece.tobytes()
+            yield memoryview(buf)[: len(piece)]
             buf[:] = b"\xff" * len(buf)  # the producer scribbles over the old chunk
 
     index, stored = encode(codec, reused(), 2, True)
@@ -146,8 +175,9 @@ def test_empty_and_single_element(codec: Codec) -> None:
     assert calls == [] and index.num_frames == 0 and index.stored_length == 0
     assert stored_span(index, 0, 0) == (0, 0)
     codec.decode_into(index, b"", 0, 0, 0, bytearray())
-    assert encode(codec, iter([]), 2, True)[0] == index.__class__(CODEC_NAME, CODEC_VERSION, 2, GROUP_FLOAT,
-                                                                   0, 4096, (), 0)
+    assert encode(codec, iter([]), 2, True)[0] == index.__class__(
+        CODEC_NAME, CODEC_VERSION, 2, GROUP_FLOAT, 0, 4096, (), 0
+    )
     one = tensor_bytes(torch.tensor([1.5], dtype=torch.bfloat16))
     index, stored = encode(codec, one, 2, True)
     assert index.num_frames == 1 and decode(codec, index, stored) == one.tobytes()
@@ -155,11 +185,16 @@ def test_empty_and_single_element(codec: Codec) -> None:
 
 # ---------------------------------------------------------------- ranged reads
 
+
 @pytest.fixture(scope="module")
 def encoded_items(codec: Codec) -> dict[str, tuple[np.ndarray, FrameIndex, bytes]]:
     items = {}
-    for name, t in {"bf16": weights(30_000, torch.bfloat16), "fp32": weights(20_000),
-                    "f64": weights(9_001, torch.float64), "int": torch.arange(10_000, dtype=torch.int64)}.items():
+    for name, t in {
+        "bf16": weights(30_000, torch.bfloat16),
+        "fp32": weights(20_000),
+        "f64": weights(9_001, torch.float64),
+        "int": torch.arange(10_000, dtype=torch.int64),
+    }.items():
         raw = tensor_bytes(t)
         es, floating = grouping_for_dtype(t.dtype)
         items[name] = (raw, *encode(codec, raw, es, floating))
@@ -169,10 +204,16 @@ def encoded_items(codec: Codec) -> dict[str, tuple[np.ndarray, FrameIndex, bytes
 
 
 @FAST
-@given(name=st.sampled_from(["bf16", "fp32", "f64", "int"]), a=st.integers(0, 100_000), b=st.integers(0, 100_000),
-       slack=st.integers(0, 5000), version=st.sampled_from(["", "v1 "]))
-def test_ranged_decode_equals_slice(codec: Codec, encoded_items: dict[str, Any], name: str, a: int, b: int,
-                                    slack: int, version: str) -> None:
+@given(
+    name=st.sampled_from(["bf16", "fp32", "f64", "int"]),
+    a=st.integers(0, 100_000),
+    b=st.integers(0, 100_000),
+    slack=st.integers(0, 5000),
+    version=st.sampled_from(["", "v1 "]),
+)
+def test_ranged_decode_equals_slice(
+    codec: Codec, encoded_items: dict[str, Any], name: str, a: int, b: int, slack: int, version: str
+) -> None:
     raw, index, stored = encoded_items[version + name]
     assert index.version == (1 if version else 2)
     a, b = sorted((a % (len(raw) + 1), b % (len(raw) + 1)))
@@ -184,7 +225,7 @@ def test_ranged_decode_equals_slice(codec: Codec, encoded_items: dict[str, Any],
     # A larger fetched window (for example a coalesced GET) works too.
     s0 = max(0, s - slack)
     out = bytearray(b - a)
-    codec.decode_into(index, stored[s0:e + slack], s0, a, b, out)
+    codec.decode_into(index, stored[s0 : e + slack], s0, a, b, out)
     assert out == raw[a:b].tobytes()
 
 
@@ -231,6 +272,7 @@ def test_corrupt_frame_is_a_format_error(codec: Codec) -> None:
 
 # ---------------------------------------------------------------- raw frames, compression
 
+
 def test_incompressible_frames_are_stored_raw(codec: Codec) -> None:
     rng = np.random.default_rng(0)
     noise = rng.integers(0, 256, 3 * 4096 + 10, dtype=np.uint8)
@@ -270,6 +312,7 @@ def test_output_is_deterministic_across_thread_counts() -> None:
 
 # ---------------------------------------------------------------- index format, registry
 
+
 def test_frame_index_pickles_and_is_frozen(encoded_items: dict[str, Any]) -> None:
     _, index, _ = encoded_items["bf16"]
     back = pickle.loads(pickle.dumps(index))
@@ -281,8 +324,7 @@ def test_frame_index_pickles_and_is_frozen(encoded_items: dict[str, Any]) -> Non
 
 
 @pytest.mark.parametrize("change", [{"codec": "lz4-frames"}, {"version": 99}])
-def test_unknown_codec_or_version_names_it(codec: Codec, encoded_items: dict[str, Any],
-                                           change: dict[str, Any]) -> None:
+def test_unknown_codec_or_version_names_it(codec: Codec, encoded_items: dict[str, Any], change: dict[str, Any]) -> None:
     raw, index, stored = encoded_items["int"]
     bad = dataclasses.replace(index, **change)
     with pytest.raises(CheckpointFormatError) as info:
@@ -293,8 +335,9 @@ def test_unknown_codec_or_version_names_it(codec: Codec, encoded_items: dict[str
     assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
 
 
-def test_index_from_a_newer_codec_fails_clearly_on_unpickle(encoded_items: dict[str, Any],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_index_from_a_newer_codec_fails_clearly_on_unpickle(
+    encoded_items: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, index, _ = encoded_items["int"]
     fn, args, state = index.__reduce__()
     newer = ("zstd-frames-next", 2, *state[2:], "a new field")
@@ -351,10 +394,12 @@ def test_codec_pickles_and_does_not_import_torch() -> None:
     index, stored = encode(c, b"abc" * 1000)
     assert decode(c, index, stored) == b"abc" * 1000
     c.close()
-    code = ("import sys, dcp_s3\n"
-            "if 'torch' in sys.modules: sys.exit(0)  # the package itself may need torch\n"
-            "import dcp_s3.codec\n"
-            "sys.exit(3 if 'torch' in sys.modules else 0)\n")
+    code = (
+        "import sys, dcp_s3\n"
+        "if 'torch' in sys.modules: sys.exit(0)  # the package itself may need torch\n"
+        "import dcp_s3.codec\n"
+        "sys.exit(3 if 'torch' in sys.modules else 0)\n"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
@@ -373,6 +418,7 @@ def test_bad_settings() -> None:
 
 
 # ---------------------------------------------------------------- pipelining
+
 
 class _SlowCodec(Codec):
     """Counts frames handed to workers; later frames finish first."""
@@ -407,7 +453,7 @@ def test_frames_emitted_in_order_with_bounded_in_flight(chunked: bool) -> None:
     def chunks() -> Iterator[np.ndarray]:
         for pos in range(0, len(raw), 40_000):
             pulls.append((pos, sum(map(len, parts))))
-            yield raw[pos:pos + 40_000]
+            yield raw[pos : pos + 40_000]
 
     with c:
         index = c.encode(chunks() if chunked else raw.data, 4, True, sink)
@@ -432,10 +478,13 @@ def test_sink_error_propagates_and_codec_stays_usable(codec: Codec) -> None:
 
 
 def test_one_codec_shared_by_many_threads() -> None:
-    raws = [tensor_bytes(weights(30_000 + 1000 * i, dtype, seed=i))
-            for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.float64, torch.float16] * 2)]
+    raws = [
+        tensor_bytes(weights(30_000 + 1000 * i, dtype, seed=i))
+        for i, dtype in enumerate([torch.bfloat16, torch.float32, torch.float64, torch.float16] * 2)
+    ]
     errors: list[BaseException] = []
     with Codec(threads=2, frame_size=8192) as c:
+
         def work(raw: np.ndarray) -> None:
             try:
                 es, floating = grouping_for_dtype(torch.float32 if len(raw) % 4 == 0 else torch.bfloat16)
@@ -465,8 +514,9 @@ def test_reader_accepts_a_frame_made_of_several_zstd_frames(codec: Codec) -> Non
     assert decode(codec, index, stored, 3000, 3500) == (a + b)[3000:3500]
 
 
-def test_the_registry_decides_what_a_reader_accepts(encoded_items: dict[str, Any],
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_registry_decides_what_a_reader_accepts(
+    encoded_items: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dcp_s3.codec import format as codec_module
 
     _, index, _ = encoded_items["int"]
@@ -478,8 +528,9 @@ def test_the_registry_decides_what_a_reader_accepts(encoded_items: dict[str, Any
     assert not codec_module.accepts([f"{CODEC_NAME}/{CODEC_VERSION + 1}"], newer)  # not in the registry
     assert not codec_module.accepts([descriptor], newer)  # descriptors must name the index's codec
     # A decoder registered for a new version is accepted with no other change (no second list).
-    monkeypatch.setattr(codec_module, "DECODERS",
-                        {**codec_module.DECODERS, (CODEC_NAME, CODEC_VERSION + 1): "dcp_s3.codec.v2"})
+    monkeypatch.setattr(
+        codec_module, "DECODERS", {**codec_module.DECODERS, (CODEC_NAME, CODEC_VERSION + 1): "dcp_s3.codec.v2"}
+    )
     assert codec_module.accepts([f"{CODEC_NAME}/{CODEC_VERSION + 1}"], newer)
     assert f"{CODEC_NAME!r} version {CODEC_VERSION + 1}" in codec_module.supported()
     # Both versions this dcp_s3 wrote are read.

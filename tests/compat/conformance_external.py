@@ -45,8 +45,12 @@ def _server(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, Any]:
     from botocore.config import Config
 
     client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name=region, aws_access_key_id=access,
-        aws_secret_access_key=secret, config=Config(s3={"addressing_style": "path"}),
+        "s3",
+        endpoint_url=endpoint,
+        region_name=region,
+        aws_access_key_id=access,
+        aws_secret_access_key=secret,
+        config=Config(s3={"addressing_style": "path"}),
     )
     return endpoint, bucket, client
 
@@ -57,7 +61,9 @@ class TestExternalServer(StoreConformance):
         endpoint, bucket, client = _server(monkeypatch)
         prefix = f"conf-{uuid.uuid4().hex[:12]}"
         name = os.environ.get("DCP_S3_COMPAT_NAME", endpoint)
-        return Target(name, f"s3://{bucket}/{prefix}", S3Raw(client, bucket, prefix), options={"endpoint_url": endpoint})
+        return Target(
+            name, f"s3://{bucket}/{prefix}", S3Raw(client, bucket, prefix), options={"endpoint_url": endpoint}
+        )
 
 
 class TestExternalObjectStore(ObjectStoreConformance):

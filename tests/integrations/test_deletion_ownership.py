@@ -58,11 +58,20 @@ def test_a_name_is_owned_only_under_the_configured_root_and_by_the_scheme() -> N
     owner = Ownership("test", "s3://b/run", re.compile(r"step-\d+"))
     assert owner.name_of("s3://b/run/step-2") == "step-2"
     assert owner.name_of("s3://b/run/step-2/") == "step-2"
-    for foreign in ("s3://b/pretrain/step-2", "s3://b/run-2/step-2", "s3://b/run", "s3://b/run/x/../step-2",
-                    "s3://b/run/best", "s3://b/run//step-2", "s3://other/run/step-2", "step-2"):
+    for foreign in (
+        "s3://b/pretrain/step-2",
+        "s3://b/run-2/step-2",
+        "s3://b/run",
+        "s3://b/run/x/../step-2",
+        "s3://b/run/best",
+        "s3://b/run//step-2",
+        "s3://other/run/step-2",
+        "step-2",
+    ):
         assert owner.name_of(foreign) is None, foreign
     assert Ownership("t", "", CHECKPOINTER_STEPS).owned(["0000010", "best", "10", "0000010.x", "../0000010"]) == [
-        "0000010"]
+        "0000010"
+    ]
 
 
 # -- the Checkpointer and its local tier -------------------------------------------------------------------
@@ -203,8 +212,9 @@ def trainer_dirs_job(rank: int, world_size: int, workdir: str, run_dir: str, s3_
     with route_fsdp_checkpoints(local_dirs={run_dir: s3_root}):  # a job that only loads checkpoint-5
         fresh = _model(seed=1)
         trainer.load_fsdp_model(plugin, accelerator, fresh, os.path.join(run_dir, "checkpoint-5"))
-        trainer.load_fsdp_optimizer(plugin, accelerator, torch.optim.AdamW(fresh.parameters()), fresh,
-                                    os.path.join(run_dir, "checkpoint-5"))
+        trainer.load_fsdp_optimizer(
+            plugin, accelerator, torch.optim.AdamW(fresh.parameters()), fresh, os.path.join(run_dir, "checkpoint-5")
+        )
     accelerator.wait_for_everyone()
     try:  # a job that saves checkpoint-6, loses its node-local output_dir, and fails
         with route_fsdp_checkpoints(local_dirs={run_dir: s3_root}):
@@ -237,8 +247,11 @@ def test_trainer_local_dirs_delete_only_rotated_checkpoints_saved_in_the_block(b
     # the rotation removed checkpoint-5 and -6 locally (saved by other jobs: they stay in S3) and then
     # checkpoint-7 (saved in the block: deleted in S3 too)
     assert sorted(os.listdir(run_dir)) == ["checkpoint-8", "checkpoint-9"]
-    assert in_bucket == ["checkpoint-5,checkpoint-6,checkpoint-7", "checkpoint-5,checkpoint-6,checkpoint-7,checkpoint-8",
-                         "checkpoint-5,checkpoint-6,checkpoint-8,checkpoint-9"], in_bucket
+    assert in_bucket == [
+        "checkpoint-5,checkpoint-6,checkpoint-7",
+        "checkpoint-5,checkpoint-6,checkpoint-7,checkpoint-8",
+        "checkpoint-5,checkpoint-6,checkpoint-8,checkpoint-9",
+    ], in_bucket
     names = _names(s3_root)
     for step in (5, 6, 8, 9):  # old code: 5 deleted by the load-only block, 6 by the failed one
         for part in ("pytorch_model_fsdp_0", "optimizer_0"):
@@ -269,8 +282,14 @@ def test_torchtitan_purge_counts_and_deletes_only_committed_steps(seaweed: Any, 
     dump.mkdir()
     tmp.mkdir()
     folder = f"s3://{bucket}/run"
-    run = {"folder": folder, "interval": 2, "keep_latest_k": 2, "async_mode": "disabled",
-           "endpoint_url": seaweed.endpoint_url, "storage_options": {"region": seaweed.region}}
+    run = {
+        "folder": folder,
+        "interval": 2,
+        "keep_latest_k": 2,
+        "async_mode": "disabled",
+        "endpoint_url": seaweed.endpoint_url,
+        "storage_options": {"region": seaweed.region},
+    }
     run_ranks(titan_job, 2, run, str(dump), str(tmp), [1, 2, 3, 4], timeout=180)  # steps 2 and 4, committed
     store = open_store(folder)
     for step in (8, 10):  # later saves killed mid-upload, as a crash leaves them: data, no .metadata
@@ -287,5 +306,10 @@ def test_torchtitan_purge_counts_and_deletes_only_committed_steps(seaweed: Any, 
     resumed = _unpacked(run_ranks(titan_job, 2, run, str(dump), str(tmp), [], timeout=180))
     for before, after in zip(trained, resumed):
         assert after["loaded"] is True
-        assert _diff({k: v for k, v in before["state"].items() if k != "data"},
-                     {k: v for k, v in after["state"].items() if k != "data"}) == []
+        assert (
+            _diff(
+                {k: v for k, v in before["state"].items() if k != "data"},
+                {k: v for k, v in after["state"].items() if k != "data"},
+            )
+            == []
+        )

@@ -133,7 +133,12 @@ def fabric_resume(rank: int, world_size: int, location: str) -> dict[str, Any]:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "hparams": None}
     remainder = fabric.load(location, state)
     loaded = _fabric_state(model, optimizer)
-    got = {"loaded": loaded, "scheduler": copy.deepcopy(scheduler.state_dict()), "step": state["step"], "hparams": state["hparams"]}
+    got = {
+        "loaded": loaded,
+        "scheduler": copy.deepcopy(scheduler.state_dict()),
+        "step": state["step"],
+        "hparams": state["hparams"],
+    }
     return {**got, "remainder": remainder, "next_loss": _fabric_step(fabric, model, optimizer, scheduler, 3)}
 
 
@@ -172,7 +177,9 @@ def _assert_no_local_checkpoint(*roots: Path) -> None:
         for dirpath, dirnames, filenames in os.walk(root):
             for name in dirnames + filenames:
                 assert not name.startswith("s3:"), f"{dirpath}/{name}: an s3:// path was used as a local one"
-                assert not any(name.endswith(s) for s in _CHECKPOINT_NAMES), f"checkpoint file on local disk: {dirpath}/{name}"
+                assert not any(name.endswith(s) for s in _CHECKPOINT_NAMES), (
+                    f"checkpoint file on local disk: {dirpath}/{name}"
+                )
 
 
 # -- Trainer ----------------------------------------------------------------------------------------
@@ -225,17 +232,25 @@ def _loader() -> DataLoader:
 
 def _trainer(world_size: int, root: str, max_steps: int, callbacks: list[Any]) -> Trainer:
     return Trainer(
-        accelerator="cpu", devices=world_size, max_steps=max_steps, default_root_dir=root, logger=False,
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=max_steps,
+        default_root_dir=root,
+        logger=False,
         strategy=S3TrainerStrategy(data_parallel_size=world_size, tensor_parallel_size=1),
-        callbacks=callbacks, enable_checkpointing=bool(callbacks), enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
 
 
 def trainer_fit(rank: int, world_size: int, workdir: str, dirpath: str) -> dict[str, Any]:
     # every 2 steps = at each epoch's end: a plain DataLoader has no position to resume mid-epoch from
-    rotation = S3ModelCheckpoint(dirpath, filename="{step}", every_n_train_steps=2, save_top_k=2, monitor="step",
-                                 mode="max")
+    rotation = S3ModelCheckpoint(
+        dirpath, filename="{step}", every_n_train_steps=2, save_top_k=2, monitor="step", mode="max"
+    )
     module = _Module()
     trainer = _trainer(world_size, os.path.join(workdir, "root"), 6, [rotation])
     trainer.fit(module, _loader())
@@ -261,7 +276,9 @@ def resume_job(rank: int, world_size: int, workdir: str, root: str) -> bytes:
     fabric = fabric_resume(rank, world_size, f"{root}/fabric/step-3")
     if world_size == 1:  # the resharded load: Fabric only
         return _pack({"fabric": fabric})
-    return _pack({"fabric": fabric, "trainer": trainer_resume(rank, world_size, workdir, f"{root}/trainer/step=4.ckpt")})
+    return _pack(
+        {"fabric": fabric, "trainer": trainer_resume(rank, world_size, workdir, f"{root}/trainer/step=4.ckpt")}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +294,8 @@ def runs(seaweed: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
         mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
         root = "s3://" + seaweed.create_bucket(f"t-{uuid.uuid4().hex[:16]}")
         return {
-            "root": root, "tmp": tmp,
+            "root": root,
+            "tmp": tmp,
             "saved": _ranks(save_job, 2, str(tmp / "save"), root),
             "resumed": _ranks(resume_job, 2, str(tmp / "resume2"), root),
             "resharded": _ranks(resume_job, 1, str(tmp / "resume1"), root),
@@ -289,7 +307,9 @@ def test_fabric_checkpoint_is_one_dcp_checkpoint_with_its_metadata(runs: dict[st
     assert _bucket_names(f"{runs['root']}/fabric") == ["step-3"]
     assert METADATA_KEY in _bucket_names(location) and "meta.pt" not in _bucket_names(location)
     assert _stored_meta(location) == {
-        "scheduler": runs["saved"][0]["fabric"]["scheduler"], "step": 3, "hparams": {"lr": 0.05}
+        "scheduler": runs["saved"][0]["fabric"]["scheduler"],
+        "step": 3,
+        "hparams": {"lr": 0.05},
     }  # the non-tensor state, inside the one DCP checkpoint, loadable weights-only
 
 

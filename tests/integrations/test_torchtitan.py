@@ -90,6 +90,7 @@ def _trainer(rank: int, world: int, config_kwargs: dict[str, Any], dump: str) ->
         implementation="for-loop",
     ).build(model_parts=[model])
     lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=20)
+
     class Loader(ParallelAwareDataloader):
         """torchtitan's dataloader, keeping the state it was given (torchdata's state_dict() of a restored
         loader that has not yielded yet counts the restored batches twice: not what was stored)."""
@@ -104,12 +105,23 @@ def _trainer(rank: int, world: int, config_kwargs: dict[str, Any], dump: str) ->
     train_state = _TrainState()
     config = S3CheckpointManager.Config(enable=True, **config_kwargs)
     manager = config.build(
-        dataloader=dataloader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr_schedulers,
-        states={"train_state": train_state}, sd_adapter=None, base_folder=dump,
+        dataloader=dataloader,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=dump,
     )
     assert type(manager) is S3CheckpointManager  # chosen by the config alone
-    return {"model": model, "optimizers": optimizers, "lr": lr_schedulers, "data": dataloader,
-            "state": train_state, "manager": manager}
+    return {
+        "model": model,
+        "optimizers": optimizers,
+        "lr": lr_schedulers,
+        "data": dataloader,
+        "state": train_state,
+        "manager": manager,
+    }
 
 
 def _step(t: dict[str, Any]) -> float:
@@ -191,8 +203,9 @@ def _resume(rank: int, world: int, config_kwargs: dict[str, Any], dump: str, tmp
     return _packed(out)
 
 
-def _resharded(rank: int, world: int, run_kwargs: dict[str, Any], seed_kwargs: dict[str, Any], dump: str,
-               tmp: str) -> bytes:
+def _resharded(
+    rank: int, world: int, run_kwargs: dict[str, Any], seed_kwargs: dict[str, Any], dump: str, tmp: str
+) -> bytes:
     _child_env(tmp)
     t = _trainer(rank, world, run_kwargs, dump)
     out = {"loaded": t["manager"].load()}
@@ -206,8 +219,9 @@ def _resharded(rank: int, world: int, run_kwargs: dict[str, Any], seed_kwargs: d
     return _packed(out)
 
 
-def _counted_load(rank: int, world: int, config_kwargs: dict[str, Any], urls: list[str], dump: str,
-                  tmp: str) -> dict[str, int]:
+def _counted_load(
+    rank: int, world: int, config_kwargs: dict[str, Any], urls: list[str], dump: str, tmp: str
+) -> dict[str, int]:
     """Save step 2 (and leave an uncommitted step-3 directory), then resume in a new manager: this rank's
     requests of the resume, by operation (each rank has a counting proxy of its own)."""
     _child_env(tmp)
@@ -240,8 +254,12 @@ def test_only_rank_0_lists_and_probes_steps_on_resume(seaweed: Any, bucket: str,
     for p in proxies:
         p.__enter__()
     try:
-        run = {"folder": f"s3://{bucket}/{RUN}", "interval": 2, "async_mode": "disabled",
-               "storage_options": {"region": seaweed.region}}
+        run = {
+            "folder": f"s3://{bucket}/{RUN}",
+            "interval": 2,
+            "async_mode": "disabled",
+            "storage_options": {"region": seaweed.region},
+        }
         per_rank = run_ranks(_counted_load, 2, run, [p.url for p in proxies], str(dump), str(tmp), timeout=180)
     finally:
         for p in proxies:
@@ -295,8 +313,12 @@ def test_train_resume_reshard_and_purge_through_dcp_s3(seaweed: Any, bucket: str
     stall = Rule(ops={"PutObject"}, fault="stall", key_contains="step-4/.metadata", stall_s=3.0, limit=1)
     with FaultProxy(seaweed.endpoint_url, [stall]) as proxy:
         run = {
-            "folder": f"s3://{bucket}/{RUN}", "interval": 2, "keep_latest_k": 2, "async_mode": "async",
-            "endpoint_url": proxy.url, "storage_options": {"region": seaweed.region},
+            "folder": f"s3://{bucket}/{RUN}",
+            "interval": 2,
+            "keep_latest_k": 2,
+            "async_mode": "async",
+            "endpoint_url": proxy.url,
+            "storage_options": {"region": seaweed.region},
         }
         first = _unpacked(run_ranks(_first_run, 2, run, str(dump), str(tmp), timeout=180))
         assert stall.injected == 1
@@ -316,8 +338,12 @@ def test_train_resume_reshard_and_purge_through_dcp_s3(seaweed: Any, bucket: str
         assert before["loss_7"] == after["loss_7"]
     assert set(_steps_in_bucket(client, bucket)) == {"step-6", "step-8"}
 
-    seed = {**run, "folder": f"s3://{bucket}/seeded", "async_mode": "disabled",
-            "initial_load_path": f"s3://{bucket}/{RUN}/step-6"}
+    seed = {
+        **run,
+        "folder": f"s3://{bucket}/seeded",
+        "async_mode": "disabled",
+        "initial_load_path": f"s3://{bucket}/{RUN}/step-6",
+    }
     # torchtitan stores the dataloader per data-parallel rank (dataloader.dp_rank_N): a third rank has none
     resharded = {**run, "exclude_from_loading": ["dataloader"]}
     third = _unpacked(run_ranks(_resharded, 3, resharded, seed, str(dump), str(tmp), timeout=180))
@@ -338,8 +364,12 @@ def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
     # what torchtitan's Trainer.Config.checkpoint holds, and what its build() makes
     assert issubclass(S3CheckpointManager.Config, BaseCheckpointManager.Config)
     assert S3CheckpointManager.Config._owner is S3CheckpointManager
-    assert S3CheckpointManager.Config(folder="s3://b/run").build(**dict.fromkeys(
-        ("dataloader", "model_parts", "optimizers", "lr_schedulers", "states", "sd_adapter"))).enable is False
+    assert (
+        S3CheckpointManager.Config(folder="s3://b/run")
+        .build(**dict.fromkeys(("dataloader", "model_parts", "optimizers", "lr_schedulers", "states", "sd_adapter")))
+        .enable
+        is False
+    )
 
     with pytest.raises(ConfigError, match="async_with_pinned_mem"):
         S3CheckpointManager.Config(enable=True, folder="s3://b/run", async_mode="async_with_pinned_mem")
@@ -363,11 +393,18 @@ def test_a_save_killed_mid_upload_leaves_the_last_committed_step(seaweed: Any, b
     tmp.mkdir()
     folder = f"s3://{bucket}/{RUN}"
     open_store(folder, endpoint_url=seaweed.endpoint_url, region=seaweed.region).write(
-        "step-8/__0_0.distcp", b"an earlier save killed mid-upload")
+        "step-8/__0_0.distcp", b"an earlier save killed mid-upload"
+    )
     stall = Rule(ops={"PutObject"}, fault="stall", key_contains="step-6/.metadata", stall_s=300.0, limit=1)
     with FaultProxy(seaweed.endpoint_url, [stall]) as proxy:
-        run = {"folder": folder, "interval": 2, "keep_latest_k": 2, "async_mode": "async",
-               "endpoint_url": proxy.url, "storage_options": {"region": seaweed.region}}
+        run = {
+            "folder": folder,
+            "interval": 2,
+            "keep_latest_k": 2,
+            "async_mode": "async",
+            "endpoint_url": proxy.url,
+            "storage_options": {"region": seaweed.region},
+        }
         held = HeldChild(child, tmp_path, "upload", json.dumps(run), str(dump), str(tmp), str(tmp_path / "saved.pt"))
         held.wait_held()
         held.kill()
@@ -382,15 +419,24 @@ def test_a_save_killed_mid_upload_leaves_the_last_committed_step(seaweed: Any, b
     saved = torch.load(tmp_path / "saved.pt", weights_only=False)["state"]
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
     assert loaded["loaded"] is True and loaded["state"]["step"] == 4
-    assert _diff({k: v for k, v in saved.items() if k != "data"},
-                 {k: v for k, v in loaded["state"].items() if k != "data"}) == []
+    assert (
+        _diff(
+            {k: v for k, v in saved.items() if k != "data"}, {k: v for k, v in loaded["state"].items() if k != "data"}
+        )
+        == []
+    )
 
 
-@pytest.mark.parametrize(("configured", "args"), [
-    ({"part_size": 16 << 20, "compression": "zstd"}, ["--checkpoint.storage-options.part-size", "33554432"]),
-    ({}, ["--checkpoint.storage-options", "part_size", "33554432"]),
-])
-def test_the_documented_command_lines_parse_with_torchtitans_parser(configured: dict[str, Any], args: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("configured", "args"),
+    [
+        ({"part_size": 16 << 20, "compression": "zstd"}, ["--checkpoint.storage-options.part-size", "33554432"]),
+        ({}, ["--checkpoint.storage-options", "part_size", "33554432"]),
+    ],
+)
+def test_the_documented_command_lines_parse_with_torchtitans_parser(
+    configured: dict[str, Any], args: list[str]
+) -> None:
     """The README's command-line forms, through what torchtitan's ``ConfigManager.parse_args`` runs on a loaded
     config (``tyro.cli`` with its registry): the dotted form where the config sets ``storage_options``, the
     key-value form where it sets none (each form is refused in the other case)."""
@@ -404,7 +450,11 @@ def test_the_documented_command_lines_parse_with_torchtitans_parser(configured: 
     # A trainer config with its checkpoint section (a real type, not a string annotation of this module).
     Trainer = dataclasses.make_dataclass("Trainer", [("checkpoint", S3CheckpointManager.Config)])
     loaded = Trainer(S3CheckpointManager.Config(enable=True, folder="s3://bucket/run1", storage_options=configured))
-    parsed = tyro.cli(Trainer, args=["--checkpoint.endpoint-url", "http://127.0.0.1:8333", *args], default=loaded,
-                      registry=custom_registry)
+    parsed = tyro.cli(
+        Trainer,
+        args=["--checkpoint.endpoint-url", "http://127.0.0.1:8333", *args],
+        default=loaded,
+        registry=custom_registry,
+    )
     assert parsed.checkpoint.storage_options == {**configured, "part_size": 33554432}
     assert parsed.checkpoint.options().as_dict()["endpoint_url"] == "http://127.0.0.1:8333"

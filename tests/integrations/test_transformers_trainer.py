@@ -80,8 +80,9 @@ def trainer_job(rank: int, world_size: int, workdir: str, run_dir: str, s3_root:
         loaded = _state(fresh, fresh_optimizer)
     restored = trainer.rotate_checkpoints is transformers.trainer_utils.rotate_checkpoints
     buf = io.BytesIO()
-    torch.save({"saved": saved[3], "loaded": loaded, "resume": resume, "restored": restored, "in_bucket": in_bucket},
-               buf)
+    torch.save(
+        {"saved": saved[3], "loaded": loaded, "resume": resume, "restored": restored, "in_bucket": in_bucket}, buf
+    )
     return buf.getvalue()
 
 
@@ -103,7 +104,10 @@ def test_trainer_checkpoints_rotation_and_resume_through_s3(bucket: str, tmp_pat
     assert sorted(os.listdir(run_dir)) == ["checkpoint-2", "checkpoint-3"]
     assert os.path.isdir(os.path.join(run_dir, "checkpoint-3", "pytorch_model_fsdp_0"))  # what the resume looks for
     assert results[0]["in_bucket"] == {  # right after each rotation, not later
-        1: ["checkpoint-1"], 2: ["checkpoint-1", "checkpoint-2"], 3: ["checkpoint-2", "checkpoint-3"]}
+        1: ["checkpoint-1"],
+        2: ["checkpoint-1", "checkpoint-2"],
+        3: ["checkpoint-2", "checkpoint-3"],
+    }
     for rank, got in enumerate(results):
         assert got["resume"] == os.path.join(run_dir, "checkpoint-3")
         assert _equal(got["saved"], got["loaded"]), f"rank {rank}: resumed state differs from the last saved one"
@@ -116,8 +120,11 @@ def test_a_local_directory_gone_outside_the_rotation_is_not_mirrored(bucket: str
     run_dir, s3_root = tmp_path / "output", f"s3://{bucket}/trainer-end"
     options = StorageOptions()
     for step in (4, 8):
-        dcp.save({"w": torch.arange(6, dtype=torch.float32) + step}, storage_writer=options.writer(f"{s3_root}/checkpoint-{step}/pytorch_model_fsdp_0"),
-                 no_dist=True)
+        dcp.save(
+            {"w": torch.arange(6, dtype=torch.float32) + step},
+            storage_writer=options.writer(f"{s3_root}/checkpoint-{step}/pytorch_model_fsdp_0"),
+            no_dist=True,
+        )
         (run_dir / f"checkpoint-{step}").mkdir(parents=True)
     with route_fsdp_checkpoints(local_dirs={run_dir: s3_root}):
         transformers.trainer.rotate_checkpoints(output_dir=str(run_dir), save_total_limit=2)  # deletes nothing
@@ -145,7 +152,11 @@ def test_local_dirs_map_only_what_is_under_them(tmp_path: Path) -> None:
     dirs.record_save(out / "notes" / "optimizer_0")  # not a checkpoint-<N> directory: nothing
     assert dirs.saved == {
         os.path.realpath(out / "checkpoint-5"): ("s3://bkt/run", "checkpoint-5", {"optimizer_0"}),
-        os.path.realpath(out / "nested" / "checkpoint-1"): ("s3://other-bkt/x", "checkpoint-1", {"pytorch_model_fsdp_0"}),
+        os.path.realpath(out / "nested" / "checkpoint-1"): (
+            "s3://other-bkt/x",
+            "checkpoint-1",
+            {"pytorch_model_fsdp_0"},
+        ),
     }
     for bad in ("/local/path", "s3://", "s3:///x", "s3://Not_A_Bucket/x", "gs://b/x", ""):
         with pytest.raises(ConfigError, match="local_dirs"):

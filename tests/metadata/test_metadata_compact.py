@@ -82,7 +82,9 @@ def hand_built() -> Metadata:
         extra = {} if cls is _StorageInfo else {"payload_offset": 64, "crc32c": (pos * 2654435761) % (1 << 32)}
         extra.update(kw)
         length = nbytes + (64 if "payload_offset" in extra and extra["payload_offset"] else 0)
-        storage[MetadataIndex(fqn, offsets, index)] = cls(f"__{pos % 3}_0.0123456789abcdef.distcp", pos, length, **extra)
+        storage[MetadataIndex(fqn, offsets, index)] = cls(
+            f"__{pos % 3}_0.0123456789abcdef.distcp", pos, length, **extra
+        )
         pos += length + 7
 
     for i, c in enumerate(state["w"].chunks):
@@ -102,8 +104,9 @@ def hand_built() -> Metadata:
     storage[MetadataIndex("partial", S([6]))] = _StorageInfo("__2_0.distcp", 0, 9, ("torch.zstd",))
     storage[MetadataIndex("bytes")] = ItemLocation("__0_0.0123456789abcdef.distcp", 9000, 77, crc32c=5)
     planner = {"w": ("model", "w"), "grid": ("model", 3, "grid"), "nested": [1.5, {"a": None, 4: True}]}
-    meta = StorageMeta(checkpoint_id=pathlib.PurePosixPath("/ckpt/step"), save_id="s", load_id=None,
-                       modules=["dcp_s3/1"])
+    meta = StorageMeta(
+        checkpoint_id=pathlib.PurePosixPath("/ckpt/step"), save_id="s", load_id=None, modules=["dcp_s3/1"]
+    )
     md = Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, storage_meta=meta)
     md.version = "1.0.0"
     return md
@@ -139,7 +142,9 @@ def test_hand_built_metadata_round_trips() -> None:
     assert not stock.startswith(MAGIC)
     again = load_metadata(stock, "stock")
     assert again == md and type(again.storage_data) is dict
-    assert all(type(v.chunks) is list for v in again.state_dict_metadata.values() if isinstance(v, TensorStorageMetadata))
+    assert all(
+        type(v.chunks) is list for v in again.state_dict_metadata.values() if isinstance(v, TensorStorageMetadata)
+    )
     assert type(materialize(back).storage_data) is dict
 
 
@@ -188,7 +193,11 @@ def test_auto_writes_compact_above_the_threshold(monkeypatch: pytest.MonkeyPatch
 def fsdp_like_state() -> dict[str, Any]:
     torch.manual_seed(0)
     return {
-        "model": {"w": torch.randn(37, 16), "b": torch.randn(16).to(torch.bfloat16), "i": torch.arange(12).reshape(3, 4)},
+        "model": {
+            "w": torch.randn(37, 16),
+            "b": torch.randn(16).to(torch.bfloat16),
+            "i": torch.arange(12).reshape(3, 4),
+        },
         "optim": {"step": 7, "lr": 0.5, "name": "adamw", "m": torch.randn(37, 16)},
     }
 
@@ -209,8 +218,12 @@ def test_real_checkpoint_round_trips_and_loads(bucket: str, s3_env: LocalS3Serve
         uri = f"s3://{bucket}/{fmt}"
         # The compact save goes through ScalableSavePlanner (packed plans, the array-based global step).
         planner = ScalableSavePlanner() if fmt == "compact" else None
-        dcp.save(state, storage_writer=S3StorageWriter(uri, metadata_format=fmt, compression=compression),
-                 planner=planner, no_dist=True)
+        dcp.save(
+            state,
+            storage_writer=S3StorageWriter(uri, metadata_format=fmt, compression=compression),
+            planner=planner,
+            no_dist=True,
+        )
         body = client.get_object(Bucket=bucket, Key=f"{fmt}/.metadata")["Body"].read()
         assert body.startswith(MAGIC) == (fmt == "compact")
         md = load_metadata(body, uri)
@@ -225,8 +238,9 @@ def test_real_checkpoint_round_trips_and_loads(bucket: str, s3_env: LocalS3Serve
                         assert torch.equal(out[part][k], v) and out[part][k].dtype == v.dtype, (fmt, k)
 
 
-def test_small_saves_stay_stock_and_load_with_filesystem_reader(bucket: str, s3_env: LocalS3Server,
-                                                                tmp_path: Path) -> None:
+def test_small_saves_stay_stock_and_load_with_filesystem_reader(
+    bucket: str, s3_env: LocalS3Server, tmp_path: Path
+) -> None:
     """metadata_format="auto" (the default) below the threshold: a downloaded copy loads with torch."""
     state = fsdp_like_state()
     uri = f"s3://{bucket}/auto"
@@ -241,13 +255,14 @@ def test_small_saves_stay_stock_and_load_with_filesystem_reader(bucket: str, s3_
 def download(s3_env: LocalS3Server, bucket: str, prefix: str, dest: Path) -> None:
     client = s3_env.client()
     for key in object_keys(client, bucket, prefix + "/"):
-        path = dest / key[len(prefix) + 1:]
+        path = dest / key[len(prefix) + 1 :]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(client.get_object(Bucket=bucket, Key=key)["Body"].read())
 
 
-def test_convert_to_dcp_writes_stock_metadata(bucket: str, s3_env: LocalS3Server, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_convert_to_dcp_writes_stock_metadata(
+    bucket: str, s3_env: LocalS3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A compressed, compact checkpoint -> ``convert --format dcp`` -> downloaded -> torch's FileSystemReader."""
     from dcp_s3.admin import convert_checkpoint
 
@@ -265,8 +280,9 @@ def test_convert_to_dcp_writes_stock_metadata(bucket: str, s3_env: LocalS3Server
     assert torch.equal(out["w"], state["w"]) and torch.equal(out["v"], state["v"]) and out["meta"] == {"epoch": 3}
 
 
-def test_inspect_verify_and_overwrite_on_a_compact_checkpoint(bucket: str, s3_env: LocalS3Server,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_verify_and_overwrite_on_a_compact_checkpoint(
+    bucket: str, s3_env: LocalS3Server, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The CLI reads compact metadata; a save over a compact checkpoint deletes the objects it replaced."""
     from dcp_s3.cli import commands as cli
 

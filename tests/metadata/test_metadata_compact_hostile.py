@@ -28,7 +28,7 @@ WHERE = "s3://bucket/run/.metadata"
 def split(blob: bytes) -> tuple[dict[str, Any], bytes]:
     (n,) = struct.unpack_from("<Q", blob, len(MAGIC))
     start = len(MAGIC) + 8
-    return json.loads(blob[start:start + n]), blob[start + n + (-n % 8):]
+    return json.loads(blob[start : start + n]), blob[start + n + (-n % 8) :]
 
 
 def join(header: Any, arrays: bytes, raw_header: bytes | None = None) -> bytes:
@@ -64,10 +64,18 @@ def test_truncated_at_every_point_is_refused() -> None:
         refused(blob[:cut])
 
 
-@pytest.mark.parametrize("raw", [
-    b"not json", b"\xff\xfe", b"[" * 200_000 + b"]" * 200_000, b'{"format": "dcp_s3.compact"}',
-    json.dumps({"format": "dcp_s3.compact", "version": 99}).encode(), b"[]", b'"x"',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"not json",
+        b"\xff\xfe",
+        b"[" * 200_000 + b"]" * 200_000,
+        b'{"format": "dcp_s3.compact"}',
+        json.dumps({"format": "dcp_s3.compact", "version": 99}).encode(),
+        b"[]",
+        b'"x"',
+    ],
+)
 def test_header_not_describing_metadata(raw: bytes) -> None:
     _, arrays = genuine()
     refused(join(None, arrays, raw))
@@ -77,7 +85,7 @@ def test_header_length_lies() -> None:
     header, arrays = genuine()
     blob = join(header, arrays)
     for length in (1 << 63, len(blob), 1 << 40, 3):
-        refused(blob[: len(MAGIC)] + struct.pack("<Q", length) + blob[len(MAGIC) + 8:])
+        refused(blob[: len(MAGIC)] + struct.pack("<Q", length) + blob[len(MAGIC) + 8 :])
 
 
 def mutation(fn: Callable[[dict[str, Any]], None]) -> Callable[[], bytes]:
@@ -85,12 +93,14 @@ def mutation(fn: Callable[[dict[str, Any]], None]) -> Callable[[], bytes]:
         header, arrays = genuine()
         fn(header)
         return join(header, arrays)
+
     return make
 
 
 def _array(name: str, i: int, value: Any) -> Callable[[dict[str, Any]], None]:
     def fn(h: dict[str, Any]) -> None:
         h["arrays"][name][i] = value
+
     return fn
 
 
@@ -100,12 +110,14 @@ def _entry(fqn: str, key: str, value: Any) -> Callable[[dict[str, Any]], None]:
             del entry(h, fqn)[key]
         else:
             entry(h, fqn)[key] = value
+
     return fn
 
 
 def _column(name: str, spec: Any, section: str = "storage") -> Callable[[dict[str, Any]], None]:
     def fn(h: dict[str, Any]) -> None:
         (h["storage"] if section == "storage" else h["storage"]["frames"])["columns"][name] = spec
+
     return fn
 
 
@@ -178,7 +190,8 @@ CASES: dict[str, Callable[[dict[str, Any]], None]] = {
     "planner_data nests deeply": lambda h: h.__setitem__("planner_data", _deep(300)),
     "planner_data unknown tag": lambda h: h.__setitem__("planner_data", {"X": 1}),
     "planner_data colliding int keys": lambda h: h.__setitem__(
-        "planner_data", {"D": [[k * ((1 << 61) - 1), 0] for k in range(1, 50)]}),
+        "planner_data", {"D": [[k * ((1 << 61) - 1), 0] for k in range(1, 50)]}
+    ),
     "planner_data tuple key": lambda h: h.__setitem__("planner_data", {"D": [[{"T": [1]}, 0]]}),
     "storage_meta modules not strings": lambda h: h["storage_meta"].__setitem__("modules", {"L": [1]}),
     "version not a string": lambda h: h.__setitem__("metadata_version", 3),
@@ -207,14 +220,14 @@ def test_explicit_chunks_outside_the_tensor_and_lying_arrays() -> None:
     for bad in (7, 5):  # row 7 of a 4-row tensor; column 5 + 3 past 6
         values[-2] = bad
         patched = bytearray(arrays)
-        patched[offset:offset + values.nbytes] = values.tobytes()
+        patched[offset : offset + values.nbytes] = values.tobytes()
         refused(join(header, bytes(patched)), "outside")
     # stored chunk numbers that repeat (two entries for one chunk) or run past the chunks
     header, arrays = genuine()
     dtype, offset, count = header["arrays"]["stored_chunks"]
     for numbers in ([1, 1], [1, 9]):
         patched = bytearray(arrays)
-        patched[offset:offset + 8] = np.array(numbers, dtype=dtype).tobytes()
+        patched[offset : offset + 8] = np.array(numbers, dtype=dtype).tobytes()
         refused(join(header, bytes(patched)), "stored chunk numbers")
 
 

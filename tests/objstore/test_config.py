@@ -40,8 +40,16 @@ def test_bad_uris_name_the_problem(uri: str, message: str) -> None:
 
 def test_credential_file_values_and_overrides(tmp_path: Path) -> None:
     cred = tmp_path / "c.json"
-    cred.write_text(json.dumps({"aws_access_key_id": "AK", "aws_secret_access_key": "SK",
-                                "endpoint_url": "http://file:1", "region_name": "eu-west-1"}))
+    cred.write_text(
+        json.dumps(
+            {
+                "aws_access_key_id": "AK",
+                "aws_secret_access_key": "SK",
+                "endpoint_url": "http://file:1",
+                "region_name": "eu-west-1",
+            }
+        )
+    )
     cred.chmod(0o600)
     cfg = ClientConfig(credential_path=str(cred), region="us-east-2")
     kwargs = cfg.client_kwargs()
@@ -117,7 +125,9 @@ def test_decode_threads_are_a_small_bounded_setting() -> None:
         ({"bogus": 1}, "bogus"),  # S3: unknown; local: not an option that means something there
     ],
 )
-def test_storage_options_are_checked_when_a_store_opens(tmp_path: Path, options: dict[str, object], message: str) -> None:
+def test_storage_options_are_checked_when_a_store_opens(
+    tmp_path: Path, options: dict[str, object], message: str
+) -> None:
     """One parser (store.options) for both backends: a bad option is a ConfigError naming it, before any save."""
     for location in ("s3://bucket/run", str(tmp_path)):
         with pytest.raises(ConfigError, match=message):
@@ -125,8 +135,15 @@ def test_storage_options_are_checked_when_a_store_opens(tmp_path: Path, options:
 
 
 def test_storage_options_split_without_a_writer_or_reader() -> None:
-    parsed = parse_storage_options({"part_size": 8 << 20, "share_metadata": False, "connect_timeout": 5.0,
-                                    "compression": "zstd", "endpoint_url": "http://127.0.0.1:1"})
+    parsed = parse_storage_options(
+        {
+            "part_size": 8 << 20,
+            "share_metadata": False,
+            "connect_timeout": 5.0,
+            "compression": "zstd",
+            "endpoint_url": "http://127.0.0.1:1",
+        }
+    )
     assert parsed.transfer.part_size == 8 << 20 and parsed.client.connect_timeout == 5.0
     assert parsed.client.endpoint_url == "http://127.0.0.1:1"
     assert "share_metadata" in parsed.reader and "share_metadata" not in parsed.writer

@@ -26,8 +26,15 @@ from dcp_s3.errors import ConfigError, S3ThrottledError
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore.s3 import S3ObjectStore
 
-WRITES = {"PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload", "AbortMultipartUpload",
-          "DeleteObject", "DeleteObjects"}
+WRITES = {
+    "PutObject",
+    "CreateMultipartUpload",
+    "UploadPart",
+    "CompleteMultipartUpload",
+    "AbortMultipartUpload",
+    "DeleteObject",
+    "DeleteObjects",
+}
 
 
 def bounded(fn: Callable[[], Any], guard: float) -> tuple[BaseException | None, float]:
@@ -56,6 +63,7 @@ def _state(n: int = 4) -> dict[str, torch.Tensor]:
 
 
 # -- item 4: a token taken before signing is returned when signing fails --------------------------------------------
+
 
 def _flaky_profile(tmp_path: Path, server: LocalS3Server) -> Path:
     """An AWS profile ``flaky`` whose credentials come from a process that fails while ``outage`` exists. The
@@ -101,6 +109,7 @@ def test_a_credential_outage_does_not_leak_tokens(tmp_path: Path, bucket: str, s
 
 # -- items 4 and 10: the wait for a token -------------------------------------------------------------------------
 
+
 def test_a_wait_for_a_token_ends_at_the_throttle_deadline(bucket: str, s3_env: LocalS3Server) -> None:
     """A share of one write per 100 s: the second PUT would wait ~100 s for its token. It fails at
     throttle_deadline (2 s) with an S3ThrottledError naming the operation, the object and the deadline, having taken
@@ -123,6 +132,7 @@ def test_a_wait_for_a_token_ends_at_the_throttle_deadline(bucket: str, s3_env: L
 
 # -- item 10: a save with every write refused ---------------------------------------------------------------------
 
+
 def test_a_save_with_every_write_refused_ends_near_its_deadline(bucket: str, s3_env: LocalS3Server) -> None:
     """Every write answered 503 SlowDown, throttle_deadline=3, 16 objects: the save fails within 15 s with an
     S3ThrottledError naming the operation and the deadline. (Before: the rate was cut to its floor and a call
@@ -141,6 +151,7 @@ def test_a_save_with_every_write_refused_ends_near_its_deadline(bucket: str, s3_
 
 
 # -- item 14: an answer that trickles in -----------------------------------------------------------------------------
+
 
 def _trickling(s3_env: LocalS3Server, ops: set[str], fault: str) -> FaultProxy:
     """A proxy that answers ``ops`` one byte every 0.5 s: each socket read gets a byte, well within read_timeout."""

@@ -90,16 +90,22 @@ def test_transient_faults_save_and_load_bit_exact(
     proxy: FaultProxy, bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     mixed = ("500", "503", "reset", "truncate")
-    proxy.set_rules([
-        # One certain fault of each kind, then seeded random ones (at most 2 per request).
-        Rule({"UploadPart"}, "503", limit=1),
-        Rule({"UploadPart"}, "reset", limit=1),
-        Rule({"PutObject"}, "500", limit=1),
-        Rule({"GetObjectRange"}, "truncate", limit=1),
-        Rule({"UploadPart", "PutObject", "CreateMultipartUpload", "CompleteMultipartUpload"},
-             faults=("500", "503", "reset"), rate=0.2, max_per_request=2),
-        Rule({"GetObjectRange", "GetObject", "HeadObject"}, faults=mixed, rate=0.2, max_per_request=2),
-    ])
+    proxy.set_rules(
+        [
+            # One certain fault of each kind, then seeded random ones (at most 2 per request).
+            Rule({"UploadPart"}, "503", limit=1),
+            Rule({"UploadPart"}, "reset", limit=1),
+            Rule({"PutObject"}, "500", limit=1),
+            Rule({"GetObjectRange"}, "truncate", limit=1),
+            Rule(
+                {"UploadPart", "PutObject", "CreateMultipartUpload", "CompleteMultipartUpload"},
+                faults=("500", "503", "reset"),
+                rate=0.2,
+                max_per_request=2,
+            ),
+            Rule({"GetObjectRange", "GetObject", "HeadObject"}, faults=mixed, rate=0.2, max_per_request=2),
+        ]
+    )
     sd = _state(1)
     uri = f"s3://{bucket}/transient/step-1"
     t0 = time.monotonic()
@@ -186,8 +192,10 @@ def test_persistent_upload_failure_fails_fast_and_cleans_up(
     with pytest.raises(ERRORS) as info:
         dcp.save(_state(4, mib=6, n=2), storage_writer=_writer(bad_uri, proxy))
     elapsed = time.monotonic() - t0
-    print(f"\npersistent UploadPart failure surfaced after {elapsed:.1f}s, "
-          f"{proxy.counts['UploadPart']} UploadPart requests")
+    print(
+        f"\npersistent UploadPart failure surfaced after {elapsed:.1f}s, "
+        f"{proxy.counts['UploadPart']} UploadPart requests"
+    )
     message = str(info.value)
     assert elapsed < 60, elapsed
     assert bucket in message and re.search(rf"run/step-2/__0_0\.{TOKEN}\.distcp", message), message
@@ -284,9 +292,15 @@ def test_rank_killed_mid_save_leaves_no_metadata_and_gc_cleans(bucket: str, s3_e
 
 # -- bad inputs --------------------------------------------------------------------------------------------
 def test_no_credentials_is_a_clear_error(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-                 "AWS_WEB_IDENTITY_TOKEN_FILE"):
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     uri = f"s3://{bucket}/nocreds/step-1"
@@ -304,8 +318,7 @@ def test_shape_mismatch_names_the_key(bucket: str) -> None:
     uri = f"s3://{bucket}/shapes/step-1"
     dcp.save({"layer.weight": torch.ones(4, 4), "layer.bias": torch.ones(4)}, storage_writer=S3StorageWriter(uri))
     with pytest.raises(ERRORS) as info:
-        dcp.load({"layer.weight": torch.zeros(5, 4), "layer.bias": torch.zeros(4)},
-                 storage_reader=S3StorageReader(uri))
+        dcp.load({"layer.weight": torch.zeros(5, 4), "layer.bias": torch.zeros(4)}, storage_reader=S3StorageReader(uri))
     assert "layer.weight" in str(info.value), info.value
 
 

@@ -211,11 +211,19 @@ CHILD = textwrap.dedent(
 )
 
 
-def child(what: str, target: Path | str, *, headroom: int | None = int(1.5 * 2**30), uid: int | None = None,
-          fsize: int | None = None, timeout: float = 120) -> dict[str, Any]:
+def child(
+    what: str,
+    target: Path | str,
+    *,
+    headroom: int | None = int(1.5 * 2**30),
+    uid: int | None = None,
+    fsize: int | None = None,
+    timeout: float = 120,
+) -> dict[str, Any]:
     """Run ``what`` on ``target`` in a fresh interpreter (under a memory limit), under a hang guard."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               MALLOC_ARENA_MAX="2")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), MALLOC_ARENA_MAX="2"
+    )
     if headroom is not None:
         env["CHILD_HEADROOM"] = str(headroom)
     if uid is not None:
@@ -223,8 +231,14 @@ def child(what: str, target: Path | str, *, headroom: int | None = int(1.5 * 2**
     if fsize is not None:
         env["CHILD_FSIZE"] = str(fsize)
     try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, what, str(target)], env=env, capture_output=True,
-                              text=True, timeout=timeout, cwd=tempfile.gettempdir())
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, what, str(target)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=tempfile.gettempdir(),
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{what} {target}: still running after {timeout}s (blocked)")
     lines = proc.stdout.strip().splitlines()
@@ -405,8 +419,14 @@ def test_file_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse_location("file:///abs/path") == LocalDir("/abs/path")
     assert parse_location("file://localhost/tmp/x") == LocalDir("/tmp/x")
     assert parse_location("file:/tmp/y") == LocalDir("/tmp/y")
-    for url in ("file://", "file:", "file:relative/dir", "file://host/tmp/x", "file://localhost",
-                "file://127.0.0.1/tmp/x"):
+    for url in (
+        "file://",
+        "file:",
+        "file:relative/dir",
+        "file://host/tmp/x",
+        "file://localhost",
+        "file://127.0.0.1/tmp/x",
+    ):
         with pytest.raises(ConfigError) as info:
             parse_location(url)
         assert repr(url) in str(info.value), url

@@ -80,11 +80,15 @@ def _save_growth(bucket: str, block_awscrt: bool) -> tuple[bool, int]:
     uri = f"s3://{bucket}/memory/{uuid.uuid4().hex[:8]}"
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, "block" if block_awscrt else "allow", uri, str(SAVE_MIB)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     return bool(result["crt"]), int(result["growth"])
 
 
@@ -97,8 +101,9 @@ def test_save_memory_bound_with_and_without_awscrt(bucket: str, s3_env: LocalS3S
         f"({PART_BUFFERS / MiB:.0f} MiB of part buffers + {ALLOWANCE / MiB:.0f} MiB)"
     )
     if importlib.util.find_spec("awscrt") is None:
-        pytest.skip(f"awscrt is not installed (the test extra has it): measured only without it, "
-                    f"{without / MiB:.0f} MiB")
+        pytest.skip(
+            f"awscrt is not installed (the test extra has it): measured only without it, {without / MiB:.0f} MiB"
+        )
     crt, with_crt = _save_growth(bucket, block_awscrt=False)
     assert crt, "awscrt is installed but botocore does not use it"
     assert with_crt <= bound, (

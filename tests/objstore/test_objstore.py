@@ -93,7 +93,9 @@ def test_streamed_multipart_upload_round_trip(bucket: str, s3_env: LocalS3Server
 
 
 def test_failed_part_aborts_the_upload(bucket: str, s3_env: LocalS3Server) -> None:
-    t = s3_object_store(s3_env, bucket, FlakyClient(ClientConfig(endpoint_url=s3_env.endpoint_url).make_client(), fail_part=2))
+    t = s3_object_store(
+        s3_env, bucket, FlakyClient(ClientConfig(endpoint_url=s3_env.endpoint_url).make_client(), fail_part=2)
+    )
     with ThreadPoolExecutor(2) as ex:
         writer = t.open_writer("broken", pool=BufferPool(3, 5 * MiB), executor=ex)
         with pytest.raises(S3TransferError, match=f"s3://{bucket}/broken.*InternalError") as info:

@@ -27,15 +27,34 @@ SAVER = Path(__file__).with_name("throttled_saver.py")
 pytestmark = pytest.mark.multiproc
 
 
-def _savers(proxy: ThrottleProxy, bucket: str, env: dict[str, str], n: int, *, rate_control: bool,
-            budget: float, deadline: float = 300.0) -> list[dict]:
+def _savers(
+    proxy: ThrottleProxy,
+    bucket: str,
+    env: dict[str, str],
+    n: int,
+    *,
+    rate_control: bool,
+    budget: float,
+    deadline: float = 300.0,
+) -> list[dict]:
     start_at = time.time() + 12  # every saver has imported torch by then
     child_env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(SAVER.parent.parent.parent), *sys.path])}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SAVER), f"s3://{bucket}/run/ckpt-{i}", proxy.url, "1" if rate_control else "0",
-             str(budget), str(deadline), str(start_at)],
-            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                str(SAVER),
+                f"s3://{bucket}/run/ckpt-{i}",
+                proxy.url,
+                "1" if rate_control else "0",
+                str(budget),
+                str(deadline),
+                str(start_at),
+            ],
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(n)
     ]
@@ -44,7 +63,7 @@ def _savers(proxy: ThrottleProxy, bucket: str, env: dict[str, str], n: int, *, r
         out, err = proc.communicate(timeout=300)
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         assert lines, f"saver died (rc {proc.returncode}): {err[-2000:]}"
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
     return results
 
 
@@ -134,7 +153,6 @@ def test_rate_control_settings_are_checked() -> None:
     assert ClientConfig(rate_control=False).make_client().meta.config.retries["total_max_attempts"] == 5
 
 
-
 def _uneven_job(rank: int, world: int, env: dict[str, str], uri: str, endpoint: str) -> dict:
     """Rank 0 saves and loads 16 objects, rank 1 one: the job's budget is the proxy's enforced rate."""
     os.environ.update(env)
@@ -151,8 +169,11 @@ def _uneven_job(rank: int, world: int, env: dict[str, str], uri: str, endpoint: 
     def peak(stats: dict, kind: str) -> float:
         return max(s["peak_rate"] for k, s in stats.items() if k.endswith(f"({kind})") and "ckpt/" in k)
 
-    return {"exact": exact, "write_peak": peak(writer.request_stats[rank], "write"),
-            "read_peak": peak(reader.request_stats[rank], "read")}
+    return {
+        "exact": exact,
+        "write_peak": peak(writer.request_stats[rank], "write"),
+        "read_peak": peak(reader.request_stats[rank], "read"),
+    }
 
 
 def test_ranks_still_sending_take_up_what_finished_ranks_leave(seaweed: LocalS3Server, bucket: str) -> None:

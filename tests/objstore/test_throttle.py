@@ -36,8 +36,14 @@ KEY = RateKey("b", "run/", "write")
 
 
 def simulate(
-    capacity: float, budget: float, *, clients: int, seconds: float = 60.0, latency: float = 0.02,
-    concurrency: int = 4, drop_at: float | None = None,
+    capacity: float,
+    budget: float,
+    *,
+    clients: int,
+    seconds: float = 60.0,
+    latency: float = 0.02,
+    concurrency: int = 4,
+    drop_at: float | None = None,
 ) -> list[tuple[float, bool]]:
     random.seed(0)
     now = [0.0]
@@ -238,7 +244,9 @@ def test_a_wait_for_a_token_has_a_deadline() -> None:
     """Issue 35, items 4 and 10: ``acquire(timeout=)`` raises S3ThrottledError when no token comes in time, taking
     nothing (no in-flight slot leaks)."""
     clock = [0.0]
-    controller = RateController(write_rate=0.01, clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s))
+    controller = RateController(
+        write_rate=0.01, clock=lambda: clock[0], sleep=lambda s: clock.__setitem__(0, clock[0] + s)
+    )
     key = RateKey("b", "slow/", "write")
     controller.rate(key)
     clock[0] += 100.0  # one token banked
@@ -251,7 +259,13 @@ def test_a_wait_for_a_token_has_a_deadline() -> None:
 
 
 def job(
-    capacity: float, budget: float, *, ranks: int, requests: int | list[int], progress: bool = True, seed: int = 0,
+    capacity: float,
+    budget: float,
+    *,
+    ranks: int,
+    requests: int | list[int],
+    progress: bool = True,
+    seed: int = 0,
     drop_at: float | None = None,
 ) -> tuple[float, float, float]:
     """``ranks`` controllers (one job, each told its share of ``budget``) each send ``requests`` requests (or
@@ -261,8 +275,9 @@ def job(
     these the tail the benchmark measures does not appear. ``progress``: the controllers follow the count of ranks
     finished. Returns (makespan, the ideal (requests - bucket depth) / capacity, refused fraction); the ramp is the
     1 s skew plus one request interval at the rank's share (its random phase)."""
-    out = throttle_sim.run(capacity, budget, jobs=[ranks], requests=requests, seed=seed, drop_at=drop_at,
-                           follow=progress)
+    out = throttle_sim.run(
+        capacity, budget, jobs=[ranks], requests=requests, seed=seed, drop_at=drop_at, follow=progress
+    )
     return out.makespan, out.ideal, out.refused
 
 
@@ -307,7 +322,6 @@ def test_a_budget_four_times_the_capacity_converges() -> None:
     for seed in range(5):
         makespan, ideal, refused = job(capacity, 4 * capacity, ranks=8, requests=16, seed=seed)
         assert makespan <= 1.3 * ideal + 1.0 and refused <= 0.5, (seed, makespan, ideal, refused)
-
 
 
 def test_independent_jobs_sharing_a_prefix_finish_near_the_ideal_with_few_refusals() -> None:
@@ -380,6 +394,7 @@ def test_a_process_alone_regains_its_budget_when_nothing_is_refused() -> None:
     _cut_to_a_tenth(rank, now)
     paced(rank, now, 15.0)
     assert rank.rate(KEY) < 0.5 * 40
+
 
 def test_following_a_job_scales_the_rates_and_ends_at_the_share() -> None:
     """8 ranks, 4 finished: a waiting rank polls the count and doubles its rate (a learnt rate is kept at the whole

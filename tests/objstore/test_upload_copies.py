@@ -46,16 +46,22 @@ class _Sent:
     def __call__(self, request: Any, **kwargs: Any) -> None:
         if request.method != "PUT":
             return
-        self.headers.append({k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()
-                             if k.lower().startswith("x-amz-checksum") or k.lower() == "x-amz-sdk-checksum-algorithm"})
+        self.headers.append(
+            {
+                k.lower(): v.decode() if isinstance(v, bytes) else v
+                for k, v in request.headers.items()
+                if k.lower().startswith("x-amz-checksum") or k.lower() == "x-amz-sdk-checksum-algorithm"
+            }
+        )
         sha = request.headers.get("x-amz-content-sha256", b"")
         self.payload_hashes.append(sha.decode() if isinstance(sha, bytes) else sha)
         if self.on_part is not None:
             self.on_part(request)
 
 
-def test_a_save_sends_contiguous_tensors_from_their_memory(bucket: str, s3_env: LocalS3Server,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_save_sends_contiguous_tensors_from_their_memory(
+    bucket: str, s3_env: LocalS3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 40 MiB contiguous tensor (8 parts of 5 MiB) is sent from its own memory: the save's part buffers
     hold at most two parts (the first and last, where the torch.save header and trailer and the small
     tensors are copied), where copying its bytes filled one buffer per part in flight (the pool's 9)."""
@@ -133,8 +139,9 @@ def test_a_part_changed_after_its_checksum_is_refused(bucket: str, s3_env: Local
     assert not [u for u in store.list_uploads("damaged")]
 
 
-def test_no_checksum_where_the_client_asks_only_when_required(bucket: str, s3_env: LocalS3Server,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_checksum_where_the_client_asks_only_when_required(
+    bucket: str, s3_env: LocalS3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``AWS_REQUEST_CHECKSUM_CALCULATION=when_required`` (the setting for servers that refuse checksum
     headers) keeps uploads free of them, ours included."""
     monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")

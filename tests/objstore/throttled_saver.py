@@ -18,7 +18,9 @@ def main() -> None:
     uri, endpoint, rate_control, budget, deadline, start_at = sys.argv[1:7]
     state = {f"t{i}": torch.full((256,), float(i)) for i in range(16)}
     client = ClientConfig(
-        endpoint_url=endpoint, rate_control=rate_control == "1", prefix_write_rate=float(budget),
+        endpoint_url=endpoint,
+        rate_control=rate_control == "1",
+        prefix_write_rate=float(budget),
         throttle_deadline=float(deadline),
     )
     writer = S3StorageWriter(uri, client=client, files_per_rank=16)

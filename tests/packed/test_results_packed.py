@@ -67,12 +67,19 @@ def fsdp(ranks: int, compressed: bool = False) -> Metadata:
             extra: dict[str, Any] = {"payload_offset": 64, "crc32c": (r * 7919 + pos[r]) % (1 << 32)}
             if compressed:
                 ends = tuple(range(9, 9 * (-(-nbytes // 64)) + 1, 9))
-                extra = {"frames": FrameIndex(CODEC_NAME, CODEC_VERSION, 4, GROUP_FLOAT, nbytes, 64, ends, int(bool(ends))),
-                         "frame_crc32c": tuple(range(len(ends))), "crc32c": None}
+                extra = {
+                    "frames": FrameIndex(CODEC_NAME, CODEC_VERSION, 4, GROUP_FLOAT, nbytes, 64, ends, int(bool(ends))),
+                    "frame_crc32c": tuple(range(len(ends))),
+                    "crc32c": None,
+                }
                 length = ends[-1] if ends else 0
             storage[MetadataIndex(fqn, c.offsets, 0)] = ItemLocation(
-                f"p-{r % 4}/__{r}_0.0123456789abcdef.distcp", pos[r], length,
-                [CODEC_DESCRIPTOR] if compressed else None, **extra)
+                f"p-{r % 4}/__{r}_0.0123456789abcdef.distcp",
+                pos[r],
+                length,
+                [CODEC_DESCRIPTOR] if compressed else None,
+                **extra,
+            )
             pos[r] += length
     return Metadata(state_dict_metadata=state, planner_data={}, storage_data=storage)
 
@@ -95,13 +102,18 @@ def test_pack_round_trips_through_pickle() -> None:
 
 
 def test_results_that_do_not_fit_ride_along_in_place() -> None:
-    rows = [WriteResult(MetadataIndex("w", S([i, 0]), i), 10, ItemLocation("__0_0.distcp", 10 * i, 10, crc32c=i))
-            for i in range(4)]
+    rows = [
+        WriteResult(MetadataIndex("w", S([i, 0]), i), 10, ItemLocation("__0_0.distcp", 10 * i, 10, crc32c=i))
+        for i in range(4)
+    ]
     frames = FrameIndex(CODEC_NAME, CODEC_VERSION, 4, GROUP_FLOAT, 8, 4, (3, 9), 0b10)
-    odd = [WriteResult(MetadataIndex("bytes"), 5, ItemLocation("__0_0.distcp", 40, 5)),  # no offset: a byte item
-           WriteResult(MetadataIndex("t", S([0])), 5, _StorageInfo("__0_0.distcp", 45, 5)),  # not ours
-           WriteResult(MetadataIndex("z", S([0])), 9, ItemLocation("__0_0.distcp", 50, 9, frames=frames,
-                                                                   frame_crc32c=(1,)))]  # one CRC for two frames
+    odd = [
+        WriteResult(MetadataIndex("bytes"), 5, ItemLocation("__0_0.distcp", 40, 5)),  # no offset: a byte item
+        WriteResult(MetadataIndex("t", S([0])), 5, _StorageInfo("__0_0.distcp", 45, 5)),  # not ours
+        WriteResult(
+            MetadataIndex("z", S([0])), 9, ItemLocation("__0_0.distcp", 50, 9, frames=frames, frame_crc32c=(1,))
+        ),
+    ]  # one CRC for two frames
     results = rows[:2] + odd[:1] + rows[2:] + odd[1:]
     packed = PackedResults.pack(results)
     assert isinstance(packed, PackedResults) and [p for p, _ in packed.extras] == [2, 5, 6]
@@ -109,8 +121,11 @@ def test_results_that_do_not_fit_ride_along_in_place() -> None:
     assert PackedResults.pack(odd) == odd and type(PackedResults.pack(odd)) is list  # nothing fits: the list
 
 
-@pytest.mark.parametrize("make", [hand_built, lambda: fsdp(16), lambda: fsdp(5, compressed=True)],
-                         ids=["every kind", "fsdp 16 ranks", "fsdp compressed"])
+@pytest.mark.parametrize(
+    "make",
+    [hand_built, lambda: fsdp(16), lambda: fsdp(5, compressed=True)],
+    ids=["every kind", "fsdp 16 ranks", "fsdp compressed"],
+)
 def test_encoding_from_results_gives_the_same_bytes(make: Any) -> None:
     md = make()
     want = dump_compact(md)
@@ -125,8 +140,14 @@ def test_encoding_from_results_gives_the_same_bytes(make: Any) -> None:
 
 def test_rule_chunks_from_the_planner_encode_as_the_list() -> None:
     md = fsdp(12)
-    lazy = Metadata({k: TensorStorageMetadata(v.properties, v.size, RuleChunks(v.size, 1 if k == "cols" else 0, 12))
-                     for k, v in md.state_dict_metadata.items()}, {}, md.storage_data)
+    lazy = Metadata(
+        {
+            k: TensorStorageMetadata(v.properties, v.size, RuleChunks(v.size, 1 if k == "cols" else 0, 12))
+            for k, v in md.state_dict_metadata.items()
+        },
+        {},
+        md.storage_data,
+    )
     assert dump_compact(lazy) == dump_compact(md)
     assert dump_compact(lazy, [PackedResults.pack(r) for r in per_rank(md)]) == dump_compact(md)
 
@@ -136,7 +157,9 @@ def test_a_later_result_for_the_same_chunk_wins_as_in_a_dict() -> None:
     ranks = per_rank(md)
     first = ranks[1][0]
     info = first.storage_data
-    again = WriteResult(first.index, info.length, ItemLocation("__3_9.0123456789abcdef.distcp", 5, info.length, crc32c=9))
+    again = WriteResult(
+        first.index, info.length, ItemLocation("__3_9.0123456789abcdef.distcp", 5, info.length, crc32c=9)
+    )
     ranks[3].append(again)
     storage = {r.index: r.storage_data for rank in ranks for r in rank}
     want = dump_compact(Metadata(md.state_dict_metadata, {}, storage))
@@ -148,9 +171,13 @@ def test_a_later_result_for_the_same_chunk_wins_as_in_a_dict() -> None:
 def test_results_the_format_cannot_describe_are_refused_as_from_a_dict(wrong: str) -> None:
     md = fsdp(4)
     ranks = per_rank(md)
-    bad = {"unknown tensor": MetadataIndex("nope", S([0, 0])), "between chunks": MetadataIndex("w", S([3, 0])),
-           "past the end": MetadataIndex("w", S([80, 0])), "other dim": MetadataIndex("w", S([16, 1])),
-           "ndim": MetadataIndex("w", S([16]))}[wrong]
+    bad = {
+        "unknown tensor": MetadataIndex("nope", S([0, 0])),
+        "between chunks": MetadataIndex("w", S([3, 0])),
+        "past the end": MetadataIndex("w", S([80, 0])),
+        "other dim": MetadataIndex("w", S([16, 1])),
+        "ndim": MetadataIndex("w", S([16])),
+    }[wrong]
     ranks[2] = [WriteResult(bad, 4, ItemLocation("__2_0.0123456789abcdef.distcp", 0, 4)) for _ in range(3)]
     storage = {r.index: r.storage_data for rank in ranks for r in rank}
     with pytest.raises(ConfigError) as from_dict:
@@ -164,8 +191,10 @@ def test_results_the_format_cannot_describe_are_refused_as_from_a_dict(wrong: st
 def test_chunks_listed_explicitly_are_found_by_their_offsets() -> None:
     grid = [ChunkStorageMetadata(S([r, c]), S([2, 3])) for r in (0, 2) for c in (0, 3)]
     state = {"grid": TensorStorageMetadata(TensorProperties(dtype=torch.float32), S([4, 6]), grid)}
-    storage = {MetadataIndex("grid", c.offsets, i): ItemLocation(f"__{i}_0.0123456789abcdef.distcp", 0, 24, crc32c=i)
-               for i, c in enumerate(grid)}
+    storage = {
+        MetadataIndex("grid", c.offsets, i): ItemLocation(f"__{i}_0.0123456789abcdef.distcp", 0, 24, crc32c=i)
+        for i, c in enumerate(grid)
+    }
     md = Metadata(state, {}, storage)
     assert dump_compact(md, [PackedResults.pack(r) for r in per_rank(md)]) == dump_compact(md)
 
@@ -180,7 +209,7 @@ def fsdp_state(mesh: Any, rank: int, world: int, zeros: bool = False) -> dict[st
     for name, shape in SHAPES.items():
         full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) / (3 + len(name))
         pieces = list(torch.chunk(full, world))
-        local = pieces[rank] if rank < len(pieces) else full[full.shape[0]:]
+        local = pieces[rank] if rank < len(pieces) else full[full.shape[0] :]
         local = torch.zeros_like(local) if zeros else local.clone()
         out[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
     out["step"] = 0 if zeros else 7
@@ -204,7 +233,8 @@ def compact_save_job(rank: int, world: int, env: dict[str, str], uri: str) -> li
         md = dcp.save(fsdp_state(mesh, rank, world), storage_writer=writer, planner=ScalableSavePlanner())
         stored = S3StorageReader(f"{uri}/{fmt}").read_metadata()
         same = md.state_dict_metadata == stored.state_dict_metadata and dict(md.storage_data.items()) == dict(
-            stored.storage_data.items())
+            stored.storage_data.items()
+        )
         body = writer._session.object_store.get(writer._session.key(".metadata"))
         seen.append((type(md.storage_data).__name__, len(pickle.dumps(md)), len(body), same))
         out = fsdp_state(mesh, rank, world, zeros=True)

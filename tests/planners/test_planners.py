@@ -82,8 +82,7 @@ TRAINABLE = {f"layers.{i}.lora_{ab}.weight" for i in range(LAYERS) for ab in "ab
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded copies of the model's state dict (collective under FSDP)."""
     return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-        for k, v in model.state_dict().items()
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
     }
 
 
@@ -127,8 +126,12 @@ def test_frozen_fqns_clean_wrapper_segments(tmp_path: Path) -> None:
     raw = compiled.state_dict()
     assert "_orig_mod.layers.0.base.weight" in raw
     for i, sd in enumerate([raw, get_model_state_dict(compiled)]):
-        dcp.save(sd, storage_writer=FileSystemWriter(tmp_path / str(i)),
-                 planner=TrainableOnlySavePlanner(compiled), no_dist=True)
+        dcp.save(
+            sd,
+            storage_writer=FileSystemWriter(tmp_path / str(i)),
+            planner=TrainableOnlySavePlanner(compiled),
+            no_dist=True,
+        )
         keys = stored_keys(tmp_path / str(i))
         assert len(keys) == len(TRAINABLE) + 1
         unwrapped = {k.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "") for k in keys}
@@ -138,8 +141,12 @@ def test_frozen_fqns_clean_wrapper_segments(tmp_path: Path) -> None:
 def test_single_process_roundtrip(tmp_path: Path) -> None:
     model = build(0)
     saved = full_state(model)
-    dcp.save(model.state_dict(), storage_writer=FileSystemWriter(tmp_path / "t"),
-             planner=TrainableOnlySavePlanner(model), no_dist=True)
+    dcp.save(
+        model.state_dict(),
+        storage_writer=FileSystemWriter(tmp_path / "t"),
+        planner=TrainableOnlySavePlanner(model),
+        no_dist=True,
+    )
     assert stored_keys(tmp_path / "t") == TRAINABLE | {"scale"}
 
     fresh = build(1)
@@ -158,8 +165,12 @@ def test_single_process_full_checkpoint_leaves_frozen_untouched(tmp_path: Path) 
 
     fresh = build(1)
     fresh_values = full_state(fresh)
-    dcp.load({"model": fresh}, storage_reader=FileSystemReader(tmp_path),
-             planner=TrainableOnlyLoadPlanner({"model": fresh}), no_dist=True)
+    dcp.load(
+        {"model": fresh},
+        storage_reader=FileSystemReader(tmp_path),
+        planner=TrainableOnlyLoadPlanner({"model": fresh}),
+        no_dist=True,
+    )
     assert_loaded(full_state(fresh), saved, fresh_values, FROZEN)
 
 
@@ -177,8 +188,10 @@ def test_single_process_meta_rank_stays_meta(tmp_path: Path) -> None:
 
 def test_planners_pickle_without_modules() -> None:
     model = build(0)
-    for planner in (TrainableOnlySavePlanner(model, dedup_save_to_lowest_rank=True),
-                    TrainableOnlyLoadPlanner({"model": model}, allow_partial_load=True)):
+    for planner in (
+        TrainableOnlySavePlanner(model, dedup_save_to_lowest_rank=True),
+        TrainableOnlyLoadPlanner({"model": model}, allow_partial_load=True),
+    ):
         data = pickle.dumps(planner)
         assert b"LoRAModel" not in data and b"LoRALinear" not in data
         clone = pickle.loads(data)
@@ -189,8 +202,12 @@ def test_planners_pickle_without_modules() -> None:
 def test_warns_when_no_frozen_key_matches(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = build(0)
     with caplog.at_level(logging.WARNING, logger="dcp_s3"):
-        dcp.save({"model": model.state_dict()}, storage_writer=FileSystemWriter(tmp_path),
-                 planner=TrainableOnlySavePlanner(model), no_dist=True)
+        dcp.save(
+            {"model": model.state_dict()},
+            storage_writer=FileSystemWriter(tmp_path),
+            planner=TrainableOnlySavePlanner(model),
+            no_dist=True,
+        )
     assert "pass {key: model}" in caplog.text
     assert {"model." + k for k in FROZEN} <= stored_keys(tmp_path)  # nothing was left out
 
@@ -202,8 +219,9 @@ def _fsdp_lora(rank: int, world_size: int, root: Path) -> bytes:
     out: dict[str, Any] = {}
     model = build(0, fsdp=True)
     out["saved"] = full_state(model)
-    dcp.save(model.state_dict(), storage_writer=FileSystemWriter(root / "trainable"),
-             planner=TrainableOnlySavePlanner(model))
+    dcp.save(
+        model.state_dict(), storage_writer=FileSystemWriter(root / "trainable"), planner=TrainableOnlySavePlanner(model)
+    )
     dcp.save(model.state_dict(), storage_writer=FileSystemWriter(root / "full"))
 
     fresh = build(1, fsdp=True)
@@ -221,15 +239,17 @@ def _fsdp_lora(rank: int, world_size: int, root: Path) -> bytes:
     out["saved2"] = full_state(model)
     out["optim_saved"] = get_optimizer_state_dict(model, optim, options=full_opts)["state"]
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-    dcp.save(state, storage_writer=FileSystemWriter(root / "nested"),
-             planner=TrainableOnlySavePlanner({"model": model}))
+    dcp.save(
+        state, storage_writer=FileSystemWriter(root / "nested"), planner=TrainableOnlySavePlanner({"model": model})
+    )
 
     fresh2 = build(2, fsdp=True)
     optim2 = torch.optim.AdamW([p for p in fresh2.parameters() if p.requires_grad], lr=0.1)
     out["fresh2"] = full_state(fresh2)
     state = {"model": get_model_state_dict(fresh2), "optim": get_optimizer_state_dict(fresh2, optim2)}
-    dcp.load(state, storage_reader=FileSystemReader(root / "nested"),
-             planner=TrainableOnlyLoadPlanner({"model": fresh2}))
+    dcp.load(
+        state, storage_reader=FileSystemReader(root / "nested"), planner=TrainableOnlyLoadPlanner({"model": fresh2})
+    )
     set_model_state_dict(fresh2, state["model"])
     set_optimizer_state_dict(fresh2, optim2, state["optim"])
     out["after2"] = full_state(fresh2)
@@ -322,8 +342,12 @@ def test_meta_rank_loads_nothing(tmp_path: Path) -> None:
     ckpt_bytes = stored_bytes(tmp_path / "big")
     del big
     small = build(0)
-    dcp.save(small.state_dict(), storage_writer=FileSystemWriter(tmp_path / "small"),
-             planner=TrainableOnlySavePlanner(small), no_dist=True)
+    dcp.save(
+        small.state_dict(),
+        storage_writer=FileSystemWriter(tmp_path / "small"),
+        planner=TrainableOnlySavePlanner(small),
+        no_dist=True,
+    )
 
     real, meta = (pickle.loads(r) for r in run_ranks(_load_with_meta_rank, 2, tmp_path))
     assert ckpt_bytes > 190 * 2**20
@@ -353,8 +377,13 @@ def _error_cases(rank: int, world_size: int, root: Path) -> dict[str, str]:
 
     if rank == 1:
         model.layers[1].lora_a.weight.requires_grad_(False)
-    out["mismatch"] = _error(lambda: dcp.save(model.state_dict(), storage_writer=FileSystemWriter(root / "mismatch"),
-                                              planner=TrainableOnlySavePlanner(model)))
+    out["mismatch"] = _error(
+        lambda: dcp.save(
+            model.state_dict(),
+            storage_writer=FileSystemWriter(root / "mismatch"),
+            planner=TrainableOnlySavePlanner(model),
+        )
+    )
 
     fresh = build(1)
     sd = fresh.state_dict()
@@ -364,10 +393,16 @@ def _error_cases(rank: int, world_size: int, root: Path) -> dict[str, str]:
 
     unfrozen = build(1)
     unfrozen.layers[0].base.weight.requires_grad_(True)  # unfrozen since the checkpoint was saved
-    out["missing"] = _error(lambda: dcp.load(unfrozen.state_dict(), storage_reader=reader,
-                                             planner=TrainableOnlyLoadPlanner(unfrozen)))
-    out["partial_ok"] = _error(lambda: dcp.load(unfrozen.state_dict(), storage_reader=reader,
-                                                planner=TrainableOnlyLoadPlanner(unfrozen, allow_partial_load=True)))
+    out["missing"] = _error(
+        lambda: dcp.load(unfrozen.state_dict(), storage_reader=reader, planner=TrainableOnlyLoadPlanner(unfrozen))
+    )
+    out["partial_ok"] = _error(
+        lambda: dcp.load(
+            unfrozen.state_dict(),
+            storage_reader=reader,
+            planner=TrainableOnlyLoadPlanner(unfrozen, allow_partial_load=True),
+        )
+    )
     return out
 
 
@@ -379,8 +414,10 @@ def error_messages(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, s
 def test_ranks_disagreeing_on_frozen_set_fail_naming_the_key(error_messages: list[dict[str, str]]) -> None:
     for messages in error_messages:  # every rank gets the coordinator's error, none hangs
         assert "ranks disagree on frozen parameters" in messages["mismatch"]
-        assert "'layers.1.lora_a.weight' is frozen (requires_grad=False) on ranks [1] but saved on ranks [0]" in (
-            messages["mismatch"])
+        assert (
+            "'layers.1.lora_a.weight' is frozen (requires_grad=False) on ranks [1] but saved on ranks [0]"
+            in (messages["mismatch"])
+        )
 
 
 def test_partly_meta_rank_fails_naming_a_meta_key(error_messages: list[dict[str, str]]) -> None:

@@ -32,8 +32,17 @@ S = torch.Size
 
 
 def key(item: ReadItem) -> tuple[Any, ...]:
-    return (item.type, item.dest_index.fqn, item.dest_index.offset, item.dest_index.index, item.dest_offsets,
-            item.storage_index.offset, item.storage_index.index, item.storage_offsets, item.lengths)
+    return (
+        item.type,
+        item.dest_index.fqn,
+        item.dest_index.offset,
+        item.dest_index.index,
+        item.dest_offsets,
+        item.storage_index.offset,
+        item.storage_index.index,
+        item.storage_offsets,
+        item.lengths,
+    )
 
 
 def keys(plan: LoadPlan | list[ReadItem]) -> list[tuple[Any, ...]]:
@@ -51,12 +60,24 @@ def random_box(rng: random.Random, size: tuple[int, ...]) -> ChunkStorageMetadat
 
 def test_items_match_torch_on_rule_and_explicit_chunks() -> None:
     rng = random.Random(14)
-    cases: list[Any] = [RuleChunks(S(size), dim, n) for size, dim, n in
-                        [((10, 4), 0, 4), ((2, 5), 0, 4), ((9, 7, 3), 1, 5), ((16,), 0, 16), ((5, 3), 1, 1), ((0, 4), 0, 3)]]
+    cases: list[Any] = [
+        RuleChunks(S(size), dim, n)
+        for size, dim, n in [
+            ((10, 4), 0, 4),
+            ((2, 5), 0, 4),
+            ((9, 7, 3), 1, 5),
+            ((16,), 0, 16),
+            ((5, 3), 1, 1),
+            ((0, 4), 0, 3),
+        ]
+    ]
     cases.append(RuleChunks(S([]), -1, 1))
     grid = [(r, c, h, w) for r, h in ((0, 3), (3, 5)) for c, w in ((0, 2), (2, 4), (6, 1))]
     import numpy as np
-    cases.append(ExplicitChunks(S([8, 7]), np.array([[r, c] for r, c, _, _ in grid]), np.array([[h, w] for _, _, h, w in grid])))
+
+    cases.append(
+        ExplicitChunks(S([8, 7]), np.array([[r, c] for r, c, _, _ in grid]), np.array([[h, w] for _, _, h, w in grid]))
+    )
     for chunks in cases:
         size = tuple(chunks.size)
         md = TensorStorageMetadata(TensorProperties(), S(size), list(chunks))
@@ -158,8 +179,13 @@ def test_local_plan_on_compact_metadata_equals_torchs_and_keeps_its_errors() -> 
 
     stock = hand_built()
     compact = load_metadata(dump_metadata(stock, "compact"), "x")
-    state = {"w": torch.zeros(10, 4), "grid": torch.nn.Parameter(torch.zeros(4, 6)), "scalar": torch.zeros(()),
-             "bytes": io.BytesIO(), "cols": torch.zeros(3, 8, 2, 2, dtype=torch.float16)}
+    state = {
+        "w": torch.zeros(10, 4),
+        "grid": torch.nn.Parameter(torch.zeros(4, 6)),
+        "scalar": torch.zeros(()),
+        "bytes": io.BytesIO(),
+        "cols": torch.zeros(3, 8, 2, 2, dtype=torch.float16),
+    }
     assert keys(local_load_plan(state, compact)) == keys(create_default_local_load_plan(state, stock))
     with pytest.raises(RuntimeError, match="Missing key"):  # torch's own error, as DefaultLoadPlanner
         local_load_plan({"absent": torch.zeros(1)}, compact)

@@ -26,9 +26,11 @@ pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest s
 def shard(fqn: str, shape: tuple[int, ...], offset: int, rows: int, dtype: torch.dtype = torch.float32) -> WriteItem:
     offsets = torch.Size([offset] + [0] * (len(shape) - 1))
     chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([rows, *shape[1:]]))
-    return WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                     tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype),
-                                                 size=torch.Size(shape)))
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=dtype), size=torch.Size(shape)),
+    )
 
 
 def byte_item(fqn: str) -> WriteItem:
@@ -52,8 +54,10 @@ def layout(ranks: int, shards: int, tensors: list[tuple[str, tuple[int, ...]]], 
 
 
 def written(plans: list[SavePlan]) -> list[list[tuple[str, tuple[int, ...] | None, int | None]]]:
-    return [[(i.index.fqn, None if i.index.offset is None else tuple(i.index.offset), i.index.index)
-             for i in p.items] for p in plans]
+    return [
+        [(i.index.fqn, None if i.index.offset is None else tuple(i.index.offset), i.index.index) for i in p.items]
+        for p in plans
+    ]
 
 
 def shapes(n: int, seed: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -122,8 +126,11 @@ def test_global_plan_refuses_what_torch_refuses() -> None:
 
 
 def test_merged_planner_data_first_plan_wins() -> None:
-    plans = [SavePlan([], planner_data={"a": ("a",), "b": ("b0",)}), SavePlan([], planner_data={"b": ("b1",), "c": ("c",)}),
-             SavePlan([], planner_data=None)]
+    plans = [
+        SavePlan([], planner_data={"a": ("a",), "b": ("b0",)}),
+        SavePlan([], planner_data={"b": ("b1",), "c": ("c",)}),
+        SavePlan([], planner_data=None),
+    ]
     assert merged_planner_data(plans) == {"a": ("a",), "b": ("b0",), "c": ("c",)}
 
 
@@ -133,8 +140,11 @@ def packed(plans: list[SavePlan]) -> list[SavePlan]:
     for plan in plans:
         items = PackedItems.pack(plan.items)
         data = PackedMapping.pack(plan.planner_data) if plan.planner_data else plan.planner_data
-        out.append(pickle.loads(pickle.dumps(dataclasses.replace(plan, items=plan.items if items is None else items,
-                                                                 planner_data=data))))
+        out.append(
+            pickle.loads(
+                pickle.dumps(dataclasses.replace(plan, items=plan.items if items is None else items, planner_data=data))
+            )
+        )
     return out
 
 
@@ -159,11 +169,23 @@ def test_packed_items_are_the_items() -> None:
     """Irregular items (a chunk whose index names another offset, a byte item, a 0-d tensor) ride along as objects."""
     odd = shard("odd", (4, 2), 2, 2)
     odd = dataclasses.replace(odd, index=MetadataIndex("odd", torch.Size([0, 0])))
-    scalar = WriteItem(index=MetadataIndex("s", torch.Size([])), type=WriteItemType.TENSOR,
-                       tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([]), torch.Size([])),
-                                                   properties=TensorProperties(dtype=torch.int64), size=torch.Size([])))
-    items = [shard("a", (8, 3), 4, 4), byte_item("b"), odd, scalar, shard("c", (5,), 0, 3, torch.bfloat16),
-             shard("a", (8, 3), 0, 4)]
+    scalar = WriteItem(
+        index=MetadataIndex("s", torch.Size([])),
+        type=WriteItemType.TENSOR,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size([]), torch.Size([])),
+            properties=TensorProperties(dtype=torch.int64),
+            size=torch.Size([]),
+        ),
+    )
+    items = [
+        shard("a", (8, 3), 4, 4),
+        byte_item("b"),
+        odd,
+        scalar,
+        shard("c", (5,), 0, 3, torch.bfloat16),
+        shard("a", (8, 3), 0, 4),
+    ]
     wire = pickle.loads(pickle.dumps(PackedItems.pack(items)))
     assert len(wire) == len(items) and list(wire) == items and wire == items
     assert [i.index.index for i in wire] == [None] * len(items)

@@ -40,8 +40,13 @@ def plans_of(size: tuple[int, ...], boxes_per_rank: list[list[Box]]) -> list[Sav
         items = []
         for offsets, sizes in boxes:
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            items.append(WriteItem(index=MetadataIndex("t", torch.Size(offsets)), type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(size))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex("t", torch.Size(offsets)),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(size)),
+                )
+            )
         plans.append(SavePlan(items))
     return plans
 
@@ -80,7 +85,8 @@ def test_same_verdict_as_torch(name: str) -> None:
     if ours:
         with pytest.raises(CheckpointFormatError, match="do not tile"):
             ScalableSavePlanner(flatten_state_dict=False, enable_plan_caching=False).create_global_plan(
-                plans_of(size, per_rank))
+                plans_of(size, per_rank)
+            )
 
 
 def test_linear_sweep_on_wide_slabs() -> None:
@@ -111,8 +117,10 @@ def save_thrice_job(rank: int, world: int, env: dict[str, str], uri: str) -> lis
     os.environ.update(env)
     mesh = init_device_mesh("cpu", (world,))
     for step in range(3):
-        sd = {"w": DTensor.from_local(torch.full((4, 6), float(10 * step + rank)), mesh, [Shard(0)], run_check=False),
-              "step": step}
+        sd = {
+            "w": DTensor.from_local(torch.full((4, 6), float(10 * step + rank)), mesh, [Shard(0)], run_check=False),
+            "step": step,
+        }
         dcp.save(sd, storage_writer=S3StorageWriter(f"{uri}/step-{step}"), planner=Recording())
     for step in range(3):
         out = {"w": DTensor.from_local(torch.zeros(4, 6), mesh, [Shard(0)], run_check=False), "step": -1}
@@ -141,13 +149,14 @@ def global_tensor(name: str, salt: int) -> torch.Tensor:
     return (torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + 1000 * salt + len(name)) / 7
 
 
-def state(mesh: Any, placements: list[Any], shard_rank: int, shards: int, salt: int, zeros: bool = False
-          ) -> dict[str, Any]:
+def state(
+    mesh: Any, placements: list[Any], shard_rank: int, shards: int, salt: int, zeros: bool = False
+) -> dict[str, Any]:
     sd: dict[str, Any] = {}
     for name in SHAPES:
         g = global_tensor(name, salt)
         pieces = list(torch.chunk(g, shards))
-        local = pieces[shard_rank] if shard_rank < len(pieces) else g[g.shape[0]:]
+        local = pieces[shard_rank] if shard_rank < len(pieces) else g[g.shape[0] :]
         local = torch.zeros_like(local) if zeros else local.clone()
         sd[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=g.shape, stride=g.stride())
     sd["replicated"] = torch.zeros(5) if zeros else torch.full((5,), 3.5 + salt)  # every rank plans it
@@ -164,8 +173,11 @@ def save_both_job(rank: int, world: int, env: dict[str, str], uri: str, hsdp: bo
         mesh = init_device_mesh("cpu", (world,))
         placements, shard_rank, shards = [Shard(0)], rank, world
     for name, planner in (("ours", ScalableSavePlanner()), ("torch", DefaultSavePlanner())):
-        dcp.save(state(mesh, placements, shard_rank, shards, salt=1), storage_writer=S3StorageWriter(f"{uri}/{name}"),
-                 planner=planner)
+        dcp.save(
+            state(mesh, placements, shard_rank, shards, salt=1),
+            storage_writer=S3StorageWriter(f"{uri}/{name}"),
+            planner=planner,
+        )
     for name in ("ours", "torch"):
         out = state(mesh, placements, shard_rank, shards, salt=1, zeros=True)
         dcp.load(out, storage_reader=S3StorageReader(f"{uri}/{name}"))  # torch's DefaultLoadPlanner
@@ -208,8 +220,10 @@ def overlapping(plan: SavePlan) -> SavePlan:
             chunk = item.tensor_data.chunk
             offsets = torch.Size([chunk.offsets[0] - 1, *chunk.offsets[1:]])
             item = dataclasses.replace(
-                item, index=MetadataIndex("w", offsets),
-                tensor_data=dataclasses.replace(item.tensor_data, chunk=ChunkStorageMetadata(offsets, chunk.sizes)))
+                item,
+                index=MetadataIndex("w", offsets),
+                tensor_data=dataclasses.replace(item.tensor_data, chunk=ChunkStorageMetadata(offsets, chunk.sizes)),
+            )
         items.append(item)
     return dataclasses.replace(plan, items=items)
 
@@ -230,8 +244,11 @@ def overlap_job(rank: int, world: int, env: dict[str, str], uri: str) -> list[tu
     out = []
     for name, planner in (("ours", Overlapping()), ("torch", OverlappingTorch())):
         try:
-            dcp.save(state(mesh, [Shard(0)], rank, world, salt=0), storage_writer=S3StorageWriter(f"{uri}/{name}"),
-                     planner=planner)
+            dcp.save(
+                state(mesh, [Shard(0)], rank, world, salt=0),
+                storage_writer=S3StorageWriter(f"{uri}/{name}"),
+                planner=planner,
+            )
         except CheckpointException as exc:
             (failure,) = exc.failures.values()  # the coordinator's; torch 2.13 pairs it with its traceback
             failure = failure[0] if isinstance(failure, tuple) else failure
@@ -242,7 +259,9 @@ def overlap_job(rank: int, world: int, env: dict[str, str], uri: str) -> list[tu
 @pytest.mark.multiproc
 def test_overlapping_plans_fail_as_with_torch(bucket: str, s3_env: LocalS3Server) -> None:
     for per_rank in run_ranks(overlap_job, 4, s3_env.env(), f"s3://{bucket}/overlap", timeout=300):
-        assert [(name, is_value_error) for name, is_value_error, _ in per_rank] == [("ours", True), ("torch", True)], per_rank
+        assert [(name, is_value_error) for name, is_value_error, _ in per_rank] == [("ours", True), ("torch", True)], (
+            per_rank
+        )
         (_, _, ours), (_, _, theirs) = per_rank
         assert "key:w has overlapping chunks" in ours, ours
         assert theirs.startswith("Failed to validate global plan"), theirs
@@ -264,8 +283,9 @@ def caching_job(rank: int, world: int, env: dict[str, str], uri: str) -> list[li
         dcp.save(sd, storage_writer=S3StorageWriter(f"{uri}/{step}"), planner=Recording())
         saved.append(sd)
     for step, sd in enumerate(saved):
-        out = state(mesh, [Shard(0)], rank, world, salt=step, zeros=True) | ({"added": torch.zeros(3)} if "added" in sd
-                                                                           else {})
+        out = state(mesh, [Shard(0)], rank, world, salt=step, zeros=True) | (
+            {"added": torch.zeros(3)} if "added" in sd else {}
+        )
         dcp.load(out, storage_reader=S3StorageReader(f"{uri}/{step}"))
         for key in SHAPES:
             assert torch.equal(out[key].to_local(), sd[key].to_local()), (step, key)

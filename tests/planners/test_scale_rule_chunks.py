@@ -40,10 +40,15 @@ Box = tuple[list[int], list[int]]  # (offsets, sizes)
 
 def item(fqn: str, size: tuple[int, ...], box: Box) -> WriteItem:
     offsets, sizes = torch.Size(box[0]), torch.Size(box[1])
-    return WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
-                                                 properties=TensorProperties(dtype=torch.float32),
-                                                 size=torch.Size(size)))
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets, sizes),
+            properties=TensorProperties(dtype=torch.float32),
+            size=torch.Size(size),
+        ),
+    )
 
 
 def split(size: tuple[int, ...], dim: int, n: int) -> list[Box]:
@@ -63,8 +68,13 @@ def rows(size: tuple[int, ...], cuts: list[int]) -> list[Box]:
 
 def plans_of(tensors: dict[str, tuple[tuple[int, ...], list[Box]]], ranks: int) -> list[SavePlan]:
     """Rank r plans box ``r % len(boxes)`` of each tensor: more ranks than boxes make replicas (HSDP)."""
-    return [SavePlan([item(fqn, size, boxes[r % len(boxes)]) for fqn, (size, boxes) in tensors.items()],
-                     planner_data={fqn: (fqn,) for fqn in tensors}) for r in range(ranks)]
+    return [
+        SavePlan(
+            [item(fqn, size, boxes[r % len(boxes)]) for fqn, (size, boxes) in tensors.items()],
+            planner_data={fqn: (fqn,) for fqn in tensors},
+        )
+        for r in range(ranks)
+    ]
 
 
 def ours_and_torchs(plans: list[SavePlan], lowest: bool = False) -> tuple[Metadata, Metadata]:
@@ -153,9 +163,14 @@ def test_hsdp_mixed_when_balancing_breaks_the_order() -> None:
 def test_plans_that_do_not_tile_are_still_refused() -> None:
     """Overlaps, gaps and a split along one dim that is not whole along the others are never a rule:
     they are checked (and refused) as before."""
-    for boxes in ([([0, 0], [5, 4]), ([4, 0], [4, 4])], [([0, 0], [3, 4]), ([4, 0], [4, 4])],
-                  [([0, 0], [4, 2]), ([4, 0], [4, 2])], [([0, 2], [4, 2]), ([4, 2], [4, 2])],
-                  [([0, 0], [4, 4]), ([4, 0], [4, 2])], [([0, 0], [4, 4]), ([4, 2], [4, 2])]):
+    for boxes in (
+        [([0, 0], [5, 4]), ([4, 0], [4, 4])],
+        [([0, 0], [3, 4]), ([4, 0], [4, 4])],
+        [([0, 0], [4, 2]), ([4, 0], [4, 2])],
+        [([0, 2], [4, 2]), ([4, 2], [4, 2])],
+        [([0, 0], [4, 4]), ([4, 0], [4, 2])],
+        [([0, 0], [4, 4]), ([4, 2], [4, 2])],
+    ):
         plans = plans_of({"w": ((8, 4), boxes)}, 2)
         with pytest.raises(CheckpointFormatError, match="do not tile"):
             ScalableSavePlanner(enable_plan_caching=False).create_global_plan(packed(plans))
@@ -178,8 +193,10 @@ def test_plan_cache_reuses_the_rule_metadata() -> None:
 
 
 def _arrays(boxes: list[Box], dims: int) -> tuple[np.ndarray, np.ndarray]:
-    return (np.array([b[0] for b in boxes], np.int64).reshape(len(boxes), dims),
-            np.array([b[1] for b in boxes], np.int64).reshape(len(boxes), dims))
+    return (
+        np.array([b[0] for b in boxes], np.int64).reshape(len(boxes), dims),
+        np.array([b[1] for b in boxes], np.int64).reshape(len(boxes), dims),
+    )
 
 
 def test_rule_dim_agrees_with_the_compact_encoder() -> None:
@@ -202,8 +219,15 @@ def test_rule_dim_agrees_with_the_compact_encoder() -> None:
                     swapped[0], swapped[-1] = swapped[-1], swapped[0]
                     cases.append((size, swapped))
         for _ in range(5):
-            cases.append((size, [([rng.randrange(d + 1) for d in size], [rng.randrange(d + 1) for d in size])
-                                 for _ in range(rng.randrange(1, 4))]))
+            cases.append(
+                (
+                    size,
+                    [
+                        ([rng.randrange(d + 1) for d in size], [rng.randrange(d + 1) for d in size])
+                        for _ in range(rng.randrange(1, 4))
+                    ],
+                )
+            )
     decided = set()
     for size, boxes in cases:
         chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
@@ -215,8 +239,11 @@ def test_rule_dim_agrees_with_the_compact_encoder() -> None:
         decided.add(got is None)
     assert decided == {True, False}
     scalar = np.zeros((1, 0), np.int64)
-    assert rule_dim((), scalar, scalar) == -1 == chunk_rule(torch.Size([]), [ChunkStorageMetadata(torch.Size([]),
-                                                                                          torch.Size([]))])["dim"]
+    assert (
+        rule_dim((), scalar, scalar)
+        == -1
+        == chunk_rule(torch.Size([]), [ChunkStorageMetadata(torch.Size([]), torch.Size([]))])["dim"]
+    )
     assert rule_dim((), np.zeros((2, 0), np.int64), np.zeros((2, 0), np.int64)) is None
 
 
@@ -240,8 +267,11 @@ def e2e_job(rank: int, world: int, env: dict[str, str], uri: str) -> list[str]:
     mesh = init_device_mesh("cpu", (world,))
     kinds = []
     for fmt in ("dcp", "compact"):
-        md = dcp.save(e2e_state(mesh, rank, world), planner=ScalableSavePlanner(),
-                      storage_writer=S3StorageWriter(f"{uri}/{fmt}", metadata_format=fmt))
+        md = dcp.save(
+            e2e_state(mesh, rank, world),
+            planner=ScalableSavePlanner(),
+            storage_writer=S3StorageWriter(f"{uri}/{fmt}", metadata_format=fmt),
+        )
         kinds += [type(v.chunks).__name__ for v in md.state_dict_metadata.values()]  # as dcp.save hands it out
         out = e2e_state(mesh, rank, world, zeros=True)
         dcp.load(out, storage_reader=S3StorageReader(f"{uri}/{fmt}"))

@@ -177,8 +177,7 @@ def groups_job(rank: int, world: int, env: dict[str, str], uri: str, proxy: str)
 
     if rank < half:  # naming a group other than dcp.load's: refused on every rank, no hang
         try:
-            dcp.load(full_sd(), storage_reader=S3StorageReader(uri, share_metadata=dist.group.WORLD),
-                     process_group=low)
+            dcp.load(full_sd(), storage_reader=S3StorageReader(uri, share_metadata=dist.group.WORLD), process_group=low)
         except CheckpointException as exc:
             out["wrong_group"] = failures(exc)
     dist.barrier()
@@ -198,7 +197,9 @@ def groups_job(rank: int, world: int, env: dict[str, str], uri: str, proxy: str)
     phase(rank, proxy)
 
     try:  # one object unreadable (the proxy fails its GETs): every member raises
-        dcp.load(full_sd(), storage_reader=S3StorageReader(uri.replace("step-1", "bad"), replica_group=dist.group.WORLD))
+        dcp.load(
+            full_sd(), storage_reader=S3StorageReader(uri.replace("step-1", "bad"), replica_group=dist.group.WORLD)
+        )
     except CheckpointException as exc:
         out["unreadable"] = failures(exc)
     return out

@@ -97,7 +97,9 @@ def main(argv: list[str]) -> int:
     if kind == "save":
         uri, seed, overwrite = args
         writer = S3StorageWriter(uri, overwrite=overwrite == "1", part_size=5 * MiB)
-        writer._session.object_store.client.meta.events.register("before-parameter-build.s3", hold(phase, held, release))
+        writer._session.object_store.client.meta.events.register(
+            "before-parameter-build.s3", hold(phase, held, release)
+        )
         try:
             dcp.save(state(int(seed)), storage_writer=writer, no_dist=True)
         except BaseException as exc:  # DCP wraps errors; the cause's type decides the exit status
@@ -119,7 +121,9 @@ def main(argv: list[str]) -> int:
             optim.step()
             ckpt.save({"m": m}, {"m": optim}, iteration=1000)
             return 0
-        start = ckpt.load({"m": m}, {"m": optim})  # the Getting started loop (docs/getting-started.md): resume, then save at that step again
+        start = ckpt.load(
+            {"m": m}, {"m": optim}
+        )  # the Getting started loop (docs/getting-started.md): resume, then save at that step again
         assert start == 1000, start
         train_a_bit(m, optim)
         ckpt.save({"m": m}, {"m": optim}, iteration=start)

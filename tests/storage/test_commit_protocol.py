@@ -197,8 +197,11 @@ def _resumed(root: str) -> tuple[int, dict[str, torch.Tensor]]:
     ("phase", "model_new", "optim_new"),
     # Each part goes to a new generation directory, committed as a whole by the marker: killed before
     # the marker's PUT, every part is the old save's (it used to resume the new model with the old momentum).
-    [(r"commit:m_model\.[0-9a-f]{16}/\.metadata$", False, False),
-     (r"commit:m_optim\.[0-9a-f]{16}/\.metadata$", False, False), (r"commit:0001000\.pth$", False, False)],
+    [
+        (r"commit:m_model\.[0-9a-f]{16}/\.metadata$", False, False),
+        (r"commit:m_optim\.[0-9a-f]{16}/\.metadata$", False, False),
+        (r"commit:0001000\.pth$", False, False),
+    ],
 )
 def test_resaving_the_resumed_step_killed_midway_still_resumes(
     bucket: str, env: dict[str, str], tmp_path: Path, phase: str, model_new: bool, optim_new: bool
@@ -248,15 +251,21 @@ def test_server_without_conditional_writes(no_conditional: tuple[FaultProxy, str
     assert proxy.counts["CreateMultipartUpload"] == 0 and proxy.counts["UploadPart"] == 0
     # Opting into the best-effort check: a loud warning, the save works...
     with pytest.warns(RuntimeWarning, match="ignores If-None-Match"):
-        dcp.save(state(1), storage_writer=S3StorageWriter(uri, overwrite=False, require_conditional_writes=False),
-                 no_dist=True)
+        dcp.save(
+            state(1),
+            storage_writer=S3StorageWriter(uri, overwrite=False, require_conditional_writes=False),
+            no_dist=True,
+        )
     assert loaded_seed(uri) == 1
     # ...the HEAD check still refuses a second save, and the probe ran once per bucket and process.
     probes = proxy.counts["PutObject"]
     with warnings.catch_warnings(), pytest.raises(BaseException, match="Checkpoint already exists"):
         warnings.simplefilter("ignore")
-        dcp.save(state(2), storage_writer=S3StorageWriter(uri, overwrite=False, require_conditional_writes=False),
-                 no_dist=True)
+        dcp.save(
+            state(2),
+            storage_writer=S3StorageWriter(uri, overwrite=False, require_conditional_writes=False),
+            no_dist=True,
+        )
     assert proxy.counts["PutObject"] == probes
     assert loaded_seed(uri) == 1
     # overwrite=True needs no conditional write at all.
@@ -283,10 +292,13 @@ def test_resumes_steps_whose_marker_has_no_format(bucket: str) -> None:
 
     # That checkpointer's save path: one DCP checkpoint per key and kind, then a plain torch.save marker.
     dcp.save(m.state_dict(), storage_writer=S3StorageWriter(f"{root}/0000500.model_model"), no_dist=True)
-    dcp.save(get_optimizer_state_dict(m, optim), storage_writer=S3StorageWriter(f"{root}/0000500.model_optim"),
-             no_dist=True)
-    save_object({"iteration": 500, "scheduler": {"model": sched.state_dict()}, "grad_scaler": None,
-                 "callbacks": None}, f"{root}/0000500.pth")
+    dcp.save(
+        get_optimizer_state_dict(m, optim), storage_writer=S3StorageWriter(f"{root}/0000500.model_optim"), no_dist=True
+    )
+    save_object(
+        {"iteration": 500, "scheduler": {"model": sched.state_dict()}, "grad_scaler": None, "callbacks": None},
+        f"{root}/0000500.pth",
+    )
 
     m2 = model(9)
     optim2 = torch.optim.AdamW(m2.parameters(), lr=0.01)
@@ -329,7 +341,9 @@ def test_servers_missing_batch_delete_and_upload_listing(
         assert Checkpointer(root).load({"m": model(5)}) == 3
 
 
-def test_overwrite_cleans_up_where_head_has_no_etag(moto_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overwrite_cleans_up_where_head_has_no_etag(
+    moto_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The JuiceFS gateway answers HEAD without an ETag: the writer then compares .metadata's bytes."""
     with FaultProxy(moto_server.endpoint_url, drop_response_headers={("HEAD", "etag")}) as proxy:
         for name, value in moto_server.env().items():
@@ -385,8 +399,12 @@ def test_local_overwrite_false_race_commits_exactly_one(tmp_path: Path) -> None:
             return super().resolve_data(write_item)
 
     with pytest.raises(BaseException, match="Checkpoint already exists"):
-        dcp.save(state(2), storage_writer=S3StorageWriter(directory, overwrite=False),
-                 planner=RaceAtFirstItem(), no_dist=True)
+        dcp.save(
+            state(2),
+            storage_writer=S3StorageWriter(directory, overwrite=False),
+            planner=RaceAtFirstItem(),
+            no_dist=True,
+        )
     out = _blank()
     dcp.load(out, storage_reader=FileSystemReader(directory), no_dist=True)
     assert out["meta"]["seed"] == 3 and torch.equal(out["a"], state(3)["a"])

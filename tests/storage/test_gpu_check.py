@@ -21,9 +21,22 @@ def test_cpu_smoke_run_writes_the_report_bit_exact(tmp_path: Path) -> None:
     out = tmp_path / "gpu.md"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_check", "--cpu-smoke", "--quick", "--dir", str(tmp_path / "ck"),
-         "--out", str(out)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_check",
+            "--cpu-smoke",
+            "--quick",
+            "--dir",
+            str(tmp_path / "ck"),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = out.read_text()

@@ -135,8 +135,9 @@ def test_a_wrong_authority_is_refused_and_verification_off_warns(
     other = tmp_path / "other-ca.pem"
     trustme.CA().cert_pem.write_to_path(str(other))
     with pytest.raises(BaseException) as info:
-        dcp.save(_state(1), storage_writer=StorageOptions(verify=str(other)).writer(f"s3://{tls_bucket}/ck"),
-                 no_dist=True)
+        dcp.save(
+            _state(1), storage_writer=StorageOptions(verify=str(other)).writer(f"s3://{tls_bucket}/ck"), no_dist=True
+        )
     assert isinstance(_root_cause(info.value), ConfigError) and "not trusted" in str(_root_cause(info.value))
     with pytest.warns(UserWarning, match="verification is off"):
         opts = StorageOptions(verify=False, read_timeout=19)  # a setting of its own: a client of its own
@@ -172,8 +173,9 @@ def test_a_load_opens_at_most_max_concurrency_connections(seaweed_tls: LocalS3Se
     host, port = urlsplit(https.endpoint_url).hostname, urlsplit(https.endpoint_url).port
     with ConnectionCounter((str(host), int(port or 443))) as counter:
         transfer = TransferConfig(max_concurrency=3, max_range_size=64 << 10, coalesce_gap=0)
-        opts = StorageOptions(endpoint_url=f"https://127.0.0.1:{counter.port}", verify=https.ca_bundle,
-                              transfer=transfer)
+        opts = StorageOptions(
+            endpoint_url=f"https://127.0.0.1:{counter.port}", verify=https.ca_bundle, transfer=transfer
+        )
         reader = opts.reader(uri)
         gets: list[str] = []
         out = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -288,7 +290,9 @@ def test_uploads_send_their_crc32c_as_a_header_never_aws_chunked(
     for headers in uploads:
         assert "aws-chunked" not in headers.get("content-encoding", "") and "x-amz-trailer" not in headers, headers
         assert headers.get("x-amz-content-sha256") == "UNSIGNED-PAYLOAD", headers
-        assert ("x-amz-checksum-crc32c" in headers) == (calculation == "when_supported" or not CHECKSUM_SETTING), headers
+        assert ("x-amz-checksum-crc32c" in headers) == (calculation == "when_supported" or not CHECKSUM_SETTING), (
+            headers
+        )
     out = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(out, storage_reader=opts.reader(uri), no_dist=True)
     assert all(torch.equal(out[k], state[k]) for k in state)

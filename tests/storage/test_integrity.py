@@ -84,9 +84,7 @@ def test_object_replaced_by_same_size_object_fails_checksum(bucket: str, s3_env:
     head_a = client.head_object(Bucket=bucket, Key=key_a)
     head_b = client.head_object(Bucket=bucket, Key=key_b)
     assert head_a["ContentLength"] == head_b["ContentLength"]
-    client.copy_object(
-        Bucket=bucket, Key=key_a, CopySource={"Bucket": bucket, "Key": key_b}
-    )
+    client.copy_object(Bucket=bucket, Key=key_a, CopySource={"Bucket": bucket, "Key": key_b})
     with pytest.raises(ERRORS) as info:
         dcp.load(_zeros_like(a), storage_reader=S3StorageReader(f"s3://{bucket}/swap/a"))
     message = str(info.value)

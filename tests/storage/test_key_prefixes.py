@@ -47,10 +47,21 @@ def test_rank_prefix_names() -> None:
     assert [rank_prefix(r, 1) for r in (0, 1, 17)] == ["__0_", "__1_", "__17_"]
     assert rank_prefix(5) == "__5_"
     assert [rank_prefix(r, 16) for r in (0, 1, 15, 16, 33)] == [
-        "p-0/__0_", "p-1/__1_", "p-f/__15_", "p-0/__16_", "p-1/__33_"]
+        "p-0/__0_",
+        "p-1/__1_",
+        "p-f/__15_",
+        "p-0/__16_",
+        "p-1/__33_",
+    ]
     # Two digits, reversed: slot 0x01 -> "10", 0x10 -> "01", 0xab -> "ba".
     assert [rank_prefix(r, 256) for r in (0, 1, 16, 171, 255, 256)] == [
-        "p-00/__0_", "p-10/__1_", "p-01/__16_", "p-ba/__171_", "p-ff/__255_", "p-00/__256_"]
+        "p-00/__0_",
+        "p-10/__1_",
+        "p-01/__16_",
+        "p-ba/__171_",
+        "p-ff/__255_",
+        "p-00/__256_",
+    ]
     assert [rank_prefix(r, 17) for r in (0, 1, 16, 17)] == ["p-00/__0_", "p-10/__1_", "p-01/__16_", "p-00/__17_"]
     assert [rank_prefix(r, 2) for r in range(3)] == ["p-0/__0_", "p-1/__1_", "p-0/__2_"]
     assert rank_prefix(4097, 4096) == "p-100/__4097_"
@@ -96,21 +107,33 @@ def _entries(*names: str) -> list[Entry]:
 
 
 def test_scan_puts_key_prefix_objects_in_their_checkpoint() -> None:
-    steps = scan(_entries(
-        "0000100.pth", "0000100.m_model/.metadata", "0000100.m_model/p-0/__0_0.distcp",
-        "0000100.m_model/p-1/__1_0.distcp", "0000100.m_optim/p-0/__0_0.distcp",  # optimizer part uncommitted
-        "plain/.metadata", "plain/p-00/__0_0.distcp", "plain/p-10/__1_0.distcp",
-        "crashed/p-0/__0_0.distcp", "crashed/p-1/__1_0.distcp",  # nothing but data: an incomplete checkpoint
-        "p-1/.metadata", "p-1/__0_0.distcp",  # a checkpoint that happens to be named p-1
-        "p-1/p-0/__0_0.distcp",
-    ))
+    steps = scan(
+        _entries(
+            "0000100.pth",
+            "0000100.m_model/.metadata",
+            "0000100.m_model/p-0/__0_0.distcp",
+            "0000100.m_model/p-1/__1_0.distcp",
+            "0000100.m_optim/p-0/__0_0.distcp",  # optimizer part uncommitted
+            "plain/.metadata",
+            "plain/p-00/__0_0.distcp",
+            "plain/p-10/__1_0.distcp",
+            "crashed/p-0/__0_0.distcp",
+            "crashed/p-1/__1_0.distcp",  # nothing but data: an incomplete checkpoint
+            "p-1/.metadata",
+            "p-1/__0_0.distcp",  # a checkpoint that happens to be named p-1
+            "p-1/p-0/__0_0.distcp",
+        )
+    )
     by_name = {s.name: s for s in steps}
     assert sorted(by_name) == ["0000100", "crashed", "p-1", "plain"]
     step = by_name["0000100"]
     assert step.kind == "step" and not step.complete and len(step.objects) == 5
     assert step.parts["m_model"].committed and not step.parts["m_optim"].committed
     assert {o.name for o in step.parts["m_model"].objects} == {
-        "0000100.m_model/.metadata", "0000100.m_model/p-0/__0_0.distcp", "0000100.m_model/p-1/__1_0.distcp"}
+        "0000100.m_model/.metadata",
+        "0000100.m_model/p-0/__0_0.distcp",
+        "0000100.m_model/p-1/__1_0.distcp",
+    }
     assert by_name["plain"].kind == "dcp" and by_name["plain"].complete and len(by_name["plain"].objects) == 3
     assert by_name["crashed"].kind == "dcp" and not by_name["crashed"].complete
     assert len(by_name["crashed"].objects) == 2
@@ -128,7 +151,7 @@ def test_scan_of_a_checkpoint_itself() -> None:
 def keys(server: LocalS3Server, bucket: str, prefix: str = "") -> dict[str, int]:
     pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     # Data object names carry a per-save token; these tests compare the names without it.
-    return {untokened(o["Key"][len(prefix):]): o["Size"] for page in pages for o in page.get("Contents", [])}
+    return {untokened(o["Key"][len(prefix) :]): o["Size"] for page in pages for o in page.get("Contents", [])}
 
 
 def test_single_process_round_trip(bucket: str, s3_env: LocalS3Server) -> None:
@@ -215,8 +238,11 @@ def load_job(rank: int, world: int, env: dict[str, str], uri: str, ref_path: str
 def spread(seaweed: LocalS3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(bucket, reference file) of the shared 3-rank job."""
     home = tmp_path_factory.mktemp("aws-spread")
-    env = seaweed.env() | {"AWS_CONFIG_FILE": str(home / "config"), "AWS_EC2_METADATA_DISABLED": "true",
-                           "AWS_SHARED_CREDENTIALS_FILE": str(home / "credentials")}
+    env = seaweed.env() | {
+        "AWS_CONFIG_FILE": str(home / "config"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_SHARED_CREDENTIALS_FILE": str(home / "credentials"),
+    }
     bucket = seaweed.create_bucket(f"t-{uuid.uuid4().hex[:16]}")
     ref_path = str(home / "ref.pt")
     run_ranks(save_job, 3, env, bucket, ref_path)
@@ -232,9 +258,12 @@ def test_objects_land_in_key_prefix_directories(spread: tuple[str, str], s3_env:
 
     # Retention removed step 1 entirely; step 2's parts hold one p-<h> directory per rank.
     # (Each part in the save's generation directory, <step>.<part>.<16 hex>.)
-    got = {re.sub(r"^(0000002\.model_(?:model|optim))\.[0-9a-f]{16}/", r"\1/", k) for k in keys(s3_env, bucket, f"{RUN}/")}
+    got = {
+        re.sub(r"^(0000002\.model_(?:model|optim))\.[0-9a-f]{16}/", r"\1/", k) for k in keys(s3_env, bucket, f"{RUN}/")
+    }
     assert got == {"0000002.pth"} | {
-        f"0000002.model_{kind}/{name}" for kind in ("model", "optim") for name in {".metadata"} | STEP_DATA}
+        f"0000002.model_{kind}/{name}" for kind in ("model", "optim") for name in {".metadata"} | STEP_DATA
+    }
 
 
 @pytest.mark.multiproc

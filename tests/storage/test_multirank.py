@@ -53,7 +53,9 @@ def use_server(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def save_job(rank: int, world: int, env: dict[str, str], uri: str, ref_path: str, compression: str | None = None) -> None:
+def save_job(
+    rank: int, world: int, env: dict[str, str], uri: str, ref_path: str, compression: str | None = None
+) -> None:
     use_server(env)
     model, optim = build(seed=1)
     for _ in range(3):
@@ -89,7 +91,8 @@ def test_fsdp2_save_on_2_ranks_load_on_1_and_3(bucket: str, s3_env: LocalS3Serve
     run_ranks(save_job, 2, s3_env.env(), uri, ref)
     objects = {o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket)["Contents"]}
     assert objects == {
-        "fsdp/step-3/.metadata", data_key(s3_env.client(), bucket, "fsdp/step-3", 0),
+        "fsdp/step-3/.metadata",
+        data_key(s3_env.client(), bucket, "fsdp/step-3", 0),
         data_key(s3_env.client(), bucket, "fsdp/step-3", 1),
     }
     run_ranks(load_job, 1, s3_env.env(), uri, ref)
@@ -107,7 +110,9 @@ def replicated_job(rank: int, world: int, env: dict[str, str], uri: str) -> None
 def test_rank_with_empty_plan_writes_no_object(bucket: str, s3_env: LocalS3Server) -> None:
     uri = f"s3://{bucket}/repl"
     run_ranks(replicated_job, 2, s3_env.env(), uri)
-    data = [o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket)["Contents"] if o["Key"].endswith(".distcp")]
+    data = [
+        o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket)["Contents"] if o["Key"].endswith(".distcp")
+    ]
     assert len(data) == 1, data  # the deduplicated tensor is written by one rank only
 
 

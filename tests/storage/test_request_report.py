@@ -32,8 +32,12 @@ def _throttled_save(rank: int, world: int, env: dict[str, str], uri: str, endpoi
     got = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(got, storage_reader=reader)
     dist.barrier()
-    return {"save": writer.request_stats, "load": reader.request_stats, "process": request_stats(),
-            "exact": all(torch.equal(got[k], v) for k, v in state.items())}
+    return {
+        "save": writer.request_stats,
+        "load": reader.request_stats,
+        "process": request_stats(),
+        "exact": all(torch.equal(got[k], v) for k, v in state.items()),
+    }
 
 
 @pytest.mark.multiproc
@@ -51,7 +55,9 @@ def test_the_coordinator_sees_every_ranks_refusals(seaweed: LocalS3Server, bucke
     for rank in (0, 1):
         assert sum(f["refusals"] for f in coordinator[rank].values()) > 0, coordinator
         assert sum(f["attempts"] for f in coordinator[rank].values()) >= 6, coordinator
-        assert all(set(f) == {"attempts", "refusals", "wait_s", "rate", "peak_rate"} for f in coordinator[rank].values())
+        assert all(
+            set(f) == {"attempts", "refusals", "wait_s", "rate", "peak_rate"} for f in coordinator[rank].values()
+        )
     # Together they account for every refusal the proxy made during the save (the load reads only).
     assert sum(f["refusals"] for figures in coordinator.values() for f in figures.values()) == refused
     # The load: each rank its own, and none of the save's requests.
@@ -65,8 +71,9 @@ def test_the_coordinator_sees_every_ranks_refusals(seaweed: LocalS3Server, bucke
     load_metadata(body, uri)
 
 
-def test_figures_are_this_saves_not_the_process_lifetime(s3_env: LocalS3Server, bucket: str,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_figures_are_this_saves_not_the_process_lifetime(
+    s3_env: LocalS3Server, bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
     state = {f"t{i}": torch.arange(100.0) + i for i in range(4)}
     figures = []
     for step in range(2):
@@ -85,8 +92,9 @@ def test_figures_are_this_saves_not_the_process_lifetime(s3_env: LocalS3Server, 
 
 
 def test_rank_results_travel_by_pickle_and_are_taken_out() -> None:
-    wrapped = RankResults([], 3, {"s3://b/p/ (write)": {"attempts": 4.0, "refusals": 1.0, "wait_s": 0.5,
-                                                          "rate": 2.0, "peak_rate": 3.0}})
+    wrapped = RankResults(
+        [], 3, {"s3://b/p/ (write)": {"attempts": 4.0, "refusals": 1.0, "wait_s": 0.5, "rate": 2.0, "peak_rate": 3.0}}
+    )
     back = pickle.loads(pickle.dumps(wrapped))
     assert list(back) == [] and len(back) == 0
     plain, figures = split_results([back, []])

@@ -137,7 +137,9 @@ def test_stock_filesystem_reader_loads_a_downloaded_copy(bucket: str, s3_env: Lo
     assert_same(sd, out)
 
 
-def test_reads_checkpoint_written_by_stock_filesystem_writer(bucket: str, s3_env: LocalS3Server, tmp_path: Path) -> None:
+def test_reads_checkpoint_written_by_stock_filesystem_writer(
+    bucket: str, s3_env: LocalS3Server, tmp_path: Path
+) -> None:
     sd = sample_state()
     dcp.save(sd, checkpoint_id=tmp_path)
     client = s3_env.client()
@@ -226,7 +228,8 @@ def test_retry_attempts_bound_botocore_and_body_retries() -> None:
 
 
 @pytest.mark.parametrize(
-    "uri", ["gs://bucket/key", "s3://bucket", "s3://bucket/", "s3:///key", "s3://B!/k", "s3://bucket/a/../b", ""],
+    "uri",
+    ["gs://bucket/key", "s3://bucket", "s3://bucket/", "s3:///key", "s3://B!/k", "s3://bucket/a/../b", ""],
 )
 def test_non_s3_uris_rejected(uri: str) -> None:
     assert not S3StorageWriter.validate_checkpoint_id(uri)
@@ -385,7 +388,11 @@ def test_corrupted_bytes_are_detected(bucket: str, s3_env: LocalS3Server) -> Non
         with pytest.raises(BaseException) as exc:
             dcp.load(blank_like(sd) | {"meta": {"note": ""}}, storage_reader=S3StorageReader(uri))
         message = str(exc.value)
-        assert "checksum mismatch" in message and data_key(s3_env.client(), bucket, "corrupt") in message and index.fqn in message
+        assert (
+            "checksum mismatch" in message
+            and data_key(s3_env.client(), bucket, "corrupt") in message
+            and index.fqn in message
+        )
 
 
 def test_round_trip_on_moto(moto_server: LocalS3Server, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,8 +12,12 @@ from dcp_s3.local_server import LocalS3Server
 
 def test_writer_and_reader_each_get_their_own_options(bucket: str, s3_env: LocalS3Server) -> None:
     options = StorageOptions(
-        endpoint_url=s3_env.endpoint_url, part_size=5 << 20, compression="zstd", share_metadata=False,
-        max_concurrency=3, retry_attempts=2,
+        endpoint_url=s3_env.endpoint_url,
+        part_size=5 << 20,
+        compression="zstd",
+        share_metadata=False,
+        max_concurrency=3,
+        retry_attempts=2,
     )
     # Neither class accepts all of these: given to S3StorageReader directly, part_size is refused.
     with pytest.raises(TypeError):
@@ -50,7 +54,11 @@ def test_local_paths_take_the_options_that_mean_something_there(tmp_path) -> Non
 
 @pytest.mark.parametrize(
     ("options", "named"),
-    [({"part_sise": 1}, "part_sise"), ({"compression": "lz4"}, "compression"), ({"max_concurrency": 0}, "max_concurrency")],
+    [
+        ({"part_sise": 1}, "part_sise"),
+        ({"compression": "lz4"}, "compression"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+    ],
 )
 def test_bad_options_are_refused_when_made_naming_the_option(options: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):

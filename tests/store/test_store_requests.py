@@ -30,7 +30,9 @@ from dcp_s3.store import open_store
 MiB = 1 << 20
 OWNER = "123456789012"
 ARGS = {
-    "ServerSideEncryption": "AES256", "StorageClass": "STANDARD", "RequestPayer": "requester",
+    "ServerSideEncryption": "AES256",
+    "StorageClass": "STANDARD",
+    "RequestPayer": "requester",
     "ExpectedBucketOwner": OWNER,
 }
 CLI_ARGS = [f"--request-arg={k}={v}" for k, v in ARGS.items()]
@@ -101,7 +103,10 @@ def test_checkpointer_markers_retention_and_load(bucket: str, sent: list[tuple[s
 
 
 def test_cp_rm_gc_send_request_args(
-    bucket: str, s3_env: LocalS3Server, tmp_path: Path, sent: list[tuple[str, dict[str, Any]]],
+    bucket: str,
+    s3_env: LocalS3Server,
+    tmp_path: Path,
+    sent: list[tuple[str, dict[str, Any]]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     src = tmp_path / "src"
@@ -129,8 +134,9 @@ def test_cp_rm_gc_send_request_args(
     assert client.get_object(Bucket=bucket, Key="copy/0000001.m_model/__0_0.distcp")["Body"].read() == big
     # gc: a stale multipart upload is found (ListMultipartUploads, ListParts) and aborted
     up = client.create_multipart_upload(Bucket=bucket, Key="run/0000002.m_model/__0_0.distcp")
-    client.upload_part(Bucket=bucket, Key="run/0000002.m_model/__0_0.distcp", UploadId=up["UploadId"],
-                       PartNumber=1, Body=b"x")
+    client.upload_part(
+        Bucket=bucket, Key="run/0000002.m_model/__0_0.distcp", UploadId=up["UploadId"], PartNumber=1, Body=b"x"
+    )
     time.sleep(1.1)
     assert cli.main(["gc", s3, "--older-than=1s", "--yes", *CLI_ARGS]) == 0
     check(sent, {"ListObjectsV2", "ListMultipartUploads", "ListParts", "AbortMultipartUpload"})
@@ -152,7 +158,9 @@ def test_cli_request_arg_is_checked(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "unsupported request_args ['SSECustomerKey']" in capsys.readouterr().err
 
 
-def test_stream_to_and_from_s3_goes_in_parts(bucket: str, tmp_path: Path, sent: list[tuple[str, dict[str, Any]]]) -> None:
+def test_stream_to_and_from_s3_goes_in_parts(
+    bucket: str, tmp_path: Path, sent: list[tuple[str, dict[str, Any]]]
+) -> None:
     """An object larger than every buffer goes from a directory to S3 and back in parts and ranges of the
     configured sizes, over both object stores (the directory side reads and writes without following links)."""
     store = open_store(f"s3://{bucket}/f", part_size=5 * MiB, max_range_size=1 * MiB, max_concurrency=2)
@@ -181,7 +189,9 @@ def _fake_steps(client: Any, bucket: str, root: str, steps: int, objects: int) -
 
 
 def test_latest_resume_retention_list_steps_not_objects(
-    bucket: str, s3_env: LocalS3Server, sent: list[tuple[str, dict[str, Any]]],
+    bucket: str,
+    s3_env: LocalS3Server,
+    sent: list[tuple[str, dict[str, Any]]],
     hooks: list[tuple[str, Callable[..., Any]]],
 ) -> None:
     listed = [0]
@@ -215,20 +225,29 @@ def test_latest_resume_retention_list_steps_not_objects(
 
 @pytest.mark.parametrize("where", ["local", "s3"])
 @pytest.mark.parametrize("named", [False, True])
-def test_find_complete_agrees_with_full_scan(where: str, named: bool, request: pytest.FixtureRequest,
-                                             tmp_path: Path) -> None:
+def test_find_complete_agrees_with_full_scan(
+    where: str, named: bool, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """The delimiter search finds exactly the complete steps a full recursive scan finds."""
     if where == "s3":
         store = open_store(f"s3://{request.getfixturevalue('bucket')}/run")
     else:
         store = open_store(tmp_path / "run")
     tree = {
-        "0000001.pth": 1, "0000001.m_model/.metadata": 1, "0000001.m_model/__0_0.distcp": 1,
-        "0000002.pth": 1, "0000002.m_model/__0_0.distcp": 1,  # marker, part uncommitted
+        "0000001.pth": 1,
+        "0000001.m_model/.metadata": 1,
+        "0000001.m_model/__0_0.distcp": 1,
+        "0000002.pth": 1,
+        "0000002.m_model/__0_0.distcp": 1,  # marker, part uncommitted
         "0000003.m_model/.metadata": 1,  # no marker
-        "0000004.pth": 1, "0000004.m_model/.metadata": 1, "0000004.m_optim/p-0/__0_0.distcp": 1,  # optim uncommitted
-        "0000005.pth": 1, "0000005.a_model/.metadata": 1, "0000005.a_optim/.metadata": 1,
-        "nested/0000009.pth": 1, "nested/0000009.m_model/.metadata": 1,  # not directly under the root
+        "0000004.pth": 1,
+        "0000004.m_model/.metadata": 1,
+        "0000004.m_optim/p-0/__0_0.distcp": 1,  # optim uncommitted
+        "0000005.pth": 1,
+        "0000005.a_model/.metadata": 1,
+        "0000005.a_optim/.metadata": 1,
+        "nested/0000009.pth": 1,
+        "nested/0000009.m_model/.metadata": 1,  # not directly under the root
         "plain/.metadata": 1,
     }
     # A part whose objects were all deleted: SeaweedFS still lists its directory, a full scan does not see it.

@@ -44,7 +44,9 @@ class TestMoto(StoreConformance):
         credentials.write_text(json.dumps(moto_server.credentials()))
         credentials.chmod(0o600)
         return Target(
-            "moto", f"s3://{bucket}/run-a", S3Raw(moto_server.client(), bucket, "run-a"),
+            "moto",
+            f"s3://{bucket}/run-a",
+            S3Raw(moto_server.client(), bucket, "run-a"),
             options={"credential_path": str(credentials)},
         )
 

@@ -78,7 +78,13 @@ def test_without_pytest_the_import_names_the_extra() -> None:
 def test_the_face() -> None:
     assert testing.LocalS3Server is local_server.LocalS3Server
     assert sorted(testing.__all__) == [
-        "LocalRaw", "LocalS3Server", "ObjectStoreConformance", "Raw", "S3Raw", "StoreConformance", "Target",
+        "LocalRaw",
+        "LocalS3Server",
+        "ObjectStoreConformance",
+        "Raw",
+        "S3Raw",
+        "StoreConformance",
+        "Target",
     ]
 
 
@@ -143,7 +149,11 @@ def test_a_backend_of_its_own_runs_the_suites_through_the_hooks_only(tmp_path: P
     report = tmp_path / "report.xml"
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_mine.py"],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     outcomes: dict[str, dict[str, str]] = {}
     for case in ET.parse(report).iter("testcase"):

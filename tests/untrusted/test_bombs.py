@@ -81,10 +81,15 @@ _CHILD = textwrap.dedent(
 def run_child(ckpt: Path, state: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
     """Load ``ckpt`` into the blank ``state`` (tensor shapes as lists, see ``bomb_child``) in a child."""
     code = Path(dcp_s3.__file__).resolve().parents[1]  # the child runs the dcp_s3 this process imported
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code), str(ROOT / "tests"), str(ROOT / "tests" / "untrusted")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(code), str(ROOT / "tests"), str(ROOT / "tests" / "untrusted")])
+    )
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(HEADROOM), str(ckpt), json.dumps(state)],
-        capture_output=True, text=True, timeout=timeout, env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
     assert proc.returncode == 0, f"child died with {proc.returncode}: {proc.stderr[-2000:]}"
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -151,10 +156,19 @@ def _archive(pkl: bytes) -> bytes:
 
 _MEMO = pickle_ops(pickle.BININT1 + b"\x01", pickle.LONG_BINPUT + (1 << 26).to_bytes(4, "little"))
 #: 8,000 distinct non-ASCII characters: punycode encodes them in ~10 s (quadratic).
-_PUNY = pickle_ops(global_op("_codecs", "encode"), unicode_op("".join(chr(0x100 + i) for i in range(8000))),
-                   unicode_op("punycode"), pickle.TUPLE2, pickle.REDUCE)
-_STORAGE = pickle_ops(global_op("torch", "ByteTensor"), pickle.BININT + ((1 << 31) - 1).to_bytes(4, "little"),
-                      pickle.TUPLE1, pickle.REDUCE)
+_PUNY = pickle_ops(
+    global_op("_codecs", "encode"),
+    unicode_op("".join(chr(0x100 + i) for i in range(8000))),
+    unicode_op("punycode"),
+    pickle.TUPLE2,
+    pickle.REDUCE,
+)
+_STORAGE = pickle_ops(
+    global_op("torch", "ByteTensor"),
+    pickle.BININT + ((1 << 31) - 1).to_bytes(4, "little"),
+    pickle.TUPLE1,
+    pickle.REDUCE,
+)
 
 
 def _sparse_out_of_range() -> bytes:
@@ -164,12 +178,15 @@ def _sparse_out_of_range() -> bytes:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("name", "make", "match"), [
-    ("memo", lambda: _archive(_MEMO), "memo entry 67108864 after only 0 entries"),
-    ("punycode", lambda: _archive(_PUNY), "encoding 'punycode': only latin1"),
-    ("tensor-class", lambda: _archive(_STORAGE), "torch.ByteTensor"),
-    ("sparse", _sparse_out_of_range, "_rebuild_sparse_tensor"),
-])
+@pytest.mark.parametrize(
+    ("name", "make", "match"),
+    [
+        ("memo", lambda: _archive(_MEMO), "memo entry 67108864 after only 0 entries"),
+        ("punycode", lambda: _archive(_PUNY), "encoding 'punycode': only latin1"),
+        ("tensor-class", lambda: _archive(_STORAGE), "torch.ByteTensor"),
+        ("sparse", _sparse_out_of_range, "_rebuild_sparse_tensor"),
+    ],
+)
 def test_byte_item_bombs_the_c_unpickler_would_run_are_refused(
     tmp_path: Path, name: str, make: Any, match: str
 ) -> None:
@@ -202,8 +219,15 @@ def test_bytesio_loads_as_torch_save_writes_it_and_nothing_else() -> None:
         "with arguments": _bytes_io(pickle.NONE, args=int_op(1 << 30) + pickle.TUPLE1),
         "to position 6": _bytes_io(*_LATIN1, int_op(6), pickle.NONE, pickle.TUPLE3),
         "not (bytes, position": _bytes_io(int_op(1 << 30), pickle.TUPLE1),
-        "posix.system": _bytes_io(*_LATIN1, int_op(0), pickle.EMPTY_DICT, unicode_op("x"),
-                                  global_op("posix", "system"), pickle.SETITEM, pickle.TUPLE3),
+        "posix.system": _bytes_io(
+            *_LATIN1,
+            int_op(0),
+            pickle.EMPTY_DICT,
+            unicode_op("x"),
+            global_op("posix", "system"),
+            pickle.SETITEM,
+            pickle.TUPLE3,
+        ),
     }
     for match, pkl in refusals.items():
         assert match in str(byte_item_problem(_archive(pkl))), match
@@ -215,15 +239,28 @@ def test_checker_refuses_other_uncosted_calls_and_passes_what_torch_save_writes(
     for call in (global_op("torch.storage", "UntypedStorage"), global_op("torch._utils", "_rebuild_qtensor")):
         pkl = pickle_ops(call, pickle.BININT + (1 << 30).to_bytes(4, "little"), pickle.TUPLE1, pickle.REDUCE)
         assert "which can allocate" in str(byte_item_problem(_archive(pkl)))
-    puny = pickle_ops(global_op("builtins", "bytearray"), unicode_op("x"), unicode_op("punycode"),
-                      pickle.TUPLE2, pickle.REDUCE)
+    puny = pickle_ops(
+        global_op("builtins", "bytearray"), unicode_op("x"), unicode_op("punycode"), pickle.TUPLE2, pickle.REDUCE
+    )
     assert "bytearray" in str(byte_item_problem(_archive(puny)))
-    put_again = pickle_ops(pickle.BININT1 + b"\x01", pickle.BINPUT + b"\x00", pickle.BINPUT + b"\x00",
-                           pickle.BINPUT + b"\x01")
+    put_again = pickle_ops(
+        pickle.BININT1 + b"\x01", pickle.BINPUT + b"\x00", pickle.BINPUT + b"\x00", pickle.BINPUT + b"\x01"
+    )
     assert byte_item_problem(_archive(put_again)) is None  # dense indices, re-used: what a pickler may write
     groups = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=0.1).state_dict()["param_groups"]
-    for value in (groups, b"bytes", bytearray(b"ba"), bytearray(), {1, 2}, complex(1, 2), torch.Size([2]),
-                  torch.device("cpu"), torch.ones(4)[1:3], torch.ones(2, 3).t(), torch.nn.Parameter(torch.ones(2))):
+    for value in (
+        groups,
+        b"bytes",
+        bytearray(b"ba"),
+        bytearray(),
+        {1, 2},
+        complex(1, 2),
+        torch.Size([2]),
+        torch.device("cpu"),
+        torch.ones(4)[1:3],
+        torch.ones(2, 3).t(),
+        torch.nn.Parameter(torch.ones(2)),
+    ):
         assert byte_item_problem(torch_saved(value)) is None, value
 
 
@@ -235,8 +272,10 @@ def test_convert_refuses_metadata_whose_chunks_do_not_cover_the_tensor(tmp_path:
     md = read_metadata(str(ckpt))
     tensor = md.state_dict_metadata["w"]
     entries = dict(md.storage_data)
-    for chunks, match in (([], "cover 0 of its 32 elements"),
-                          ([ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4]))] * 2, "overlap")):
+    for chunks, match in (
+        ([], "cover 0 of its 32 elements"),
+        ([ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([4, 4]))] * 2, "overlap"),
+    ):
         tensor.chunks = chunks  # (with the storage entries of the chunks kept, none for an empty list)
         md.storage_data = {k: v for k, v in entries.items() if any(c.offsets == k.offset for c in chunks)}
         write_metadata(str(ckpt), md)
@@ -264,7 +303,7 @@ def test_compact_metadata_with_an_empty_table_is_a_format_error(table: str) -> N
 def _zstd_raw_frame(payload: bytes, window_log: int) -> bytes:
     """A zstd frame holding ``payload`` in raw blocks whose header asks for a window of 2^``window_log``."""
     out = bytearray((0xFD2FB528).to_bytes(4, "little") + bytes([0x00, (window_log - 10) << 3]))
-    blocks = [payload[i:i + (1 << 17)] for i in range(0, len(payload), 1 << 17)] or [b""]
+    blocks = [payload[i : i + (1 << 17)] for i in range(0, len(payload), 1 << 17)] or [b""]
     for i, block in enumerate(blocks):
         out += (int(i == len(blocks) - 1) | len(block) << 3).to_bytes(3, "little") + block
     return bytes(out)
@@ -299,8 +338,10 @@ def test_step_markers_and_load_object_are_checked_like_byte_items(tmp_path: Path
     ckpt = Checkpointer(run)
     ckpt.save({"m": net}, iteration=5)
     marker = run / "0000005.pth"
-    for payload, match in ((_archive(_PUNY), "encoding 'punycode': only latin1"),
-                           (_archive(_MEMO), "memo entry 67108864 after only 0 entries")):
+    for payload, match in (
+        (_archive(_PUNY), "encoding 'punycode': only latin1"),
+        (_archive(_MEMO), "memo entry 67108864 after only 0 entries"),
+    ):
         marker.write_bytes(payload)
         with pytest.raises(CheckpointFormatError, match=match):
             Checkpointer(run).load({"m": net}, path=run / "0000005")

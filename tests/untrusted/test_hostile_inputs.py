@@ -269,19 +269,27 @@ def test_gc_finds_unreferenced_data_objects_of_committed_checkpoints(bucket: str
     save(f"s3://{bucket}/run/spread", key_prefixes=4)
     real = set(keys(client, bucket))
     planted = {
-        "run/flat/__0_0.0123456789abcdef.distcp", "run/flat/__1_0.distcp",
-        "run/spread/p-2/__2_0.fedcba9876543210.distcp", "run/spread/p-0/__0_1.distcp",
-        "run/flat/.dcp_s3-probe.0123456789abcdef", "run/empty/.dcp_s3-probe.00ff00ff00ff00ff",
+        "run/flat/__0_0.0123456789abcdef.distcp",
+        "run/flat/__1_0.distcp",
+        "run/spread/p-2/__2_0.fedcba9876543210.distcp",
+        "run/spread/p-0/__0_1.distcp",
+        "run/flat/.dcp_s3-probe.0123456789abcdef",
+        "run/empty/.dcp_s3-probe.00ff00ff00ff00ff",
     }
-    kept = {"run/flat/README.md", "run/flat/p-1/notes.txt", "run/flat/model.distcp.bak", "run/flat/.dcp_s3-probe.txt",
-            "run/flat/extra/__0_0.distcp"}  # inside a complete checkpoint: maybe its data, never guessed at
+    kept = {
+        "run/flat/README.md",
+        "run/flat/p-1/notes.txt",
+        "run/flat/model.distcp.bak",
+        "run/flat/.dcp_s3-probe.txt",
+        "run/flat/extra/__0_0.distcp",
+    }  # inside a complete checkpoint: maybe its data, never guessed at
     for key in planted | kept:
         client.put_object(Bucket=bucket, Key=key, Body=b"x" * 10)
 
     assert find_garbage(f"s3://{bucket}/run").objects == []  # everything is younger than the 1h default
     later = time.time() + 7200  # two hours from now, every object is old
     garbage = find_garbage(f"s3://{bucket}/run", now=later)
-    assert {o.name for o in garbage.objects} == {k[len("run/"):] for k in planted}
+    assert {o.name for o in garbage.objects} == {k[len("run/") :] for k in planted}
     assert garbage.steps == [] and garbage.uploads == []
     assert [where for where, _ in garbage.skipped] == [f"s3://{bucket}/run/flat/extra"]
     assert collect_garbage(garbage) == (len(planted), 0)
@@ -359,7 +367,7 @@ def test_rm_dry_run_lists_everything_rm_deletes(
         code, out, _ = run(capsys, "rm", *argv)
         assert code == 0 and _gc_lines(out, "removed") == listed
         gone = {f"s3://{bucket}/{k}" for k in set(before) - set(keys(client, bucket))}
-        assert gone == listed, (gone ^ listed)
+        assert gone == listed, gone ^ listed
         assert len(aborts) == 1 and ("__5_0.distcp" if len(argv) == 1 else "run/x/__0_0.distcp") in aborts[0]
         if len(argv) == 1:
             assert f"kept s3://{bucket}/run/0000001.model_model/notes.md (not a checkpoint object)" in out
@@ -447,8 +455,9 @@ def test_time_bounds_are_settable_everywhere(
     fast = ClientConfig(connect_timeout=1, read_timeout=0.5, retry_attempts=2)
     t0 = time.monotonic()
     if entry == "cli":
-        code, _, err = run(capsys, "ls", "s3://bucket/run", "--read-timeout", "0.5", "--max-attempts", "2",
-                           "--connect-timeout", "1")
+        code, _, err = run(
+            capsys, "ls", "s3://bucket/run", "--read-timeout", "0.5", "--max-attempts", "2", "--connect-timeout", "1"
+        )
         assert code == 1 and black_hole.url.split("//")[1] in err, err
     else:
         with pytest.raises((CheckpointException, DcpS3Error)) as info:
@@ -458,7 +467,8 @@ def test_time_bounds_are_settable_everywhere(
                 dcp.load(dict(STATE), storage_reader=S3StorageReader("s3://bucket/c", client=fast), no_dist=True)
             else:
                 Checkpointer("s3://bucket/run", connect_timeout=1, read_timeout=0.5, retry_attempts=2).save(
-                    {"model": torch.nn.Linear(2, 2)}, iteration=1)
+                    {"model": torch.nn.Linear(2, 2)}, iteration=1
+                )
         assert black_hole.url.split("//")[1] in _failure(info.value)
     assert time.monotonic() - t0 < 30
     assert len(black_hole.accepted) == 2  # retry_attempts=2 was honoured, not replaced
@@ -466,8 +476,9 @@ def test_time_bounds_are_settable_everywhere(
 
 def test_one_client_settings_object() -> None:
     base = ClientConfig(read_timeout=7, retry_attempts=3, max_pool_connections=64)
-    writer = S3StorageWriter("s3://bucket/x", client=base, region="eu-west-1", max_concurrency=4,
-                             transfer=TransferConfig(part_size=8 << 20))
+    writer = S3StorageWriter(
+        "s3://bucket/x", client=base, region="eu-west-1", max_concurrency=4, transfer=TransferConfig(part_size=8 << 20)
+    )
     cfg = writer._session.client_config
     assert (cfg.read_timeout, cfg.retry_attempts, cfg.region, cfg.max_pool_connections) == (7.0, 3, "eu-west-1", 64)
     client = cfg.make_client()
@@ -516,16 +527,30 @@ def test_botocore_debug_logs_never_show_the_session_token(
     moto_env: LocalS3Server, tmp_path: Path, botocore_debug: io.StringIO
 ) -> None:
     cred = tmp_path / "cred.json"
-    cred.write_text(json.dumps({"aws_access_key_id": "AKIDEXAMPLE", "aws_secret_access_key": SECRET,
-                                "aws_session_token": TOKEN, "endpoint_url": moto_env.endpoint_url,
-                                "region_name": "us-east-1"}))
+    cred.write_text(
+        json.dumps(
+            {
+                "aws_access_key_id": "AKIDEXAMPLE",
+                "aws_secret_access_key": SECRET,
+                "aws_session_token": TOKEN,
+                "endpoint_url": moto_env.endpoint_url,
+                "region_name": "us-east-1",
+            }
+        )
+    )
     cred.chmod(0o600)
     # Control: without the filter, botocore does write the token (so this test can fail).
     _drop_redaction()
     import boto3
 
-    raw = boto3.client("s3", endpoint_url=moto_env.endpoint_url, region_name="us-east-1",
-                       aws_access_key_id="AKIDEXAMPLE", aws_secret_access_key=SECRET, aws_session_token=TOKEN)
+    raw = boto3.client(
+        "s3",
+        endpoint_url=moto_env.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="AKIDEXAMPLE",
+        aws_secret_access_key=SECRET,
+        aws_session_token=TOKEN,
+    )
     raw.list_buckets()
     assert TOKEN in botocore_debug.getvalue()
     botocore_debug.seek(0)
@@ -547,10 +572,13 @@ def test_botocore_debug_logs_never_show_the_session_token(
     assert TOKEN not in logged and SECRET not in logged
 
 
-@pytest.mark.parametrize("content", [
-    {"aws_session_token": TOKEN},
-    {"aws_access_key_id": "AKIDEXAMPLE", "aws_secret_access_key": SECRET},
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        {"aws_session_token": TOKEN},
+        {"aws_access_key_id": "AKIDEXAMPLE", "aws_secret_access_key": SECRET},
+    ],
+)
 @pytest.mark.parametrize("mode", [0o644, 0o640])
 def test_a_credential_file_readable_by_others_warns(tmp_path: Path, content: dict[str, str], mode: int) -> None:
     cred = tmp_path / "cred.json"
@@ -576,9 +604,16 @@ def test_ls_and_inspect_escape_control_characters(
     local = tmp_path / f"run{EVIL}dir"
     _local_checkpoint(local)
     outputs = []
-    for argv in (("inspect", f"s3://{bucket}/ck"), ("ls", f"s3://{bucket}/"), ("ls", str(tmp_path)),
-                 ("inspect", str(local)), ("gc", str(tmp_path), "--older-than", "0"), ("verify", str(tmp_path)),
-                 ("rm", str(local), "--dry-run"), ("inspect", f"s3://{bucket}/ck", "--json")):
+    for argv in (
+        ("inspect", f"s3://{bucket}/ck"),
+        ("ls", f"s3://{bucket}/"),
+        ("ls", str(tmp_path)),
+        ("inspect", str(local)),
+        ("gc", str(tmp_path), "--older-than", "0"),
+        ("verify", str(tmp_path)),
+        ("rm", str(local), "--dry-run"),
+        ("inspect", f"s3://{bucket}/ck", "--json"),
+    ):
         code, out, err = run(capsys, *argv)
         assert code == 0, (argv, err)
         outputs.append(out + err)
@@ -601,8 +636,10 @@ def test_ls_and_inspect_escape_control_characters(
         (lambda: S3StorageWriter("s3://bucket/x", compression="zstd", compression_threads="2"), "compression_threads"),
         (lambda: S3StorageWriter("s3://bucket/x", compression="zstd", compression_level=1.5), "compression_level"),
         (lambda: S3StorageReader("s3://bucket/x", max_range_size=1e6), "max_range_size"),
-        (lambda: S3StorageReader("s3://bucket/x", max_concurrency=None, transfer=TransferConfig(coalesce_gap=None)),
-         "coalesce_gap"),
+        (
+            lambda: S3StorageReader("s3://bucket/x", max_concurrency=None, transfer=TransferConfig(coalesce_gap=None)),
+            "coalesce_gap",
+        ),
         (lambda: ClientConfig(read_timeout="30"), "read_timeout"),
         (lambda: ClientConfig(connect_timeout=float("nan")), "connect_timeout"),
         (lambda: ClientConfig(connect_timeout=True), "connect_timeout"),
@@ -625,9 +662,18 @@ def test_numpy_integers_are_fine() -> None:
 
 @pytest.mark.parametrize(
     ("bucket", "problem"),
-    [("ab", "2 characters"), ("a" * 64, "64 characters"), ("My-Bucket", "character"), ("my_bucket", "character"),
-     ("-bucket", "start and end"), ("bucket-", "start and end"), (".bucket", "start and end"), ("a..b", "'..'"),
-     ("192.168.5.4", "IP address"), ("b\x1bucket", "character")],
+    [
+        ("ab", "2 characters"),
+        ("a" * 64, "64 characters"),
+        ("My-Bucket", "character"),
+        ("my_bucket", "character"),
+        ("-bucket", "start and end"),
+        ("bucket-", "start and end"),
+        (".bucket", "start and end"),
+        ("a..b", "'..'"),
+        ("192.168.5.4", "IP address"),
+        ("b\x1bucket", "character"),
+    ],
 )
 def test_bucket_names_follow_s3_rules(bucket: str, problem: str) -> None:
     with pytest.raises(InvalidCheckpointIdError, match="not a valid bucket name") as info:

@@ -160,9 +160,20 @@ def test_opt_in_and_safe_globals_load_trusted_byte_items(bucket: str, s3_env: Lo
 def test_legitimate_byte_items_still_load(bucket: str, s3_env: LocalS3Server) -> None:
     opt = torch.optim.AdamW([nn.Parameter(torch.ones(3))], lr=0.1, betas=(0.8, 0.9))
     values = {
-        "param_groups": opt.state_dict()["param_groups"], "i": 3, "s": "text", "f": 0.5, "b": b"raw",
-        "t": (1, "two"), "none": None, "flag": True, "big": 2**80, "c": 1 + 2j, "set": {1, 2},
-        "size": torch.Size([2, 3]), "dtype": torch.bfloat16, "dev": torch.device("cpu"),
+        "param_groups": opt.state_dict()["param_groups"],
+        "i": 3,
+        "s": "text",
+        "f": 0.5,
+        "b": b"raw",
+        "t": (1, "two"),
+        "none": None,
+        "flag": True,
+        "big": 2**80,
+        "c": 1 + 2j,
+        "set": {1, 2},
+        "size": torch.Size([2, 3]),
+        "dtype": torch.bfloat16,
+        "dev": torch.device("cpu"),
         "ba": bytearray(b"xy"),
     }
     uri = f"s3://{bucket}/legit"
@@ -180,8 +191,11 @@ def test_checkpointer_load_refuses_poisoned_optimizer_state(bucket: str, s3_env:
     optim.step()
     Checkpointer(f"s3://{bucket}/run").save({"m": model}, {"m": optim}, iteration=5)
     run = Checkpointer(f"s3://{bucket}/run")
-    optim_part = next(e.name.rpartition("/")[0] for e in run.store.list_objects()
-                      if e.name.endswith("/.metadata") and "_optim" in e.name)
+    optim_part = next(
+        e.name.rpartition("/")[0]
+        for e in run.store.list_objects()
+        if e.name.endswith("/.metadata") and "_optim" in e.name
+    )
     uri = f"s3://{bucket}/run/{optim_part}"
     assert "param_groups" in " ".join(replace_byte_items(uri, torch_saved(touch(marker))))
     with pytest.raises(BaseException) as info:
@@ -253,7 +267,9 @@ def test_byte_item_forms_torch_load_would_run_are_refused(tmp_path: Path) -> Non
     # a storage claiming more bytes than its record holds (torch would allocate the claim)
     ones = torch_saved(torch.ones(2))
     assert byte_item_problem(with_pickle(ones, lambda pkl: pkl)) is None
-    claim = with_pickle(ones, lambda pkl: pkl.replace(b"K\x02t", pickle.BININT + (1 << 28).to_bytes(4, "little") + b"t"))
+    claim = with_pickle(
+        ones, lambda pkl: pkl.replace(b"K\x02t", pickle.BININT + (1 << 28).to_bytes(4, "little") + b"t")
+    )
     assert "claims 1073741824 bytes, its record holds 8" in str(byte_item_problem(claim))
     assert not marker.exists()
 
@@ -335,19 +351,37 @@ def test_metadata_name_lookup_imports_nothing() -> None:
         # a dataclass created through its constructor (REDUCE) rather than NEWOBJ
         (global_op("dcp_s3.layout", "ItemLocation") + pickle.EMPTY_TUPLE + pickle.REDUCE, "refusing to call"),
         # BUILD twice on one instance, and a dunder attribute
-        (global_op("torch.distributed.checkpoint.metadata", "BytesStorageMetadata") + pickle.EMPTY_TUPLE
-         + pickle.NEWOBJ + pickle.EMPTY_DICT + pickle.BUILD + pickle.EMPTY_DICT + pickle.BUILD, "state set twice"),
-        (global_op("torch.distributed.checkpoint.metadata", "BytesStorageMetadata") + pickle.EMPTY_TUPLE
-         + pickle.NEWOBJ + pickle.EMPTY_DICT + unicode_op("__class__") + pickle.NONE + pickle.SETITEM + pickle.BUILD,
-         "sets attribute '__class__'"),
+        (
+            global_op("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")
+            + pickle.EMPTY_TUPLE
+            + pickle.NEWOBJ
+            + pickle.EMPTY_DICT
+            + pickle.BUILD
+            + pickle.EMPTY_DICT
+            + pickle.BUILD,
+            "state set twice",
+        ),
+        (
+            global_op("torch.distributed.checkpoint.metadata", "BytesStorageMetadata")
+            + pickle.EMPTY_TUPLE
+            + pickle.NEWOBJ
+            + pickle.EMPTY_DICT
+            + unicode_op("__class__")
+            + pickle.NONE
+            + pickle.SETITEM
+            + pickle.BUILD,
+            "sets attribute '__class__'",
+        ),
         # NEWOBJ of a builtin, extension codes, persistent ids
         (global_op("builtins", "set") + pickle.EMPTY_TUPLE + pickle.NEWOBJ, "refusing to create"),
         (pickle.EXT1 + b"\x01", "EXT1"),
         (pickle.NONE + pickle.BINPERSID, "BINPERSID"),
         # appending to a non-list, items on a non-dict, a torch.Size of floats
         (global_op("collections", "OrderedDict") + pickle.NONE + pickle.APPEND, "refusing to add items"),
-        (global_op("torch", "Size") + pickle.BINFLOAT + b"\0" * 8 + pickle.TUPLE1 + pickle.TUPLE1 + pickle.REDUCE,
-         "non-integer"),
+        (
+            global_op("torch", "Size") + pickle.BINFLOAT + b"\0" * 8 + pickle.TUPLE1 + pickle.TUPLE1 + pickle.REDUCE,
+            "non-integer",
+        ),
     ],
     ids=["reduce-dataclass", "build-twice", "dunder-state", "newobj-builtin", "ext", "persid", "append", "size"],
 )
@@ -397,7 +431,10 @@ def test_byte_item_length_lie_allocates_nothing(bucket: str, s3_env: LocalS3Serv
         (info,) = [info for index, info in md.storage_data.items() if index.fqn == "step"]
         info.offset, info.length = info.offset if offset is None else offset, length  # the object holds ~4 KiB
         write_metadata(uri, md)
-        with PeakRss().watch() as rss, pytest.raises(CheckpointFormatError, match="shorter than the checkpoint metadata"):
+        with (
+            PeakRss().watch() as rss,
+            pytest.raises(CheckpointFormatError, match="shorter than the checkpoint metadata"),
+        ):
             load_direct(uri, blank())
         assert rss.growth < 128 * MiB, rss.growth
         assert any("truncated" in p.message for p in verify_checkpoint(uri).problems)
@@ -433,13 +470,19 @@ def test_expanding_metadata_is_bounded_in_time_and_memory(bucket: str, s3_env: L
 @pytest.mark.parametrize("bomb", ["hash", "copy", "cycle"])
 def test_metadata_pickle_bombs_fail_fast(bomb: str) -> None:
     if bomb == "hash":  # a DAG of nested tuples as a dict key: 2^100 steps to hash
-        ops = pickle.EMPTY_DICT + pickle.EMPTY_TUPLE + b"".join(
-            put_op(i) + pickle.POP + get_op(i) + get_op(i) + pickle.TUPLE2 for i in range(100)
-        ) + pickle.NONE + pickle.SETITEM
+        ops = (
+            pickle.EMPTY_DICT
+            + pickle.EMPTY_TUPLE
+            + b"".join(put_op(i) + pickle.POP + get_op(i) + get_op(i) + pickle.TUPLE2 for i in range(100))
+            + pickle.NONE
+            + pickle.SETITEM
+        )
         match = "used as a dict key"
     elif bomb == "copy":  # list(<memo'd 100,000-element list>) 40,000 times: 4 * 10^9 element copies
         big = pickle.EMPTY_LIST + pickle.MARK + int_op(1) * 100_000 + pickle.APPENDS + put_op(0)
-        call = global_op("builtins", "list") + put_op(1) + pickle.POP + get_op(0) + pickle.TUPLE1 + put_op(2) + pickle.POP
+        call = (
+            global_op("builtins", "list") + put_op(1) + pickle.POP + get_op(0) + pickle.TUPLE1 + put_op(2) + pickle.POP
+        )
         ops = big + call + pickle.MARK + (get_op(1) + get_op(2) + pickle.REDUCE) * 40_000 + pickle.LIST
         match = "expands far beyond its size"
     else:  # planner data that contains itself
@@ -481,8 +524,19 @@ def test_byte_item_bombs_are_refused_before_torch_load(bucket: str, s3_env: Loca
 
 # -- malformed field values in .metadata: CheckpointFormatError naming the field, or a verify problem -----
 def _frames(**fields: Any) -> FrameIndex:
-    values = dict(codec=CODEC_NAME, version=CODEC_VERSION, element_size=4, grouping=GROUP_FLOAT, raw_length=64,
-                  frame_size=4 * MiB, ends=(40,), raw_frames=0) | fields
+    values = (
+        dict(
+            codec=CODEC_NAME,
+            version=CODEC_VERSION,
+            element_size=4,
+            grouping=GROUP_FLOAT,
+            raw_length=64,
+            frame_size=4 * MiB,
+            ends=(40,),
+            raw_frames=0,
+        )
+        | fields
+    )
     index = object.__new__(FrameIndex)  # bypasses validation, as a crafted pickle would
     for name, value in values.items():
         object.__setattr__(index, name, value)
@@ -491,15 +545,22 @@ def _frames(**fields: Any) -> FrameIndex:
 
 def genuine() -> Metadata:
     """Well-formed metadata: a 2-chunk tensor (one plain, one compressed) and a byte item."""
-    chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 8])),
-              ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 8]))]
+    chunks = [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 8])),
+        ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 8])),
+    ]
     return Metadata(
-        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 8]), chunks),
-                             "step": BytesStorageMetadata()},
+        state_dict_metadata={
+            "w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 8]), chunks),
+            "step": BytesStorageMetadata(),
+        },
         storage_data={
-            MetadataIndex("w", torch.Size([0, 0]), 0): ItemLocation("__0_0.distcp", 0, 600, None, payload_offset=500, crc32c=1),
+            MetadataIndex("w", torch.Size([0, 0]), 0): ItemLocation(
+                "__0_0.distcp", 0, 600, None, payload_offset=500, crc32c=1
+            ),
             MetadataIndex("w", torch.Size([2, 0]), 1): ItemLocation(
-                "p-1/__1_0.distcp", 0, 40, [CODEC_DESCRIPTOR], frames=_frames(), frame_crc32c=(7,)),
+                "p-1/__1_0.distcp", 0, 40, [CODEC_DESCRIPTOR], frames=_frames(), frame_crc32c=(7,)
+            ),
             MetadataIndex("step"): ItemLocation("__0_0.distcp", 600, 300, None, crc32c=5),
         },
         planner_data={"w": ("w",), "step": ("step",)},
@@ -522,29 +583,89 @@ _MALFORMED: list[tuple[str, Any, str]] = [
     ("str-length", lambda md: setattr(_entry(md, "step"), "length", "10"), r"length is '10'"),
     ("float-offset", lambda md: setattr(_entry(md, "step"), "offset", 1.5), r"offset is 1.5"),
     ("int-path", lambda md: setattr(_entry(md, "step"), "relative_path", 5), r"invalid object path 5"),
-    ("escaping-path", lambda md: setattr(_entry(md, "step"), "relative_path", "../x/__0_0.distcp"), "invalid object path"),
+    (
+        "escaping-path",
+        lambda md: setattr(_entry(md, "step"), "relative_path", "../x/__0_0.distcp"),
+        "invalid object path",
+    ),
     ("missing-field", lambda md: delattr(_entry(md, "step"), "length"), r"step: field length is missing"),
-    ("payload-past-end", lambda md: setattr(_entry(md, "w"), "payload_offset", 601), r"w\[0, 0\]: payload_offset is 601"),
+    (
+        "payload-past-end",
+        lambda md: setattr(_entry(md, "w"), "payload_offset", 601),
+        r"w\[0, 0\]: payload_offset is 601",
+    ),
     ("crc-range", lambda md: setattr(_entry(md, "step"), "crc32c", 2**40), r"step: crc32c is 1099511627776"),
-    ("short-item", lambda md: setattr(_entry(md, "w"), "length", 520), r"w\[0, 0\]: holds 20 bytes, too few for its chunk's 64"),
-    ("transforms-str", lambda md: setattr(_entry(md, "w", 1), "transform_descriptors", "zstd"), r"transform_descriptors is 'zstd'"),
-    ("frame-crcs", lambda md: setattr(_entry(md, "w", 1), "frame_crc32c", (1, 2)), r"w\[2, 0\]: frame_crc32c is a tuple, expected 1"),
+    (
+        "short-item",
+        lambda md: setattr(_entry(md, "w"), "length", 520),
+        r"w\[0, 0\]: holds 20 bytes, too few for its chunk's 64",
+    ),
+    (
+        "transforms-str",
+        lambda md: setattr(_entry(md, "w", 1), "transform_descriptors", "zstd"),
+        r"transform_descriptors is 'zstd'",
+    ),
+    (
+        "frame-crcs",
+        lambda md: setattr(_entry(md, "w", 1), "frame_crc32c", (1, 2)),
+        r"w\[2, 0\]: frame_crc32c is a tuple, expected 1",
+    ),
     ("frames-bool", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(element_size=True)), "wrong type"),
-    ("frames-decrease", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(frame_size=32, ends=(30, 20))), "decrease"),
+    (
+        "frames-decrease",
+        lambda md: setattr(_entry(md, "w", 1), "frames", _frames(frame_size=32, ends=(30, 20))),
+        "decrease",
+    ),
     ("frames-huge", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(frame_size=1 << 30)), "at most"),
-    ("frames-past-item", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(ends=(50,))), r"frames end at byte 50 of a 40-byte"),
-    ("frames-vs-chunk", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(raw_length=4 * MiB)), r"decodes to 4194304 bytes, its chunk holds 64"),
+    (
+        "frames-past-item",
+        lambda md: setattr(_entry(md, "w", 1), "frames", _frames(ends=(50,))),
+        r"frames end at byte 50 of a 40-byte",
+    ),
+    (
+        "frames-vs-chunk",
+        lambda md: setattr(_entry(md, "w", 1), "frames", _frames(raw_length=4 * MiB)),
+        r"decodes to 4194304 bytes, its chunk holds 64",
+    ),
     ("bytes-with-frames", lambda md: setattr(_entry(md, "step"), "frames", _frames()), r"step: a byte item with"),
-    ("chunk-ndim", lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "sizes", torch.Size([2])), r"tensor w: chunk 0 sizes is a Size"),
-    ("chunk-outside", lambda md: setattr(md.state_dict_metadata["w"].chunks[1], "offsets", torch.Size([3, 0])), r"chunk 1 .* lies outside"),
-    ("negative-size", lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([-1, 8])), r"tensor w: size is -1"),
-    ("chunks-tuple", lambda md: setattr(md.state_dict_metadata["w"], "chunks", tuple(md.state_dict_metadata["w"].chunks)), "chunks is a tuple"),
-    ("dtype-str", lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "float32"), r"tensor w: dtype is 'float32'"),
-    ("requires-grad-int", lambda md: setattr(md.state_dict_metadata["w"].properties, "requires_grad", 1), "requires_grad is 1"),
+    (
+        "chunk-ndim",
+        lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "sizes", torch.Size([2])),
+        r"tensor w: chunk 0 sizes is a Size",
+    ),
+    (
+        "chunk-outside",
+        lambda md: setattr(md.state_dict_metadata["w"].chunks[1], "offsets", torch.Size([3, 0])),
+        r"chunk 1 .* lies outside",
+    ),
+    (
+        "negative-size",
+        lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([-1, 8])),
+        r"tensor w: size is -1",
+    ),
+    (
+        "chunks-tuple",
+        lambda md: setattr(md.state_dict_metadata["w"], "chunks", tuple(md.state_dict_metadata["w"].chunks)),
+        "chunks is a tuple",
+    ),
+    (
+        "dtype-str",
+        lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "float32"),
+        r"tensor w: dtype is 'float32'",
+    ),
+    (
+        "requires-grad-int",
+        lambda md: setattr(md.state_dict_metadata["w"].properties, "requires_grad", 1),
+        "requires_grad is 1",
+    ),
     ("properties-none", lambda md: setattr(md.state_dict_metadata["w"], "properties", None), "properties is None"),
     ("entry-int", lambda md: md.state_dict_metadata.__setitem__("step", 5), r"step: entry is 5"),
     ("unknown-fqn", lambda md: _rekey(md, "step", MetadataIndex("ghost")), r"ghost: not described"),
-    ("no-such-chunk", lambda md: _rekey(md, "w", MetadataIndex("w", torch.Size([1, 0]))), "no chunk of the tensor at offset"),
+    (
+        "no-such-chunk",
+        lambda md: _rekey(md, "w", MetadataIndex("w", torch.Size([1, 0]))),
+        "no chunk of the tensor at offset",
+    ),
     ("fqn-int", lambda md: _rekey(md, "step", MetadataIndex(5)), r"MetadataIndex used as a key has fqn 5"),
     ("index-str", lambda md: _rekey(md, "step", MetadataIndex("step", None, "x")), r"step: index is 'x'"),
     ("str-key", lambda md: setattr(md, "storage_data", {"w": _entry(md, "w")}), r"storage data maps 'w' to"),
@@ -597,7 +718,9 @@ def test_a_plan_beyond_the_stored_chunk_is_refused(bucket: str, s3_env: LocalS3S
         def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
             return torch.zeros(5, 4)
 
-    with pytest.raises(CheckpointFormatError, match=r"the plan reads \[5, 4\] at \[0, 0\] of a stored chunk of \[3, 4\]"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"the plan reads \[5, 4\] at \[0, 0\] of a stored chunk of \[3, 4\]"
+    ):
         load_direct(uri, {"w": torch.zeros(3, 4)}, planner=Greedy())
 
 
