@@ -25,6 +25,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import re
 import textwrap
 import types
 from collections.abc import Iterator
@@ -267,8 +268,15 @@ def package_modules() -> Iterator[tuple[Path, str]]:
 # -- the guard -----------------------------------------------------------------------------------------
 
 
-#: The training frameworks dcp_s3.integrations modules import (optional: absent from the torch-range venvs).
-FRAMEWORKS = {"torchtitan", "lightning", "lightning_fabric", "pytorch_lightning", "accelerate", "transformers"}
+#: The training frameworks dcp_s3.integrations modules import (optional: absent from the torch-range venvs): the
+#: forbidden modules of pyproject's import-linter contract that keeps them in dcp_s3.integrations.
+#: (Read without tomllib, which Python 3.10 lacks.)
+_CONTRACT = (
+    (PACKAGE.parent / "pyproject.toml")
+    .read_text()
+    .split('name = "Only dcp_s3.integrations imports a training framework"')[1]
+)
+FRAMEWORKS = set(re.findall(r'"([\w.]+)"', _CONTRACT.split("forbidden_modules = [")[1].split("]")[0]))
 
 
 def _namespace(module_name: str) -> dict[str, Any] | None:
