@@ -29,6 +29,7 @@ PAGES = [
     "frameworks/torchtitan.md",
     "frameworks/lightning.md",
     "frameworks/accelerate.md",
+    "frameworks/megatron.md",
 ]
 NOT_RUN = "*Not run by the docs tests:"
 DOC_ENDPOINT = "http://127.0.0.1:8333"
