@@ -60,6 +60,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreLoadPlanner,
     MCoreSavePlanner,
     TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
     _replace_sharded_keys_with_state_dict_keys,
     _replace_state_dict_keys_with_sharded_keys,
     _restore_dict_types,
@@ -117,22 +118,26 @@ def _bytes_item(obj: Any) -> io.BytesIO:
 def save(
     sharded_state_dict: dict[str, Any],
     checkpoint_dir: str | os.PathLike[str],
-    *,
-    options: Options = None,
-    async_sharded_save: bool = False,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
     validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     content_metadata: dict[str, Any] | None = None,
-    keep_only_main_replica: bool = True,
+    *,
+    options: Options = None,
 ) -> AsyncRequest | None:
     """``megatron.core.dist_checkpointing.save`` with the ``torch_dist`` format, to any dcp_s3 location.
 
-    Every rank calls it (a collective). Same arguments as Megatron's (its ``sharded_strategy`` and
-    ``common_strategy`` are this module's), plus ``options`` (a :class:`dcp_s3.StorageOptions` or a mapping of its
-    keywords: endpoint, credentials, ``overwrite``, ``compression``...). Returns None once committed, or with
-    ``async_sharded_save`` the ``AsyncRequest`` to schedule (nothing is committed until its finalize step ran).
+    Every rank calls it (a collective). Megatron's arguments, in its order, plus ``options`` (a
+    :class:`dcp_s3.StorageOptions` or a mapping of its keywords: endpoint, credentials, ``overwrite``,
+    ``compression``...). ``sharded_strategy`` may be None, ``("torch_dist", 1)`` or a
+    ``TorchDistSaveShardedStrategy`` (its ``keep_only_main_replica`` is honoured); ``common_strategy`` None, as
+    Megatron's own requires. Returns None once committed, or with ``async_sharded_save`` the ``AsyncRequest`` to
+    schedule (nothing is committed until its finalize step ran).
     """
     location = _location(checkpoint_dir)
+    keep_only_main_replica = _save_strategy(sharded_strategy, common_strategy, location)
     if content_metadata is not None:
         sharded_state_dict["content_metadata"] = content_metadata
     sharded_part, common_state_dict = save_preprocess(
@@ -166,6 +171,20 @@ def save(
         return None
     preload = functools.partial(_to_host, resolved)
     return AsyncRequest(_write_rank, (write, resolved, results), [finalize], preload_fn=preload)
+
+
+def _save_strategy(sharded_strategy: Any, common_strategy: Any, location: str) -> bool:
+    """``keep_only_main_replica`` of the strategy Megatron's caller passed; ``ConfigError`` for any other format."""
+    if common_strategy is not None:
+        raise ConfigError(f"save to {location}: common_strategy must be None (the common state is inside the commit)")
+    if sharded_strategy is None or sharded_strategy == ("torch_dist", 1):
+        return True
+    if isinstance(sharded_strategy, TorchDistSaveShardedStrategy):
+        return bool(sharded_strategy.keep_only_main_replica)
+    raise ConfigError(
+        f"save to {location}: sharded_strategy {sharded_strategy!r} is not supported (only torch_dist: None, "
+        "('torch_dist', 1) or a TorchDistSaveShardedStrategy)"
+    )
 
 
 class _RankWrite:
@@ -232,10 +251,15 @@ def _write_rank(write: _RankWrite, resolved: dict[MetadataIndex, Any], results: 
 
 
 @functools.cache
+def _manager() -> Any:
+    return multiprocessing.get_context("spawn").Manager()
+
+
 def _results_queue() -> Any:
     """A queue the worker of an async save can reach however it was started (forked, or Megatron's persistent
-    worker, which receives the request pickled): a manager's, as Megatron's own writer uses; one per process."""
-    return multiprocessing.get_context("spawn").Manager().Queue()
+    worker, which receives the request pickled): a manager's, as Megatron's own writer uses (one manager per
+    process), and one queue per save, so that saves in flight at once never take each other's results."""
+    return _manager().Queue()
 
 
 def _finalize(write: _RankWrite, metadata: Metadata | None, results: Any) -> None:
@@ -322,18 +346,23 @@ def _checkpoint_metadata(location: str, options: StorageOptions) -> tuple[dict[s
 def load(
     sharded_state_dict: dict[str, Any],
     checkpoint_dir: str | os.PathLike[str],
-    *,
-    options: Options = None,
+    sharded_strategy: Any = None,
+    common_strategy: Any = None,
     validate_access_integrity: bool = True,
     strict: str | StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    options: Options = None,
 ) -> Any:
     """``megatron.core.dist_checkpointing.load`` of a checkpoint :func:`save` wrote; every rank calls it.
 
     Returns what Megatron's returns: the loaded state dict (the common state merged with the requested
     ShardedTensors and ShardedObjects), or with a ``strict`` mode that returns mismatches, ``(state dict,
     missing keys, unexpected keys)``. The storage ``options`` are the reader's (``allow_unsafe_byte_items``...).
+    ``sharded_strategy`` may be None, ``("torch_dist", 1)`` or a ``TorchDistLoadShardedStrategy``; ``common_strategy``
+    None or ``("torch", 1)``.
     """
     location = _location(checkpoint_dir)
+    _load_strategy(sharded_strategy, common_strategy, location)
     opts = StorageOptions.of(options)
     force_all_tensors_to_non_fp8(sharded_state_dict)
     sharded_state_dict, nonpersistent, factories = load_preprocess(sharded_state_dict)
@@ -355,6 +384,17 @@ def load(
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return common, missing, unexpected
     return common
+
+
+def _load_strategy(sharded_strategy: Any, common_strategy: Any, location: str) -> None:
+    sharded_ok = sharded_strategy in (None, ("torch_dist", 1)) or isinstance(
+        sharded_strategy, TorchDistLoadShardedStrategy
+    )
+    if not sharded_ok or common_strategy not in (None, ("torch", 1)):
+        raise ConfigError(
+            f"load of {location}: strategies {sharded_strategy!r}, {common_strategy!r} are not supported (only "
+            "torch_dist: None, ('torch_dist', 1) or a TorchDistLoadShardedStrategy; common None or ('torch', 1))"
+        )
 
 
 def _load_one_save(
@@ -384,8 +424,8 @@ def _load_one_save(
 
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike[str], *, options: Options = None) -> dict[str, Any]:
-    """Megatron's ``load_common_state_dict``: the common state alone (one small read), checked as a byte item;
-    runs on any set of ranks, or in a process without a process group."""
+    """Megatron's ``load_common_state_dict``: the common state alone (one small read), checked as a byte item.
+    Every rank calls it (a collective), or one process without a process group."""
     location = _location(checkpoint_dir)
     state: dict[str, Any] = {COMMON_KEY: io.BytesIO(), CONFIG_KEY: io.BytesIO()}
     opts = StorageOptions.of(options)

@@ -24,6 +24,10 @@ from typing import Any
 try:
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistLoadShardedStrategy,
+        TorchDistSaveShardedStrategy,
+    )
 except ImportError as exc:  # a missing framework fails the run, never skips it
     raise ImportError(
         "tests/integrations/test_megatron.py needs megatron-core==0.16.1: pip install -e '.[test]' "
@@ -37,7 +41,7 @@ from fault_proxy import FaultProxy, Rule
 from hostile import replace_items, root_causes, torch_saved, touch
 from objects import object_keys
 
-from dcp_s3.errors import CheckpointFormatError, DcpS3Error
+from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
 from dcp_s3.integrations.megatron import COMMON_KEY, load, load_common_state_dict, save
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.local_server import LocalS3Server
@@ -112,8 +116,8 @@ def _save_rank(rank: int, world: int, uri: str, seed: int, mode: str, workdir: s
     os.chdir(workdir)
     values = _values(rank, world, seed)
     state = _sharded(rank, world, values, seed)
-    if mode == "sync":
-        assert save(state, uri) is None
+    if mode == "sync":  # as Megatron-LM calls Megatron's save: the strategy third
+        assert save(state, uri, TorchDistSaveShardedStrategy("torch_dist", 1)) is None
         return _pack(None)
     calls = _cpu_async_queue()
     request = save(state, uri, async_sharded_save=True)
@@ -134,7 +138,7 @@ def _committed(uri: str) -> bool:
 def _load_rank(rank: int, world: int, uri: str, workdir: str) -> bytes:
     os.chdir(workdir)
     request = _sharded(rank, world, {k: torch.zeros_like(v) for k, v in _values(rank, world, 0).items()}, None)
-    return _pack(_flat(load(request, uri)))
+    return _pack(_flat(load(request, uri, TorchDistLoadShardedStrategy())))
 
 
 def _assert_bit_exact(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -245,3 +249,13 @@ def test_hostile_common_state_refused(seaweed: LocalS3Server, bucket: str, tmp_p
         load_common_state_dict(uri)
     assert any(isinstance(e, CheckpointFormatError) and COMMON_KEY in str(e) for e in root_causes(refused.value))
     assert not marker.exists()
+
+
+def test_other_formats_refused() -> None:
+    """Only the torch_dist format goes through dcp_s3 (before any collective: no process group needed)."""
+    with pytest.raises(ConfigError, match="sharded_strategy"):
+        save({}, "s3://bucket/run/iter_0000001", ("zarr", 1))
+    with pytest.raises(ConfigError, match="common_strategy"):
+        save({}, "s3://bucket/run/iter_0000001", None, ("torch", 1))
+    with pytest.raises(ConfigError, match="not supported"):
+        load({}, "s3://bucket/run/iter_0000001", ("zarr", 1))
