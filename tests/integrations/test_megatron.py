@@ -220,6 +220,37 @@ def test_killed_or_failed_save_leaves_previous_checkpoint(seaweed: LocalS3Server
         _assert_bit_exact(got, _expected(rank, WORLD, 10))
 
 
+def _two_in_flight_rank(rank: int, world: int, first: str, second: str, workdir: str) -> bytes:
+    """Two async saves in flight at once, the second one's worker ending first: each finalize step must commit
+    its own save's objects (Megatron finalizes in order, whichever worker ended first)."""
+    os.chdir(workdir)
+    requests = [
+        save(_sharded(rank, world, _values(rank, world, seed), seed), uri, async_sharded_save=True)
+        for uri, seed in ((first, 10), (second, 20))
+    ]
+    for request in reversed(requests):  # the workers, as Megatron's caller runs them: second one first
+        assert request is not None
+        args = list(request.async_fn_args)
+        args[1] = request.preload_fn()
+        request.async_fn(*args)
+    for request in requests:  # finalize in order, on every rank
+        assert request is not None
+        for finalize in request.finalize_fns:
+            finalize()
+    return _pack(None)
+
+
+def test_two_async_saves_in_flight(seaweed: LocalS3Server, bucket: str, tmp_path: Path) -> None:
+    first, second = f"s3://{bucket}/run/iter_0000010", f"s3://{bucket}/run/iter_0000020"
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    run_ranks(_two_in_flight_rank, WORLD, first, second, str(workdir))
+    for uri, seed in ((first, 10), (second, 20)):
+        loaded = [_unpack(r) for r in run_ranks(_load_rank, WORLD, uri, str(workdir))]
+        for rank, got in enumerate(loaded):
+            _assert_bit_exact(got, _expected(rank, WORLD, seed))
+
+
 def _hostile_load_rank(rank: int, world: int, uri: str, workdir: str) -> bytes:
     os.chdir(workdir)
     request = _sharded(rank, world, {k: torch.zeros_like(v) for k, v in _values(rank, world, 0).items()}, None)
