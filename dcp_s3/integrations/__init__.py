@@ -14,7 +14,7 @@ framework (an optional dependency, never one of dcp_s3's) when the user imports 
   ``output_dir`` mapped to S3 by :mod:`dcp_s3.integrations.trainer_dirs`).
 - :mod:`dcp_s3.integrations.megatron`: Megatron-core ``dist_checkpointing`` ``save`` and ``load`` (the
   ``torch_dist`` format, sync and async) with dcp_s3's writer and reader, Megatron's common state inside the
-  same commit.
+  same commit (its write and commit steps in :mod:`dcp_s3.integrations.megatron_async`).
 
 Every integration takes its storage settings as ``options`` (a :class:`dcp_s3.StorageOptions` or a
 mapping of its keywords), one set for saving and loading.

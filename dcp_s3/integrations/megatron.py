@@ -32,7 +32,8 @@ place of its file-system writer and readers, and with no file of their own:
 Async (``async_sharded_save=True``) returns Megatron's ``AsyncRequest``, scheduled by the caller as Megatron's
 own (``AsyncCallsQueue.schedule_async_request``): planning runs on every rank at once, the tensors are copied
 to host memory by its ``preload_fn``, the worker process writes this rank's objects, and the finalize step
-(every rank) gathers the results and commits ``.metadata`` on rank 0 — or raises on every rank.
+(every rank) gathers the results and commits ``.metadata`` on rank 0 — or raises on every rank
+(:mod:`dcp_s3.integrations.megatron_async`).
 """
 
 from __future__ import annotations
@@ -41,13 +42,11 @@ import dataclasses
 import functools
 import io
 import logging
-import multiprocessing
 import os
 from collections.abc import Callable, Mapping
-from queue import Empty, SimpleQueue
-from typing import Any, cast
+from queue import SimpleQueue
+from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core.dist_checkpointing.core import CheckpointingConfig
@@ -74,11 +73,10 @@ from megatron.core.dist_checkpointing.validation import (
     parse_strict_flag,
     validate_integrity_and_strict_load,
 )
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
-from dcp_s3.storage.writer import S3StorageWriter
+from dcp_s3.errors import CheckpointFormatError, ConfigError
+from dcp_s3.integrations.megatron_async import RankWrite, finalize, results_queue, to_host, write_rank
 from dcp_s3.store.storage_options import StorageOptions
 from dcp_s3.untrusted.torch_files import torch_save_bytes
 
@@ -94,9 +92,6 @@ CONFIG_KEY = "megatron.metadata.json"
 _RESERVED = (COMMON_KEY, CONFIG_KEY)
 #: The format this module saves and loads (Megatron's ``torch_dist`` backend, version 1; common state ``torch`` 1).
 CONFIG = CheckpointingConfig("torch_dist", 1, "torch", 1)
-#: How long the finalize step waits for this rank's write results once the worker has ended (they are sent before
-#: it ends: a longer wait only means the worker was killed).
-RESULT_WAIT_S = 10.0
 
 Options = StorageOptions | Mapping[str, Any] | None
 
@@ -151,7 +146,7 @@ def save(
     if dist.get_rank() == 0:  # rank 0 alone writes common.pt and metadata.json in Megatron's own save
         pyt_state_dict[COMMON_KEY] = _bytes_item(common_state_dict)
         pyt_state_dict[CONFIG_KEY] = _bytes_item(dataclasses.asdict(CONFIG))
-    write = _RankWrite(StorageOptions.of(options).writer(location))
+    write = RankWrite(StorageOptions.of(options).writer(location))
     (_, metadata, _), *_ = save_state_dict_async_plan(
         pyt_state_dict,
         write,
@@ -164,13 +159,13 @@ def save(
         ),
     )
     resolved, write.resolved = write.resolved, {}  # travels as the request's second argument only
-    results = _results_queue() if async_sharded_save else SimpleQueue()
-    finalize = functools.partial(_finalize, write, metadata, results)
+    results = results_queue() if async_sharded_save else SimpleQueue()
+    finalize_fn = functools.partial(finalize, write, metadata, results)
     if not async_sharded_save:
-        AsyncRequest(_write_rank, (write, resolved, results), [finalize]).execute_sync()
+        AsyncRequest(write_rank, (write, resolved, results), [finalize_fn]).execute_sync()
         return None
-    preload = functools.partial(_to_host, resolved)
-    return AsyncRequest(_write_rank, (write, resolved, results), [finalize], preload_fn=preload)
+    preload = functools.partial(to_host, resolved)
+    return AsyncRequest(write_rank, (write, resolved, results), [finalize_fn], preload_fn=preload)
 
 
 def _save_strategy(sharded_strategy: Any, common_strategy: Any, location: str) -> bool:
@@ -185,109 +180,6 @@ def _save_strategy(sharded_strategy: Any, common_strategy: Any, location: str) -
         f"save to {location}: sharded_strategy {sharded_strategy!r} is not supported (only torch_dist: None, "
         "('torch_dist', 1) or a TorchDistSaveShardedStrategy)"
     )
-
-
-class _RankWrite:
-    """What ``save_state_dict_async_plan`` needs of a storage writer, over an ``S3StorageWriter``.
-
-    Planning calls ``set_up_storage_writer`` / ``prepare_local_plan`` / ``prepare_global_plan`` (the writer's own,
-    collectively: rank 0 checks the bucket and names every rank's objects), then ``prepare_write_data``, which
-    resolves this rank's items to their tensors and bytes (in the training process, as Megatron's own writer
-    does) so that the worker writes them without the planner or the process group."""
-
-    def __init__(self, writer: S3StorageWriter) -> None:
-        self.writer = writer
-        self.plan: SavePlan | None = None
-        self.resolved: dict[MetadataIndex, Any] = {}
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.writer.set_up_storage_writer(is_coordinator, *args, rank=dist.get_rank(), **kwargs)
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return self.writer.prepare_local_plan(plan)
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return self.writer.prepare_global_plan(plans)
-
-    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
-        # The worker may be a process of its own: it must not count itself in the process group's store (the
-        # connection is the training process's), so its plan carries no JobCount (rate hand-off only).
-        storage = plan.storage_data
-        if dataclasses.is_dataclass(storage) and hasattr(storage, "count"):
-            plan = dataclasses.replace(plan, storage_data=dataclasses.replace(storage, count=None))
-        self.plan = plan
-        self.resolved = {item.index: _resolved(item, planner) for item in plan.items}
-
-
-def _resolved(item: WriteItem, planner: SavePlanner) -> Any:
-    data = planner.resolve_data(item)
-    return data.detach() if isinstance(data, torch.Tensor) else data
-
-
-def _to_host(resolved: dict[MetadataIndex, Any]) -> dict[MetadataIndex, Any]:
-    """Megatron's ``preload_fn`` for an async save: host copies of the tensors, so that training may go on
-    changing its own (and the worker, a process of its own, never touches an accelerator)."""
-    return {k: v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v for k, v in resolved.items()}
-
-
-class _Resolved:
-    """The one planner call the writer makes (``resolve_data``), answered from the resolved items."""
-
-    def __init__(self, resolved: dict[MetadataIndex, Any]) -> None:
-        self.resolved = resolved
-
-    def resolve_data(self, item: WriteItem) -> Any:
-        return self.resolved[item.index]
-
-
-def _write_rank(write: _RankWrite, resolved: dict[MetadataIndex, Any], results: Any) -> None:
-    """The ``async_fn`` (in the worker process for an async save): write this rank's objects, report the results."""
-    try:
-        assert write.plan is not None, "prepare_write_data ran before the write"
-        written = write.writer.write_data(write.plan, cast(SavePlanner, _Resolved(resolved))).wait()
-        results.put(("ok", written))
-    except BaseException as exc:  # reported, and raised on every rank by the finalize step
-        results.put(("error", f"{type(exc).__name__}: {exc}"))
-
-
-@functools.cache
-def _manager() -> Any:
-    return multiprocessing.get_context("spawn").Manager()
-
-
-def _results_queue() -> Any:
-    """A queue the worker of an async save can reach however it was started (forked, or Megatron's persistent
-    worker, which receives the request pickled): a manager's, as Megatron's own writer uses (one manager per
-    process), and one queue per save, so that saves in flight at once never take each other's results."""
-    return _manager().Queue()
-
-
-def _finalize(write: _RankWrite, metadata: Metadata | None, results: Any) -> None:
-    """Every rank: gather the write results on rank 0, which commits ``.metadata`` unless a rank failed; a failure
-    is raised on every rank (and the checkpoint that was at the path is still the one there)."""
-    location = write.writer.checkpoint_id
-    try:
-        outcome = results.get(timeout=RESULT_WAIT_S)
-    except Empty:
-        outcome = ("error", f"the writer ended without reporting within {RESULT_WAIT_S} s (was it killed?)")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(outcome, gathered, dst=0)
-    verdict: list[str | None] = [None]
-    if gathered is not None:
-        failed = {r: detail for r, (kind, detail) in enumerate(gathered) if kind != "ok"}
-        if failed:
-            verdict[0] = "; ".join(f"rank {r}: {d}" for r, d in sorted(failed.items()))
-        else:
-            try:
-                assert metadata is not None, "rank 0 plans the checkpoint's metadata"
-                write.writer.finish(metadata, [written for _, written in gathered])
-            except Exception as exc:
-                verdict[0] = f"commit on rank 0: {type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise DcpS3Error(f"Megatron save to {location} failed, nothing committed ({verdict[0]})")
-    logger.debug("Megatron checkpoint %s committed", location)
 
 
 # --------------------------------------------------------------------------------------------------- loading
