@@ -28,6 +28,7 @@ try:
         TorchDistLoadShardedStrategy,
         TorchDistSaveShardedStrategy,
     )
+    from megatron.core.dist_checkpointing.validation import StrictHandling
 except ImportError as exc:  # a missing framework fails the run, never skips it
     raise ImportError(
         "tests/integrations/test_megatron.py needs megatron-core==0.16.1: pip install -e '.[test]' "
@@ -249,6 +250,30 @@ def test_two_async_saves_in_flight(seaweed: LocalS3Server, bucket: str, tmp_path
         loaded = [_unpack(r) for r in run_ranks(_load_rank, WORLD, uri, str(workdir))]
         for rank, got in enumerate(loaded):
             _assert_bit_exact(got, _expected(rank, WORLD, seed))
+
+
+def _strict_load_rank(rank: int, world: int, uri: str, workdir: str) -> bytes:
+    """A load that reads the checkpoint's metadata first (``StrictHandling.RETURN_ALL``): one tensor not requested,
+    one requested that the checkpoint lacks."""
+    os.chdir(workdir)
+    request = _sharded(rank, world, {k: torch.zeros_like(v) for k, v in _values(rank, world, 0).items()}, None)
+    del request["decoder"]["embed"]
+    request["decoder"]["extra"] = ShardedTensor.from_rank_offsets("decoder.extra", torch.zeros(3), replica_id=rank)
+    loaded, missing, unexpected = load(request, uri, strict=StrictHandling.RETURN_ALL)
+    got = {"weight": loaded["decoder"]["weight"].clone(), "bias": loaded["decoder"]["bias"].clone()}
+    return _pack((got, set(missing), set(unexpected), "extra" in loaded["decoder"]))
+
+
+def test_strict_mode_reading_the_checkpoint_metadata(seaweed: LocalS3Server, bucket: str, tmp_path: Path) -> None:
+    uri = f"s3://{bucket}/run/iter_0000010"
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    run_ranks(_save_rank, WORLD, uri, 10, "sync", str(workdir))
+    for rank, packed in enumerate(run_ranks(_strict_load_rank, WORLD, uri, str(workdir))):
+        got, missing, unexpected, extra_loaded = _unpack(packed)
+        want = _expected(rank, WORLD, 10)
+        _assert_bit_exact(got, {"weight": want["weight"], "bias": want["bias"]})
+        assert missing == {"embed"} and unexpected == {"decoder.extra"} and not extra_loaded
 
 
 def _hostile_load_rank(rank: int, world: int, uri: str, workdir: str) -> bytes:
