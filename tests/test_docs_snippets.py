@@ -31,6 +31,7 @@ PAGES = [
     "frameworks/accelerate.md",
     "frameworks/nemo-automodel.md",
     "frameworks/torch-checkpointing.md",
+    "frameworks/megatron.md",
 ]
 NOT_RUN = "*Not run by the docs tests:"
 DOC_ENDPOINT = "http://127.0.0.1:8333"

@@ -15,6 +15,9 @@ framework (an optional dependency, never one of dcp_s3's) when the user imports 
 - :mod:`dcp_s3.integrations.torch_checkpointing`: ``S3StorageConfig``, torch_checkpointing's ``Storage`` on S3
   (its staged-write ``rename`` mapped onto a commit marker), chosen with
   ``CheckpointManager.Config(storage_config=S3StorageConfig("s3://..."))``.
+- :mod:`dcp_s3.integrations.megatron`: Megatron-core ``dist_checkpointing`` ``save`` and ``load`` (the
+  ``torch_dist`` format, sync and async) with dcp_s3's writer and reader, Megatron's common state inside the
+  same commit (its write and commit steps in :mod:`dcp_s3.integrations.megatron_async`).
 
 Every integration takes its storage settings as ``options`` (a :class:`dcp_s3.StorageOptions` or a
 mapping of its keywords), one set for saving and loading.
