@@ -38,8 +38,6 @@ from dcp_s3.local_server import LocalS3Server
 from dcp_s3.storage.session import LocalDir, parse_location
 from dcp_s3.store import open_store
 
-pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
-
 ROOT = Path(dcp_s3.__file__).resolve().parents[1]  # the children import the dcp_s3 under test
 STATE = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}
 SECRET = {"w": torch.full((3, 4), 4242.0), "b": torch.full((5,), 4242.0)}  # same layout, other bytes
