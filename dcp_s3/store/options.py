@@ -34,7 +34,7 @@ CLIENT_OPTIONS = ("credential_path", "endpoint_url", "region", "profile", "reque
 #: Options that mean something for a local directory (the rest are S3's: client, parts, conditional writes).
 LOCAL_OPTIONS = frozenset({
     "compression", "compression_level", "compression_threads", "key_prefixes", "files_per_rank", "max_concurrency",
-    "max_range_size", "transfer", "overwrite", "share_metadata", "replica_group", "allow_unsafe_byte_items",
+    "max_range_size", "max_direct_range_size", "transfer", "overwrite", "share_metadata", "replica_group", "allow_unsafe_byte_items",
     "metadata_format", "max_whole_read",
 })
 #: ``ClientConfig`` fields accepted as storage options of their own; folded into ``client=``.
@@ -91,7 +91,7 @@ def parse_storage_options(options: Mapping[str, Any], *, local: str | None = Non
     transfer = (options.get("transfer") or TransferConfig()).override(
         part_size=options.get("part_size"), max_concurrency=options.get("max_concurrency"),
         files_per_rank=options.get("files_per_rank"), max_range_size=options.get("max_range_size"),
-        max_whole_read=options.get("max_whole_read"),
+        max_direct_range_size=options.get("max_direct_range_size"), max_whole_read=options.get("max_whole_read"),
     )
     for name, value in options.items():
         check = _VALUE_CHECKS.get(name)
