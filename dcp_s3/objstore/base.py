@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from crc32c import crc32c
+
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
@@ -191,24 +193,38 @@ class ObjectWriter(ABC):
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         """Append ``data``; returns ``len(data)``."""
-        return self._append(data, self._write)
+        view = memoryview(data).cast("B")
+        self._append(view, self._write)
+        return len(view)
 
     def write_stable(self, data: bytes | bytearray | memoryview) -> int:
         """``write`` bytes that stay alive and unchanged until ``close`` or ``abort`` returns: a backend
         may send them from there instead of copying them."""
-        return self._append(data, self._write_stable)
+        view = memoryview(data).cast("B")
+        self._append(view, self._write_stable)
+        return len(view)
 
-    def _append(self, data: bytes | bytearray | memoryview, how: Callable[[memoryview], None]) -> int:
+    def write_checked(self, data: bytes | bytearray | memoryview, *, stable: bool = False) -> int:
+        """``write`` (``stable``: ``write_stable``) ``data``; returns its CRC32C.
+
+        A backend that checksums what it sends (S3: each part's ``x-amz-checksum-crc32c``) hashes the
+        bytes once for both, combining per-segment CRCs (:mod:`dcp_s3.objstore.checksums`)."""
+        view = memoryview(data).cast("B")
+        crc = self._append(view, self._write_stable if stable else self._write)
+        return crc32c(view) if crc is None else crc
+
+    def _append(self, data: bytes | bytearray | memoryview, how: Callable[[memoryview], int | None]) -> int | None:
+        """Write ``data`` with ``how``; returns the CRC32C ``how`` computed of it, if it did."""
         if self._closed:
             raise ConfigError(f"write to closed writer of {self._where}")
         view = memoryview(data).cast("B")
         try:
-            how(view)
+            crc = how(view)
         except BaseException:
             self.abort()
             raise
         self._position += len(view)
-        return len(view)
+        return crc
 
     def close(self) -> int:
         """Make the object visible; returns its size in bytes. Idempotent."""
@@ -228,10 +244,11 @@ class ObjectWriter(ABC):
         self._abort()
 
     @abstractmethod
-    def _write(self, view: memoryview) -> None: ...
+    def _write(self, view: memoryview) -> int | None:
+        """Append ``view``; returns its CRC32C if the backend computed it anyway (else None)."""
 
-    def _write_stable(self, view: memoryview) -> None:
-        self._write(view)
+    def _write_stable(self, view: memoryview) -> int | None:
+        return self._write(view)
 
     @abstractmethod
     def _finish(self) -> None: ...
