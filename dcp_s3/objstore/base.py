@@ -65,6 +65,8 @@ class RangeRead:
 
     ``open()`` is called in the worker thread right before the bytes arrive and returns a
     writable buffer of exactly ``end - start`` bytes; ``done()`` runs after it is filled.
+    ``direct``: that buffer is the caller's own destination, not memory allocated for the read, so
+    groups of such reads alone may be larger (``read_ranges``' ``max_direct_size``).
     """
 
     key: str
@@ -72,32 +74,41 @@ class RangeRead:
     end: int
     open: Callable[[], memoryview]
     done: Callable[[], None] | None = None
+    direct: bool = False
 
     @property
     def size(self) -> int:
         return self.end - self.start
 
 
-def coalesce(reads: Iterable[RangeRead], max_gap: int, max_size: int) -> list[list[RangeRead]]:
+def coalesce(
+    reads: Iterable[RangeRead], max_gap: int, max_size: int, max_direct_size: int | None = None
+) -> list[list[RangeRead]]:
     """Group reads of one object into ranged requests: sorted, merged across gaps ``<= max_gap``.
 
-    A group spans at most ``max_size`` bytes unless a single read is larger on its own.
+    A group spans at most ``max_size`` bytes (a group of ``direct`` reads alone: ``max_direct_size``, if
+    larger) unless a single read is larger on its own.
     """
+    direct_size = max(max_size, max_direct_size or 0)
     groups: list[list[RangeRead]] = []
     current: list[RangeRead] = []
+    all_direct = False
     for read in sorted(reads, key=lambda r: (r.key, r.start)):
         if current:
             first, last = current[0], current[-1]
+            limit = direct_size if all_direct and read.direct else max_size
             if (
                 read.key == first.key
                 and read.start >= last.end
                 and read.start - last.end <= max_gap
-                and read.end - first.start <= max_size
+                and read.end - first.start <= limit
             ):
                 current.append(read)
+                all_direct = all_direct and read.direct
                 continue
             groups.append(current)
         current = [read]
+        all_direct = read.direct
     if current:
         groups.append(current)
     return groups
@@ -315,13 +326,14 @@ class ObjectStore(ABC):
         """Size, mtime and ETag of ``key``, or None if it does not exist."""
 
     def read_ranges(
-        self, reads: Sequence[RangeRead], *, executor: ThreadPoolExecutor, max_gap: int, max_size: int
+        self, reads: Sequence[RangeRead], *, executor: ThreadPoolExecutor, max_gap: int, max_size: int,
+        max_direct_size: int | None = None,
     ) -> None:
-        """Fill every read, coalescing neighbours into ranged requests run concurrently.
+        """Fill every read, coalescing neighbours into ranged requests run concurrently (see :func:`coalesce`).
 
         Raises the first failure after the other requests have settled.
         """
-        groups = coalesce(reads, max_gap, max_size)
+        groups = coalesce(reads, max_gap, max_size, max_direct_size)
         wait_all([executor.submit(self._read_group, group) for group in groups])
 
     @abstractmethod

@@ -242,7 +242,8 @@ class S3StorageReader(Location, StorageReader):
         transfer = self._session.transfer
         try:
             self._session.object_store.read_ranges(
-                reads, executor=self._session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
+                reads, executor=self._session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size,
+                max_direct_size=transfer.max_direct_range_size,
             )
         finally:  # every host-to-device copy is done before DCP sees a tensor (or an error leaves the load)
             self._stagings.drain()
@@ -397,7 +398,7 @@ class S3StorageReader(Location, StorageReader):
             # Frame-aligned pieces (in raw offsets) so that no frame is decoded twice.
             cuts = [start, *range(start - start % step + step, start + len(view), step), start + len(view)]
             for lo, hi in zip(cuts, cuts[1:]):
-                self._add_read(reads, key, info, lo, hi, _slice_opener(view, lo - start, hi - start))
+                self._add_read(reads, key, info, lo, hi, _slice_opener(view, lo - start, hi - start), direct=True)
             return row0 == 0 and rows == rows_total
         # Staged: whole rows into a bounded CPU buffer (pinned for a CUDA dest), then narrowed, cast and copied.
         staging = self._stagings.get(dest)
@@ -411,13 +412,14 @@ class S3StorageReader(Location, StorageReader):
 
     def _add_read(
         self, reads: list[RangeRead], key: str, info: Any, lo: int, hi: int,
-        open_dest: Callable[[], memoryview], done: Callable[[], None] | None = None,
+        open_dest: Callable[[], memoryview], done: Callable[[], None] | None = None, direct: bool = False,
     ) -> None:
-        """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``."""
+        """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``
+        (``direct``: ``open_dest`` gives the destination itself, no buffer: see ``RangeRead.direct``)."""
         frames: FrameIndex | None = getattr(info, "frames", None)
         if frames is None:
             start = info.offset + info.payload_offset
-            reads.append(RangeRead(key, start + lo, start + hi, open_dest, done))
+            reads.append(RangeRead(key, start + lo, start + hi, open_dest, done, direct=direct))
             return
         s0, s1 = stored_span(frames, lo, hi)
         held: dict[str, bytearray] = {}

@@ -204,6 +204,29 @@ def test_direct_reads_take_larger_ranges_than_staged_ones(bucket: str) -> None:
     ] * 10
 
 
+def test_direct_reads_of_neighbouring_items_coalesce_into_larger_gets(bucket: str) -> None:
+    """Small tensors read straight into CPU tensors coalesce up to ``max_direct_range_size`` (one GET for 48
+    MiB of 4 MiB tensors); staged ones (a cast) still up to ``max_range_size``."""
+    sd = {f"w{i:02d}": torch.randn(MiB) for i in range(12)}  # 12 x 4 MiB
+    uri = f"s3://{bucket}/direct-coalesced"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri))
+
+    def payload_gets(out: dict[str, torch.Tensor]) -> list[int]:
+        reader = S3StorageReader(uri)
+        fetched: list[int] = []
+        with hooked(reader, "after-call.s3.GetObject", lambda parsed, **_: fetched.append(int(parsed["ContentLength"]))):
+            dcp.load(out, storage_reader=reader)
+        return fetched[1:]  # the first is .metadata
+
+    direct = {k: torch.zeros_like(v) for k, v in sd.items()}
+    assert len(payload_gets(direct)) == 1
+    assert_same(sd, direct)
+    staged = {k: torch.zeros(MiB, dtype=torch.float64) for k in sd}
+    sizes = payload_gets(staged)
+    assert len(sizes) >= 4 and max(sizes) <= 16 * MiB, sizes
+    assert all(torch.equal(staged[k], v.double()) for k, v in sd.items())
+
+
 def test_resave_replaces_by_default_and_overwrite_false_refuses(bucket: str, s3_env: LocalS3Server) -> None:
     uri = f"s3://{bucket}/ow"
     client = s3_env.client()
