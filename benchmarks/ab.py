@@ -36,37 +36,72 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bucket = endpoint.create_bucket(common.new_bucket_name("ab"))
         for rep in range(args.reps):
-            for tree, root in (trees.items() if rep % 2 == 0 else reversed(trees.items())):
+            for tree, root in trees.items() if rep % 2 == 0 else reversed(trees.items()):
                 prefix = f"ab/{tree}/rep{rep}"
-                target = {"bucket": bucket, "prefix": prefix, "endpoint_url": endpoint.endpoint_url,
-                          "region": endpoint.env.get("AWS_DEFAULT_REGION", "us-east-1"), "local_dir": "/tmp"}
+                target = {
+                    "bucket": bucket,
+                    "prefix": prefix,
+                    "endpoint_url": endpoint.endpoint_url,
+                    "region": endpoint.env.get("AWS_DEFAULT_REGION", "us-east-1"),
+                    "local_dir": "/tmp",
+                }
                 common.REPO_ROOT = root  # run_child puts it first on the child's PYTHONPATH
                 try:
                     for op in OPS:
-                        res = common.run_child({"contestant": "dcp_s3", "op": op, "workload": args.workload,
-                                                "size_mib": args.size_mib, "target": target, "warm": args.warm},
-                                               endpoint.env)
+                        res = common.run_child(
+                            {
+                                "contestant": "dcp_s3",
+                                "op": op,
+                                "workload": args.workload,
+                                "size_mib": args.size_mib,
+                                "target": target,
+                                "warm": args.warm,
+                            },
+                            endpoint.env,
+                        )
                         if not res.get("ok"):
                             raise RuntimeError(f"{tree} {op}: {res.get('error')}")
                         results[tree][op].append(res)
-                        print(f"rep {rep} {tree:>6} {op}: {res['seconds']:.2f} s, "
-                              f"{res['cpu_s_per_gb'] * 1.073741824:.2f} CPU s/GiB", flush=True)
+                        print(
+                            f"rep {rep} {tree:>6} {op}: {res['seconds']:.2f} s, "
+                            f"{res['cpu_s_per_gb'] * 1.073741824:.2f} CPU s/GiB",
+                            flush=True,
+                        )
                 finally:
                     common.REPO_ROOT = trees["after"]
                     endpoint.delete_prefix(bucket, prefix)
     finally:
         endpoint.stop()
-    summary = {tree: {op: {"cpu_s_per_gib": statistics.median(r["cpu_s_per_gb"] * 1.073741824 for r in runs),
-                           "seconds": statistics.median(r["seconds"] for r in runs)}
-                      for op, runs in ops.items()} for tree, ops in results.items()}
+    summary = {
+        tree: {
+            op: {
+                "cpu_s_per_gib": statistics.median(r["cpu_s_per_gb"] * 1.073741824 for r in runs),
+                "seconds": statistics.median(r["seconds"] for r in runs),
+            }
+            for op, runs in ops.items()
+        }
+        for tree, ops in results.items()
+    }
     lines = ["| tree | save CPU s/GiB | save s | load CPU s/GiB | load s |", "|---|---|---|---|---|"]
     for tree, ops in summary.items():
-        lines.append(f"| {tree} ({trees[tree].name}) | {ops['save']['cpu_s_per_gib']:.2f} | {ops['save']['seconds']:.2f} "
-                     f"| {ops['load']['cpu_s_per_gib']:.2f} | {ops['load']['seconds']:.2f} |")
+        lines.append(
+            f"| {tree} ({trees[tree].name}) | {ops['save']['cpu_s_per_gib']:.2f} | {ops['save']['seconds']:.2f} "
+            f"| {ops['load']['cpu_s_per_gib']:.2f} | {ops['load']['seconds']:.2f} |"
+        )
     print("\n".join(lines))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                    "runs": results, "time": time.time()}, indent=1, default=str))
+    args.out.write_text(
+        json.dumps(
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "summary": summary,
+                "runs": results,
+                "time": time.time(),
+            },
+            indent=1,
+            default=str,
+        )
+    )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -80,8 +80,11 @@ def test_a_save_hashes_each_byte_once_and_stores_the_same_checksums(
     bucket: str, s3_env: LocalS3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counter = _CountingCrc()
-    patched = [name for name, mod in list(sys.modules.items())
-               if name.startswith("dcp_s3") and getattr(mod, "crc32c", None) is crc32c]
+    patched = [
+        name
+        for name, mod in list(sys.modules.items())
+        if name.startswith("dcp_s3") and getattr(mod, "crc32c", None) is crc32c
+    ]
     assert patched, "no dcp_s3 module uses crc32c.crc32c"
     for name in patched:
         monkeypatch.setattr(sys.modules[name], "crc32c", counter)
@@ -93,8 +96,10 @@ def test_a_save_hashes_each_byte_once_and_stores_the_same_checksums(
     def record(params: dict[str, Any], **_: Any) -> None:
         sent[(params["Key"], params.get("PartNumber", 0))] = params["ChecksumCRC32C"]
 
-    with hooked(writer, "before-parameter-build.s3.UploadPart", record), \
-            hooked(writer, "before-parameter-build.s3.PutObject", record):
+    with (
+        hooked(writer, "before-parameter-build.s3.UploadPart", record),
+        hooked(writer, "before-parameter-build.s3.PutObject", record),
+    ):
         dcp.save(sd, storage_writer=writer, no_dist=True)
     for name in patched:
         monkeypatch.setattr(sys.modules[name], "crc32c", crc32c)
