@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from crc32c import crc32c
+
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
@@ -72,6 +74,8 @@ class RangeRead:
 
     ``open()`` is called in the worker thread right before the bytes arrive and returns a
     writable buffer of exactly ``end - start`` bytes; ``done()`` runs after it is filled.
+    ``direct``: that buffer is the caller's own destination, not memory allocated for the read, so
+    groups of such reads alone may be larger (``read_ranges``' ``max_direct_size``).
     """
 
     key: str
@@ -79,32 +83,41 @@ class RangeRead:
     end: int
     open: Callable[[], memoryview]
     done: Callable[[], None] | None = None
+    direct: bool = False
 
     @property
     def size(self) -> int:
         return self.end - self.start
 
 
-def coalesce(reads: Iterable[RangeRead], max_gap: int, max_size: int) -> list[list[RangeRead]]:
+def coalesce(
+    reads: Iterable[RangeRead], max_gap: int, max_size: int, max_direct_size: int | None = None
+) -> list[list[RangeRead]]:
     """Group reads of one object into ranged requests: sorted, merged across gaps ``<= max_gap``.
 
-    A group spans at most ``max_size`` bytes unless a single read is larger on its own.
+    A group spans at most ``max_size`` bytes (a group of ``direct`` reads alone: ``max_direct_size``, if
+    larger) unless a single read is larger on its own.
     """
+    direct_size = max(max_size, max_direct_size or 0)
     groups: list[list[RangeRead]] = []
     current: list[RangeRead] = []
+    all_direct = False
     for read in sorted(reads, key=lambda r: (r.key, r.start)):
         if current:
             first, last = current[0], current[-1]
+            limit = direct_size if all_direct and read.direct else max_size
             if (
                 read.key == first.key
                 and read.start >= last.end
                 and read.start - last.end <= max_gap
-                and read.end - first.start <= max_size
+                and read.end - first.start <= limit
             ):
                 current.append(read)
+                all_direct = all_direct and read.direct
                 continue
             groups.append(current)
         current = [read]
+        all_direct = read.direct
     if current:
         groups.append(current)
     return groups
@@ -200,24 +213,38 @@ class ObjectWriter(ABC):
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         """Append ``data``; returns ``len(data)``."""
-        return self._append(data, self._write)
+        view = memoryview(data).cast("B")
+        self._append(view, self._write)
+        return len(view)
 
     def write_stable(self, data: bytes | bytearray | memoryview) -> int:
         """``write`` bytes that stay alive and unchanged until ``close`` or ``abort`` returns: a backend
         may send them from there instead of copying them."""
-        return self._append(data, self._write_stable)
+        view = memoryview(data).cast("B")
+        self._append(view, self._write_stable)
+        return len(view)
 
-    def _append(self, data: bytes | bytearray | memoryview, how: Callable[[memoryview], None]) -> int:
+    def write_checked(self, data: bytes | bytearray | memoryview, *, stable: bool = False) -> int:
+        """``write`` (``stable``: ``write_stable``) ``data``; returns its CRC32C.
+
+        A backend that checksums what it sends (S3: each part's ``x-amz-checksum-crc32c``) hashes the
+        bytes once for both, combining per-segment CRCs (:mod:`dcp_s3.objstore.checksums`)."""
+        view = memoryview(data).cast("B")
+        crc = self._append(view, self._write_stable if stable else self._write)
+        return crc32c(view) if crc is None else crc
+
+    def _append(self, data: bytes | bytearray | memoryview, how: Callable[[memoryview], int | None]) -> int | None:
+        """Write ``data`` with ``how``; returns the CRC32C ``how`` computed of it, if it did."""
         if self._closed:
             raise ConfigError(f"write to closed writer of {self._where}")
         view = memoryview(data).cast("B")
         try:
-            how(view)
+            crc = how(view)
         except BaseException:
             self.abort()
             raise
         self._position += len(view)
-        return len(view)
+        return crc
 
     def close(self) -> int:
         """Make the object visible; returns its size in bytes. Idempotent."""
@@ -237,10 +264,11 @@ class ObjectWriter(ABC):
         self._abort()
 
     @abstractmethod
-    def _write(self, view: memoryview) -> None: ...
+    def _write(self, view: memoryview) -> int | None:
+        """Append ``view``; returns its CRC32C if the backend computed it anyway (else None)."""
 
-    def _write_stable(self, view: memoryview) -> None:
-        self._write(view)
+    def _write_stable(self, view: memoryview) -> int | None:
+        return self._write(view)
 
     @abstractmethod
     def _finish(self) -> None: ...
@@ -307,13 +335,19 @@ class ObjectStore(ABC):
         """Size, mtime and ETag of ``key``, or None if it does not exist."""
 
     def read_ranges(
-        self, reads: Sequence[RangeRead], *, executor: ThreadPoolExecutor, max_gap: int, max_size: int
+        self,
+        reads: Sequence[RangeRead],
+        *,
+        executor: ThreadPoolExecutor,
+        max_gap: int,
+        max_size: int,
+        max_direct_size: int | None = None,
     ) -> None:
-        """Fill every read, coalescing neighbours into ranged requests run concurrently.
+        """Fill every read, coalescing neighbours into ranged requests run concurrently (see :func:`coalesce`).
 
         Raises the first failure after the other requests have settled.
         """
-        groups = coalesce(reads, max_gap, max_size)
+        groups = coalesce(reads, max_gap, max_size, max_direct_size)
         wait_all([executor.submit(self._read_group, group) for group in groups])
 
     @abstractmethod

@@ -112,8 +112,15 @@ class TransferConfig:
     max_concurrency: int = 8
     #: Data objects each rank writes (each streamed by its own thread).
     files_per_rank: int = 1
-    #: Largest ranged GET; bigger reads are split and fetched concurrently.
+    #: Largest ranged GET; bigger reads are split and fetched concurrently. Also the memory bound of a
+    #: staged read (one buffer of at most this size per request in flight; page-locked for CUDA loads).
     max_range_size: int = 16 * MiB
+    #: Largest ranged GET read straight into its destination (an uncompressed tensor item into a
+    #: contiguous CPU tensor of the stored dtype, whole rows): it holds no buffer, so it may be larger
+    #: than ``max_range_size`` (never smaller: the larger of the two is used). Fewer, larger GETs cost
+    #: less CPU per byte (each GET costs ~8 ms of botocore); one GET must still finish within
+    #: ``ClientConfig.request_deadline``.
+    max_direct_range_size: int = 64 * MiB
     #: Neighbouring reads closer than this are merged into one ranged GET.
     coalesce_gap: int = 1 * MiB
     #: Threads per reader decoding compressed checkpoints (per process: a node with many ranks
@@ -136,6 +143,7 @@ class TransferConfig:
             ("max_concurrency", 1),
             ("files_per_rank", 1),
             ("max_range_size", 64 * 1024),
+            ("max_direct_range_size", 64 * 1024),
             ("coalesce_gap", 0),
             ("decode_threads", 1),
             ("max_whole_read", 1),

@@ -155,17 +155,20 @@ class S3ObjectStore(ObjectStore):
         """
         return self.put_views(key, [memoryview(body)], if_none_match=if_none_match)
 
-    def put_views(self, key: str, views: Sequence[memoryview], *, if_none_match: bool = False) -> str:
-        """``put`` of the bytes of ``views`` one after the other, sent from them (not copied)."""
+    def put_views(
+        self, key: str, views: Sequence[memoryview], *, if_none_match: bool = False, crc: int | None = None
+    ) -> str:
+        """``put`` of the bytes of ``views`` one after the other, sent from them (not copied); ``crc``: their
+        CRC32C if the caller has it (else computed here)."""
         # Not the bytes themselves: botocore would copy them (see BufferReader).
         with BufferReader.of(views, send_block=True) as stream:
             size = stream.seek(0, os.SEEK_END)
             stream.seek(0)
-            return self._put(key, stream if size else b"", if_none_match, self.upload_checksum(views))
+            return self._put(key, stream if size else b"", if_none_match, self.upload_checksum(views, crc))
 
-    def upload_checksum(self, views: Sequence[memoryview]) -> dict[str, str]:
+    def upload_checksum(self, views: Sequence[memoryview], crc: int | None = None) -> dict[str, str]:
         """The checksum argument of a PUT or UploadPart of ``views`` (``s3_requests.upload_checksum``)."""
-        return upload_checksum(self.client.meta.config, views)
+        return upload_checksum(self.client.meta.config, views, crc)
 
     def _put(self, key: str, body: BufferReader | bytes, if_none_match: bool, checksum: dict[str, str]) -> str:
         if not if_none_match:

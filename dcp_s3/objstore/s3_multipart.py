@@ -12,9 +12,12 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+from crc32c import crc32c
+
 from dcp_s3.errors import DcpS3Error
 from dcp_s3.objstore.base import ObjectWriter, PendingUpload, wait_all
 from dcp_s3.objstore.buffers import BufferPool, BufferReader, fit_part_size
+from dcp_s3.objstore.checksums import crc32c_combine
 from dcp_s3.objstore.s3_requests import range_header
 
 __all__ = ["MultipartWriter", "copy_multipart", "COPY_PART_SIZE"]
@@ -34,9 +37,9 @@ class S3Requests(Protocol):
 
     def put(self, key: str, body: bytes | bytearray, *, if_none_match: bool = False) -> str: ...
 
-    def put_views(self, key: str, views: Sequence[memoryview]) -> str: ...
+    def put_views(self, key: str, views: Sequence[memoryview], *, crc: int | None = None) -> str: ...
 
-    def upload_checksum(self, views: Sequence[memoryview]) -> dict[str, str]: ...
+    def upload_checksum(self, views: Sequence[memoryview], crc: int | None = None) -> dict[str, str]: ...
 
     def abort_upload(self, upload: PendingUpload) -> None: ...
 
@@ -94,18 +97,36 @@ def copy_multipart(
 #: is sent in a few large pieces rather than thousands of small ones.
 MIN_BORROW = 256 << 10
 
+#: Pieces at least this long are hashed once and their CRC combined into the part's (a combination costs
+#: ~15 µs of Python, hashing this many bytes about as much); shorter ones are hashed twice instead.
+COMBINE_MIN = 256 << 10
+
 
 class _Part:
     """One part being assembled: views of the caller's memory it borrows, and the bytes copied into
-    its pool buffer (taken only once something is copied), in object order."""
+    its pool buffer (taken only once something is copied), in object order, and their CRC32C."""
 
-    __slots__ = ("pieces", "buf", "fill", "size")
+    __slots__ = ("pieces", "buf", "fill", "size", "crc")
 
     def __init__(self) -> None:
         self.pieces: list[memoryview | tuple[int, int]] = []  # a borrowed view, or (start, end) in ``buf``
         self.buf: memoryview | None = None  # a pool buffer
         self.fill = 0  # bytes of ``buf`` used
         self.size = 0  # bytes of the part
+        self.crc = 0  # CRC32C of its ``size`` bytes
+
+    def absorb(self, piece: memoryview) -> int:
+        """Add ``piece`` (the part's next bytes, before ``size`` counts them) to the part's CRC32C; returns
+        the piece's own CRC32C. Each byte is hashed once (twice only in pieces under ``COMBINE_MIN``)."""
+        if self.size == 0:
+            self.crc = crc32c(piece)
+            return self.crc
+        if len(piece) < COMBINE_MIN:
+            self.crc = crc32c(piece, self.crc)
+            return crc32c(piece)
+        crc = crc32c(piece)
+        self.crc = crc32c_combine(self.crc, crc, len(piece))
+        return crc
 
     def views(self) -> list[memoryview]:
         buf = self.buf
@@ -119,7 +140,9 @@ class MultipartWriter(ObjectWriter):
     parts upload concurrently on ``executor``. Every part takes one of ``pool``'s places while it
     is assembled and sent, and a buffer of it for the bytes ``write`` copies; ``write_stable``
     bytes (at least ``MIN_BORROW`` long) are sent from the caller's memory without a copy. Each
-    part carries its CRC32C (``S3Requests.upload_checksum``), which the server checks.
+    part carries its CRC32C (``S3Requests.upload_checksum``), which the server checks, made as the
+    bytes are written from the CRCs of its pieces, which also give each write's CRC32C
+    (``ObjectWriter.write_checked``): a save hashes each byte once.
     """
 
     def __init__(
@@ -146,13 +169,15 @@ class MultipartWriter(ObjectWriter):
             self._part = _Part()
         return self._part
 
-    def _write(self, view: memoryview) -> None:
+    def _write(self, view: memoryview) -> int:
+        crc = 0
         while view:
             part = self._open_part()
             if part.buf is None:
                 part.buf = self._pool.buffer(self.part_size)
             n = min(len(view), self.part_size - part.size)
             part.buf[part.fill : part.fill + n] = view[:n]
+            crc = crc32c_combine(crc, part.absorb(part.buf[part.fill : part.fill + n]), n)
             last = part.pieces[-1] if part.pieces else None
             if isinstance(last, tuple) and last[1] == part.fill:
                 part.pieces[-1] = (last[0], part.fill + n)
@@ -163,19 +188,22 @@ class MultipartWriter(ObjectWriter):
             view = view[n:]
             if part.size == self.part_size:
                 self._submit_part()
+        return crc
 
-    def _write_stable(self, view: memoryview) -> None:
+    def _write_stable(self, view: memoryview) -> int:
         if len(view) < MIN_BORROW:
-            self._write(view)
-            return
+            return self._write(view)
+        crc = 0
         while view:
             part = self._open_part()
             n = min(len(view), self.part_size - part.size)
+            crc = crc32c_combine(crc, part.absorb(view[:n]), n)
             part.pieces.append(view[:n])
             part.size += n
             view = view[n:]
             if part.size == self.part_size:
                 self._submit_part()
+        return crc
 
     def _submit_part(self) -> None:
         if self._upload_id is None:
@@ -204,7 +232,7 @@ class MultipartWriter(ObjectWriter):
                     UploadId=self._upload_id,
                     PartNumber=part_number,
                     Body=body,
-                    **self.store.upload_checksum(views),
+                    **self.store.upload_checksum(views, part.crc),
                 )
             return {"PartNumber": part_number, "ETag": resp["ETag"]}
         finally:
@@ -220,7 +248,7 @@ class MultipartWriter(ObjectWriter):
         if self._upload_id is None:
             part, self._part = self._part, None
             try:
-                self.store.put_views(self.key, part.views() if part is not None else [])
+                self.store.put_views(self.key, part.views() if part is not None else [], crc=part.crc if part else 0)
             finally:
                 if part is not None:
                     self._release(part)

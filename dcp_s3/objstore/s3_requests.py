@@ -254,8 +254,9 @@ def request_args_for(args: Mapping[str, Any], op: str) -> dict[str, Any]:
     return {k: v for k, v in args.items() if op in _REQUEST_ARG_OPS[k]}
 
 
-def upload_checksum(config: Any, views: Sequence[memoryview]) -> dict[str, str]:
-    """The ``ChecksumCRC32C`` argument of a PUT or UploadPart whose body is ``views``, for the server to check.
+def upload_checksum(config: Any, views: Sequence[memoryview], crc: int | None = None) -> dict[str, str]:
+    """The ``ChecksumCRC32C`` argument of a PUT or UploadPart whose body is ``views``, for the server to check;
+    ``crc``: their CRC32C where the caller already has it (a multipart writer's parts), else hashed here.
 
     Computed here (hardware CRC32C, ~10 GB/s) rather than left to botocore, whose default (CRC32, in
     software with and without ``awscrt``) cost 0.4 s of CPU per GB sent; botocore computes none when
@@ -264,7 +265,8 @@ def upload_checksum(config: Any, views: Sequence[memoryview]) -> dict[str, str]:
     """
     if getattr(config, "request_checksum_calculation", None) == "when_required":
         return {}
-    crc = 0
-    for view in views:
-        crc = crc32c(view, crc)
+    if crc is None:
+        crc = 0
+        for view in views:
+            crc = crc32c(view, crc)
     return {"ChecksumCRC32C": base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")}

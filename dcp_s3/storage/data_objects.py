@@ -1,5 +1,9 @@
 """How one rank's items are streamed into its data objects: balanced over objects by size, each
-item a ``torch.save`` file (or the codec's frames of its raw bytes) with its CRC32C."""
+item a ``torch.save`` file (or the codec's frames of its raw bytes) with its CRC32C.
+
+An item's CRC32C comes from the writer (``ObjectWriter.write_checked``), which hashes the bytes once for
+the item and for the upload's own per-part checksums, and is combined across the item's chunks
+(:func:`dcp_s3.objstore.checksums.crc32c_combine`)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from dcp_s3.codec import Codec, grouping_for_dtype
 from dcp_s3.errors import CheckpointFormatError, DcpS3Error
 from dcp_s3.layout import ItemLocation
 from dcp_s3.objstore.base import ObjectWriter
+from dcp_s3.objstore.checksums import crc32c_combine
 from dcp_s3.storage.staging import Stagings
 from dcp_s3.storage.tensor_bytes import compact, payload_chunks, streamable, tensor_blob
 
@@ -63,8 +68,8 @@ def write_item(
             raise CheckpointFormatError(
                 f"{item.index.fqn}: byte item resolved to {type(data).__name__}, expected BytesIO"
             )
-        writer.write(data.getbuffer())
-        location = ItemLocation(name, offset, writer.tell() - offset, crc32c=crc32c(data.getbuffer()))
+        checksum = writer.write_checked(data.getbuffer())
+        location = ItemLocation(name, offset, writer.tell() - offset, crc32c=checksum)
     else:
         if not isinstance(data, torch.Tensor):
             raise CheckpointFormatError(f"{item.index.fqn}: tensor item resolved to {type(data).__name__}")
@@ -90,11 +95,10 @@ def _write_tensor(
         # (host copies of device tensors and compacted copies go through the part buffers, bounded).
         staging = stagings.get(blob.tensor) if stagings is not None else None
         # Pinned chunks are reused: copied by the writer, never borrowed.
-        write = writer.write_stable if blob.borrowed and staging is None else writer.write
+        stable = blob.borrowed and staging is None
         checksum = 0
         for chunk in blob.payload_chunks(staging):
-            write(chunk)
-            checksum = crc32c(chunk, checksum)
+            checksum = crc32c_combine(checksum, writer.write_checked(chunk, stable=stable), memoryview(chunk).nbytes)
         writer.write(blob.trailer)
         return ItemLocation(name, offset, writer.tell() - offset, payload_offset=blob.payload_offset, crc32c=checksum)
     # Compressed: one CRC per frame covers every byte, and lets partial reads be checked too.

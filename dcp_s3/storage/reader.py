@@ -58,7 +58,9 @@ class S3StorageReader(Location, StorageReader):
 
     Takes the same location, credential and ``client`` arguments as ``S3StorageWriter``.
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
-    (larger reads are split), which also bounds staging memory per request; ``max_whole_read``
+    (larger reads are split), which also bounds staging memory per request, except GETs read
+    straight into a CPU tensor (no staging), which may reach ``max_direct_range_size`` (64 MiB:
+    fewer GETs, less CPU per byte; the larger of the two is used); ``max_whole_read``
     (``TransferConfig.max_whole_read``, 4 GiB) the largest ``.metadata`` read.
 
     ``share_metadata`` (default True): inside ``dcp.load`` on several ranks, ``.metadata``
@@ -91,6 +93,7 @@ class S3StorageReader(Location, StorageReader):
         request_args: Mapping[str, Any] | None = None,
         max_concurrency: int | None = None,
         max_range_size: int | None = None,
+        max_direct_range_size: int | None = None,
         transfer: TransferConfig | None = None,
         share_metadata: bool | dist.ProcessGroup = True,
         replica_group: dist.ProcessGroup | None = None,
@@ -103,7 +106,10 @@ class S3StorageReader(Location, StorageReader):
         self.share_metadata = check_share_metadata(share_metadata)
         self.replica_group = check_replica_group(replica_group)
         transfer = (transfer or TransferConfig()).override(
-            max_concurrency=max_concurrency, max_range_size=max_range_size, max_whole_read=max_whole_read
+            max_concurrency=max_concurrency,
+            max_range_size=max_range_size,
+            max_direct_range_size=max_direct_range_size,
+            max_whole_read=max_whole_read,
         )
         client = client_config(
             client,
@@ -258,7 +264,11 @@ class S3StorageReader(Location, StorageReader):
         transfer = self._session.transfer
         try:
             self._session.object_store.read_ranges(
-                reads, executor=self._session.executor, max_gap=transfer.coalesce_gap, max_size=transfer.max_range_size
+                reads,
+                executor=self._session.executor,
+                max_gap=transfer.coalesce_gap,
+                max_size=transfer.max_range_size,
+                max_direct_size=transfer.max_direct_range_size,
             )
         finally:  # every host-to-device copy is done before DCP sees a tensor (or an error leaves the load)
             self._stagings.drain()
@@ -397,17 +407,23 @@ class S3StorageReader(Location, StorageReader):
         rows = req.lengths[0] if len(sizes) else 1
         if rows == 0 or math.prod(req.lengths) == 0:
             return False
-        max_bytes = self._session.transfer.max_range_size
+        transfer = self._session.transfer
+        max_bytes = transfer.max_range_size
         whole_rows = tuple(req.lengths[1:]) == tuple(sizes[1:])
         direct = whole_rows and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
         if direct:
             view = raw_bytes_view(dest)
             start = row0 * row_bytes
-            step = max_bytes if frames is None else max(1, max_bytes // frames.frame_size) * frames.frame_size
+            # Raw bytes go straight into ``dest``: no buffer to bound, so larger GETs (fewer, cheaper per byte).
+            # Compressed bytes are held while in flight: their GETs keep ``max_range_size``, frame-aligned.
+            if frames is None:
+                step = max(max_bytes, transfer.max_direct_range_size)
+            else:
+                step = max(1, max_bytes // frames.frame_size) * frames.frame_size
             # Frame-aligned pieces (in raw offsets) so that no frame is decoded twice.
             cuts = [start, *range(start - start % step + step, start + len(view), step), start + len(view)]
             for lo, hi in zip(cuts, cuts[1:]):
-                self._add_read(reads, key, info, lo, hi, _slice_opener(view, lo - start, hi - start))
+                self._add_read(reads, key, info, lo, hi, _slice_opener(view, lo - start, hi - start), direct=True)
             return row0 == 0 and rows == rows_total
         # Staged: whole rows into a bounded CPU buffer (pinned for a CUDA dest), then narrowed, cast and copied.
         staging = self._stagings.get(dest)
@@ -428,12 +444,14 @@ class S3StorageReader(Location, StorageReader):
         hi: int,
         open_dest: Callable[[], memoryview],
         done: Callable[[], None] | None = None,
+        direct: bool = False,
     ) -> None:
-        """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``."""
+        """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``
+        (``direct``: ``open_dest`` gives the destination itself, no buffer: see ``RangeRead.direct``)."""
         frames: FrameIndex | None = getattr(info, "frames", None)
         if frames is None:
             start = info.offset + info.payload_offset
-            reads.append(RangeRead(key, start + lo, start + hi, open_dest, done))
+            reads.append(RangeRead(key, start + lo, start + hi, open_dest, done, direct=direct))
             return
         s0, s1 = stored_span(frames, lo, hi)
         held: dict[str, bytearray] = {}

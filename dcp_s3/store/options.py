@@ -41,6 +41,7 @@ LOCAL_OPTIONS = frozenset(
         "files_per_rank",
         "max_concurrency",
         "max_range_size",
+        "max_direct_range_size",
         "transfer",
         "overwrite",
         "share_metadata",
@@ -113,6 +114,7 @@ def parse_storage_options(options: Mapping[str, Any], *, local: str | None = Non
         max_concurrency=options.get("max_concurrency"),
         files_per_rank=options.get("files_per_rank"),
         max_range_size=options.get("max_range_size"),
+        max_direct_range_size=options.get("max_direct_range_size"),
         max_whole_read=options.get("max_whole_read"),
     )
     for name, value in options.items():

@@ -113,7 +113,7 @@ def test_transient_faults_save_and_load_bit_exact(
         dcp.save(sd, storage_writer=_writer(uri, proxy))
         saved_faults = proxy.injected()
         out = _zeros_like(sd)
-        dcp.load(out, storage_reader=_reader(uri, proxy, max_range_size=1 * MiB))
+        dcp.load(out, storage_reader=_reader(uri, proxy, max_range_size=1 * MiB, max_direct_range_size=1 * MiB))
     elapsed = time.monotonic() - t0
     # Each failed attempt is logged at debug with the object it was for.
     retried = [r.getMessage() for r in caplog.records if "attempt" in r.getMessage()]
@@ -136,7 +136,7 @@ def test_truncated_and_reset_ranged_gets_are_resumed(proxy: FaultProxy, bucket: 
     # 1 MiB ranges: ~13 GETs. Decisions hash each request's key, and keys carry each save's random token,
     # so the faults differ from run to run: with 2 MiB ranges (~7 GETs) no truncation at all came ~3 times
     # in 100 (0.6^7: it failed a CI run); now ~1 in 800 (0.6^13).
-    dcp.load(out, storage_reader=_reader(uri, proxy, max_range_size=1 * MiB))
+    dcp.load(out, storage_reader=_reader(uri, proxy, max_range_size=1 * MiB, max_direct_range_size=1 * MiB))
     _assert_bit_exact(out, sd)
     assert proxy.injected("truncate") > 0, proxy.faults
     assert proxy.counts["GetObjectRange"] < 100, proxy.counts  # bounded retries
@@ -333,7 +333,13 @@ def test_ranged_gets_reuse_kept_alive_connections(
     sd = _state(3, mib=1, n=8)
     dcp.save(sd, storage_writer=S3StorageWriter(uri, endpoint_url=s3_env.endpoint_url, files_per_rank=8))
     got = _zeros_like(sd)
-    reader = S3StorageReader(uri, endpoint_url=proxy.url, max_concurrency=concurrency, max_range_size=MiB // 2)
+    reader = S3StorageReader(
+        uri,
+        endpoint_url=proxy.url,
+        max_concurrency=concurrency,
+        max_range_size=MiB // 2,
+        max_direct_range_size=MiB // 2,
+    )
     dcp.load(got, storage_reader=reader)
     _assert_bit_exact(got, sd)
     gets = proxy.counts["GetObjectRange"] + proxy.counts["GetObject"]

@@ -140,6 +140,22 @@ def test_coalesce_merges_neighbours_within_gap_and_size() -> None:
     assert spans == [("a", 0, 300), ("a", 300, 1200), ("a", 2000, 2100), ("b", 0, 10)]
 
 
+def test_coalesce_lets_groups_of_direct_reads_alone_grow_to_max_direct_size() -> None:
+    """Reads into the caller's own destinations (``direct``) hold no buffer: their groups may reach
+    ``max_direct_size``; a group holding any other read keeps ``max_size`` (the staging memory bound)."""
+
+    def r(start: int, end: int, direct: bool) -> RangeRead:
+        return RangeRead("a", start, end, lambda: memoryview(bytearray(end - start)), direct=direct)
+
+    direct = [r(i * 100, i * 100 + 90, True) for i in range(10)]
+    spans = [(g[0].start, g[-1].end) for g in coalesce(direct, max_gap=64, max_size=300, max_direct_size=1000)]
+    assert spans == [(0, 990)]
+    assert len(coalesce(direct, max_gap=64, max_size=300)) == 4  # without max_direct_size: max_size
+    mixed = [*direct[:5], r(500, 590, False), *direct[6:]]
+    spans = [(g[0].start, g[-1].end) for g in coalesce(mixed, max_gap=64, max_size=300, max_direct_size=1000)]
+    assert spans == [(0, 490), (500, 790), (800, 990)]
+
+
 def test_fit_part_size_stays_under_10000_parts() -> None:
     assert fit_part_size(16 * MiB, 10 * MiB) == 16 * MiB
     big = 400 * 1024 * MiB  # 400 GiB

@@ -112,7 +112,8 @@ def test_large_object_goes_multipart_and_small_in_one_put(bucket: str, s3_env: L
     assert "-" not in meta_etag  # single PUT
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     out = {k: torch.zeros_like(v) for k, v in sd.items()}
-    dcp.load(out, storage_reader=S3StorageReader(uri, max_range_size=1 * MiB, max_concurrency=4))
+    reader = S3StorageReader(uri, max_range_size=1 * MiB, max_direct_range_size=1 * MiB, max_concurrency=4)
+    dcp.load(out, storage_reader=reader)
     assert_same(sd, out)
 
 
@@ -174,6 +175,63 @@ def test_partial_load_reads_only_needed_bytes(bucket: str) -> None:
     needed = 2 * 256 * 1024 * 4
     metadata_bytes = fetched[0]
     assert sum(fetched) - metadata_bytes <= 1.2 * needed, fetched
+
+
+def test_direct_reads_take_larger_ranges_than_staged_ones(bucket: str) -> None:
+    """Bytes read straight into a CPU tensor hold no buffer: they come in GETs of up to
+    ``max_direct_range_size`` (64 MiB), a quarter of the GETs (and of their CPU) at 16 MiB ranges, while
+    staged reads (here a cast) keep ``max_range_size`` (16 MiB) as their memory bound."""
+    sd = {"w": torch.randn(40, 256 * 1024)}  # 40 MiB in 1 MiB rows
+    uri = f"s3://{bucket}/direct-ranges"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri))
+
+    def payload_gets(out: dict[str, torch.Tensor], **options: Any) -> list[int]:
+        reader = S3StorageReader(uri, **options)
+        fetched: list[int] = []
+        with hooked(
+            reader, "after-call.s3.GetObject", lambda parsed, **_: fetched.append(int(parsed["ContentLength"]))
+        ):
+            dcp.load(out, storage_reader=reader)
+        return sorted(fetched[1:], reverse=True)  # the first is .metadata; the rest arrive in any order
+
+    direct = {"w": torch.zeros(40, 256 * 1024)}
+    assert payload_gets(direct) == [40 * MiB]  # one GET, not three of 16 MiB
+    assert torch.equal(direct["w"], sd["w"])
+    staged = {"w": torch.zeros(40, 256 * 1024, dtype=torch.float64)}
+    sizes = payload_gets(staged)
+    assert len(sizes) == 3 and max(sizes) <= 16 * MiB, sizes
+    assert torch.equal(staged["w"], sd["w"].double())
+    # Both are settings: direct ranges as small as asked (and never below max_range_size).
+    assert payload_gets({"w": torch.zeros(40, 256 * 1024)}, max_direct_range_size=8 * MiB) == [16 * MiB] * 2 + [8 * MiB]
+    assert (
+        payload_gets({"w": torch.zeros(40, 256 * 1024)}, max_range_size=4 * MiB, max_direct_range_size=4 * MiB)
+        == [4 * MiB] * 10
+    )
+
+
+def test_direct_reads_of_neighbouring_items_coalesce_into_larger_gets(bucket: str) -> None:
+    """Small tensors read straight into CPU tensors coalesce up to ``max_direct_range_size`` (one GET for 48
+    MiB of 4 MiB tensors); staged ones (a cast) still up to ``max_range_size``."""
+    sd = {f"w{i:02d}": torch.randn(MiB) for i in range(12)}  # 12 x 4 MiB
+    uri = f"s3://{bucket}/direct-coalesced"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri))
+
+    def payload_gets(out: dict[str, torch.Tensor]) -> list[int]:
+        reader = S3StorageReader(uri)
+        fetched: list[int] = []
+        with hooked(
+            reader, "after-call.s3.GetObject", lambda parsed, **_: fetched.append(int(parsed["ContentLength"]))
+        ):
+            dcp.load(out, storage_reader=reader)
+        return fetched[1:]  # the first is .metadata
+
+    direct = {k: torch.zeros_like(v) for k, v in sd.items()}
+    assert len(payload_gets(direct)) == 1
+    assert_same(sd, direct)
+    staged = {k: torch.zeros(MiB, dtype=torch.float64) for k in sd}
+    sizes = payload_gets(staged)
+    assert len(sizes) >= 4 and max(sizes) <= 16 * MiB, sizes
+    assert all(torch.equal(staged[k], v.double()) for k, v in sd.items())
 
 
 def test_resave_replaces_by_default_and_overwrite_false_refuses(bucket: str, s3_env: LocalS3Server) -> None:
