@@ -12,7 +12,7 @@
 #                                        # crc32c): installs the wheels into private directories, runs
 #                                        # python -m benchmarks.gpu_check ARGS (benchmarks/results/gpu.md), then
 #                                        # python -m benchmarks.gpu_frameworks FW_ARGS (results/gpu_frameworks.md,
-#                                        # its own budget: 150 s by default), unless ARGS has --skip-frameworks
+#                                        # its own budget: 180 s by default), unless ARGS has --skip-frameworks
 #   benchmarks/gpu_check.sh frameworks [FW_ARGS]   # the framework part alone
 #
 # The working tree and benchmarks/gpu_wheels/ travel to the machine together (64 MiB in all). The SeaweedFS binary

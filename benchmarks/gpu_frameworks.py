@@ -58,7 +58,7 @@ DISTS = ("megatron-core", "nemo-automodel", "torch-checkpointing", "transformers
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_frameworks", description=__doc__.split("\n")[0])
-    p.add_argument("--budget-s", type=float, default=150.0, help="the whole run's time budget (seconds)")
+    p.add_argument("--budget-s", type=float, default=180.0, help="the whole run's time budget (seconds)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--megatron-mib", type=float, default=256.0, help="size of Megatron's CUDA state (MiB)")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: /dev/shm if it has room, else /tmp)")
@@ -113,7 +113,9 @@ def run_part(name: str, args: argparse.Namespace, root: Path, limit_s: float) ->
     scratch = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
     record, log = scratch / "record.json", scratch / "output.log"
     cmd = [sys.executable, "-m", "benchmarks.gpu_frameworks", "--part", name, "--part-out", str(record)]
-    cmd += ["--dir", str(scratch), "--megatron-mib", str(args.megatron_mib)] + (["--cpu-smoke"] if args.cpu_smoke else [])
+    cmd += ["--dir", str(scratch), "--megatron-mib", str(args.megatron_mib)] + (
+        ["--cpu-smoke"] if args.cpu_smoke else []
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
     with open(log, "wb") as out:
@@ -131,11 +133,15 @@ def run_part(name: str, args: argparse.Namespace, root: Path, limit_s: float) ->
     if record.exists():
         doc = json.loads(record.read_text())
     if doc.get("running"):
-        doc["rows"].append({"check": doc["running"], "status": "error", "seconds": None, "note": f"unfinished: {ended}"})
+        doc["rows"].append(
+            {"check": doc["running"], "status": "error", "seconds": None, "note": f"unfinished: {ended}"}
+        )
     elif not doc["rows"] or proc.returncode:
         tail = log.read_text(errors="replace")[-1500:]
         doc["rows"].append({"check": "part process", "status": "error", "seconds": None, "note": f"{ended}: {tail}"})
-    doc.update(seconds=time.perf_counter() - t0, ended=ended, limit_s=limit_s, log_tail=log.read_text(errors="replace")[-4000:])
+    doc.update(
+        seconds=time.perf_counter() - t0, ended=ended, limit_s=limit_s, log_tail=log.read_text(errors="replace")[-4000:]
+    )
     return doc
 
 
@@ -156,7 +162,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     root = pick_dir(args.dir)
     names = args.parts.split(",")
-    results: dict[str, Any] = {"environment": environment(cuda), "dir": str(root), "budget_s": args.budget_s, "parts": {}}
+    results: dict[str, Any] = {
+        "environment": environment(cuda),
+        "dir": str(root),
+        "budget_s": args.budget_s,
+        "parts": {},
+    }
     for i, name in enumerate(names):
         left = args.budget_s - (time.perf_counter() - t_start)
         limit = min(PARTS[name][1], left - FLOOR_S * (len(names) - i - 1)) if cuda else SMOKE_LIMIT_S

@@ -124,7 +124,10 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.detach().cpu().contiguous().view(-1).view(torch.uint8), b.detach().cpu().contiguous().view(-1).view(torch.uint8))
+    return torch.equal(
+        a.detach().cpu().contiguous().view(-1).view(torch.uint8),
+        b.detach().cpu().contiguous().view(-1).view(torch.uint8),
+    )
 
 
 def same_state(a: Any, b: Any) -> bool:

@@ -135,7 +135,9 @@ def run(rec: Record, root: Path, cuda: bool, mib: float) -> None:
                 f"{nbytes / MiB:.0f} MiB; save {saved_s:.2f} s, load {time.perf_counter() - t0 - saved_s:.2f} s; "
                 f"loaded onto {devices}"
             )
-        _async_save(rec, "async: AsyncCallsQueue() (forked worker)", str(root / "megatron" / "async"), nbytes, device, False)
+        _async_save(
+            rec, "async: AsyncCallsQueue() (forked worker)", str(root / "megatron" / "async"), nbytes, device, False
+        )
         if cuda:
             _async_save(
                 rec,

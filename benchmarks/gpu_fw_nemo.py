@@ -223,7 +223,9 @@ def _bypassed(rec: Record, target: Target, device: torch.device) -> None:
                     ckpt.lifecycle.complete_pending()
                     seen.append("complete_pending: returned")
                 except Exception as exc:
-                    seen.append(f"complete_pending: {type(exc).__name__}: {str(exc)[:200]}")
+                    cause = exc.__cause__ or exc.__context__
+                    why = f" (cause: {type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
+                    seen.append(f"complete_pending: {type(exc).__name__}: {str(exc)[:200]}{why}")
             finally:
                 ckpt.close()
             local = [str(p.relative_to(cwd)) for p in Path(cwd).rglob("*")]
@@ -243,7 +245,9 @@ def run(rec: Record, root: Path, cuda: bool, mib: float) -> None:
         with s3_target() as target:
             if target is None:
                 for check in (SYNC, ROUTE, BYPASSED):
-                    rec.skip(check, "no S3 server: moto neither travelled (benchmarks/gpu_wheels/moto) nor is importable")
+                    rec.skip(
+                        check, "no S3 server: moto neither travelled (benchmarks/gpu_wheels/moto) nor is importable"
+                    )
                 return
             rec.fact("target", "moto server (S3Checkpointer routes only s3:// through dcp_s3)")
             _sync(rec, target, device)

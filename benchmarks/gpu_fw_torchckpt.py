@@ -16,6 +16,7 @@ model of other weights; every rank compares its shards with the seeded model's, 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import tempfile
 import time
@@ -53,7 +54,11 @@ def _manager(root: str, options: dict[str, Any] | None, reshard: bool, saver: st
     if saver == "sync":
         save: Any = SyncCheckpointSaverConfig()
     else:  # on a GPU the defaults: pinned memory, non-blocking copies
-        staging = CheckpointStagerConfig() if cuda else CheckpointStagerConfig(use_pinned_memory=False, use_non_blocking_copy=False)
+        staging = (
+            CheckpointStagerConfig()
+            if cuda
+            else CheckpointStagerConfig(use_pinned_memory=False, use_non_blocking_copy=False)
+        )
         save = AsyncCheckpointSaverConfig(staging_config=staging)
     return CheckpointManager(
         CheckpointManager.Config(
@@ -94,7 +99,9 @@ def act(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 def _spawned(rank: int, world: int, job: dict[str, Any], rendezvous: str, out: str) -> None:
     if job["cuda"]:
         torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=GROUP_TIMEOUT
+    )
     result: dict[str, Any] = {"ok": False, "note": f"rank {rank}: no result"}
     try:
         result = act(rank, world, job)
@@ -122,7 +129,9 @@ def _phase(world: int, job: dict[str, Any], scratch: Path) -> list[dict[str, Any
     return [json.loads((out / f"rank{r}.json").read_text() or "{}") for r in range(world)]
 
 
-def _scenario(rec: Record, name: str, scratch: Path, where: tuple[str, dict[str, Any] | None], plan: dict[str, Any]) -> None:
+def _scenario(
+    rec: Record, name: str, scratch: Path, where: tuple[str, dict[str, Any] | None], plan: dict[str, Any]
+) -> None:
     with rec.check(name) as out:
         root, options = where
         job = {"root": root, "options": options, "cuda": plan["cuda"], "reshard": plan["reshard"]}
@@ -139,9 +148,7 @@ def _scenario(rec: Record, name: str, scratch: Path, where: tuple[str, dict[str,
 
 def run(rec: Record, root: Path, cuda: bool, mib: float) -> None:
     del mib  # a small model: the question is the resharding route
-    import torch_checkpointing  # noqa: PLC0415
-
-    rec.fact("torch-checkpointing", getattr(torch_checkpointing, "__version__", "0.1.1"))
+    rec.fact("torch-checkpointing", importlib.metadata.version("torch-checkpointing"))
     init_group(root, cuda, "nccl" if cuda else "gloo")
     local = ("local directory", str(root / "torch_checkpointing"), None)
     try:
@@ -151,18 +158,23 @@ def run(rec: Record, root: Path, cuda: bool, mib: float) -> None:
             s3 = local if target is None else ("moto", f"{target.root}/run", target.options)
             if cuda:
                 first = ("resharding load: 2 gloo ranks (CUDA tensors) -> 1 NCCL rank", 2, 1, "sync")
-                second = ("resharding load: 1 NCCL rank, async saver (pinned staging) -> 2 gloo ranks (CUDA)", 1, 2, "async")
+                second = (
+                    "resharding load: 1 NCCL rank, async saver (pinned staging) -> 2 gloo ranks (CUDA)",
+                    1,
+                    2,
+                    "async",
+                )
                 last = ("resharding load: 2 gloo ranks (CUDA tensors) -> 1 NCCL rank", 2, 1, "sync")
             else:  # the ranks that saved load (no resharder); the local directory's check in this process
-                rec.skip("resharding load (DefaultResharder)", "needs CUDA: torch-checkpointing 0.1.1 gathers metadata on device='cuda'")
+                rec.skip(
+                    "resharding load (DefaultResharder)",
+                    "needs CUDA: torch-checkpointing 0.1.1 gathers metadata on device='cuda'",
+                )
                 first = ("save + load, no resharder: 2 gloo ranks -> the same 2", 2, 2, "sync")
                 second = ("save + load, no resharder: 1 rank, async saver -> 1", 1, 1, "async")
                 last = ("save + load, no resharder: 1 rank -> 1", 1, 1, "sync")
-            for step, ((name, save_world, load_world, saver), where) in enumerate(
-                ((first, s3), (second, s3), (last, local)), start=1
-            ):
-                if where is local and s3 is local and step == 3:
-                    break  # no S3 server: the local directory had both scenarios already
+            scenarios = [(first, s3), (second, s3)] + ([(last, local)] if s3 is not local else [])
+            for step, ((name, save_world, load_world, saver), where) in enumerate(scenarios, start=1):
                 plan = {"cuda": cuda, "reshard": cuda, "save_world": save_world, "load_world": load_world}
                 _scenario(rec, f"{name}, {where[0]}", root, where[1:], {**plan, "saver": saver, "step": step})
     finally:

@@ -51,7 +51,16 @@ def _env() -> dict[str, str]:
 def test_cpu_smoke_run_reports_every_part(tmp_path: Path) -> None:
     out = tmp_path / "gpu_frameworks.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_frameworks", "--cpu-smoke", "--dir", str(tmp_path / "ck"), "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu_frameworks",
+            "--cpu-smoke",
+            "--dir",
+            str(tmp_path / "ck"),
+            "--out",
+            str(out),
+        ],
         cwd=REPO_ROOT,
         env=_env(),
         capture_output=True,
