@@ -44,14 +44,22 @@ fetch() {  # fetch DIR PACKAGE...
         --platform manylinux1_x86_64 --platform any -d "$dir" "$@"
 }
 
-install() {  # install DIR TARGET
+install() {  # install DIR TARGET (nothing when DIR has no wheels: that part then reports what is missing)
     mkdir -p "$2"
+    if ! compgen -G "$1/*.whl" >/dev/null; then
+        echo "no wheels in $1: run '$0 download' where there is network" >&2
+        return 0
+    fi
     python3 -m pip install --quiet --no-index --no-deps --target "$2" "$1"/*.whl
 }
 
-frameworks() {  # the framework part, with the wheels installed ($site, $moto_site)
-    PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" DCP_S3_GPU_MOTO_PATH="$moto_site:$site" \
-        python3 -m benchmarks.gpu_frameworks "$@"
+frameworks() {  # the framework part, with the wheels installed ($site; moto's server from $moto_site)
+    install "$WHEELS/frameworks" "$site"
+    install "$WHEELS/moto" "$moto_site"
+    if [ -n "$(ls -A "$moto_site")" ]; then
+        export DCP_S3_GPU_MOTO_PATH="$moto_site:$site"
+    fi
+    PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" python3 -m benchmarks.gpu_frameworks "$@"
 }
 
 case "${1:-}" in
@@ -76,8 +84,6 @@ run | frameworks)
     site="$tmp/site" moto_site="$tmp/moto"
     install "$WHEELS" "$site"
     if [ "$command" = frameworks ]; then
-        install "$WHEELS/frameworks" "$site"
-        install "$WHEELS/moto" "$moto_site"
         frameworks "$@"
         exit
     fi
@@ -93,8 +99,6 @@ run | frameworks)
     status=0
     PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" python3 -m benchmarks.gpu_check ${check_args[@]+"${check_args[@]}"} || status=$?
     if [ "$skip" = 0 ]; then
-        install "$WHEELS/frameworks" "$site"
-        install "$WHEELS/moto" "$moto_site"
         frameworks ${fw_args[@]+"${fw_args[@]}"} || status=$?
     fi
     exit "$status"
