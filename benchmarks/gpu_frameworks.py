@@ -140,7 +140,11 @@ def run_part(name: str, args: argparse.Namespace, root: Path, limit_s: float) ->
         tail = log.read_text(errors="replace")[-1500:]
         doc["rows"].append({"check": "part process", "status": "error", "seconds": None, "note": f"{ended}: {tail}"})
     doc.update(
-        seconds=time.perf_counter() - t0, ended=ended, limit_s=limit_s, log_tail=log.read_text(errors="replace")[-4000:]
+        seconds=time.perf_counter() - t0,
+        ended=ended,
+        limit_s=limit_s,
+        pid=proc.pid,
+        log_tail=log.read_text(errors="replace")[-4000:],
     )
     return doc
 

@@ -101,6 +101,8 @@ def test_a_part_past_its_deadline_is_killed_and_named(tmp_path: Path) -> None:
     assert doc["ended"] == "killed at its deadline (1 s)"
     assert doc["rows"] and doc["rows"][-1]["status"] == "error", doc["rows"]
     assert "killed at its deadline" in doc["rows"][-1]["note"]
+    with pytest.raises(ProcessLookupError):  # nothing of the part's session is left
+        os.killpg(doc["pid"], 0)
 
 
 def test_without_cuda_the_framework_check_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
