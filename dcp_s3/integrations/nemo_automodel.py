@@ -9,6 +9,8 @@ Chosen by its config (tested with nemo-automodel 0.7.0)::
         endpoint_url="http://127.0.0.1:8333", storage_options={"part_size": 32 << 20},
     ).build(dp_rank=dp_rank, tp_rank=0, pp_rank=0)
 
+NeMo's recipes (the ``automodel`` command) choose it with one YAML key instead: :mod:`dcp_s3.integrations.nemo_recipe`.
+
 It builds an :class:`S3Checkpointer`: NeMo's own ``Checkpointer`` (its ``ModelState``/``OptimizerState``, HF key
 adaptation, planners, loads) whose storage, on an ``s3://`` ``checkpoint_dir``, is dcp_s3. A local
 ``checkpoint_dir`` keeps NeMo's behaviour unchanged.
@@ -18,7 +20,7 @@ What one save holds, and its commit. A NeMo checkpoint ``<checkpoint_dir>/<name>
 rank (``save_on_global_ranks``), the data loader state of every data-parallel rank (``save_on_dp_ranks``),
 and what NeMo's recipes write themselves with ``open``/``torch.save`` — ``losses.json``, ``config.yaml``,
 ``<key>.pt`` — here :meth:`S3Checkpointer.save_losses`, :meth:`~S3Checkpointer.save_config`,
-:meth:`~S3Checkpointer.save_state`. On S3 (:mod:`dcp_s3.integrations.nemo_commit`):
+:meth:`~S3Checkpointer.save_state` (:mod:`dcp_s3.integrations.nemo_files`). On S3 (:mod:`dcp_s3.integrations.nemo_commit`):
 
 - ``lifecycle.reserve(path)`` (every rank, before anything is written, as NeMo's recipes call it) draws one
   *save token* on rank 0 and shares it; a checkpoint already committed at ``path`` is a ``FileExistsError``,

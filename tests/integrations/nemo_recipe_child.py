@@ -140,13 +140,17 @@ class TinyRecipe(BaseRecipe):
             if step % every == 0:
                 self.step_scheduler.step -= 1  # NeMo saves inside its step loop, before the step counter moves
                 out["saves"][step] = self.snapshot(self.step_scheduler.state_dict(), torch.get_rng_state())
+                self.dump(out)  # what a save killed from here on would have stored
                 self.save_checkpoint(epoch=0, step=step, train_loss=float(loss.item()))
                 self.step_scheduler.step += 1
-        self.checkpointer.close()
         out["latest"] = self.checkpointer.latest_checkpoint()
+        self.checkpointer.close()
+        self.dump(out)
+        return out
+
+    def dump(self, out: dict[str, Any]) -> None:
         if (path := self.cfg.get("out", None)) is not None:
             torch.save(out, f"{path}.{dist.get_rank()}")
-        return out
 
 
 S3TinyRecipe = s3_recipe(TinyRecipe)
