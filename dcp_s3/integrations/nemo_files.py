@@ -88,22 +88,22 @@ class RecipeFiles:
 
     def save_on_dp_ranks(self, state: Any, state_name: str, path: str) -> None:
         # docstring inherited
-        location = s3_location(path)
-        if location is None:
+        if s3_location(path) is None:
             return super().save_on_dp_ranks(state, state_name, path)  # type: ignore[misc, no-any-return]
         if self.tp_rank == 0 and self.pp_rank == 0:
-            rel = self._rank_file(state_name, "dp", self.dp_rank)
-            self._s3.write_file(location, rel, torch_save_bytes(state.state_dict()))
+            self._write_state(path, self._rank_file(state_name, "dp", self.dp_rank), state)
         return None
 
     def save_on_global_ranks(self, state: Any, state_name: str, path: str) -> None:
         # docstring inherited
-        location = s3_location(path)
-        if location is None:
+        if s3_location(path) is None:
             return super().save_on_global_ranks(state, state_name, path)  # type: ignore[misc, no-any-return]
-        rel = self._rank_file(state_name, "global", _global_rank())
-        self._s3.write_file(location, rel, torch_save_bytes(state.state_dict()))
+        self._write_state(path, self._rank_file(state_name, "global", _global_rank()), state)
         return None
+
+    def _write_state(self, path: str, rel: str, state: Any) -> None:
+        """This rank's ``state.state_dict()`` as file ``rel`` of the save in progress at S3 location ``path``."""
+        self._s3.write_file(s3_location(path) or path, rel, torch_save_bytes(state.state_dict()))
 
     def load_on_dp_ranks(self, state: Any, state_name: str, path: str) -> None:
         # docstring inherited

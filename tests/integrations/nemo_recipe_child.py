@@ -48,6 +48,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from dcp_s3.integrations import nemo_automodel, nemo_commit
 from dcp_s3.integrations.nemo_recipe import s3_recipe
 from dcp_s3.store import base as store
+from tests.dist_utils import full
 
 
 class Numbers(torch.utils.data.Dataset):
@@ -57,19 +58,6 @@ class Numbers(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(i)
         return torch.randn(8, generator=g), torch.randn(1, generator=g)
-
-
-def gathered(value: Any) -> Any:
-    """``value`` with DTensors gathered and tensors cloned, recursively."""
-    if hasattr(value, "full_tensor"):
-        return value.full_tensor().detach().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: gathered(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [gathered(v) for v in value]
-    return value
 
 
 class TinyRecipe(BaseRecipe):
@@ -114,8 +102,8 @@ class TinyRecipe(BaseRecipe):
 
     def snapshot(self, step: dict[str, int], torch_rng: torch.Tensor | None) -> dict[str, Any]:
         return {
-            "model": gathered(self.model.state_dict()),
-            "optim": gathered(self.optimizer.state_dict()),
+            "model": full(self.model.state_dict()),
+            "optim": full(self.optimizer.state_dict()),
             "loader": self.dataloader.state_dict(),
             "step": step,
             "torch_rng": torch_rng,

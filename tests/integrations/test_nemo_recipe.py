@@ -31,13 +31,14 @@ RECIPE = "tests.integrations.nemo_recipe_child.S3TinyRecipe"
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
-def write_config(path: Path, checkpoint: dict[str, Any], **more: Any) -> Path:
-    path.write_text(yaml.safe_dump({"recipe": RECIPE, "checkpoint": checkpoint, **more}))
-    return path
-
-
-def automodel(config: Path, cwd: Path, timeout: float = 300) -> None:
-    """NeMo's command on 2 CPU ranks, as its docs launch it under torchrun."""
+def run(tmp: Path, name: str, checkpoint: dict[str, Any], max_steps: int, cwd: Path) -> list[dict[str, Any]]:
+    """NeMo's command on 2 CPU ranks, as its docs launch it under torchrun, with the YAML ``<name>.yaml``
+    (a save every 2 steps); what each rank's loop saw."""
+    config = tmp / f"{name}.yaml"
+    train = {"max_steps": max_steps, "ckpt_every_steps": 2}
+    config.write_text(
+        yaml.safe_dump({"recipe": RECIPE, "checkpoint": checkpoint, "train": train, "out": str(tmp / name)})
+    )
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("AWS_ENDPOINT_URL", None)  # the YAML's endpoint_url is the only way to the server
     proc = subprocess.run(
@@ -47,13 +48,10 @@ def automodel(config: Path, cwd: Path, timeout: float = 300) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-
-
-def outputs(prefix: Path) -> list[dict[str, Any]]:
-    return [torch.load(f"{prefix}.{rank}", weights_only=False) for rank in range(2)]
+    return [torch.load(tmp / f"{name}.{rank}", weights_only=False) for rank in range(2)]
 
 
 @pytest.mark.multiproc
@@ -69,16 +67,7 @@ def test_a_recipe_saves_and_resumes_through_s3_with_one_yaml_key(seaweed: Any, b
         "endpoint_url": seaweed.endpoint_url,
         "storage_options": {"region": seaweed.region},
     }
-    automodel(
-        write_config(
-            tmp_path / "first.yaml",
-            checkpoint,
-            train={"max_steps": 7, "ckpt_every_steps": 2},
-            out=str(tmp_path / "first"),
-        ),
-        work,
-    )
-    first = outputs(tmp_path / "first")
+    first = run(tmp_path, "first", checkpoint, max_steps=7, cwd=work)
     keys = object_keys(seaweed.client(), bucket)
     commits = sorted(k for k in keys if k.endswith("/dcp_s3_commit.json"))
     assert commits == ["run/epoch_0_step_4/dcp_s3_commit.json", "run/epoch_0_step_6/dcp_s3_commit.json"]
@@ -98,16 +87,7 @@ def test_a_recipe_saves_and_resumes_through_s3_with_one_yaml_key(seaweed: Any, b
         assert out["latest"] == f"s3://{bucket}/run/epoch_0_step_6"
 
     checkpoint["restore_from"] = "LATEST"
-    automodel(
-        write_config(
-            tmp_path / "second.yaml",
-            checkpoint,
-            train={"max_steps": 8, "ckpt_every_steps": 2},
-            out=str(tmp_path / "second"),
-        ),
-        work,
-    )
-    second = outputs(tmp_path / "second")
+    second = run(tmp_path, "second", checkpoint, max_steps=8, cwd=work)
     for rank in range(2):
         assert second[rank]["start"] == 6
         assert _diff(first[rank]["saves"][6], second[rank]["resumed"]) == [], rank
