@@ -157,25 +157,9 @@ class S3CheckpointingConfig(CheckpointingConfig):
         options = StorageOptions.of(self.storage_options)
         return options.replace(endpoint_url=self.endpoint_url) if self.endpoint_url else options
 
-    def build(
-        self,
-        dp_rank: int,
-        tp_rank: int,
-        pp_rank: int,
-        moe_mesh: Any = None,
-        process_group: Any = None,
-        pp_group: Any = None,
-    ) -> S3Checkpointer:
-        # docstring inherited
-        return S3Checkpointer(
-            config=self,
-            dp_rank=dp_rank,
-            tp_rank=tp_rank,
-            pp_rank=pp_rank,
-            moe_mesh=moe_mesh,
-            process_group=process_group,
-            pp_group=pp_group,
-        )
+    def build(self, dp_rank: int, tp_rank: int, pp_rank: int, **kwargs: Any) -> S3Checkpointer:
+        # docstring inherited (kwargs: NeMo's moe_mesh, process_group, pp_group)
+        return S3Checkpointer(self, dp_rank, tp_rank, pp_rank, **kwargs)
 
 
 class S3Checkpointer(RecipeFiles, Checkpointer):
