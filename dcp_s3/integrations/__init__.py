@@ -12,6 +12,10 @@ framework (an optional dependency, never one of dcp_s3's) when the user imports 
 - ``dcp_s3.integrations.lightning*`` and ``dcp_s3.integrations.accelerate``: Lightning strategies,
   and Accelerate / transformers ``Trainer`` FSDP saves (their own modules; the Trainer's local
   ``output_dir`` mapped to S3 by :mod:`dcp_s3.integrations.trainer_dirs`).
+- :mod:`dcp_s3.integrations.nemo_automodel`: ``S3CheckpointingConfig``, NeMo AutoModel's ``Checkpointer`` with
+  dcp_s3 as its storage (its commit in :mod:`~dcp_s3.integrations.nemo_commit`, its small files in
+  :mod:`~dcp_s3.integrations.nemo_files`); :mod:`dcp_s3.integrations.nemo_recipe`: NeMo's recipes and ``automodel``
+  command on S3, chosen with ``recipe: dcp_s3.integrations.nemo_recipe.S3<Name>`` in the YAML.
 - :mod:`dcp_s3.integrations.torch_checkpointing`: ``S3StorageConfig``, torch_checkpointing's ``Storage`` on S3
   (its staged-write ``rename`` mapped onto a commit marker), chosen with
   ``CheckpointManager.Config(storage_config=S3StorageConfig("s3://..."))``.

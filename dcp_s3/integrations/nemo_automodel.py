@@ -9,6 +9,8 @@ Chosen by its config (tested with nemo-automodel 0.7.0)::
         endpoint_url="http://127.0.0.1:8333", storage_options={"part_size": 32 << 20},
     ).build(dp_rank=dp_rank, tp_rank=0, pp_rank=0)
 
+NeMo's recipes (the ``automodel`` command) choose it with one YAML key instead: :mod:`dcp_s3.integrations.nemo_recipe`.
+
 It builds an :class:`S3Checkpointer`: NeMo's own ``Checkpointer`` (its ``ModelState``/``OptimizerState``, HF key
 adaptation, planners, loads) whose storage, on an ``s3://`` ``checkpoint_dir``, is dcp_s3. A local
 ``checkpoint_dir`` keeps NeMo's behaviour unchanged.
@@ -18,7 +20,7 @@ What one save holds, and its commit. A NeMo checkpoint ``<checkpoint_dir>/<name>
 rank (``save_on_global_ranks``), the data loader state of every data-parallel rank (``save_on_dp_ranks``),
 and what NeMo's recipes write themselves with ``open``/``torch.save`` — ``losses.json``, ``config.yaml``,
 ``<key>.pt`` — here :meth:`S3Checkpointer.save_losses`, :meth:`~S3Checkpointer.save_config`,
-:meth:`~S3Checkpointer.save_state`. On S3 (:mod:`dcp_s3.integrations.nemo_commit`):
+:meth:`~S3Checkpointer.save_state` (:mod:`dcp_s3.integrations.nemo_files`). On S3 (:mod:`dcp_s3.integrations.nemo_commit`):
 
 - ``lifecycle.reserve(path)`` (every rank, before anything is written, as NeMo's recipes call it) draws one
   *save token* on rank 0 and shares it; a checkpoint already committed at ``path`` is a ``FileExistsError``,
@@ -52,18 +54,16 @@ one of those runs on an ``s3://`` path, that function also answers true for ``s3
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import yaml
 from nemo_automodel.components.checkpoint import checkpointing as nemo_checkpointing
 from nemo_automodel.components.checkpoint._backports.filesystem import SerializationFormat
 from nemo_automodel.components.checkpoint.checkpointing import (
@@ -76,12 +76,12 @@ from nemo_automodel.components.checkpoint.config import CheckpointingConfig, Sav
 from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
 from nemo_automodel.components.checkpoint.utils import find_latest_checkpoint
 
-from dcp_s3.checkpointer.ranks import distributed, world_size
-from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
+from dcp_s3.checkpointer.ranks import world_size
+from dcp_s3.errors import CheckpointNotFoundError, ConfigError
 from dcp_s3.integrations.lightning_io import s3_location
-from dcp_s3.integrations.nemo_commit import COMMIT, COMPONENT, Saves, split_part
+from dcp_s3.integrations.nemo_commit import COMMIT, Saves, split_part
+from dcp_s3.integrations.nemo_files import RecipeFiles
 from dcp_s3.store.storage_options import StorageOptions
-from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = ["S3CheckpointingConfig", "S3Checkpointer", "S3CheckpointLifecycle", "COMMIT"]
 
@@ -106,6 +106,11 @@ def _remote_paths() -> Iterator[None]:
             _patched.pop()
             if len(_patched) == 1:
                 nemo_checkpointing.is_cloud_path = _patched.pop()
+
+
+def _remote_if_s3(path: str) -> contextlib.AbstractContextManager[None]:
+    """:func:`_remote_paths` for an ``s3://`` path; nothing for a local one."""
+    return _remote_paths() if s3_location(path) else contextlib.nullcontext()
 
 
 _patch_lock = threading.Lock()
@@ -152,28 +157,12 @@ class S3CheckpointingConfig(CheckpointingConfig):
         options = StorageOptions.of(self.storage_options)
         return options.replace(endpoint_url=self.endpoint_url) if self.endpoint_url else options
 
-    def build(
-        self,
-        dp_rank: int,
-        tp_rank: int,
-        pp_rank: int,
-        moe_mesh: Any = None,
-        process_group: Any = None,
-        pp_group: Any = None,
-    ) -> S3Checkpointer:
-        # docstring inherited
-        return S3Checkpointer(
-            config=self,
-            dp_rank=dp_rank,
-            tp_rank=tp_rank,
-            pp_rank=pp_rank,
-            moe_mesh=moe_mesh,
-            process_group=process_group,
-            pp_group=pp_group,
-        )
+    def build(self, dp_rank: int, tp_rank: int, pp_rank: int, **kwargs: Any) -> S3Checkpointer:
+        # docstring inherited (kwargs: NeMo's moe_mesh, process_group, pp_group)
+        return S3Checkpointer(self, dp_rank, tp_rank, pp_rank, **kwargs)
 
 
-class S3Checkpointer(Checkpointer):
+class S3Checkpointer(RecipeFiles, Checkpointer):
     """NeMo's ``Checkpointer`` whose ``s3://`` checkpoints go through dcp_s3 (see the module's docstring).
 
     Besides NeMo's methods, it has the ones for what NeMo's recipes write with ``open``/``torch.save``
@@ -211,17 +200,17 @@ class S3Checkpointer(Checkpointer):
 
     def save_model(self, model: Any, weights_path: str, *args: Any, **kwargs: Any) -> None:
         # docstring inherited
-        with _remote_paths() if s3_location(weights_path) else contextlib.nullcontext():
+        with _remote_if_s3(weights_path):
             super().save_model(model, weights_path, *args, **kwargs)
 
     def save_optimizer(self, optimizer: Any, model: Any, weights_path: str, *args: Any, **kwargs: Any) -> None:
         # docstring inherited
-        with _remote_paths() if s3_location(weights_path) else contextlib.nullcontext():
+        with _remote_if_s3(weights_path):
             super().save_optimizer(optimizer, model, weights_path, *args, **kwargs)
 
     def load_model(self, model: Any, model_path: str, *args: Any, **kwargs: Any) -> None:
         # docstring inherited
-        with _remote_paths() if s3_location(model_path) else contextlib.nullcontext():
+        with _remote_if_s3(model_path):
             super().load_model(model, model_path, *args, **kwargs)
 
     def _get_storage_reader(self, model_path: str, *args: Any, **kwargs: Any) -> Any:
@@ -280,125 +269,6 @@ class S3Checkpointer(Checkpointer):
         state.load_state_dict(state_dict)
         return None
 
-    # -- small files --------------------------------------------------------------------------------------------
-
-    def _read(self, path: str, rel: str) -> bytes | None:
-        """File ``rel`` of the checkpoint at ``path``: on S3 of its committed save; None when there is none."""
-        location = s3_location(path)
-        if location is not None:
-            return self._s3.read_file(location, rel)
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            return None
-        with open(file, "rb") as f:
-            return f.read()
-
-    def _load_pt(self, ckpt: str, rel: str, *fallbacks: str) -> Any:
-        for name in (rel, *fallbacks):
-            data = self._read(ckpt, name)
-            if data is not None:
-                return torch_load(data, f"{ckpt}/{name}", weights_only=not self.config.allow_legacy_pickle_restore)
-        raise CheckpointNotFoundError(f"{ckpt}: no {rel} (on S3: its commit lists none)")
-
-    def save_on_dp_ranks(self, state: Any, state_name: str, path: str) -> None:
-        # docstring inherited
-        location = s3_location(path)
-        if location is None:
-            return super().save_on_dp_ranks(state, state_name, path)
-        if self.tp_rank == 0 and self.pp_rank == 0:
-            self._s3.write_file(
-                location, f"{state_name}/{state_name}_dp_rank_{self.dp_rank}.pt", torch_save_bytes(state.state_dict())
-            )
-        return None
-
-    def load_on_dp_ranks(self, state: Any, state_name: str, path: str) -> None:
-        # docstring inherited
-        location = s3_location(path)
-        if location is None:
-            return super().load_on_dp_ranks(state, state_name, path)
-        state.load_state_dict(self._load_pt(location, f"{state_name}/{state_name}_dp_rank_{self.dp_rank}.pt"))
-        return None
-
-    def save_on_global_ranks(self, state: Any, state_name: str, path: str) -> None:
-        # docstring inherited
-        location = s3_location(path)
-        if location is None:
-            return super().save_on_global_ranks(state, state_name, path)
-        rank = dist.get_rank() if distributed() else 0
-        self._s3.write_file(
-            location, f"{state_name}/{state_name}_global_rank_{rank}.pt", torch_save_bytes(state.state_dict())
-        )
-        return None
-
-    def load_on_global_ranks(self, state: Any, state_name: str, path: str) -> None:
-        # docstring inherited
-        location = s3_location(path)
-        if location is None:
-            return super().load_on_global_ranks(state, state_name, path)
-        rank = dist.get_rank() if distributed() else 0
-        state.load_state_dict(
-            self._load_pt(
-                location,
-                f"{state_name}/{state_name}_global_rank_{rank}.pt",
-                f"{state_name}/{state_name}_dp_rank_{self.dp_rank}.pt",  # NeMo's fallback for older checkpoints
-            )
-        )
-        return None
-
-    def _rank0_file(self, path: str, rel: str, data: Any) -> None:
-        """Rank 0: write ``data()`` as file ``rel`` of the save in progress at ``path`` (a local one: a file there)."""
-        if distributed() and dist.get_rank() != 0:
-            return
-        location = s3_location(path)
-        if location is not None:
-            self._s3.write_file(location, rel, data())
-            return
-        file = os.path.join(path, rel)
-        os.makedirs(os.path.dirname(file), exist_ok=True)
-        with open(file, "wb") as f:
-            f.write(data())
-
-    def save_losses(self, losses: dict[str, Any], path: str) -> None:
-        """Rank 0 (others do nothing): ``losses.json`` of the save in progress at ``path`` (NeMo's ``save_losses``)."""
-        self._rank0_file(path, "losses.json", lambda: json.dumps(losses).encode())
-
-    def save_config(self, config: dict[str, Any], path: str) -> None:
-        """Rank 0 (others do nothing): ``config.yaml`` of the save in progress at ``path`` (NeMo's ``save_config``)."""
-        self._rank0_file(
-            path, "config.yaml", lambda: yaml.safe_dump(config, sort_keys=False, default_flow_style=False).encode()
-        )
-
-    def save_state(self, state: Any, key: str, path: str) -> None:
-        """Rank 0 (others do nothing): ``<key>.pt``, ``state.state_dict()`` (what NeMo's recipes ``torch.save``)."""
-        if not COMPONENT.fullmatch(key):
-            raise ConfigError(f"state key {key!r}: not a name of one path component")
-        self._rank0_file(path, f"{key}.pt", lambda: torch_save_bytes(state.state_dict()))
-
-    def load_state(self, state: Any, key: str, path: str) -> None:
-        """Every rank: ``state.load_state_dict`` of ``<key>.pt`` from the checkpoint at ``path``."""
-        state.load_state_dict(self._load_pt(s3_location(path) or path, f"{key}.pt"))
-
-    def load_losses(self, path: str) -> dict[str, Any] | None:
-        """``losses.json`` of the committed save at ``path`` (None when it has none)."""
-        return self._load_doc(path, "losses.json", json.loads)
-
-    def load_config(self, path: str) -> dict[str, Any] | None:
-        """``config.yaml`` of the committed save at ``path`` (None when it has none), read with ``yaml.safe_load``."""
-        return self._load_doc(path, "config.yaml", yaml.safe_load)
-
-    def _load_doc(self, path: str, rel: str, parse: Any) -> dict[str, Any] | None:
-        location = s3_location(path) or path
-        data = self._read(location, rel)
-        if data is None:
-            return None
-        try:
-            doc = parse(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError, yaml.YAMLError) as exc:
-            raise CheckpointFormatError(f"{location}/{rel}: unreadable ({type(exc).__name__})") from None
-        if not isinstance(doc, dict):
-            raise CheckpointFormatError(f"{location}/{rel}: holds a {type(doc).__name__}, not a mapping")
-        return doc
-
     def latest_checkpoint(self) -> str | None:
         """Every rank: the newest committed ``epoch_<E>_step_<S>`` under ``checkpoint_dir`` (by step), or None;
         found by rank 0 and shared. A newer name whose commit does not read or whose parts are missing is skipped,
@@ -424,6 +294,9 @@ class S3CheckpointLifecycle(CheckpointLifecycle):
         super().__init__(config, process_group)
         self._s3 = saves
         self._warned_pointers = False
+        self.with_each_save: list[Callable[[str], None]] = []
+        """Called on every rank right after ``reserve`` of an ``s3://`` save, with its path: what a recipe writes into
+        every save beside NeMo's own calls (:mod:`dcp_s3.integrations.nemo_recipe`)."""
 
     def reserve(self, path: str) -> None:
         # docstring inherited
@@ -431,6 +304,8 @@ class S3CheckpointLifecycle(CheckpointLifecycle):
         if location is None:
             return super().reserve(path)
         self._s3.begin(location)
+        for write in self.with_each_save:
+            write(location)
         return None
 
     def publish(self, path: str, *, best_val_metric: float | None, metric_key: str | None) -> None:

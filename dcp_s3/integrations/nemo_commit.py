@@ -140,8 +140,9 @@ class Saves:
         def draw() -> str:
             if self.store(ckpt).size(COMMIT) is not None:
                 raise CheckpointExistsError(
-                    f"Checkpoint directory {ckpt} already holds a published checkpoint ({COMMIT}). Remove it "
-                    "(dcp-s3 rm), or point checkpoint.checkpoint_dir at a fresh directory, before re-running this step."
+                    f"Checkpoint directory {ckpt} already holds a published checkpoint ({COMMIT}). Remove it (delete "
+                    f"{ckpt}/{COMMIT} first, then every object under {ckpt}/; the dcp-s3 commands do not know this "
+                    "layout), or point checkpoint.checkpoint_dir at a fresh directory, before re-running this step."
                 )
             return new_token()
 

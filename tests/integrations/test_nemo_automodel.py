@@ -259,6 +259,7 @@ def test_save_and_resume_bit_exact_through_s3(
     first = _unpacked(run_ranks(_first_run, 2, config, str(tmp), timeout=240))
     for out in first:
         assert out["fresh"] is None and out["patch_gone"] and "already holds a published checkpoint" in out["exists"]
+        assert f"delete {config['checkpoint_dir']}/epoch_0_step_3/dcp_s3_commit.json first" in out["exists"]
 
     keys = object_keys(seaweed.client(), bucket)
     commits = sorted(k for k in keys if k.endswith("/dcp_s3_commit.json"))
