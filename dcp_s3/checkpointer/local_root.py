@@ -31,8 +31,9 @@ from dcp_s3.store.local import LocalStore
 
 __all__ = ["RANK_DIR_RE", "rank_dir", "rank_dir_problem", "rank_dirs", "rank_store"]
 
-#: The name of a rank directory under a local root (``rank_dir``'s output).
-RANK_DIR_RE = re.compile(r"rank(\d{5})")
+#: The name of a rank directory under a local root: exactly ``rank_dir``'s outputs (five digits, zero-padded,
+#: or more without a leading zero from rank 100000 on).
+RANK_DIR_RE = re.compile(r"rank(\d{5}|[1-9]\d{5,})")
 
 
 def rank_dir(rank: int) -> str:

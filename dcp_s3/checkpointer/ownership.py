@@ -34,6 +34,11 @@ What each caller may delete (its root as configured; the names its scheme makes)
 ``dcp-s3 rm`` deletes what its user names and ``dcp-s3 gc`` what no checkpoint needs
 (:mod:`dcp_s3.admin.cleanup`): commands, not rotations, and not governed here.
 
+Nor is a save removing what it wrote itself and did not commit — a failed upload's objects, or the
+generation directories of a first save that lost the race for its step
+(:func:`dcp_s3.checkpointer.generations.commit_step`): those names come from the save's own fresh token,
+never from a listing or from stored state, and no checkpoint is deleted.
+
 This module decides; the callers delete (their own deletion order: markers, then ``.metadata``, then the
 rest). Nothing here imports a framework.
 """
