@@ -18,9 +18,9 @@ Then a fresh process group loads ``iter_0000010`` bit-exact, finds ``iter_000002
 re-save's ``.metadata`` names none of the objects the killed save left (they stay for ``dcp-s3 gc``).
 
 Ranks are forked from a forkserver that imported this module (and Megatron) once: a spawned rank spends ~15 s of a
-loaded 2-core machine importing Megatron, and forking this test process, which has threads, can deadlock a child.
-Each rank is a process-group leader so that a ``node`` kill takes its children and the test
-reaps every process a case started. Results travel through files (a shared queue could be left locked by a kill).
+loaded 2-core machine importing Megatron, and ranks forked from this test process (which has threads) hung once here.
+Each rank is a process-group leader so that a ``node`` kill takes its children and the test reaps every process a
+case started. Results travel through files (a shared queue could be left locked by a kill).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _entry(
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
         result: tuple[str, Any] = ("ok", fn(rank, world, *args))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
+    except BaseException as exc:  # reported to the test
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(pickle.dumps(result))
@@ -202,7 +202,7 @@ def _killed_save(rank: int, world: int, root: str, mode: str, phase: str, victim
         _arm(phase, what, Path(marker))
     try:
         _save(f"{root}/iter_0000020", _state(rank, world, 20), mode)
-    except BaseException as exc:  # noqa: BLE001 - the survivor's end, and when
+    except BaseException as exc:  # the survivor's end, and when
         return ("raised", time.time(), f"{type(exc).__name__}: {exc}")
     return ("returned", time.time(), None)
 
@@ -213,7 +213,7 @@ def _resume(rank: int, world: int, root: str, mode: str) -> Any:
     try:
         _load(rank, world, f"{root}/iter_0000020")
         refused = None
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         refused = f"{type(exc).__name__}: {exc}"
     _save(f"{root}/iter_0000020", _state(rank, world, 21), mode)
     again = _load(rank, world, f"{root}/iter_0000020")
