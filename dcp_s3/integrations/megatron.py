@@ -195,7 +195,10 @@ class _LoadPlanner(MCoreLoadPlanner):
         self.location, self.save_id = location, save_id
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
-        if metadata is not None:
+        # Empty metadata is the reader's stand-in for one it could not read (a killed save's path has no
+        # ``.metadata``): torch sets up the planner before the reader raises its own error, which names the path
+        # and the cause; checking the stand-in here would hide that error behind "not a Megatron checkpoint".
+        if metadata is not None and metadata.state_dict_metadata:
             _check_saved_here(metadata, self.location)
             found = getattr(metadata.storage_meta, "save_id", None)
             if self.save_id is not None and found != self.save_id:

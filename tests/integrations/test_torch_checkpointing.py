@@ -86,7 +86,7 @@ def test_stage_onto_absent_destination_commits_in_place(bucket: str, s3_env: Any
     after = set(_keys(s3_env, bucket))
     # The commit wrote one marker and removed the claim: no object was copied or moved.
     assert after - before == {"run/step_1/.dcp_s3-commit"}
-    assert [k for k in before - after] == ["run/step_1/.dcp_s3-staged/claims/rank-0"]
+    assert [k for k in before - after] == [f"run/step_1/.dcp_s3-staged/claims/{storage.attempt}/rank-0"]
     # A fresh storage (another process) sees the same.
     other = _storage(bucket)
     assert other.read(Path("step_1/sub/x.json")) == b"{}" and other.ls(Path("")) == ["step_1"]
@@ -201,13 +201,72 @@ def test_a_load_keeps_the_save_it_looked_at(bucket: str) -> None:
     assert reader.exists(Path("step_1")) and reader.read(Path("step_1/b")) == b"save 2"  # the next load
 
 
-def test_an_interrupted_stage_is_never_committed_or_mixed(bucket: str) -> None:
-    crashed = _storage(bucket)
-    _stage(crashed, "step_2", {"model_0.pt": b"half"})  # its process dies before the rename
-    retry = _storage(bucket)
-    with pytest.raises(CheckpointExistsError, match=r"never committed.*dcp-s3 rm s3://"):
+def _marker(s3_env: Any, bucket: str, name: str) -> dict[str, Any]:
+    import json
+
+    return json.loads(s3_env.client().get_object(Bucket=bucket, Key=f"run/{name}/.dcp_s3-commit")["Body"].read())
+
+
+def _claimed_writers(s3_env: Any, bucket: str, name: str) -> set[str]:
+    """The writer ids of the claims left in the stage of ``name`` (by attempts that never committed)."""
+    import json
+
+    client = s3_env.client()
+    keys = [k for k in _keys(s3_env, bucket) if k.startswith(f"run/{name}/.dcp_s3-staged/claims/")]
+    return {json.loads(client.get_object(Bucket=bucket, Key=k)["Body"].read())["writer"] for k in keys}
+
+
+def test_a_restarted_job_saves_an_interrupted_name_again_without_the_dead_attempts_files(
+    bucket: str, s3_env: Any
+) -> None:
+    from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
+
+    dead, new = "a" * 32, "b" * 32
+
+    def rank(r: int, attempt: str) -> Any:
+        return S3StorageConfig(f"s3://{bucket}/run", rank=r, world_size=2, attempt=attempt).create_storage()
+
+    # Attempt "a" of a 2-rank job: both ranks wrote, then it died before the commit.
+    _stage(rank(0, dead), "step_2", {"model_0.pt": b"dead 0", "extra.pt": b"only the dead attempt wrote this"})
+    _stage(rank(1, dead), "step_2", {"model_1.pt": b"dead 1"})
+    dead_writers = _claimed_writers(s3_env, bucket, "step_2")
+    assert len(dead_writers) == 2
+
+    # The restarted job (attempt "b"): rank 1 wrote nothing yet, so rank 0 cannot commit, whatever claims the dead
+    # attempt left for rank 1.
+    new0 = rank(0, new)
+    _stage(new0, "step_2", {"model_0.pt": b"new 0"})
+    with pytest.raises(CheckpointFormatError, match=r"claims of ranks \[0\].*other attempts are never used"):
+        new0.rename(Path("tmp_step_2"), Path("step_2"), is_directory=True)
+    _stage(rank(1, new), "step_2", {"model_1.pt": b"new 1"})
+    new0.rename(Path("tmp_step_2"), Path("step_2"), is_directory=True)
+
+    marker = _marker(s3_env, bucket, "step_2")
+    assert sorted(marker["files"]) == ["model_0.pt", "model_1.pt"]  # not the dead attempt's extra.pt
+    assert not set(marker["writers"].values()) & dead_writers
+    assert {entry[0] for entry in marker["files"].values()} == set(marker["writers"].values())
+    reader = _storage(bucket)
+    assert reader.ls(Path("step_2")) == ["model_0.pt", "model_1.pt"]
+    assert reader.read(Path("step_2/model_0.pt")) == b"new 0" and reader.read(Path("step_2/model_1.pt")) == b"new 1"
+    assert _claimed_writers(s3_env, bucket, "step_2") == dead_writers  # never deleted by inference
+    assert any(k.endswith("/extra.pt") for k in _keys(s3_env, bucket))
+
+
+def test_a_second_save_of_a_name_in_one_attempt_is_refused(bucket: str) -> None:
+    """Within one attempt a place is claimed once: a save that failed (the process lived on) is never mixed with the
+    next save of its name in that attempt; the refusal names the stage and the command that removes it."""
+    from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
+
+    attempt = "c" * 32
+    crashed = S3StorageConfig(f"s3://{bucket}/run", attempt=attempt).create_storage()
+    _stage(crashed, "step_2", {"model_0.pt": b"half"})
+    retry = S3StorageConfig(f"s3://{bucket}/run", attempt=attempt).create_storage()
+    stage = f"s3://{bucket}/run/step_2"
+    with pytest.raises(CheckpointExistsError, match=rf"never committed.*dcp-s3 rm {stage}\b"):
         _stage(retry, "step_2", {"model_0.pt": b"whole"})
     assert not retry.exists(Path("step_2")) and retry.ls(Path("")) == ["tmp_step_2"]
+    with pytest.raises(ConfigError, match="attempt"):
+        S3StorageConfig(f"s3://{bucket}/run", attempt="../x")
 
 
 # -- deletion by ownership -----------------------------------------------------------------------------
@@ -349,10 +408,14 @@ def test_sharded_save_and_resume_on_two_ranks_bit_exact(bucket: str, s3_env: Any
         assert step == 7 and _same(state, saved[0])
 
 
+def _resave_and_load(rank: int, world: int, root: str, step: int) -> Any:
+    """The restarted job: save ``step`` again (a new attempt), then load it."""
+    saved = _save(rank, world, root, step, True, None, None)
+    return saved, _load(rank, world, root, step)
+
+
 @pytest.mark.multiproc
-def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_and_retention_keeps_the_stage(
-    bucket: str, s3_env: Any
-) -> None:
+def test_a_writer_killed_mid_save_then_the_job_resumes_and_saves_that_step_again(bucket: str, s3_env: Any) -> None:
     from dist_utils import run_ranks
 
     from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
@@ -363,13 +426,20 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_and_retention_k
         run_ranks(_save, 2, root, 2, True, None, 1, timeout=60)
     storage = S3StorageConfig(root).create_storage()
     assert not storage.exists(Path("step_2")) and storage.ls(Path("")) == ["step_1", "tmp_step_2"]
-    assert any(k.startswith("run/step_2/.dcp_s3-staged/") for k in _keys(s3_env, bucket))  # what the crash left
+    dead_writers = _claimed_writers(s3_env, bucket, "step_2")
+    dead_objects = {k for k in _keys(s3_env, bucket) if k.startswith("run/step_2/.dcp_s3-staged/")}
+    assert len(dead_writers) == 2 and dead_objects  # what the crash left: both ranks had claimed and written
 
-    loaded = run_ranks(_load, 2, root, 1, timeout=240)
+    loaded = run_ranks(_load, 2, root, 1, timeout=240)  # (a) the restarted job resumes from step 1
     assert all(step == 1 and _same(state, first) for state, step in loaded)
 
-    third = run_ranks(_save, 2, root, 3, False, 1, None, timeout=240)[0]  # KeepLast(1) after the commit
-    assert storage.ls(Path("")) == ["step_3", "tmp_step_2"]  # step_1 went; the uncommitted stage stays
-    assert any(k.startswith("run/step_2/.dcp_s3-staged/") for k in _keys(s3_env, bucket))
-    loaded = run_ranks(_load, 2, root, 3, timeout=240)
-    assert all(step == 3 and _same(state, third) for state, step in loaded)
+    again = run_ranks(_resave_and_load, 2, root, 2, timeout=240)  # (b) and saves step 2 again
+    assert all(step == 2 and _same(state, saved) for saved, (state, step) in again)
+    marker = _marker(s3_env, bucket, "step_2")
+    assert not set(marker["writers"].values()) & dead_writers  # the dead attempt's files are not part of it
+    assert dead_objects <= set(_keys(s3_env, bucket))  # and nothing of it was deleted by inference
+    assert storage.ls(Path("")) == ["step_1", "step_2"]
+
+    run_ranks(_save, 2, root, 3, False, 1, None, timeout=240)  # KeepLast(1) after the commit
+    assert storage.ls(Path("")) == ["step_3"]
+    assert not any(k.startswith(("run/step_1/", "run/step_2/")) for k in _keys(s3_env, bucket))

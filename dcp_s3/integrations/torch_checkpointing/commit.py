@@ -1,28 +1,33 @@
-"""The commit protocol behind torch_checkpointing's ``rename`` on S3: claims, markers, manifests.
+"""The commit protocol behind torch_checkpointing's ``rename`` on S3: attempts, claims, markers, manifests.
 
 torch_checkpointing stages a save under ``<parent>/tmp_<name>`` (every rank writes its files there),
 meets at a barrier, and then rank 0 renames the staged directory onto ``<parent>/<name>``: that
 rename is its commit. S3 has no rename, and copy+delete is neither atomic nor cheap, so the
 directory never moves. Its objects are written, from the start, below the *final* name:
 
-- a rank writing into the stage first claims its place: ``<name>/.dcp_s3-staged/claims/rank-<r>``,
-  created only if absent (``If-None-Match``), holding a writer id fresh for this claim; its files go
-  to ``<name>/.dcp_s3-staged/<writer id>/<relative path>`` (never overwritten by another writer);
-- rank 0's ``rename`` is the commit: it reads the claims (exactly one per rank ``0..world-1``), lists
-  each writer's objects, and creates ``<name>/.dcp_s3-commit`` (``If-None-Match``: an occupied
-  destination is refused, never merged) — a JSON manifest naming a fresh save token, the writer of
-  each rank, and each file's writer, size and ETag. Then it deletes the claims (this save's own);
+- every process of one job attempt shares an attempt id (:mod:`.attempts`: agreed through the process
+  group's store, so a restarted job has a new one);
+- a rank writing into the stage first claims its place in its attempt:
+  ``<name>/.dcp_s3-staged/claims/<attempt>/rank-<r>``, created only if absent (``If-None-Match``), holding a
+  writer id fresh for this claim; its files go to ``<name>/.dcp_s3-staged/<writer id>/<relative path>``
+  (never overwritten by another writer);
+- rank 0's ``rename`` is the commit: it reads the claims of *its* attempt (exactly one per rank
+  ``0..world-1``), lists each of those writers' objects, and creates ``<name>/.dcp_s3-commit``
+  (``If-None-Match``: an occupied destination is refused, never merged) — a JSON manifest naming a fresh
+  save token, the writer of each rank, and each file's writer, size and ETag. Then it deletes the claims
+  (this attempt's own);
 - a reader resolves ``<name>/<file>`` through the marker it read when it looked at ``<name>``; the
   object key is rebuilt from the validated writer id and file name (under ``<name>/``, never a key
   taken from stored text), and the object's size and ETag must equal the manifest's. Every file of
   one load comes from one save, or the read is refused.
 
-A save interrupted after a rank claimed its place leaves that claim. A later save of the same name
-finds the claim of another writer and refuses (``CheckpointExistsError`` naming the stage): two
-saves' files are never combined, and nothing uncommitted is deleted by inference — a user removes
-that stage (``dcp-s3 rm s3://.../<name>``) once no job writes there. Objects of writers no claim
-names stay below ``<name>/``, so deleting the checkpoint (everything under ``<name>/``, marker
-first) removes them with it.
+A save killed after a rank claimed its place leaves that claim and its writer's files. The job restarted
+(a new attempt) claims places of its own and commits only its own writers' files: a dead attempt's
+claims and files are never read, combined or deleted by inference. They stay below ``<name>/``, so
+deleting the committed checkpoint (everything under ``<name>/``, marker first) removes them with it;
+a stage that never committed is removed by a user (``dcp-s3 rm s3://.../<name>``). Within one attempt a
+place is claimed once: a second save of the same name after a failed one (the process lived on) finds
+its place held by another writer and refuses (``CheckpointExistsError`` naming the stage).
 """
 
 from __future__ import annotations
@@ -36,7 +41,19 @@ from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, Checkpoi
 from dcp_s3.objstore.base import check_relative_name
 from dcp_s3.store.base import Store
 
-__all__ = ["MARKER", "STAGED", "Manifest", "FileEntry", "claim", "commit", "read_manifest", "staged_key"]
+__all__ = [
+    "MARKER",
+    "STAGED",
+    "Manifest",
+    "FileEntry",
+    "claim",
+    "claims",
+    "commit",
+    "holds",
+    "is_staged",
+    "read_manifest",
+    "staged_key",
+]
 
 #: The commit marker, directly in the checkpoint's directory: the checkpoint exists once it does.
 MARKER = ".dcp_s3-commit"
@@ -78,24 +95,35 @@ def staged_key(name: str, writer: str, rel: str) -> str:
     return f"{name}/{STAGED}/{writer}/{rel}"
 
 
-def _claim_name(name: str, rank: int) -> str:
-    return f"{name}/{STAGED}/claims/rank-{rank}"
+def _claims_of(name: str, attempt: str) -> str:
+    return f"{name}/{STAGED}/claims/{check_id(attempt)}/"
+
+
+def _claim_name(name: str, rank: int, attempt: str) -> str:
+    return f"{_claims_of(name, attempt)}rank-{rank}"
 
 
 def new_writer() -> str:
     return uuid.uuid4().hex
 
 
-def claim(store: Store, name: str, rank: int, writer: str) -> bool:
-    """Claim rank ``rank``'s place in the stage of ``name`` for ``writer``; True if newly claimed.
+def check_id(value: object) -> str:
+    """``value`` if it is a writer, attempt or save id as dcp_s3 makes them (32 lowercase hex digits)."""
+    if not isinstance(value, str) or not _WRITER.fullmatch(value):
+        raise CheckpointFormatError(f"id {value!r}: expected 32 lowercase hex digits")
+    return value
 
-    ``CheckpointExistsError`` if ``name`` is committed already, or another writer holds the place
-    (a save of ``name`` that never committed, or another job saving the same name)."""
+
+def claim(store: Store, name: str, rank: int, writer: str, attempt: str) -> bool:
+    """Claim rank ``rank``'s place in ``attempt``'s stage of ``name`` for ``writer``; True if newly claimed.
+
+    ``CheckpointExistsError`` if ``name`` is committed already, or another writer of this attempt holds
+    the place (a save of ``name`` in this attempt that never committed)."""
     if store.size(f"{name}/{MARKER}") is not None:
         raise CheckpointExistsError(
             f"{store.url(name)} is a committed checkpoint; delete it before saving that name again"
         )
-    place = _claim_name(name, rank)
+    place = _claim_name(name, rank, attempt)
     body = json.dumps({"rank": rank, "writer": writer}).encode()
     try:
         store.write(place, body, overwrite=False)
@@ -110,40 +138,49 @@ def claim(store: Store, name: str, rank: int, writer: str) -> bool:
     if held != writer:
         raise CheckpointExistsError(
             f"rank {rank} cannot save {store.url(name)}: {store.url(place)} belongs to writer {held}, a save of "
-            "that name that never committed (or another job saving it now); its files are not mixed with this "
-            f"save's. Remove that stage (dcp-s3 rm {store.url(name)}) once no job writes there, then save again"
+            f"that name in this job attempt ({attempt}) that never committed; its files are not mixed with this "
+            f"save's. Save under the next step's name, or remove that stage (dcp-s3 rm {store.url(name)}) once no "
+            "job writes there, then save again"
         )
     return False
 
 
-def holds(store: Store, name: str, rank: int, writer: str) -> bool:
-    """Whether ``writer`` still holds rank ``rank``'s place in the stage of ``name``."""
+def holds(store: Store, name: str, rank: int, writer: str, attempt: str) -> bool:
+    """Whether ``writer`` still holds rank ``rank``'s place in ``attempt``'s stage of ``name``."""
     try:
-        return _writer_of(store.read(_claim_name(name, rank)), name) == writer
+        return _writer_of(store.read(_claim_name(name, rank, attempt)), name) == writer
     except CheckpointNotFoundError:
         return False
 
 
-def claims(store: Store, name: str) -> dict[int, str]:
-    """The writer of each rank that claimed a place in the stage of ``name``."""
+def is_staged(store: Store, name: str) -> bool:
+    """Whether any attempt claimed a place in the stage of ``name`` (and did not commit it)."""
+    return any(True for _ in store.list_objects(f"{name}/{STAGED}/claims/"))
+
+
+def claims(store: Store, name: str, attempt: str) -> dict[int, str]:
+    """The writer of each rank that claimed a place in ``attempt``'s stage of ``name`` (other attempts' claims,
+    a dead attempt's, are not read)."""
     found: dict[int, str] = {}
-    for entry in store.list_objects(f"{name}/{STAGED}/claims/"):
-        found_rank = entry.name.rsplit("/rank-", 1)[-1]
+    lead = _claims_of(name, attempt)
+    for entry in store.list_objects(lead):
+        found_rank = entry.name[len(lead) :].removeprefix("rank-")
         if not found_rank.isdigit():
             raise CheckpointFormatError(f"{store.url(entry.name)}: not a claim dcp_s3 writes")
         found[int(found_rank)] = _writer_of(store.read(entry.name), store.url(entry.name))
     return found
 
 
-def commit(store: Store, name: str, world_size: int) -> Manifest:
-    """Commit the stage of ``name`` (rank 0, after every rank finished writing): the marker, then the
-    claims removed. Refuses (``CheckpointExistsError``) an occupied destination and (``CheckpointFormatError``)
-    a stage whose claims are not exactly one writer per rank ``0..world_size-1``."""
-    writers = claims(store, name)
+def commit(store: Store, name: str, world_size: int, attempt: str) -> Manifest:
+    """Commit ``attempt``'s stage of ``name`` (rank 0, after every rank finished writing): the marker, then this
+    attempt's claims removed. Refuses (``CheckpointExistsError``) an occupied destination and
+    (``CheckpointFormatError``) a stage whose claims in ``attempt`` are not one writer per rank ``0..world_size-1``."""
+    writers = claims(store, name, attempt)
     if sorted(writers) != list(range(world_size)):
         raise CheckpointFormatError(
-            f"cannot commit {store.url(name)}: its stage holds claims of ranks {sorted(writers)}, not of each of "
-            f"the {world_size} ranks of this save (a rank wrote nothing, or a stage left by another save)"
+            f"cannot commit {store.url(name)}: job attempt {attempt} holds claims of ranks {sorted(writers)} in its "
+            f"stage, not of each of the {world_size} ranks of this save (a rank wrote nothing); claims of other "
+            "attempts are never used"
         )
     files: dict[str, FileEntry] = {}
     for rank, writer in sorted(writers.items()):
@@ -168,7 +205,7 @@ def commit(store: Store, name: str, world_size: int) -> Manifest:
         raise CheckpointExistsError(
             f"refusing to commit onto {store.url(name)}: a checkpoint is committed there already"
         ) from None
-    store.delete([_claim_name(name, r) for r in writers])
+    store.delete([_claim_name(name, r, attempt) for r in writers])
     return manifest
 
 
@@ -195,9 +232,7 @@ def read_manifest(store: Store, name: str) -> Manifest | None:
 
 
 def _checked_writer(value: object) -> str:
-    if not isinstance(value, str) or not _WRITER.fullmatch(value):
-        raise CheckpointFormatError(f"writer id {value!r}")
-    return value
+    return check_id(value)
 
 
 def _writer_of(raw: bytes, where: str) -> str:

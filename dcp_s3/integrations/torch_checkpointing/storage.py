@@ -17,7 +17,9 @@ Chosen where a ``CheckpointManager`` is configured (tested with torch-checkpoint
 - **The commit.** torch_checkpointing writes a save under ``<parent>/tmp_<name>`` and rank 0 renames that
   directory onto ``<parent>/<name>`` after a barrier. On S3 the files are written below ``<name>/`` from
   the start and the rename writes a commit marker (:mod:`dcp_s3.integrations.torch_checkpointing.commit`): no copy, no
-  delete, atomic, and an occupied destination is refused (``CheckpointExistsError``, an ``OSError``).
+  delete, atomic, and an occupied destination is refused (``CheckpointExistsError``, an ``OSError``). The
+  marker names only the files of this job attempt's writers (:mod:`.attempts`): a restarted job saves a name
+  a killed save left behind without ever combining the two.
 - **What a listing shows.** ``exists``/``isdir``/``ls`` show ``<name>`` only once committed, with only the
   files its manifest names; an uncommitted stage shows as ``tmp_<name>`` (what it is), never as ``<name>``.
 - **One save per load.** Looking at a checkpoint's directory (torch_checkpointing's reader does it first)
@@ -58,6 +60,7 @@ from dcp_s3.errors import (
     ConfigError,
     DeletionRefusedError,
 )
+from dcp_s3.integrations.torch_checkpointing import attempts as tc_attempts
 from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
 from dcp_s3.integrations.torch_checkpointing import paths as tc_paths
 from dcp_s3.integrations.torch_checkpointing import retention as tc_retention
@@ -82,7 +85,9 @@ class S3StorageConfig(StorageConfig):
     options (``endpoint_url``, ``part_size``, ``max_concurrency``...). ``temp_dir_prefix`` must equal the
     writer's (torch_checkpointing's default ``tmp_``). ``checkpoint_names``: the names (relative to
     ``root``, matched in full) that ``rmdir`` and :class:`KeepLast` may delete. ``rank``/``world_size``:
-    this process's, from ``torch.distributed`` when left None.
+    this process's, from ``torch.distributed`` when left None. ``attempt``: the job attempt this process's saves
+    belong to (32 hex digits), agreed by every rank through the process group's store when left None
+    (:mod:`dcp_s3.integrations.torch_checkpointing.attempts`): a restarted job's saves never meet a killed one's.
     """
 
     root: str
@@ -91,6 +96,7 @@ class S3StorageConfig(StorageConfig):
     checkpoint_names: str = r"step_\d+"
     rank: int | None = None
     world_size: int | None = None
+    attempt: str | None = None
     _options: StorageOptions = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +108,8 @@ class S3StorageConfig(StorageConfig):
             raise ConfigError(f"checkpoint_names {self.checkpoint_names!r}: not a regular expression ({exc})") from None
         self._options = StorageOptions.of(self.options)  # a bad option fails here, not at the first save
         self.root = os.fspath(self.root).rstrip("/")
+        if self.attempt is not None:
+            tc_attempts.check_attempt(self.attempt)
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to torch_checkpointing's writer process: the rank is known here, where the process group is.
@@ -109,6 +117,8 @@ class S3StorageConfig(StorageConfig):
         if dist.is_available() and dist.is_initialized():
             state["rank"] = dist.get_rank() if self.rank is None else self.rank
             state["world_size"] = dist.get_world_size() if self.world_size is None else self.world_size
+            if self.attempt is None:  # agreed once, in the training process, where the process group's store is
+                self.attempt = state["attempt"] = tc_attempts.agreed_attempt()
         return state
 
     def create_storage(self) -> S3Storage:
@@ -123,6 +133,7 @@ class S3Storage(Storage):
         state = config.__getstate__()
         self.rank: int = state["rank"] if state["rank"] is not None else 0
         self.world_size: int = state["world_size"] if state["world_size"] is not None else 1
+        self.attempt: str = state["attempt"] or tc_attempts.new_attempt()  # no process group: an attempt of its own
         self._store: Store | None = None
         self._pool: BufferPool | None = None
         self._lock = threading.Lock()  # guards the writer ids (claims)
@@ -172,9 +183,9 @@ class S3Storage(Storage):
         """This process's writer id in the stage of ``final``, claiming its rank's place if it holds none."""
         with self._lock:
             writer = self._writers.get(final)
-            if writer is None or not tc_commit.holds(self.store, final, self.rank, writer):
+            if writer is None or not tc_commit.holds(self.store, final, self.rank, writer, self.attempt):
                 writer = tc_commit.new_writer()
-                tc_commit.claim(self.store, final, self.rank, writer)
+                tc_commit.claim(self.store, final, self.rank, writer, self.attempt)
                 self._writers[final] = writer
             return writer
 
@@ -255,7 +266,7 @@ class S3Storage(Storage):
             return where.rest in where.manifest.files or where.manifest.is_dir(where.rest)
         if where.kind == "stage":
             if not where.rest:
-                return bool(tc_commit.claims(self.store, where.name))
+                return tc_commit.is_staged(self.store, where.name)
             try:
                 self._source(path)
                 return True
@@ -269,7 +280,7 @@ class S3Storage(Storage):
             assert where.manifest is not None
             return where.manifest.is_dir(where.rest)
         if where.kind == "stage":
-            return not where.rest and bool(tc_commit.claims(self.store, where.name))
+            return not where.rest and tc_commit.is_staged(self.store, where.name)
         return not where.name or self._has_children(where.name)
 
     def _contents(self, name: str) -> tuple[bool, bool, bool]:
@@ -310,7 +321,7 @@ class S3Storage(Storage):
         marker, plain, staged = self._contents(name)
         base = name.rsplit("/", 1)[-1]
         shown = [base] if marker or plain else []
-        if not marker and staged and tc_commit.claims(self.store, name):
+        if not marker and staged and tc_commit.is_staged(self.store, name):
             shown.append(self.config.temp_dir_prefix + base)
         return shown
 
@@ -331,7 +342,7 @@ class S3Storage(Storage):
                 )
             if dst.kind == "committed" or store.size(src.name) is not None or self._has_children(src.name):
                 raise CheckpointExistsError(f"refusing to commit {src_path} onto {store.url(src.name)}: it is occupied")
-            self._manifests[src.name] = tc_commit.commit(store, src.name, self.world_size)
+            self._manifests[src.name] = tc_commit.commit(store, src.name, self.world_size, self.attempt)
             self._writers.pop(src.name, None)
             return
         if src.kind == "plain" and store.size(src.name) is not None:
