@@ -92,6 +92,18 @@ def test_stage_onto_absent_destination_commits_in_place(bucket: str, s3_env: Any
     assert other.read(Path("step_1/sub/x.json")) == b"{}" and other.ls(Path("")) == ["step_1"]
 
 
+def test_a_local_directory_commits_and_reads_like_s3(tmp_path: Path) -> None:
+    """The same storage on a local directory (dcp_s3's local object store): the commit lists each writer's
+    directory (a key ending in "/", which the local store refuses as an object name) and must still commit."""
+    from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
+
+    storage = S3StorageConfig(str(tmp_path / "run")).create_storage()
+    _stage(storage, "step_1", {"model_0.pt": b"m" * 100, "sub/x.json": b"{}"})
+    storage.rename(Path("tmp_step_1"), Path("step_1"), is_directory=True)
+    other = S3StorageConfig(str(tmp_path / "run")).create_storage()
+    assert other.ls(Path("")) == ["step_1"] and other.read(Path("step_1/model_0.pt")) == b"m" * 100
+
+
 def test_stage_onto_committed_destination_raises_and_touches_nothing(bucket: str, s3_env: Any) -> None:
     first, second = _storage(bucket), _storage(bucket)
     _stage(first, "step_1", {"a": b"1"})

@@ -29,6 +29,7 @@ PASSED = {
     "torch_checkpointing": [
         "save + load, no resharder: 2 gloo ranks -> the same 2, moto",
         "save + load, no resharder: 1 rank, async saver -> 1, moto",
+        "save + load, no resharder: 1 rank -> 1, local directory",
     ],
 }
 #: What needs CUDA, reported as skipped.
@@ -37,10 +38,9 @@ SKIPPED = {
     "nemo_automodel": ["the released integration if the refusal is bypassed"],
     "torch_checkpointing": ["resharding load (DefaultResharder)"],
 }
-#: Found by this check, not fixed here (dcp_s3/integrations/torch_checkpointing/commit.py names the stage with
-#: ``store.object_store.url(lead)`` for a key ending in "/", which the local store refuses): S3StorageConfig on a
-#: local directory cannot commit. When it is fixed this row passes and the test says so: move it to PASSED.
-BROKEN = {("torch_checkpointing", "save + load, no resharder: 1 rank -> 1, local directory"): "refusing object name"}
+#: Checks known to fail, with the cause their note must give (none today: S3StorageConfig on a local directory
+#: could not commit until this check found it).
+BROKEN: dict[tuple[str, str], str] = {}
 
 
 def _env() -> dict[str, str]:

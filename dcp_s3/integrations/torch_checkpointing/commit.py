@@ -186,7 +186,7 @@ def commit(store: Store, name: str, world_size: int, attempt: str) -> Manifest:
     for rank, writer in sorted(writers.items()):
         lead = store.key(f"{name}/{STAGED}/{writer}/")
         for obj in store.object_store.list_objects(lead):
-            rel = check_relative_name(obj.key[len(lead) :], store.object_store.url(lead))
+            rel = check_relative_name(obj.key[len(lead) :], store.url(f"{name}/{STAGED}/{writer}"))
             if rel in files:
                 raise CheckpointFormatError(
                     f"cannot commit {store.url(name)}: ranks {rank} and another both wrote {rel!r}"
