@@ -11,6 +11,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import boto3
+import botocore
 import pytest
 from botocore.exceptions import ClientError
 
@@ -18,7 +20,7 @@ from dcp_s3.errors import S3TransferError
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore.base import RangeRead, coalesce
 from dcp_s3.objstore.buffers import BufferPool, fit_part_size
-from dcp_s3.objstore.config import ClientConfig
+from dcp_s3.objstore.config import USER_AGENT, ClientConfig
 from dcp_s3.objstore.s3 import S3ObjectStore
 
 MiB = 1 << 20
@@ -253,3 +255,22 @@ def test_memory_bound_holds_when_parts_are_enlarged(bucket: str, s3_env: LocalS3
     assert 10 * MiB <= pool.peak_bytes <= pool.count * writer.part_size
     head = s3_env.client().head_object(Bucket=bucket, Key="enlarged")
     assert head["ETag"].strip('"').endswith("-4")  # 3 parts of 10 MiB and the rest
+
+
+def test_requests_carry_one_fixed_user_agent(bucket: str, s3_env: LocalS3Server) -> None:
+    """dcp_s3's clients send a fixed User-Agent naming dcp_s3, boto3 and botocore (built once, not by botocore's
+    per-request rebuild from ~20 parts: ~850 Python calls of each request, issue 39), the same on every request."""
+    client = ClientConfig(endpoint_url=s3_env.endpoint_url).make_client()
+    agents: list[str] = []
+
+    def record(request: Any, **_: Any) -> None:
+        agent = request.headers.get("User-Agent", b"")
+        agents.append(agent.decode() if isinstance(agent, bytes) else agent)
+
+    client.meta.events.register("before-send.s3", record)
+    store = S3ObjectStore(lambda: client, bucket)
+    store.put("ua", b"x")
+    assert store.get("ua") == b"x"
+    assert len(agents) == 2 and len(set(agents)) == 1
+    assert agents[0].startswith("dcp_s3/") and agents[0].startswith(USER_AGENT)
+    assert f" Boto3/{boto3.__version__} " in agents[0] and f"Botocore/{botocore.__version__}" in agents[0]
