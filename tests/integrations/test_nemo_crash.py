@@ -27,8 +27,6 @@ from objects import object_keys
 from test_nemo_automodel import _diff
 from torch import nn
 
-from dcp_s3.integrations.nemo_automodel import S3CheckpointingConfig
-
 ROOT = str(Path(__file__).resolve().parents[2])
 CHILD = str(Path(__file__).with_name("nemo_recipe_child.py"))
 RECIPE = "tests.integrations.nemo_recipe_child.S3TinyRecipe"
@@ -153,6 +151,8 @@ def test_a_rank_killed_in_a_save_leaves_the_last_commit_loadable(
 
     # the re-save, loaded in this process (a group of one: DCP reshards the 2-rank save), bit-exact
     model, optim = build_unsharded()
+    from dcp_s3.integrations.nemo_automodel import S3CheckpointingConfig  # nemo-automodel: not in every venv
+
     ckpt = S3CheckpointingConfig(**checkpoint).build(dp_rank=0, tp_rank=0, pp_rank=0)
     latest = ckpt.latest_checkpoint()
     ckpt.load_model(model, f"{latest}/model")
