@@ -56,26 +56,22 @@ class Meter:
 
 
 class RankResults(Sequence[WriteResult]):
-    """One rank's write results (a list or a ``PackedResults``) with its request figures for the save, and
-    the token of the global plan they were written for (``plan_token``: ``finish`` commits no other plan's).
+    """One rank's write results (a list or a ``PackedResults``) with its request figures for the save.
 
     What ``S3StorageWriter.write_data`` returns, so DCP gathers the figures to the coordinator with
     the results; a read-only sequence of the same ``WriteResult`` objects. ``finish`` unwraps it
     (:func:`split_results`) before the results are encoded: the figures are never stored.
     """
 
-    __slots__ = ("results", "rank", "figures", "plan_token")
+    __slots__ = ("results", "rank", "figures")
 
-    def __init__(
-        self, results: Sequence[WriteResult], rank: int | None, figures: RankFigures, plan_token: str | None = None
-    ) -> None:
+    def __init__(self, results: Sequence[WriteResult], rank: int | None, figures: RankFigures) -> None:
         self.results = results
         self.rank = rank
         self.figures = figures
-        self.plan_token = plan_token
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (RankResults, (self.results, self.rank, self.figures, self.plan_token))
+        return (RankResults, (self.results, self.rank, self.figures))
 
     def __len__(self) -> int:
         return len(self.results)

@@ -76,11 +76,9 @@ log = logging.getLogger("dcp_s3")
 
 @dataclasses.dataclass
 class _RankStorage(_StoragePrefix):
-    """A rank's object-name prefix (``prefix``), where it counts itself finished (``job_progress``) and the
-    token of the global plan it belongs to (``plan_token``), which its results carry back to ``finish``."""
+    """A rank's object-name prefix (``prefix``) and where it counts itself finished (``job_progress``)."""
 
     count: JobCount | None = None
-    plan_token: str | None = None
 
 
 class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
@@ -190,7 +188,6 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         #: every rank's on the coordinator, its own on the others.
         self.request_stats: dict[int, RankFigures] = {}
         self._counts: list[JobCount] = []  # the coordinator's: where this save's ranks count themselves finished
-        self._plan_token: str | None = None  # the coordinator's: the global plan whose results finish commits
 
     def __repr__(self) -> str:
         return f"S3StorageWriter({str(self._session.location)!r}, overwrite={self.overwrite})"
@@ -250,11 +247,8 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
                     stacklevel=2,
                 )
         counts = self._counts = job_counts(len(plans), self.key_prefixes)  # the ranks still sending
-        self._plan_token = new_token()  # finish commits only results written for this plan
         return [
-            dataclasses.replace(
-                plan, storage_data=_RankStorage(rank_prefix(i, self.key_prefixes), counts[i], self._plan_token)
-            )
+            dataclasses.replace(plan, storage_data=_RankStorage(rank_prefix(i, self.key_prefixes), counts[i]))
             for i, plan in enumerate(plans)
         ]
 
@@ -277,8 +271,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
             fut.set_exception(exc)  # type: ignore[arg-type]  # torch's stub types it as the result
             return fut
         own = self._note_own_stats()
-        plan_token = getattr(plan.storage_data, "plan_token", None)
-        fut.set_result(RankResults(results, self.rank, own, plan_token))  # type: ignore[arg-type]  # a Sequence
+        fut.set_result(RankResults(results, self.rank, own))  # type: ignore[arg-type]  # a Sequence
         return fut
 
     def _note_own_stats(self) -> RankFigures:
@@ -342,33 +335,15 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         ``dcp.save`` returns it): for the compact format, a lazy view of the bytes committed,
         which pickles as those bytes rather than as one object per item. Each rank's request figures
         (``RankResults``) are taken out of ``results`` first and kept in ``request_stats``.
-
-        Only results written for this writer's latest global plan are committed: a rank's results from
-        another save (or from another writer) raise ``ConfigError`` and nothing is committed, so a
-        ``.metadata`` never names objects of two saves.
         """
-        foreign = [pos for pos, rank in enumerate(results) if not self._planned_here(rank)]
         results, gathered = split_results(results)
         try:
-            if foreign:
-                raise ConfigError(
-                    f"S3StorageWriter.finish for {self.checkpoint_id}: the write results of rank(s) {foreign} were "
-                    "not written for this save's plan (results of another save or another writer); nothing was "
-                    "committed"
-                )
             self._finish(metadata, results)
         finally:
             forget_counts(self._counts)
             gathered[own_rank(self.rank)] = self._meter.since_start()  # with the commit's own requests
             self.request_stats = dict(sorted(gathered.items()))
             log.info("%s", summary(f"save of {self.checkpoint_id}", self.request_stats))
-
-    def _planned_here(self, results: Sequence[WriteResult]) -> bool:
-        return (
-            isinstance(results, RankResults)
-            and results.plan_token is not None
-            and results.plan_token == self._plan_token
-        )
 
     def _finish(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]]) -> None:
         metadata.storage_meta = self.storage_meta()
