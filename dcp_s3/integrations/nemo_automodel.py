@@ -70,7 +70,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from nemo_automodel.components.checkpoint import checkpointing as nemo_checkpointing
@@ -83,9 +82,9 @@ from nemo_automodel.components.checkpoint.checkpointing import (
 from nemo_automodel.components.checkpoint.config import CheckpointingConfig, SaveConsolidatedMode
 from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
 from nemo_automodel.components.checkpoint.utils import find_latest_checkpoint
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from dcp_s3._torch_compat import default_stager
 from dcp_s3.checkpointer.ranks import world_size
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, S3TransferError
 from dcp_s3.integrations.lightning_io import s3_location
@@ -127,12 +126,11 @@ _patch_lock = threading.Lock()
 _patched: list[Any] = []  # [NeMo's is_cloud_path, one None per open _remote_paths()]
 
 
-def _stager() -> DefaultStager:
-    """A stager for one async DCP part: NeMo's ``DefaultStager()`` with an accelerator; without one (where that
-    asserts) no pinned memory and no non-blocking copies, staging still in torch's background thread."""
-    if torch.accelerator.is_available():
-        return DefaultStager()
-    return DefaultStager(StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False))
+class _ModelSavePlanner(dcp.DefaultSavePlanner):
+    """The save planner of a model part on S3: torch's default one. NeMo's planners cache plans across saves
+    (``enable_plan_caching``): an unchanged plan is then finished from the cache, with the storage data an earlier
+    save's writer planned, which dcp_s3's writer refuses to commit (its results carry that writer's plan token).
+    Each S3 save plans afresh."""
 
 
 @dataclass
@@ -216,7 +214,7 @@ class S3Checkpointer(RecipeFiles, Checkpointer):
         self.config = config
         if s3_async:
             for ctx in (self._model_ctx, self._optim_ctx):  # as NeMo's __init__, in its order (group creation)
-                ctx.stager = _stager()
+                ctx.stager = default_stager()
                 ctx.process_group = _new_gloo_process_group(process_group) if dist.is_initialized() else None
         owner = f"S3Checkpointer(checkpoint_dir={config.checkpoint_dir}) max_recent_checkpoints"
         self._s3 = Saves(config.options(), root, owner, config.async_upload_timeout_s)
@@ -259,11 +257,8 @@ class S3Checkpointer(RecipeFiles, Checkpointer):
         if location is None:
             return super()._do_save(state_dict, path, storage_writer)
         # No checkpoint_id beside the writer: DCP would reset the writer to it (NeMo's path, not the save's).
-        # NeMo's planners cache plans across saves (enable_plan_caching): an unchanged plan is then finished from
-        # the cache, with the storage data an earlier save's writer planned, which dcp_s3's writer refuses to commit
-        # (its results carry that writer's plan token). Each save here plans afresh, as torch's default planner does.
         is_model = _is_model_checkpoint_path(location)
-        planner = dcp.DefaultSavePlanner()
+        planner = _ModelSavePlanner() if is_model else dcp.DefaultSavePlanner()
         ckpt, part = split_part(location)
         writer = self._s3.part_writer(ckpt, part)
         if not self.config.is_async:
@@ -272,7 +267,7 @@ class S3Checkpointer(RecipeFiles, Checkpointer):
         # NeMo's async save (Checkpointer._do_save), its upload recorded with the save: the commit waits for it.
         ctx = self._model_ctx if is_model else self._optim_ctx
         if ctx.stager is None:  # async_wait closed the last one
-            ctx.stager = _stager()
+            ctx.stager = default_stager()
         response = dcp.async_save(
             state_dict,
             storage_writer=writer,
