@@ -8,9 +8,10 @@ missing its framework is recorded and the others still run:
 
 * ``megatron`` (:mod:`benchmarks.gpu_fw_megatron`): CUDA ShardedTensors through ``dcp_s3.integrations.megatron``
   on a 1-rank NCCL group, sync and async with Megatron's unpatched ``AsyncCallsQueue`` and its persistent worker;
-* ``nemo_automodel`` (:mod:`benchmarks.gpu_fw_nemo`): ``is_async`` — the integration's refusal, NeMo's async
-  route with the integration's writer and commit, and what the released integration does if the refusal is
-  bypassed — and the sync path with CUDA DTensors (these need an S3 server: moto's, when it travelled);
+* ``nemo_automodel`` (:mod:`benchmarks.gpu_fw_nemo`): ``is_async`` — accepted on ``s3://``, NeMo's async route
+  driven by hand with the integration's writer and commit, and the supported path through ``S3Checkpointer`` with
+  NeMo's default CUDA staging — and the sync path with CUDA DTensors (these need an S3 server: moto's, when it
+  travelled);
 * ``torch_checkpointing`` (:mod:`benchmarks.gpu_fw_torchckpt`): the resharding load (2 -> 1 and 1 -> 2 ranks)
   through ``S3StorageConfig``, on the local directory and on moto's server.
 

@@ -5,30 +5,28 @@ What ``is_async`` does in NeMo (``Checkpointer.__init__`` / ``_do_save``): a ``D
 shared memory, staging on a side stream: it asserts on a CPU-only host), a gloo group with the checkpoint group's
 ranks, ``dcp.async_save(..., async_checkpointer_type=PROCESS)``; the recipe then calls
 ``lifecycle.defer_publication`` and, before the next save, ``async_wait()`` and ``lifecycle.complete_pending()``.
-The integration refuses ``is_async`` on ``s3://`` (``S3CheckpointingConfig.__post_init__``, a ``ConfigError``), and
-this check does not change that; on a CUDA FSDP2 model and AdamW it records, against moto's server:
+The integration accepts ``is_async`` on ``s3://`` and takes that route itself (``S3Checkpointer._do_save``), its
+commit waiting for every rank's upload; on a CUDA FSDP2 model and AdamW this records, against moto's server:
 
-1. the refusal, as a user meets it;
+1. ``S3CheckpointingConfig(is_async=True)`` on ``s3://`` accepted when the config is made;
 2. a sync save and resume through ``S3Checkpointer`` (CUDA DTensors: the pinned staging path of the writer), bit-exact;
-3. NeMo's async save exactly as ``Checkpointer._do_save`` makes it, with the DCP writer ``S3Checkpointer`` would pass
-   (``_s3.part_writer``) and the commit ``S3CheckpointLifecycle.publish`` writes, after the upload completed; the
-   weights change once staging completed; the resume must return the values of the save, bit-exact — the route
-   the integration would take if it accepted ``is_async``;
-4. what the released integration does if the refusal is bypassed (``config.is_async = True`` after the config is
-   made): NeMo builds its stagers and groups, ``S3Checkpointer._do_save`` saves synchronously (no future), and the
-   recipe's ``complete_pending`` runs NeMo's file-system publication on the ``s3://`` path, not the S3 commit.
+3. NeMo's async save exactly as ``Checkpointer._do_save`` makes it, driven by hand, with the DCP writer
+   ``S3Checkpointer`` passes (``_s3.part_writer``) and the commit ``S3CheckpointLifecycle.publish`` writes, after
+   the upload completed; the weights change once staging completed; the resume must return the values of the
+   save, bit-exact;
+4. the supported path: ``is_async=True`` through ``S3Checkpointer`` as NeMo's recipes call it (``defer_publication``,
+   ``maybe_wait_for_staging`` before the optimizer step, ``async_wait`` and ``complete_pending``), with NeMo's own
+   ``DefaultStager()`` defaults on CUDA (pinned, shared memory, a side stream); no commit before
+   ``complete_pending``, one after it, and the resume returns the values of the save, bit-exact.
 
-``--cpu-smoke``: 1 and 2 as on a GPU, 3 with ``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``
-(the defaults assert without an accelerator), 4 skipped (NeMo's own ``DefaultStager()`` asserts).
+``--cpu-smoke``: all four, 3 with ``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)`` (the
+defaults assert without an accelerator), 4 with the stagers the integration builds there (the same options).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +51,7 @@ from dcp_s3.store import open_store
 WAIT_S = 120  # the deadline of each wait on an async save's futures
 SYNC = "sync save + resume through S3Checkpointer, bit-exact"
 ROUTE = "is_async as NeMo's _do_save makes it (DefaultStager, PROCESS) with S3Checkpointer's writer, bit-exact"
-BYPASSED = "the released integration if the refusal is bypassed (config.is_async=True afterwards)"
+SUPPORTED = "is_async=True through S3Checkpointer as NeMo's recipes call it, committed after the upload, bit-exact"
 
 
 def _parts(device: torch.device, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -110,25 +108,14 @@ def _resumed(target: Target, path: str, device: torch.device) -> tuple[dict[str,
     return _snapshot(model, optimizer), str(next(model.parameters()).device)
 
 
-@contextlib.contextmanager
-def _cwd(path: str) -> Iterator[None]:
-    """In ``path`` while the block runs (NeMo's file-system publication writes relative to the working directory)."""
-    before = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(before)
-
-
-def _refused(rec: Record) -> None:
-    with rec.check("is_async on s3:// today: refused when the config is made") as out:
+def _accepted(rec: Record) -> None:
+    with rec.check("is_async on s3://: accepted when the config is made") as out:
         try:
             S3CheckpointingConfig(checkpoint_dir="s3://bucket/run", is_async=True)
         except ConfigError as exc:
-            out["note"] = f"ConfigError from S3CheckpointingConfig.__post_init__ (nemo_automodel.py): {exc}"
+            out["ok"], out["note"] = False, f"refused: {exc}"
             return
-        out["ok"], out["note"] = False, "no ConfigError: the integration now accepts is_async"
+        out["note"] = "S3CheckpointingConfig(checkpoint_dir='s3://bucket/run', is_async=True)"
 
 
 def _sync(rec: Record, target: Target, device: torch.device) -> None:
@@ -154,7 +141,7 @@ def _async_route(rec: Record, target: Target, device: torch.device, cuda: bool) 
     with rec.check(ROUTE) as out:
         model, optimizer = _parts(device, seed=2)
         want = _snapshot(model, optimizer)
-        ckpt = _checkpointer(target)  # is_async=False: the refusal stands; this drives what NeMo would do
+        ckpt = _checkpointer(target)  # is_async=False: this drives NeMo's async route by hand
         path = f"{target.root}/run/epoch_0_step_2"
         group = dist.new_group(backend="gloo")  # NeMo's _new_gloo_process_group(None)
         options = StagingOptions() if cuda else StagingOptions(False, True, True, False)
@@ -201,37 +188,38 @@ def _async_route(rec: Record, target: Target, device: torch.device, cuda: bool) 
         )
 
 
-def _bypassed(rec: Record, target: Target, device: torch.device) -> None:
-    with rec.check(BYPASSED) as out:
+def _supported(rec: Record, target: Target, device: torch.device, cuda: bool) -> None:
+    with rec.check(SUPPORTED) as out:
         model, optimizer = _parts(device, seed=3)
-        config = S3CheckpointingConfig(checkpoint_dir=f"{target.root}/run", storage_options=target.options)
-        config.is_async = True
+        ckpt = _checkpointer(target, is_async=True, async_upload_timeout_s=WAIT_S)
         path = f"{target.root}/run/epoch_0_step_3"
-        cwd = tempfile.mkdtemp()
-        seen: list[str] = []
-        with _cwd(cwd):
-            ckpt = config.build(dp_rank=0, tp_rank=0, pp_rank=0)
-            try:
-                seen.append(f"stagers built: {type(ckpt._model_ctx.stager).__name__}")
-                ckpt.lifecycle.reserve(path)
-                ckpt.save_model(model, path)
-                ckpt.save_optimizer(optimizer, model, path)
-                seen.append(f"save_model future: {ckpt._model_ctx.future!r} (synchronous)")
-                ckpt.lifecycle.defer_publication(path, best_val_metric=None, metric_key=None)  # the recipe's async path
-                ckpt.async_wait()
-                try:
-                    ckpt.lifecycle.complete_pending()
-                    seen.append("complete_pending: returned")
-                except Exception as exc:
-                    cause = exc.__cause__ or exc.__context__
-                    why = f" (cause: {type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
-                    seen.append(f"complete_pending: {type(exc).__name__}: {str(exc)[:200]}{why}")
-            finally:
-                ckpt.close()
-            local = [str(p.relative_to(cwd)) for p in Path(cwd).rglob("*")]
-        committed = open_store(path, **target.options).size(COMMIT) is not None
-        seen += [f"S3 commit written: {committed}", f"local files made: {local[:5] or 'none'}"]
-        out["note"] = "; ".join(seen)
+        store = open_store(path, **target.options)
+        try:
+            t0 = time.perf_counter()
+            ckpt.async_wait()  # BaseRecipe.save_checkpoint's order
+            ckpt.lifecycle.complete_pending()
+            ckpt.lifecycle.reserve(path)
+            ckpt.save_model(model, path)
+            ckpt.save_optimizer(optimizer, model, path)
+            ckpt.lifecycle.defer_publication(path, best_val_metric=None, metric_key=None)
+            returned_s = time.perf_counter() - t0
+            want = _snapshot(model, optimizer)
+            early = store.size(COMMIT) is not None
+            ckpt.maybe_wait_for_staging()  # train_ft, before optimizer.step()
+            _step(model, optimizer, device)  # training goes on while the upload runs
+            ckpt.async_wait()
+            ckpt.lifecycle.complete_pending()  # the S3 commit, after every rank's upload
+            done_s = time.perf_counter() - t0
+        finally:
+            ckpt.close()
+        committed = store.size(COMMIT) is not None
+        got, where = _resumed(target, path, device)
+        out["ok"] = same_state(got, want) and committed and not early
+        out["note"] = (
+            f"saves returned after {returned_s:.2f} s, committed after {done_s:.2f} s "
+            f"({'NeMo default StagingOptions' if cuda else 'StagingOptions(False, True, True, False)'}); commit before "
+            f"complete_pending: {early}, after: {committed}; resumed onto {where}"
+        )
 
 
 def run(rec: Record, root: Path, cuda: bool, mib: float) -> None:
@@ -239,12 +227,12 @@ def run(rec: Record, root: Path, cuda: bool, mib: float) -> None:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     rec.fact("nemo-automodel", getattr(nemo_automodel, "__version__", "?"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # DCP's checkpoint process finds its store there
-    _refused(rec)
+    _accepted(rec)
     init_group(root, cuda, "cpu:gloo,cuda:nccl" if cuda else "gloo")
     try:
         with s3_target() as target:
             if target is None:
-                for check in (SYNC, ROUTE, BYPASSED):
+                for check in (SYNC, ROUTE, SUPPORTED):
                     rec.skip(
                         check, "no S3 server: moto neither travelled (benchmarks/gpu_wheels/moto) nor is importable"
                     )
@@ -252,12 +240,6 @@ def run(rec: Record, root: Path, cuda: bool, mib: float) -> None:
             rec.fact("target", "moto server (S3Checkpointer routes only s3:// through dcp_s3)")
             _sync(rec, target, device)
             _async_route(rec, target, device, cuda)
-            if cuda:
-                _bypassed(rec, target, device)
-            else:
-                rec.skip(
-                    BYPASSED,
-                    "needs CUDA: NeMo's Checkpointer builds DefaultStager() for is_async, which asserts on CPU-only hosts",
-                )
+            _supported(rec, target, device, cuda)
     finally:
         dist.destroy_process_group()

@@ -9,7 +9,7 @@ Public DCP APIs we rely on, all present from 2.7: ``_StorageInfo.transform_descr
 Differences inside the supported range (checked in each release's source):
 
 - 2.9: ``state_dict_saver.AsyncSaveResponse`` and ``dcp.async_save(no_dist=)``
-  (:func:`async_save`); saver and loader pass ``rank``/``use_collectives`` to hooks
+  (:func:`async_save`); ``staging.DefaultStager``/``StagingOptions`` (:func:`default_stager`); saver and loader pass ``rank``/``use_collectives`` to hooks
   whose signature has ``**kwargs``.
 - 2.9: the loader retries a failed ``read_metadata()`` as ``read_metadata(rank=...)``;
   until 2.11 it then drops both errors (``AssertionError("metadata is None")``), so
@@ -66,6 +66,7 @@ __all__ = [
     "default_store",
     "group_device_types",
     "async_save",
+    "default_stager",
     "require_transform_descriptors",
     "placeholder_metadata",
     "weights_only_unpickler",
@@ -97,6 +98,10 @@ try:
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 except ImportError:  # torch < 2.9: async_save returns the upload's future itself
     AsyncSaveResponse = None  # type: ignore[assignment,misc]
+try:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+except ImportError:  # torch < 2.9
+    DefaultStager = StagingOptions = None  # type: ignore[assignment,misc]
 
 #: ``dcp.async_save`` takes ``no_dist=`` (torch >= 2.9).
 ASYNC_SAVE_HAS_NO_DIST = "no_dist" in inspect.signature(dcp.async_save).parameters
@@ -184,6 +189,18 @@ def async_save(state_dict: Any, *, no_dist: bool, **kwargs: Any) -> Future[Any]:
     if AsyncSaveResponse is not None and isinstance(response, AsyncSaveResponse):
         return response.upload_completion
     return cast(Future[Any], response)
+
+
+def default_stager() -> Any:
+    """torch's ``DefaultStager`` for an ``async_save``: its default options where an accelerator is available; without
+    one (where those assert) no pinned memory and no non-blocking copies, staging still in its background thread."""
+    if DefaultStager is None or StagingOptions is None:
+        raise TorchCompatibilityError(
+            f"torch.distributed.checkpoint.staging.DefaultStager needs torch>=2.9 ({TORCH_VERSION})"
+        )
+    if torch.accelerator.is_available():
+        return DefaultStager()
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False))
 
 
 def require_transform_descriptors(feature: str) -> None:

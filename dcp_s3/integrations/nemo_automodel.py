@@ -39,10 +39,17 @@ config's ``allow_legacy_pickle_restore`` says the checkpoint is trusted. Retenti
 deletes by ownership: committed ``epoch_<E>_step_<S>`` checkpoints under the configured ``checkpoint_dir``
 only, the newest ``max_recent_checkpoints`` by step kept; a name without a commit is neither counted nor deleted.
 
+``is_async`` on S3: each DCP part is saved as NeMo saves it (``dcp.async_save`` with a ``DefaultStager`` and a gloo
+group per part, the upload in torch's checkpoint process), with dcp_s3's writer; the upload's future is recorded
+with the save, and the commit (``lifecycle.publish``, or ``lifecycle.complete_pending`` after NeMo's recipes'
+``defer_publication``) waits for it on every rank, at most ``async_upload_timeout_s``, before rank 0 writes it. A
+failed upload fails ``async_wait`` and the commit on every rank, nothing committed. On a host without an
+accelerator the stagers are built with ``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``
+(NeMo's ``DefaultStager()`` asserts there); with one, with NeMo's default options.
+
 Not supported on ``s3://`` (a ``ConfigError`` when the config is made): ``model_save_format="safetensors"`` and
 consolidated HF exports (NeMo writes them through its own file-system writer and consolidation), PEFT adapters
-(rank 0 writes them with ``safetensors`` to a file), ``is_async`` (NeMo stages with torch's ``DefaultStager``
-and uploads from a process; not tried with dcp_s3's writer). The ``LATEST``/``LOWEST_VAL`` pointers are not
+(rank 0 writes them with ``safetensors`` to a file). The ``LATEST``/``LOWEST_VAL`` pointers are not
 kept: the latest checkpoint is the newest committed one (:meth:`S3Checkpointer.latest_checkpoint`). The job's
 checkpoint process group must span every rank.
 
@@ -54,6 +61,7 @@ one of those runs on an ``s3://`` path, that function also answers true for ``s3
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import threading
@@ -69,15 +77,16 @@ from nemo_automodel.components.checkpoint._backports.filesystem import Serializa
 from nemo_automodel.components.checkpoint.checkpointing import (
     Checkpointer,
     _is_model_checkpoint_path,
-    _ModelSavePlanner,
-    _OptimizerSavePlanner,
+    _new_gloo_process_group,
 )
 from nemo_automodel.components.checkpoint.config import CheckpointingConfig, SaveConsolidatedMode
 from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
 from nemo_automodel.components.checkpoint.utils import find_latest_checkpoint
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from dcp_s3._torch_compat import default_stager
 from dcp_s3.checkpointer.ranks import world_size
-from dcp_s3.errors import CheckpointNotFoundError, ConfigError
+from dcp_s3.errors import CheckpointNotFoundError, ConfigError, S3TransferError
 from dcp_s3.integrations.lightning_io import s3_location
 from dcp_s3.integrations.nemo_commit import COMMIT, Saves, split_part
 from dcp_s3.integrations.nemo_files import RecipeFiles
@@ -117,6 +126,13 @@ _patch_lock = threading.Lock()
 _patched: list[Any] = []  # [NeMo's is_cloud_path, one None per open _remote_paths()]
 
 
+class _ModelSavePlanner(dcp.DefaultSavePlanner):
+    """The save planner of a model part on S3: torch's default one. NeMo's planners cache plans across saves
+    (``enable_plan_caching``): an unchanged plan is then finished from the cache, with the storage data an earlier
+    save's writer planned, which dcp_s3's writer refuses to commit (its results carry that writer's plan token).
+    Each S3 save plans afresh."""
+
+
 @dataclass
 class S3CheckpointingConfig(CheckpointingConfig):
     """NeMo's ``CheckpointingConfig`` whose ``build()`` makes an :class:`S3Checkpointer` (module docstring).
@@ -130,10 +146,14 @@ class S3CheckpointingConfig(CheckpointingConfig):
     """S3 endpoint (None: boto3's own chain, e.g. AWS_ENDPOINT_URL, or AWS itself)."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """dcp_s3.StorageOptions keywords for every save, load, listing and deletion (``endpoint_url`` above wins)."""
+    async_upload_timeout_s: float = 1800.0
+    """With ``is_async``: how long ``async_wait`` and the commit wait, on each rank, for a save's upload."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.options()  # ConfigError now, naming the option, not at the first save
+        if not self.async_upload_timeout_s > 0:
+            raise ConfigError(f"async_upload_timeout_s={self.async_upload_timeout_s!r}: must be a positive number")
         location = s3_location(self.checkpoint_dir)
         if location is None:
             return
@@ -142,13 +162,12 @@ class S3CheckpointingConfig(CheckpointingConfig):
             "model_save_format": self.model_save_format != SerializationFormat.TORCH_SAVE,
             "save_consolidated": self.save_consolidated != SaveConsolidatedMode.FALSE,
             "is_peft": self.is_peft,
-            "is_async": self.is_async,
         }
         bad = [name for name, is_bad in refused.items() if is_bad]
         if bad:
             raise ConfigError(
                 f"checkpoint_dir={location}: {', '.join(bad)} not supported on s3:// (use model_save_format="
-                "'torch_save', save_consolidated=false, is_peft=False, is_async=False; see "
+                "'torch_save', save_consolidated=false, is_peft=False; see "
                 "dcp_s3.integrations.nemo_automodel)"
             )
 
@@ -183,11 +202,22 @@ class S3Checkpointer(RecipeFiles, Checkpointer):
     ) -> None:
         if not isinstance(config, S3CheckpointingConfig):
             raise ConfigError(f"S3Checkpointer takes an S3CheckpointingConfig, not a {type(config).__name__}")
+        root = s3_location(config.checkpoint_dir)
+        s3_async = root is not None and config.is_async
+        nemo_config = config
+        if s3_async:  # NeMo's __init__ would build DefaultStager(), which asserts without an accelerator
+            nemo_config = copy.copy(config)
+            nemo_config.is_async = False
         super().__init__(
-            config, dp_rank, tp_rank, pp_rank, moe_mesh=moe_mesh, process_group=process_group, pp_group=pp_group
+            nemo_config, dp_rank, tp_rank, pp_rank, moe_mesh=moe_mesh, process_group=process_group, pp_group=pp_group
         )
+        self.config = config
+        if s3_async:
+            for ctx in (self._model_ctx, self._optim_ctx):  # as NeMo's __init__, in its order (group creation)
+                ctx.stager = default_stager()
+                ctx.process_group = _new_gloo_process_group(process_group) if dist.is_initialized() else None
         owner = f"S3Checkpointer(checkpoint_dir={config.checkpoint_dir}) max_recent_checkpoints"
-        self._s3 = Saves(config.options(), s3_location(config.checkpoint_dir), owner)
+        self._s3 = Saves(config.options(), root, owner, config.async_upload_timeout_s)
         if (
             self._s3.root is not None
             and process_group is not None
@@ -227,14 +257,45 @@ class S3Checkpointer(RecipeFiles, Checkpointer):
         if location is None:
             return super()._do_save(state_dict, path, storage_writer)
         # No checkpoint_id beside the writer: DCP would reset the writer to it (NeMo's path, not the save's).
-        planner_cls = _ModelSavePlanner if _is_model_checkpoint_path(location) else _OptimizerSavePlanner
-        dcp.save(
+        is_model = _is_model_checkpoint_path(location)
+        planner = _ModelSavePlanner() if is_model else dcp.DefaultSavePlanner()
+        ckpt, part = split_part(location)
+        writer = self._s3.part_writer(ckpt, part)
+        if not self.config.is_async:
+            dcp.save(state_dict, storage_writer=writer, planner=planner, **self._pg_kwargs())
+            return None
+        # NeMo's async save (Checkpointer._do_save), its upload recorded with the save: the commit waits for it.
+        ctx = self._model_ctx if is_model else self._optim_ctx
+        if ctx.stager is None:  # async_wait closed the last one
+            ctx.stager = default_stager()
+        response = dcp.async_save(
             state_dict,
-            storage_writer=self._s3.part_writer(*split_part(location)),
-            planner=planner_cls(self._planner_cache_namespace),
-            **self._pg_kwargs(),
+            storage_writer=writer,
+            planner=planner,
+            process_group=ctx.process_group,
+            async_stager=ctx.stager,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
         )
-        return None
+        ctx.staging_active = True
+        self._s3.add_upload(ckpt, response.upload_completion)
+        return response
+
+    def async_wait(self) -> None:
+        """NeMo's ``async_wait``; on S3 each upload is waited for at most ``async_upload_timeout_s``, and a failed or
+        late one is an ``S3TransferError`` (the save is then not committed: its commit fails on every rank)."""
+        failed = None
+        if self._s3.root is not None:
+            for ctx in (self._model_ctx, self._optim_ctx):
+                if ctx.future is None:
+                    continue
+                why = self._s3.wait_upload(ctx.future.upload_completion)
+                if why:
+                    ctx.future, ctx.staging_active = None, False
+                    self._release_async_stager(ctx)
+                    failed = failed or why
+        super().async_wait()
+        if failed:
+            raise S3TransferError(f"checkpoint_dir={self._s3.root}: async save not committed: {failed}")
 
     def _do_load(
         self, state_dict: dict[str, Any], path: str, storage_reader: Any = None, is_init_step: bool = False
@@ -294,6 +355,7 @@ class S3CheckpointLifecycle(CheckpointLifecycle):
         super().__init__(config, process_group)
         self._s3 = saves
         self._warned_pointers = False
+        self._deferred: list[tuple[str, float | None, str | None]] = []  # s3:// saves deferred by NeMo's async path
         self.with_each_save: list[Callable[[str], None]] = []
         """Called on every rank right after ``reserve`` of an ``s3://`` save, with its path: what a recipe writes into
         every save beside NeMo's own calls (:mod:`dcp_s3.integrations.nemo_recipe`)."""
@@ -321,6 +383,22 @@ class S3CheckpointLifecycle(CheckpointLifecycle):
         if self._s3.root is not None and keep is not None:
             self._s3.ranks.run_on_rank0(lambda: self._s3.prune(keep))
         return None
+
+    def defer_publication(self, path: str, *, best_val_metric: float | None, metric_key: str | None) -> None:
+        # docstring inherited
+        location = s3_location(path)
+        if location is None:
+            return super().defer_publication(path, best_val_metric=best_val_metric, metric_key=metric_key)
+        self._deferred.append((location, best_val_metric, metric_key))
+        return None
+
+    def complete_pending(self) -> None:
+        """NeMo's ``complete_pending``; an ``s3://`` save it deferred is committed by :meth:`publish`, which waits for
+        the save's uploads on every rank first."""
+        deferred, self._deferred = self._deferred, []
+        for location, best_val_metric, metric_key in deferred:
+            self.publish(location, best_val_metric=best_val_metric, metric_key=metric_key)
+        super().complete_pending()
 
     def validate_checkpoint_dir_exists(self, ckpt_dir: str, restore_from: str) -> None:
         # docstring inherited

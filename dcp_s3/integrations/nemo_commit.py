@@ -8,12 +8,18 @@ the token, the DCP parts, each small file with its size). Loads read the commit 
 everything below the one save it names; a stored commit is untrusted input, checked field by field
 (:meth:`Commit.parse`) before any name in it is used.
 
+A save's DCP parts may be uploaded asynchronously (NeMo's ``is_async``): their upload futures are recorded with the
+save (:meth:`Saves.add_upload`), and :meth:`Saves.commit` waits for them on every rank, with a deadline, before it
+gathers: the commit is written only after every rank's upload completed, and a failed or late upload on any rank
+fails the commit on every rank, nothing written.
+
 Retention deletes under the configured root only ``epoch_<E>_step_<S>`` names (NeMo's scheme) whose commit
 and DCP parts are there (:mod:`dcp_s3.checkpointer.ownership`), commit first. Nothing here imports NeMo.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import re
@@ -25,7 +31,13 @@ import torch.distributed as dist
 from dcp_s3.checkpointer.ownership import Ownership, refuse
 from dcp_s3.checkpointer.ownership import committed as parts_committed
 from dcp_s3.checkpointer.ranks import Ranks, distributed, world_size
-from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, ConfigError
+from dcp_s3.errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ConfigError,
+    S3TransferError,
+)
 from dcp_s3.layout import METADATA_KEY, new_token
 from dcp_s3.store.base import Store
 from dcp_s3.store.storage_options import StorageOptions
@@ -108,12 +120,14 @@ class Saves:
     """What an ``S3Checkpointer`` and its lifecycle share: the store, the saves in progress on this rank,
     the commits read (one per checkpoint, for the checkpointer's life), and the rank-0-then-share helper."""
 
-    def __init__(self, options: StorageOptions, root: str | None, owner: str) -> None:
+    def __init__(self, options: StorageOptions, root: str | None, owner: str, upload_wait_s: float = 1800.0) -> None:
         self.options = options
         self.root = root  # the configured checkpoint_dir when it is on S3
         self.owner = owner
+        self.upload_wait_s = upload_wait_s  # the deadline of each wait for an async upload
         self.ranks = Ranks()
         self.pending: dict[str, tuple[str, list[str], dict[str, int]]] = {}  # ckpt -> (token, parts, my files)
+        self.uploads: dict[str, list[concurrent.futures.Future[Any]]] = {}  # ckpt -> this rank's async uploads
         self.commits: dict[str, Commit] = {}
         self._stores: dict[str, Store] = {}
 
@@ -147,6 +161,7 @@ class Saves:
             return new_token()
 
         self.pending[ckpt] = (self.ranks.run_on_rank0(draw), [], {})
+        self.uploads[ckpt] = []
         self.commits.pop(ckpt, None)
 
     def _save(self, ckpt: str) -> tuple[str, list[str], dict[str, int]]:
@@ -165,6 +180,32 @@ class Saves:
             parts.append(part)
         return self.options.writer(f"{ckpt}/{SAVE_DIR}{token}/{part}")
 
+    def add_upload(self, ckpt: str, upload: concurrent.futures.Future[Any]) -> None:
+        """Record an async upload of the save in progress at ``ckpt``: its commit waits for it."""
+        self._save(ckpt)
+        self.uploads.setdefault(ckpt, []).append(upload)
+
+    def wait_upload(self, upload: concurrent.futures.Future[Any]) -> str | None:
+        """Wait for one async upload at most ``upload_wait_s`` seconds: None when it completed, else
+        why not (its error, or the deadline)."""
+        try:
+            upload.result(timeout=self.upload_wait_s)
+        except concurrent.futures.TimeoutError:
+            return f"an upload of its DCP parts did not complete within {self.upload_wait_s} s"
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+            return f"an upload of its DCP parts failed ({type(exc).__name__}: {str(exc)[:500]})"
+        return None
+
+    def _uploads_failed(self, ckpt: str) -> str | None:
+        """Every rank: wait for each async upload of the save in progress at ``ckpt``; the first failure, or None."""
+        for upload in self.uploads.get(ckpt, []):
+            failed = self.wait_upload(upload)
+            if failed:
+                return failed
+        return None
+
     def write_file(self, ckpt: str, rel: str, data: bytes) -> None:
         """Write small file ``rel`` of the save in progress at ``ckpt`` (recorded for its commit)."""
         token, _, files = self._save(ckpt)
@@ -172,17 +213,26 @@ class Saves:
         files[rel] = len(data)
 
     def commit(self, ckpt: str) -> None:
-        """Every rank: gather what each rank wrote; rank 0 checks each DCP part is committed and writes the commit
-        (never replacing one)."""
+        """Every rank: wait for this rank's async uploads of the save (each with its deadline), gather what each
+        rank wrote; rank 0 checks each DCP part is committed and writes the commit (never replacing one). An upload
+        that failed or did not complete on any rank is an ``S3TransferError`` on every rank, nothing committed (the
+        save is then over: a later commit of it is refused)."""
         token, parts, files = self._save(ckpt)
-        gathered: list[Any] = [(parts, files)]
+        failed = self._uploads_failed(ckpt)
+        gathered: list[Any] = [(parts, files, failed)]
         if distributed():
             gathered = [None] * world_size()
-            dist.all_gather_object(gathered, (parts, files), group=self.ranks.control_group())
-        if any(sorted(p) != sorted(parts) for p, _ in gathered):
-            raise ConfigError(f"{ckpt}: the ranks saved different DCP parts: {[p for p, _ in gathered]}")
+            dist.all_gather_object(gathered, (parts, files, failed), group=self.ranks.control_group())
+        failures = [(r, why) for r, (_, _, why) in enumerate(gathered) if why]
+        if failures:
+            del self.pending[ckpt]
+            self.uploads.pop(ckpt, None)
+            rank_of, why = failures[0]
+            raise S3TransferError(f"{ckpt}: save {token} not committed, nothing written: on rank {rank_of}, {why}")
+        if any(sorted(p) != sorted(parts) for p, _, _ in gathered):
+            raise ConfigError(f"{ckpt}: the ranks saved different DCP parts: {[p for p, _, _ in gathered]}")
         merged: dict[str, int] = {}
-        for _, rank_files in gathered:
+        for _, rank_files, _ in gathered:
             merged.update(rank_files)
         commit = Commit(token, tuple(parts), merged)
 
@@ -195,6 +245,7 @@ class Saves:
 
         self.ranks.run_on_rank0(write)
         del self.pending[ckpt]
+        self.uploads.pop(ckpt, None)
         self.commits[ckpt] = commit
         logger.info("committed NeMo checkpoint %s (save %s: parts %s, %d files)", ckpt, token, parts, len(merged))
 

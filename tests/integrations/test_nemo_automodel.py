@@ -411,17 +411,19 @@ def test_retention_deletes_only_committed_owned_checkpoints(
 
 
 def test_config_refuses_what_s3_cannot_hold() -> None:
-    """Formats NeMo writes through its own file-system code, PEFT and async saves: a ConfigError naming them."""
+    """Formats NeMo writes through its own file-system code, PEFT, a bad storage option or upload deadline: a
+    ConfigError naming them (async saves are accepted: test_nemo_async.py)."""
     from dcp_s3.integrations.nemo_automodel import S3CheckpointingConfig
 
     for kwargs, name in (
         ({"model_save_format": "safetensors"}, "model_save_format"),
         ({"save_consolidated": "final"}, "save_consolidated"),
-        ({"is_async": True}, "is_async"),
+        ({"async_upload_timeout_s": 0}, "async_upload_timeout_s"),
         ({"storage_options": {"part_sise": 1}}, "part_sise"),
     ):
         with pytest.raises(ConfigError, match=name):
             S3CheckpointingConfig(checkpoint_dir="s3://bucket/run", **kwargs)
+    assert S3CheckpointingConfig(checkpoint_dir="s3://bucket/run", is_async=True).is_async
     local = S3CheckpointingConfig(checkpoint_dir="/tmp/run", model_save_format="safetensors")  # NeMo's own rules
     assert local.checkpoint_dir == "/tmp/run"
 

@@ -22,9 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PASSED = {
     "megatron": ["sync save + load, bit-exact", "async: AsyncCallsQueue() (forked worker)"],
     "nemo_automodel": [
-        "is_async on s3:// today: refused",
+        "is_async on s3://: accepted",
         "sync save + resume through S3Checkpointer, bit-exact",
         "is_async as NeMo's _do_save makes it",
+        "is_async=True through S3Checkpointer as NeMo's recipes call it",
     ],
     "torch_checkpointing": [
         "save + load, no resharder: 2 gloo ranks -> the same 2, moto",
@@ -35,7 +36,6 @@ PASSED = {
 #: What needs CUDA, reported as skipped.
 SKIPPED = {
     "megatron": ["async: AsyncCallsQueue(persistent=True)"],
-    "nemo_automodel": ["the released integration if the refusal is bypassed"],
     "torch_checkpointing": ["resharding load (DefaultResharder)"],
 }
 #: Checks known to fail, with the cause their note must give (none today: S3StorageConfig on a local directory
