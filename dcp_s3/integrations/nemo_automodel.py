@@ -77,7 +77,9 @@ from nemo_automodel.components.checkpoint._backports.filesystem import Serializa
 from nemo_automodel.components.checkpoint.checkpointing import (
     Checkpointer,
     _is_model_checkpoint_path,
+    _ModelSavePlanner,
     _new_gloo_process_group,
+    _OptimizerSavePlanner,
 )
 from nemo_automodel.components.checkpoint.config import CheckpointingConfig, SaveConsolidatedMode
 from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
@@ -124,13 +126,6 @@ def _remote_if_s3(path: str) -> contextlib.AbstractContextManager[None]:
 
 _patch_lock = threading.Lock()
 _patched: list[Any] = []  # [NeMo's is_cloud_path, one None per open _remote_paths()]
-
-
-class _ModelSavePlanner(dcp.DefaultSavePlanner):
-    """The save planner of a model part on S3: torch's default one. NeMo's planners cache plans across saves
-    (``enable_plan_caching``): an unchanged plan is then finished from the cache, with the storage data an earlier
-    save's writer planned, which dcp_s3's writer refuses to commit (its results carry that writer's plan token).
-    Each S3 save plans afresh."""
 
 
 @dataclass
@@ -258,7 +253,8 @@ class S3Checkpointer(RecipeFiles, Checkpointer):
             return super()._do_save(state_dict, path, storage_writer)
         # No checkpoint_id beside the writer: DCP would reset the writer to it (NeMo's path, not the save's).
         is_model = _is_model_checkpoint_path(location)
-        planner = _ModelSavePlanner() if is_model else dcp.DefaultSavePlanner()
+        planner_cls = _ModelSavePlanner if is_model else _OptimizerSavePlanner  # NeMo's (plans cached per namespace)
+        planner = planner_cls(self._planner_cache_namespace)
         ckpt, part = split_part(location)
         writer = self._s3.part_writer(ckpt, part)
         if not self.config.is_async:
