@@ -138,7 +138,9 @@ def test_a_rank_that_gives_up_fails_every_rank_promptly(seaweed: LocalS3Server, 
     assert elapsed < 120, elapsed
     for r in results:
         assert "S3ThrottledError" in r["error"] and "throttle_deadline=3.0" in r["error"], r["error"]
-        assert f"s3://{bucket}/job/step-2/p-1/ (write)" in r["error"] and "refusals" in r["error"], r["error"]
+        assert f"s3://{bucket}/job/step-2/p-1/ (write)" in r["error"], r["error"]
+        # Its figures: the refusals it met, or (gave up waiting for a token before a refusal) its pace.
+        assert "refusals" in r["error"] or "requests/s" in r["error"], r["error"]
 
 
 def test_rate_control_settings_are_checked() -> None:
