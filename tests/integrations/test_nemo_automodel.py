@@ -219,6 +219,18 @@ def _resume(rank: int, world: int, config_kwargs: dict[str, Any], tmp: str) -> b
     return _packed(out)
 
 
+def _retained(client: Any, bucket: str) -> set[str]:
+    """The bucket's keys, after checking retention kept steps 2 and 3 committed, pruned every object of step 1, and
+    left the uncommitted save of step 0 and the foreign ``notes/`` name alone."""
+    keys = object_keys(client, bucket)
+    commits = sorted(k for k in keys if k.endswith("/dcp_s3_commit.json"))
+    assert commits == [f"{RUN}/epoch_0_step_2/dcp_s3_commit.json", f"{RUN}/epoch_0_step_3/dcp_s3_commit.json"]
+    assert not [k for k in keys if k.startswith(f"{RUN}/epoch_0_step_1/")]  # pruned, every object of it
+    assert f"{RUN}/epoch_0_step_0/save.0123456789abcdef/model/__0_0.distcp" in keys
+    assert f"{RUN}/notes/epoch_0_step_9/readme.txt" in keys
+    return set(keys)
+
+
 def _diff(a: Any, b: Any, where: str = "") -> list[str]:
     if isinstance(a, torch.Tensor):
         return [] if isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b) else [where]
@@ -261,12 +273,7 @@ def test_save_and_resume_bit_exact_through_s3(
         assert out["fresh"] is None and out["patch_gone"] and "already holds a published checkpoint" in out["exists"]
         assert f"delete {config['checkpoint_dir']}/epoch_0_step_3/dcp_s3_commit.json first" in out["exists"]
 
-    keys = object_keys(seaweed.client(), bucket)
-    commits = sorted(k for k in keys if k.endswith("/dcp_s3_commit.json"))
-    assert commits == [f"{RUN}/epoch_0_step_2/dcp_s3_commit.json", f"{RUN}/epoch_0_step_3/dcp_s3_commit.json"]
-    assert not [k for k in keys if k.startswith(f"{RUN}/epoch_0_step_1/")]  # pruned, every object of it
-    assert f"{RUN}/epoch_0_step_0/save.0123456789abcdef/model/__0_0.distcp" in keys
-    assert f"{RUN}/notes/epoch_0_step_9/readme.txt" in keys
+    keys = _retained(seaweed.client(), bucket)
     commit = json.loads(store.read("epoch_0_step_3/dcp_s3_commit.json"))
     save = f"{RUN}/epoch_0_step_3/save.{commit['save']}"
     assert sorted(commit["parts"]) == ["ema", "model", "optim"]
