@@ -3,8 +3,9 @@
 They turn DCP's write and read items into objects of an object store (:mod:`dcp_s3.objstore`):
 :mod:`~dcp_s3.storage.session` is the location and the store they share,
 :mod:`~dcp_s3.storage.tensor_bytes` how one tensor becomes bytes, :mod:`~dcp_s3.storage.data_objects`
-how one rank's items are streamed into its data objects, :mod:`~dcp_s3.storage.replicated` the
-replicated loads that read each byte once. Nothing here speaks HTTP.
+how one rank's items are streamed into its data objects, :mod:`~dcp_s3.storage.item_reads` how one
+read item becomes ranged reads of its object, :mod:`~dcp_s3.storage.replicated` the replicated
+loads that read each byte once. Nothing here speaks HTTP.
 """
 
 from dcp_s3.storage.reader import S3StorageReader

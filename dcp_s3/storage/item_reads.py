@@ -1,0 +1,255 @@
+"""How one ``ReadItem`` of a load plan becomes ranged reads of its object, and what runs once they are in.
+
+Only the bytes the plan needs are read: the rows of the stored chunk that the item covers (the codec's
+frames around them for a compressed item), straight into the destination tensor when its layout allows,
+otherwise into bounded staging that is copied (and cast) into it; items other writers wrote are fetched
+whole and loaded as torch would. Once the bytes are in, each item is checked (its CRC32C, or each
+frame's) before the planner sees it, and byte items are checked before anything unpickles them
+(:mod:`dcp_s3.untrusted.byte_items`). The reader (:mod:`dcp_s3.storage.reader`) makes one
+:class:`ItemReads` per read, with the load's metadata, and runs the reads it gathers.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from crc32c import crc32c
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from dcp_s3._torch_compat import element_size, narrow_tensor_by_index
+from dcp_s3.codec import Codec, FrameIndex, accepts, stored_span, supported
+from dcp_s3.errors import CheckpointFormatError
+from dcp_s3.layout import checksum_error
+from dcp_s3.metadata.compact_chunks import ChunkLookup
+from dcp_s3.objstore.base import RangeRead
+from dcp_s3.storage.session import Session
+from dcp_s3.storage.staging import Stagings
+from dcp_s3.storage.tensor_bytes import StagedRows, raw_bytes_view
+from dcp_s3.untrusted.byte_items import check_byte_item
+from dcp_s3.untrusted.foreign_items import decode_byte_item, load_tensor_archive
+
+__all__ = ["ItemReads"]
+
+
+class ItemReads:
+    """The reads of one load's items from ``checkpoint_id``: :meth:`plan_item` per ``ReadItem``, on the
+    caller's thread, in plan order; the finishers it returns run there too, once all the reads are done."""
+
+    def __init__(
+        self,
+        session: Session,
+        checkpoint_id: str,
+        storage_data: Mapping[MetadataIndex, Any],
+        chunks: ChunkLookup | None,
+        codec: Codec,
+        stagings: Stagings,
+        *,
+        allow_unsafe_byte_items: bool,
+    ) -> None:
+        self._session = session
+        self.checkpoint_id = checkpoint_id
+        self.storage_data = storage_data
+        self._chunks = chunks
+        self._codec = codec
+        self._stagings = stagings
+        self.allow_unsafe_byte_items = allow_unsafe_byte_items
+
+    def plan_item(self, req: ReadItem, planner: LoadPlanner, reads: list[RangeRead]) -> Callable[[], None]:
+        """Append the ranges ``req`` needs to ``reads``; return what to run once they are in."""
+        info = self.storage_data.get(req.storage_index)
+        if info is None:
+            raise CheckpointFormatError(f"{self.checkpoint_id}: no storage entry for {req.storage_index.fqn}")
+        key = self._session.key(info.relative_path)
+        frames = getattr(info, "frames", None)
+        transforms = list(info.transform_descriptors or ())
+        if frames is not None and not accepts(transforms, frames):
+            raise CheckpointFormatError(
+                f"{req.storage_index.fqn} in {self.checkpoint_id} uses transforms {transforms} "
+                f"that this reader does not support (it reads {supported()})"
+            )
+        # Transforms of torch's own writer (FileSystemWriter(_extensions=...)): undone as torch does.
+        foreign = transforms if frames is None else []
+        if req.type == LoadItemType.BYTE_IO:
+            held: dict[str, bytearray] = {}
+
+            def open_buffer() -> memoryview:  # once the server has confirmed that the range exists
+                held["buf"] = bytearray(info.length)
+                return memoryview(held["buf"])
+
+            reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer))
+
+            def load_bytes() -> None:
+                buf = held.pop("buf") if info.length else bytearray()
+                self._verify(req, info, memoryview(buf))
+                if foreign:
+                    where = f"byte item {req.storage_index.fqn} in {self._session.object_store.url(key)}"
+                    buf = decode_byte_item(foreign, buf, where)
+                if not self.allow_unsafe_byte_items:
+                    check_byte_item(buf, req.storage_index.fqn, self._session.object_store.url(key))
+                planner.load_bytes(req, io.BytesIO(buf))
+
+            return load_bytes
+
+        dest = planner.resolve_tensor(req).detach()
+        if tuple(dest.shape) != tuple(req.lengths):
+            raise CheckpointFormatError(
+                f"{req.storage_index.fqn}: destination shape {tuple(dest.shape)} does not match the "
+                f"checkpoint's {tuple(req.lengths)}"
+            )
+        whole = False
+        if frames is None and (foreign or getattr(info, "payload_offset", None) is None):
+            self._plan_torch_load(req, key, info, dest, reads, foreign)
+        else:
+            whole = self._plan_tensor(req, key, info, dest, reads)
+
+        def commit() -> None:
+            if whole:  # the destination holds the item's entire payload: check it
+                self._verify(req, info, raw_bytes_view(dest))
+            planner.commit_tensor(req, dest)
+
+        return commit
+
+    def _verify(self, req: ReadItem, info: Any, payload: memoryview) -> None:
+        error = checksum_error(info, payload)
+        if error is not None:
+            where = self._session.url(info.relative_path)
+            raise CheckpointFormatError(
+                f"{req.storage_index.fqn}: {where} bytes {info.offset}-{info.offset + info.length}: {error}"
+            )
+
+    def _verify_frames(self, key: str, info: Any, frames: FrameIndex, lo: int, hi: int, out: memoryview) -> None:
+        """Check the CRC32C of every frame that raw bytes ``[lo, hi)`` (now in ``out``) cover whole."""
+        crcs = getattr(info, "frame_crc32c", None)
+        if crcs is None:  # load_metadata refuses this; metadata built in-process could still lack them
+            raise CheckpointFormatError(f"{self._session.object_store.url(key)}: compressed item without checksums")
+        for i in range(lo // frames.frame_size, frames.num_frames):
+            f_lo, f_hi = frames.raw_range(i)
+            if f_lo >= hi:
+                break
+            if f_lo >= lo and f_hi <= hi and crc32c(out[f_lo - lo : f_hi - lo]) != crcs[i]:
+                raise CheckpointFormatError(
+                    f"{self._session.object_store.url(key)}: frame {i} of the item at bytes "
+                    f"{info.offset}-{info.offset + info.length} fails its checksum: the stored object is corrupt"
+                )
+
+    def _plan_torch_load(
+        self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead], transforms: list[str]
+    ) -> None:
+        """Items written by other writers: fetch the whole ``torch.save`` blob, undo torch's ``transforms``
+        (bounded by the chunk's size) and load it (see ``dcp_s3.untrusted.foreign_items``)."""
+        index = req.storage_index
+        found = self._chunks.find(index.fqn, index.offset or ()) if self._chunks is not None else None
+        if found is None:
+            raise CheckpointFormatError(f"{self.checkpoint_id}: no chunk metadata for {req.storage_index}")
+        state: dict[str, bytearray] = {}
+
+        def open_buffer() -> memoryview:  # allocated only while the request is in flight
+            state["buf"] = bytearray(info.length)
+            return memoryview(state["buf"])
+
+        def done() -> None:
+            where = f"{req.storage_index.fqn} in {self._session.object_store.url(key)}"
+            tensor = load_tensor_archive(state.pop("buf"), transforms, found[0], found[1], where)
+            dest.copy_(narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths))
+
+        reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer, done))
+
+    def _plan_tensor(self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]) -> bool:
+        """Fetch the rows of the stored chunk that ``req`` covers, straight into ``dest`` if possible.
+
+        Returns whether ``dest`` then holds the whole stored payload (so its checksum can be checked).
+        """
+        fqn = req.storage_index.fqn
+        found = self._chunks.find(fqn, req.storage_index.offset or ()) if self._chunks is not None else None
+        if found is None:
+            raise CheckpointFormatError(f"{self.checkpoint_id}: no chunk metadata for {req.storage_index}")
+        sizes, dtype = found
+        if len(req.lengths) != len(sizes) or any(
+            o < 0 or n < 0 or o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, sizes)
+        ):
+            raise CheckpointFormatError(
+                f"{fqn}: the plan reads {list(req.lengths)} at {list(req.storage_offsets)} of a stored chunk of {list(sizes)}"
+            )
+        elem = element_size(dtype)
+        rows_total = sizes[0] if len(sizes) else 1
+        row_bytes = math.prod(sizes[1:]) * elem if len(sizes) else elem
+        frames: FrameIndex | None = getattr(info, "frames", None)
+        stored = frames.raw_length if frames is not None else info.length - info.payload_offset
+        if stored < rows_total * row_bytes:
+            raise CheckpointFormatError(
+                f"{fqn} in {info.relative_path}: item holds {stored} bytes, too few for a {list(sizes)} {dtype} tensor"
+            )
+        row0 = req.storage_offsets[0] if len(sizes) else 0
+        rows = req.lengths[0] if len(sizes) else 1
+        if rows == 0 or math.prod(req.lengths) == 0:
+            return False
+        transfer = self._session.transfer
+        max_bytes = transfer.max_range_size
+        whole_rows = tuple(req.lengths[1:]) == tuple(sizes[1:])
+        direct = whole_rows and dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
+        if direct:
+            view = raw_bytes_view(dest)
+            start = row0 * row_bytes
+            # Raw bytes go straight into ``dest``: no buffer to bound, so larger GETs (fewer, cheaper per byte).
+            # Compressed bytes are held while in flight: their GETs keep ``max_range_size``, frame-aligned.
+            if frames is None:
+                step = max(max_bytes, transfer.max_direct_range_size)
+            else:
+                step = max(1, max_bytes // frames.frame_size) * frames.frame_size
+            # Frame-aligned pieces (in raw offsets) so that no frame is decoded twice.
+            cuts = [start, *range(start - start % step + step, start + len(view), step), start + len(view)]
+            for lo, hi in zip(cuts, cuts[1:]):
+                self._add_read(reads, key, info, lo, hi, _slice_opener(view, lo - start, hi - start), direct=True)
+            return row0 == 0 and rows == rows_total
+        # Staged: whole rows into a bounded CPU buffer (pinned for a CUDA dest), then narrowed, cast and copied.
+        staging = self._stagings.get(dest)
+        rows_per_piece = max(1, max_bytes // max(1, row_bytes))
+        for r in range(0, rows, rows_per_piece):
+            n = min(rows_per_piece, rows - r)
+            piece = StagedRows(dest, sizes, dtype, req, r, n, staging)
+            start = (row0 + r) * row_bytes
+            self._add_read(reads, key, info, start, start + n * row_bytes, piece.open, piece.done)
+        return False
+
+    def _add_read(
+        self,
+        reads: list[RangeRead],
+        key: str,
+        info: Any,
+        lo: int,
+        hi: int,
+        open_dest: Callable[[], memoryview],
+        done: Callable[[], None] | None = None,
+        direct: bool = False,
+    ) -> None:
+        """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``
+        (``direct``: ``open_dest`` gives the destination itself, no buffer: see ``RangeRead.direct``)."""
+        frames: FrameIndex | None = getattr(info, "frames", None)
+        if frames is None:
+            start = info.offset + info.payload_offset
+            reads.append(RangeRead(key, start + lo, start + hi, open_dest, done, direct=direct))
+            return
+        s0, s1 = stored_span(frames, lo, hi)
+        held: dict[str, bytearray] = {}
+
+        def open_stored() -> memoryview:  # compressed bytes live only while in flight
+            held["buf"] = bytearray(s1 - s0)
+            return memoryview(held["buf"])
+
+        def decode() -> None:
+            out = open_dest()
+            self._codec.decode_into(frames, held.pop("buf"), s0, lo, hi, out)
+            self._verify_frames(key, info, frames, lo, hi, out)
+            if done is not None:
+                done()
+
+        reads.append(RangeRead(key, info.offset + s0, info.offset + s1, open_stored, decode))
+
+
+def _slice_opener(view: memoryview, lo: int, hi: int) -> Callable[[], memoryview]:
+    return lambda: view[lo:hi]
