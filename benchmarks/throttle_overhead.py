@@ -280,7 +280,8 @@ def measure_no_io(iterations: int, repeats: int) -> dict[str, Any]:
     from botocore.awsrequest import AWSResponse
 
     from dcp_s3.objstore.rate_hooks import install_rate_control
-    from dcp_s3.objstore.throttle import RateController, rate_key
+    from dcp_s3.objstore.rate_limits import rate_key
+    from dcp_s3.objstore.throttle import RateController
 
     huge = 1e12  # requests per second: never waits for a token
     controller = RateController(write_rate=huge, read_rate=huge)

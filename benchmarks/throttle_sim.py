@@ -15,7 +15,8 @@ seconds. A refused request is sent again. Figures: makespan over the ideal ``(re
 capacity``, refused fraction in all and in the second half of the makespan (steady state: ``steady``), the
 benchmark's definitions.
 
-``--baseline REF`` loads ``dcp_s3/objstore/throttle.py`` as it was at git ``REF`` beside the current one, so
+``--baseline REF`` loads the controller (``dcp_s3/objstore/throttle.py`` and its modules) as it was at git ``REF``
+beside the current one, so
 that one run gives before and after on the same seeds. ``tests/objstore/test_throttle.py`` holds the same cases
 to their targets.
 """
@@ -38,8 +39,9 @@ from typing import Any
 
 from benchmarks import common
 from dcp_s3.objstore import throttle
+from dcp_s3.objstore.rate_limits import RateKey
 
-KEY = throttle.RateKey("b", "run/", "write")
+KEY = RateKey("b", "run/", "write")
 
 
 @dataclass(frozen=True)
@@ -187,22 +189,43 @@ def measure(module: ModuleType, seeds: int) -> list[dict[str, Any]]:
     return rows
 
 
+#: The controller's modules in ``dcp_s3/objstore``, each importing only those before it (``rate_limits`` and
+#: ``rate_bucket`` were part of ``throttle.py`` until they were split out of it).
+CONTROLLER_MODULES = ("rate_limits", "rate_bucket", "throttle")
+
+
 def load_baseline(ref: str) -> ModuleType:
-    """``dcp_s3/objstore/throttle.py`` as it was at git ``ref``, as a module of its own."""
-    source = subprocess.run(
-        ["git", "show", f"{ref}:dcp_s3/objstore/throttle.py"],
-        cwd=common.REPO_ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "throttle_baseline.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("throttle_baseline", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
+    """``dcp_s3/objstore/throttle.py`` as it was at git ``ref``, as a module of its own, with the controller's
+    modules it imports as they were at ``ref`` too (those that exist there), not the working tree's."""
+    folder = Path(tempfile.mkdtemp())
+    replaced: dict[str, ModuleType | None] = {}
+    try:
+        for name in CONTROLLER_MODULES:
+            shown = subprocess.run(
+                ["git", "show", f"{ref}:dcp_s3/objstore/{name}.py"],
+                cwd=common.REPO_ROOT,
+                check=name == "throttle",  # the others are absent at refs before the split
+                capture_output=True,
+                text=True,
+            )
+            if shown.returncode != 0:
+                continue
+            path = folder / f"{name}_baseline.py"
+            path.write_text(shown.stdout)
+            spec = importlib.util.spec_from_file_location(f"{name}_baseline", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module  # (its dataclasses look their module up)
+            spec.loader.exec_module(module)
+            # The next modules' ``from dcp_s3.objstore.<name> import ...`` find this one (until the end).
+            replaced.setdefault(f"dcp_s3.objstore.{name}", sys.modules.get(f"dcp_s3.objstore.{name}"))
+            sys.modules[f"dcp_s3.objstore.{name}"] = module
+    finally:
+        for qualified, original in replaced.items():
+            if original is None:
+                sys.modules.pop(qualified, None)
+            else:
+                sys.modules[qualified] = original
     return module
 
 

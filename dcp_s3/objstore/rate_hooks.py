@@ -43,8 +43,9 @@ from botocore.retries.standard import (
 )
 
 from dcp_s3.errors import S3ThrottledError
+from dcp_s3.objstore.rate_limits import RateKey, is_throttle, rate_key
 from dcp_s3.objstore.s3_requests import untrusted_certificate
-from dcp_s3.objstore.throttle import JobProgress, RateController, RateKey, is_throttle, rate_key
+from dcp_s3.objstore.throttle import JobProgress, RateController
 
 __all__ = ["install_rate_control", "controller_for", "plan_share", "plan_progress", "end_progress", "request_stats"]
 

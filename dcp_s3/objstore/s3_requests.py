@@ -44,7 +44,7 @@ from dcp_s3.errors import (
     S3ThrottledError,
     S3TransferError,
 )
-from dcp_s3.objstore.throttle import is_throttle
+from dcp_s3.objstore.rate_limits import is_throttle
 
 __all__ = [
     "translate_error",
