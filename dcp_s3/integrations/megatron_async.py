@@ -7,7 +7,9 @@ once every worker ended). Here the writes are ``S3StorageWriter.write_data`` of 
 tensors and bytes during planning (:class:`RankWrite`); the finalize step gathers every rank's results and commits
 ``.metadata`` on rank 0 — the one commit point — or raises on every rank, leaving the checkpoint that was at the
 path as it was. The worker never touches the process group: its results come back through a manager's queue, one
-per save (saves in flight at once never take each other's results), read with a deadline.
+per save (saves in flight at once never take each other's results). The worker first sends its process id, and it
+sends its results before it ends; so a worker that no longer runs and sent none died (killed), which the finalize step
+reports at once; a worker still running is waited for until a deadline (:data:`RESULT_WAIT_S`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import dataclasses
 import functools
 import logging
 import multiprocessing
+import os
+import time
 from queue import Empty
 from typing import Any, cast
 
@@ -31,9 +35,12 @@ __all__ = ["RankWrite", "RESULT_WAIT_S", "write_rank", "to_host", "results_queue
 
 logger = logging.getLogger("dcp_s3")
 
-#: How long the finalize step waits for this rank's write results once the worker has ended (they are sent before
-#: it ends: a longer wait only means the worker was killed).
+#: How long the finalize step waits for this rank's write results while the worker still runs (Megatron finalizes
+#: once its worker ended or reported the request done, and the results are sent before that: a wait only means
+#: something is wrong). A worker that ended without sending them died: that is reported at once, not waited for.
 RESULT_WAIT_S = 10.0
+#: How often the finalize step looks whether the worker still runs while it waits.
+_POLL_S = 0.2
 
 
 class RankWrite:
@@ -92,6 +99,7 @@ class _Resolved:
 def write_rank(write: RankWrite, resolved: dict[MetadataIndex, Any], results: Any) -> None:
     """The ``async_fn`` (in the worker process for an async save): write this rank's objects, report the results."""
     try:
+        results.put(("worker", os.getpid()))  # first: the finalize step can tell a dead worker from a slow one
         assert write.plan is not None, "prepare_write_data ran before the write"
         written = write.writer.write_data(write.plan, cast(SavePlanner, _Resolved(resolved))).wait()
         results.put(("ok", written))
@@ -111,14 +119,50 @@ def results_queue() -> Any:
     return _manager().Queue()
 
 
+def _outcome(results: Any) -> tuple[str, Any]:
+    """This rank's ``("ok", write results)`` or ``("error", why)``: at once from a worker that died without sending
+    them, by :data:`RESULT_WAIT_S` from one still running."""
+    deadline = time.monotonic() + RESULT_WAIT_S
+    worker: int | None = None
+    while True:
+        try:
+            kind, detail = results.get(timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
+        except Empty:
+            if worker is not None and not _running(worker):
+                try:  # what it sent just before it ended
+                    kind, detail = results.get(timeout=0)
+                except Empty:
+                    return "error", f"its write worker (process {worker}) died without reporting (killed?)"
+            elif time.monotonic() < deadline:
+                continue
+            else:
+                running = "never reported" if worker is None else f"process {worker}, still running"
+                return "error", f"no write results within RESULT_WAIT_S = {RESULT_WAIT_S} s (its worker: {running})"
+        if kind != "worker":
+            return kind, detail
+        worker = detail
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (one that ended, reaped or not, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] != b"Z"  # Z: ended, not yet reaped
+    except (OSError, IndexError):
+        return True  # no /proc: it runs as far as can be told
+
+
 def finalize(write: RankWrite, metadata: Metadata | None, results: Any) -> None:
     """Every rank: gather the write results on rank 0, which commits ``.metadata`` unless a rank failed; a failure
     is raised on every rank (and the checkpoint that was at the path is still the one there)."""
     location = write.writer.checkpoint_id
-    try:
-        outcome = results.get(timeout=RESULT_WAIT_S)
-    except Empty:
-        outcome = ("error", f"the writer ended without reporting within {RESULT_WAIT_S} s (was it killed?)")
+    outcome = _outcome(results)
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(outcome, gathered, dst=0)

@@ -315,3 +315,35 @@ def test_other_formats_refused() -> None:
         save({}, "s3://bucket/run/iter_0000001", None, ("torch", 1))
     with pytest.raises(ConfigError, match="not supported"):
         load({}, "s3://bucket/run/iter_0000001", ("zarr", 1))
+
+
+@pytest.mark.timeout(120)  # a hang guard: RESULT_WAIT_S is an hour where the worker is dead
+def test_the_finalize_step_waits_only_for_a_worker_that_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results are sent before the worker ends: one that ended (reaped or not) without them died, and is reported
+    at once; one still running is waited for until RESULT_WAIT_S; results sent just before the end are taken."""
+    import queue
+    import subprocess
+    import sys
+
+    from dcp_s3.integrations import megatron_async
+
+    results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    monkeypatch.setattr(megatron_async, "RESULT_WAIT_S", 0.5)
+    results.put(("worker", os.getpid()))
+    kind, why = megatron_async._outcome(results)
+    assert kind == "error" and "no write results within RESULT_WAIT_S = 0.5 s" in why and "still running" in why
+
+    monkeypatch.setattr(megatron_async, "RESULT_WAIT_S", 3600.0)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, ended.pid, os.WEXITED | os.WNOWAIT)  # it ended, not reaped yet (as before Megatron's join)
+    results.put(("worker", ended.pid))
+    assert megatron_async._outcome(results) == (
+        "error",
+        f"its write worker (process {ended.pid}) died without reporting (killed?)",
+    )
+    ended.wait()  # reaped
+    results.put(("worker", ended.pid))
+    results.put(("ok", ["its results"]))
+    assert megatron_async._outcome(results) == ("ok", ["its results"])
+    results.put(("worker", ended.pid))
+    assert megatron_async._outcome(results)[1].endswith("died without reporting (killed?)")

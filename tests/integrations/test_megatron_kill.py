@@ -11,8 +11,9 @@ phase, before the request leaves:
 - ``before-commit``: rank 0's PUT of ``.metadata`` (every rank's data object exists, nothing commits them).
 
 What is killed: ``node``, the rank's whole process group (the training process, Megatron's forked async worker and the
-results manager: a machine lost), or ``worker``, Megatron's async worker alone (its training process lives on). The
-surviving ranks must end (with an error), and how long each waited after the kill is measured (printed with ``-s``).
+results manager: a machine lost), or ``worker``, Megatron's async worker alone (its training process lives on, and
+says at once that its worker died: the case sets ``RESULT_WAIT_S`` past the hang guard). The surviving ranks must end
+(with an error), and how long each waited after the kill is measured (printed with ``-s``).
 Then a fresh process group loads ``iter_0000010`` bit-exact, finds ``iter_0000020`` not committed (its load is refused,
 ``list_steps`` does not call it complete), saves ``iter_0000020`` again (other values) and loads that bit-exact; the
 re-save's ``.metadata`` names none of the objects the killed save left (they stay for ``dcp-s3 gc``).
@@ -45,6 +46,7 @@ from test_megatron import _assert_bit_exact, _cpu_async_queue, _expected, _flat,
 
 from dcp_s3.admin.listing import list_steps
 from dcp_s3.errors import CheckpointNotFoundError
+from dcp_s3.integrations import megatron_async
 from dcp_s3.integrations.megatron import load, save
 from dcp_s3.layout import METADATA_KEY, referenced_objects
 from dcp_s3.local_server import LocalS3Server
@@ -198,6 +200,8 @@ def _run(tmp: Path, fn: Callable[..., Any], *args: Any) -> dict[int, tuple[str, 
 
 def _killed_save(rank: int, world: int, root: str, mode: str, phase: str, victim: int, what: str, marker: str) -> Any:
     _save(f"{root}/iter_0000010", _state(rank, world, 10), "sync")
+    if what == "worker":  # a dead worker is reported at once: waiting for its results would outlast the hang guard
+        megatron_async.RESULT_WAIT_S = 10 * HANG_GUARD_S
     if rank == victim:
         _arm(phase, what, Path(marker))
     try:
@@ -239,7 +243,7 @@ def test_killed_save_leaves_the_last_committed_checkpoint(
 
     assert marker.exists(), f"the save never reached {phase}: {ran}"
     killed_at = float(marker.read_text().split()[0])
-    waits = {}
+    waits, errors = {}, {}
     for rank, (status, value) in ran.items():
         if rank == victim and what == "node":
             assert status == "killed" and value == -signal.SIGKILL, (rank, status, value)
@@ -248,9 +252,11 @@ def test_killed_save_leaves_the_last_committed_checkpoint(
         outcome, ended, error = value
         assert outcome == "raised", f"rank {rank}: the save of a killed step returned"
         waits[rank] = (round(ended - killed_at, 2), error.splitlines()[0][:160])
+        errors[rank] = error
     print(f"\n{mode}/{phase}: rank {victim}'s {what} killed; survivors' wait after the kill: {waits}")
-    if what == "worker":  # the training processes live on and refuse the step on every rank
-        assert all("nothing committed" in error for _, error in waits.values()), waits
+    if what == "worker":  # the training processes live on and refuse the step on every rank, naming the dead worker
+        assert all("nothing committed" in error for error in errors.values()), errors
+        assert all(f"rank {victim}: its write worker" in e and " died " in e for e in errors.values()), errors
 
     prefix = "run/iter_0000020"
     left = _data_objects(seaweed, bucket, prefix)

@@ -281,6 +281,85 @@ def test_a_second_save_of_a_name_in_one_attempt_is_refused(bucket: str) -> None:
         S3StorageConfig(f"s3://{bucket}/run", attempt="../x")
 
 
+# -- a save retried in the same process ------------------------------------------------------------------
+
+
+class _Unpicklable:
+    """An item value torch.save cannot write: the save fails on that file, after the files before it."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("this value cannot be saved")
+
+
+def test_a_failed_save_retried_in_the_same_process_commits_only_the_retrys_files(bucket: str, s3_env: Any) -> None:
+    """One manager (one ``S3Storage``) saves ``step_1``; the save fails after ``extra_0.pt`` was written; the same
+    manager saves ``step_1`` again with other items. The commit names only the retry's files: the failed save's
+    ``extra_0.pt`` is neither listed nor loaded from ``step_1``, and nothing it wrote is deleted."""
+    from torch_checkpointing.checkpoint_manager import CheckpointManager
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+    from torch_checkpointing.schema import ItemSpec
+
+    from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
+
+    root = f"s3://{bucket}/run"
+    config = CheckpointManager.Config(
+        items={"model": ItemSpec(required=False)},
+        save=SyncCheckpointSaverConfig(),
+        storage_config=S3StorageConfig(root),
+    )
+    manager = CheckpointManager(config)
+    try:
+        with pytest.raises(Exception, match="cannot be saved"):  # extra_0.pt is written first, then bad_0.pt fails
+            manager.save(f"{root}/step_1", {"extra": {"from": "the failed save"}, "bad": _Unpicklable()})
+        failed = {
+            k for k in _keys(s3_env, bucket) if k.startswith("run/step_1/.dcp_s3-staged/") and "/claims/" not in k
+        }
+        assert any(k.endswith("/extra_0.pt") for k in failed)
+
+        model = torch.arange(12.0)
+        manager.save(f"{root}/step_1", {"model": model})  # the retry: another set of files
+
+        assert sorted(_marker(s3_env, bucket, "step_1")["files"]) == ["model_0.pt"]
+        reader = _storage(bucket)
+        assert reader.ls(Path("step_1")) == ["model_0.pt"]
+        assert not reader.exists(Path("step_1/extra_0.pt"))
+        assert torch.equal(manager.load(f"{root}/step_1", into={"model": torch.zeros(12)})["model"], model)
+        with pytest.raises(FileNotFoundError, match="extra_0.pt"):
+            manager.load(f"{root}/step_1", into={"extra": None})  # on main: the failed save's value
+        assert failed <= set(_keys(s3_env, bucket))  # the failed save's objects stay (deleted with the checkpoint)
+    finally:
+        manager.close()
+
+
+class _AddNotes:
+    """A pre-finalize callback adding a file in a directory of its own to the stage, the way it would on a disk."""
+
+    def __call__(self, args: Any) -> None:
+        args.storage.mkdir(Path(args.path) / "notes")
+        args.storage.write(Path(args.path) / "notes" / "n.txt", b"added before the commit")
+
+
+def test_a_callback_making_a_directory_in_the_stage_continues_the_save(bucket: str, s3_env: Any) -> None:
+    """A ``mkdir`` in the stage begins a new save only where this save already wrote: a callback's new directory
+    does not drop the save's files from its commit."""
+    from torch_checkpointing.checkpoint_manager import CheckpointManager
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+
+    from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
+
+    root = f"s3://{bucket}/run"
+    config = CheckpointManager.Config(
+        save=SyncCheckpointSaverConfig(), storage_config=S3StorageConfig(root), pre_finalize_callback=_AddNotes()
+    )
+    manager = CheckpointManager(config)
+    try:
+        manager.save(f"{root}/step_1", {"model": torch.ones(3)})
+    finally:
+        manager.close()
+    assert sorted(_marker(s3_env, bucket, "step_1")["files"]) == ["model_0.pt", "notes/n.txt"]
+    assert _storage(bucket).read(Path("step_1/notes/n.txt")) == b"added before the commit"
+
+
 # -- deletion by ownership -----------------------------------------------------------------------------
 
 

@@ -26,8 +26,10 @@ A save killed after a rank claimed its place leaves that claim and its writer's 
 claims and files are never read, combined or deleted by inference. They stay below ``<name>/``, so
 deleting the committed checkpoint (everything under ``<name>/``, marker first) removes them with it;
 a stage that never committed is removed by a user (``dcp-s3 rm s3://.../<name>``). Within one attempt a
-place is claimed once: a second save of the same name after a failed one (the process lived on) finds
-its place held by another writer and refuses (``CheckpointExistsError`` naming the stage).
+place is claimed once per storage: another storage's save of the same name after a failed one (a new
+manager, in that process or another) finds its place held by another writer and refuses
+(``CheckpointExistsError`` naming the stage). The storage whose save failed hands its own place to a fresh
+writer when it saves the name again (:mod:`.writers`), so a writer's files are always one save's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ __all__ = [
     "claims",
     "commit",
     "holds",
+    "reclaim",
     "is_staged",
     "read_manifest",
     "staged_key",
@@ -119,12 +122,9 @@ def claim(store: Store, name: str, rank: int, writer: str, attempt: str) -> bool
 
     ``CheckpointExistsError`` if ``name`` is committed already, or another writer of this attempt holds
     the place (a save of ``name`` in this attempt that never committed)."""
-    if store.size(f"{name}/{MARKER}") is not None:
-        raise CheckpointExistsError(
-            f"{store.url(name)} is a committed checkpoint; delete it before saving that name again"
-        )
+    _refuse_committed(store, name)
     place = _claim_name(name, rank, attempt)
-    body = json.dumps({"rank": rank, "writer": writer}).encode()
+    body = _claim_body(rank, writer)
     try:
         store.write(place, body, overwrite=False)
         return True
@@ -143,6 +143,28 @@ def claim(store: Store, name: str, rank: int, writer: str, attempt: str) -> bool
             "job writes there, then save again"
         )
     return False
+
+
+def reclaim(store: Store, name: str, rank: int, old: str, writer: str, attempt: str) -> None:
+    """Hand rank ``rank``'s place in ``attempt``'s stage of ``name`` from ``old`` to ``writer``: the next save of
+    ``name`` by the process whose save under ``old`` never committed (only that process knows ``old``, a fresh
+    id). A place ``old`` no longer holds is claimed as :func:`claim` does; ``old``'s files stay, never committed."""
+    _refuse_committed(store, name)
+    if holds(store, name, rank, old, attempt):
+        store.write(_claim_name(name, rank, attempt), _claim_body(rank, writer), overwrite=True)
+    else:
+        claim(store, name, rank, writer, attempt)
+
+
+def _refuse_committed(store: Store, name: str) -> None:
+    if store.size(f"{name}/{MARKER}") is not None:
+        raise CheckpointExistsError(
+            f"{store.url(name)} is a committed checkpoint; delete it before saving that name again"
+        )
+
+
+def _claim_body(rank: int, writer: str) -> bytes:
+    return json.dumps({"rank": rank, "writer": writer}).encode()
 
 
 def holds(store: Store, name: str, rank: int, writer: str, attempt: str) -> bool:

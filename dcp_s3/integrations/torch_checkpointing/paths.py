@@ -23,7 +23,7 @@ from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manifest
 from dcp_s3.store.base import Store
 
-__all__ = ["Where", "split", "locate"]
+__all__ = ["Where", "split", "in_stage", "locate", "contents", "shown"]
 
 _INTERNAL = (MARKER, STAGED)
 
@@ -56,12 +56,20 @@ def split(path: Path | str, root: str) -> list[str]:
     return parts
 
 
-def locate(parts: list[str], temp_prefix: str, manifests: dict[str, Manifest], store: Store) -> Where:
-    """Where ``parts`` lie; ``manifests`` caches the markers read (checkpoint name -> manifest)."""
+def in_stage(parts: list[str], temp_prefix: str) -> Where | None:
+    """The stage ``parts`` lie in (no request), or None."""
     for i, part in enumerate(parts):
         if part.startswith(temp_prefix) and len(part) > len(temp_prefix):
             final = "/".join([*parts[:i], part[len(temp_prefix) :]])
             return Where("stage", final, "/".join(parts[i + 1 :]))
+    return None
+
+
+def locate(parts: list[str], temp_prefix: str, manifests: dict[str, Manifest], store: Store) -> Where:
+    """Where ``parts`` lie; ``manifests`` caches the markers read (checkpoint name -> manifest)."""
+    stage = in_stage(parts, temp_prefix)
+    if stage is not None:
+        return stage
     for i in range(1, len(parts)):  # a file of a checkpoint looked at before: no request
         found = manifests.get("/".join(parts[:i]))
         if found is not None:
@@ -74,3 +82,24 @@ def locate(parts: list[str], temp_prefix: str, manifests: dict[str, Manifest], s
             return Where("committed", name, "/".join(parts[i:]), manifest)
         manifests.pop(name, None)
     return Where("plain", "/".join(parts))
+
+
+def contents(store: Store, name: str) -> tuple[bool, bool, bool]:
+    """(has a commit marker, holds plain objects or directories, holds a stage) for the directory ``name``: one
+    delimiter listing."""
+    objects, dirs = store.list_dir(name + "/")
+    marker = any(entry.name == f"{name}/{MARKER}" for entry in objects)
+    staged = any(d.rstrip("/") == f"{name}/{STAGED}" for d in dirs)
+    plain = len(objects) > int(marker) or len(dirs) > int(staged)
+    return marker, plain, staged
+
+
+def shown(store: Store, name: str, temp_prefix: str) -> list[str]:
+    """How the directory ``name`` appears in its parent's listing: its name once committed or if it holds plain
+    objects, ``<temp_prefix><name>`` while a stage is claimed; nothing for what a deletion left."""
+    marker, plain, staged = contents(store, name)
+    base = name.rsplit("/", 1)[-1]
+    listed = [base] if marker or plain else []
+    if not marker and staged and tc_commit.is_staged(store, name):
+        listed.append(temp_prefix + base)
+    return listed

@@ -19,7 +19,8 @@ Chosen where a ``CheckpointManager`` is configured (tested with torch-checkpoint
   the start and the rename writes a commit marker (:mod:`dcp_s3.integrations.torch_checkpointing.commit`): no copy, no
   delete, atomic, and an occupied destination is refused (``CheckpointExistsError``, an ``OSError``). The
   marker names only the files of this job attempt's writers (:mod:`.attempts`): a restarted job saves a name
-  a killed save left behind without ever combining the two.
+  a killed save left behind without ever combining the two. Each save has a fresh writer (:mod:`.writers`): a
+  failed save retried by the same manager is not combined with it either.
 - **What a listing shows.** ``exists``/``isdir``/``ls`` show ``<name>`` only once committed, with only the
   files its manifest names; an uncommitted stage shows as ``tmp_<name>`` (what it is), never as ``<name>``.
 - **One save per load.** Looking at a checkpoint's directory (torch_checkpointing's reader does it first)
@@ -67,6 +68,7 @@ from dcp_s3.integrations.torch_checkpointing import retention as tc_retention
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manifest
 from dcp_s3.integrations.torch_checkpointing.paths import Where
 from dcp_s3.integrations.torch_checkpointing.streams import ObjectReadStream, ObjectWriteStream
+from dcp_s3.integrations.torch_checkpointing.writers import StageWriters
 from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.store.base import Store
 from dcp_s3.store.storage_options import StorageOptions
@@ -136,9 +138,8 @@ class S3Storage(Storage):
         self.attempt: str = state["attempt"] or tc_attempts.new_attempt()  # no process group: an attempt of its own
         self._store: Store | None = None
         self._pool: BufferPool | None = None
-        self._lock = threading.Lock()  # guards the writer ids (claims)
         self._store_lock = threading.Lock()
-        self._writers: dict[str, str] = {}  # final name -> this process's writer id in its stage
+        self._writers = StageWriters(lambda: self.store, self.rank, self.attempt)  # a fresh writer for each save
         self._manifests: dict[str, Manifest] = {}  # checkpoint -> marker read when its directory was looked at
 
     @property
@@ -177,17 +178,7 @@ class S3Storage(Storage):
             return where.name
         if not where.rest:
             raise ConfigError(f"{path}: a directory, not a file to write")
-        return tc_commit.staged_key(where.name, self._writer(where.name), where.rest)
-
-    def _writer(self, final: str) -> str:
-        """This process's writer id in the stage of ``final``, claiming its rank's place if it holds none."""
-        with self._lock:
-            writer = self._writers.get(final)
-            if writer is None or not tc_commit.holds(self.store, final, self.rank, writer, self.attempt):
-                writer = tc_commit.new_writer()
-                tc_commit.claim(self.store, final, self.rank, writer, self.attempt)
-                self._writers[final] = writer
-            return writer
+        return tc_commit.staged_key(where.name, self._writers.for_file(where.name, where.rest), where.rest)
 
     def stream_write(self, path: Path) -> io.IOBase:
         name = self._write_name(path)
@@ -201,8 +192,11 @@ class S3Storage(Storage):
             stream.write(data)
 
     def mkdir(self, path: Path, recursive: bool = True) -> None:
-        """Nothing to do: an object store has no directories (a stage is claimed by its first file)."""
-        self._parts(path)
+        """No directory to make (a stage is claimed by its first file); in a stage, where a save begins
+        (:mod:`dcp_s3.integrations.torch_checkpointing.writers`)."""
+        stage = tc_paths.in_stage(self._parts(path), self.config.temp_dir_prefix)
+        if stage is not None:
+            self._writers.prepare(stage.name, stage.rest)
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -283,17 +277,8 @@ class S3Storage(Storage):
             return not where.rest and tc_commit.is_staged(self.store, where.name)
         return not where.name or self._has_children(where.name)
 
-    def _contents(self, name: str) -> tuple[bool, bool, bool]:
-        """(has a commit marker, holds plain objects or directories, holds a stage) for the directory ``name``:
-        one delimiter listing."""
-        objects, dirs = self.store.list_dir(name + "/")
-        marker = any(entry.name == f"{name}/{MARKER}" for entry in objects)
-        staged = any(d.rstrip("/") == f"{name}/{STAGED}" for d in dirs)
-        plain = len(objects) > int(marker) or len(dirs) > int(staged)
-        return marker, plain, staged
-
     def _has_children(self, name: str) -> bool:
-        return self._contents(name)[1]
+        return tc_paths.contents(self.store, name)[1]
 
     def ls(self, path: Path) -> list[str]:
         """The names in a directory: committed checkpoints by their name, uncommitted stages as
@@ -311,19 +296,10 @@ class S3Storage(Storage):
         names = [entry.name[len(lead) :] for entry in objects if entry.name[len(lead) :] not in _INTERNAL]
         for sub in dirs:
             if sub.rstrip("/").rsplit("/", 1)[-1] not in _INTERNAL:
-                names.extend(self._shown(sub.rstrip("/")))
+                names.extend(tc_paths.shown(self.store, sub.rstrip("/"), self.config.temp_dir_prefix))
         if not names and where.name:
             raise CheckpointNotFoundError(f"{self.store.url(where.name)}: no such directory")
         return sorted(names)
-
-    def _shown(self, name: str) -> list[str]:
-        """How the directory ``name`` appears in its parent's listing (nothing for what a deletion left)."""
-        marker, plain, staged = self._contents(name)
-        base = name.rsplit("/", 1)[-1]
-        shown = [base] if marker or plain else []
-        if not marker and staged and tc_commit.is_staged(self.store, name):
-            shown.append(self.config.temp_dir_prefix + base)
-        return shown
 
     # -- committing, renaming, deleting ---------------------------------------------------------------
 
@@ -343,7 +319,7 @@ class S3Storage(Storage):
             if dst.kind == "committed" or store.size(src.name) is not None or self._has_children(src.name):
                 raise CheckpointExistsError(f"refusing to commit {src_path} onto {store.url(src.name)}: it is occupied")
             self._manifests[src.name] = tc_commit.commit(store, src.name, self.world_size, self.attempt)
-            self._writers.pop(src.name, None)
+            self._writers.committed(src.name)
             return
         if src.kind == "plain" and store.size(src.name) is not None:
             if dst.kind != "plain" or not dst.name:
