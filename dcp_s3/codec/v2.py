@@ -10,6 +10,12 @@ from the stored bytes while joining (no copy), in cache-sized blocks
 (:func:`~dcp_s3.codec.byte_planes.join_top`). Non-float frames and raw frames are as in
 version 1.
 
+Encoding is mostly zstd on the top plane (Huffman coding of its literals, and on Adam states the
+match finder): the plane gets whichever of the literal-heavy setting and level ``level`` wins on a
+:data:`SAMPLE_BYTES` sample of it; the rest is written straight into the stored frame
+(:func:`~dcp_s3.codec.byte_planes.split_top`, ~memcpy speed), after a sample of it decided whether
+zstd codes it too.
+
 Runs on the codec's pool threads; each thread keeps its zstd compressors, its decompressor and
 scratch buffers in a ``threading.local``.
 """
@@ -61,18 +67,20 @@ def encode_frame(
     top_stored: bytes | memoryview = _compress(local, top) if ne else b""
     if len(top_stored) >= ne:
         top_stored = top.data
-    # The rest goes straight to its place in the stored frame (numpy's buffer: not zero-filled first);
-    # a sample of it says whether zstd gains enough on it.
+    # Whether zstd gains enough on the rest, judged on a sample of it.
     rest_len = ne * (es - 1)
+    sample_elements = min(ne, REST_SAMPLE // (es - 1))  # whole elements: no stale scratch bytes
+    sample = _scratch(local, "sample", sample_elements * (es - 1))
+    split_top(src[: sample_elements * es], es, None, sample)
+    pack_rest = bool(rest_len) and len(local.literal_cctx.compress(sample.data)) <= (1 - REST_MIN_GAIN) * len(sample)
+    if not pack_rest and len(top_stored) == ne:  # nothing shrinks: the frame is stored raw
+        return frame, True
+    # The rest goes straight to its place in the stored frame (numpy's buffer: not zero-filled first).
     tail = np.frombuffer(frame[ne * es :], np.uint8)
     at = HEADER.size + len(top_stored)
     out = np.empty(at + rest_len + len(tail), np.uint8)
     rest = out[at : at + rest_len]
     split_top(src, es, None, rest)
-    sample = rest.data[:REST_SAMPLE]
-    pack_rest = bool(rest_len) and len(local.literal_cctx.compress(sample)) <= (1 - REST_MIN_GAIN) * len(sample)
-    if not pack_rest and len(top_stored) == ne:  # nothing shrinks: the frame is stored raw
-        return frame, True
     if pack_rest:
         packed = _compress(local, rest)
         if len(packed) < rest_len:
