@@ -103,7 +103,8 @@ def _compress(local: threading.local, plane: np.ndarray) -> bytes:
         sample = plane.data[:SAMPLE_BYTES]
         if len(local.cctx.compress(sample)) < len(cctx.compress(sample)):
             cctx = local.cctx
-    return cctx.compress(plane.data)  # type: ignore[no-any-return]
+    stored: bytes = cctx.compress(plane.data)
+    return stored
 
 
 def sections(index: FrameIndex, i: int, piece: memoryview) -> tuple[memoryview, memoryview, memoryview]:

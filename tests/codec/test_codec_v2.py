@@ -202,11 +202,13 @@ class _Counting:
     """A real zstd compressor that records how many bytes it was given."""
 
     def __init__(self, real: zstandard.ZstdCompressor) -> None:
-        self.real, self.sizes = real, []
+        self.real = real
+        self.sizes: list[int] = []
 
     def compress(self, data: Any) -> bytes:
         self.sizes.append(memoryview(data).nbytes)
-        return self.real.compress(data)  # type: ignore[no-any-return]
+        stored: bytes = self.real.compress(data)
+        return stored
 
 
 @pytest.mark.parametrize(
