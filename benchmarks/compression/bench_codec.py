@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,22 @@ import zstandard
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1]))
+
+
+# The dcp_s3 measured: this checkout's, or the one ``--tree PATH`` names (e.g. a checkout of main, to
+# compare encoders with the same script, data and machine).
+def _tree_argument(argv: list[str]) -> Path | None:
+    """``--tree PATH`` / ``--tree=PATH``, read before ``dcp_s3`` is imported (argparse checks it again later)."""
+    for i, a in enumerate(argv):
+        if a.startswith("--tree="):
+            return Path(a.split("=", 1)[1])
+        if a == "--tree" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+    return None
+
+
+_TREE = (_tree_argument(sys.argv[1:]) or HERE.parents[1]).resolve()
+sys.path.insert(0, str(_TREE))
 
 from model_data import make_data  # noqa: E402
 
@@ -96,10 +112,21 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
     contestants: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
 
     def codec_pair(codec: Codec) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+        # The sink copies each frame into one reused buffer, as the writer copies frames into its part
+        # buffers: the timing holds the codec and that copy, not the allocation of a new item-sized buffer.
+        sink_buf = memoryview(bytearray(raw + 64 * (raw // frame_size + 1)))
+
         def enc() -> Any:
-            parts: list[Any] = []
-            index = codec.encode(data.data, es, floating, parts.append)
-            return index, b"".join(parts)
+            pos = 0
+
+            def sink(frame: Any) -> None:
+                nonlocal pos
+                n = memoryview(frame).nbytes
+                sink_buf[pos : pos + n] = memoryview(frame).cast("B")
+                pos += n
+
+            index = codec.encode(data.data, es, floating, sink)
+            return index, sink_buf[:pos]
 
         def dec(e: Any) -> None:
             codec.decode_into(e[0], e[1], 0, 0, raw, out)
@@ -149,7 +176,7 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
     row["contestants"] = {}
     for label in contestants:
         e = encoded[label]
-        stored = len(e[1]) if label in codecs else sum(map(len, e))
+        stored = e[1].nbytes if label in codecs else sum(map(len, e))
         tm = times[label]
         row["contestants"][label] = {
             "ratio": stored / raw,
@@ -165,6 +192,15 @@ def bench_kind(name: str, data: np.ndarray, reps: int, frame_size: int) -> dict[
         else:
             row["contestants"][label]["settings"] = _describe(blosc[label])
     return row
+
+
+def _commit(tree: Path) -> str | None:
+    """The git commit of the measured checkout, if it is one."""
+    try:
+        out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
 
 
 def _spread(data: np.ndarray, nbytes: int, frame_size: int) -> np.ndarray:
@@ -347,6 +383,11 @@ def main() -> None:
         help="use N MB of each kind: whole frames taken evenly across it (every layer and tensor kind "
         "represented; keeps a shared-machine run short)",
     )
+    ap.add_argument(
+        "--tree",
+        type=Path,
+        help="measure the dcp_s3 of this checkout (default: the one holding this script), e.g. main's",
+    )
     ap.add_argument("--kinds", nargs="+", metavar="KIND", help=f"only these data kinds (of: {', '.join(ELEMENT)})")
     ap.add_argument(
         "--wait-quiet",
@@ -410,6 +451,8 @@ def main() -> None:
         "machine": platform.machine(),
         "frame_size": args.frame_size,
         "reps": args.reps,
+        "dcp_s3_tree": str(_TREE),
+        "dcp_s3_commit": _commit(_TREE),
     }
     args.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
 

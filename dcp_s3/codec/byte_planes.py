@@ -96,21 +96,35 @@ def split_top(src: np.ndarray, es: int, top: np.ndarray | None, rest: np.ndarray
     """Version 2 grouping of the ``ne = len(src) // es`` whole elements of ``src``: ``top[i]`` is
     byte ``es - 1`` (little-endian) of element ``i``, ``rest[i * (es - 1):(i + 1) * (es - 1)]``
     its bytes ``0 .. es - 2``. ``top`` holds ``ne`` bytes, ``rest`` ``ne * (es - 1)``; either may
-    be None (not wanted); trailing bytes of ``src`` are the caller's."""
+    be None (not wanted); trailing bytes of ``src`` are the caller's.
+
+    The mirror image of :func:`join_top`: for 2-byte elements a shift and a truncating cast
+    (vectorised); for wider ones the top bytes are one strided byte copy, and the rest one
+    ``es``-byte store per element at ``rest[i * (es - 1)]``, in element order, each store's
+    extra byte (the element's top byte) overwritten by the next element's store. That runs at
+    ~memcpy speed where a copy of ``es - 1``-byte fields (numpy void items) is ~7x slower."""
     ne = len(src) // es
     if not ne:
         return
-    whole = src[: ne * es].reshape(ne, es)
+    dt = np.dtype(UINT[es]).newbyteorder("<")
+    if es == 2:
+        x = src[: 2 * ne].view(dt)
+        if top is not None:
+            np.right_shift(x, 8, out=top[:ne], casting="unsafe")
+        if rest is not None:
+            np.copyto(rest[:ne], x, casting="unsafe")
+        return
     if top is not None:
-        np.copyto(top[:ne], whole[:, es - 1])
+        np.copyto(top[:ne], src[: ne * es].reshape(ne, es)[:, es - 1])
     if rest is None:
         return
-    if es == 2:
-        np.copyto(rest[:ne], whole[:, 0])
-        return
-    void = np.dtype((np.void, es - 1))
-    src_rest = np.ndarray((ne,), dtype=void, buffer=src, offset=0, strides=(es,))
-    np.copyto(rest[: ne * (es - 1)].view(void), src_rest)
+    stores = np.ndarray((ne - 1,), dtype=dt, buffer=rest, offset=0, strides=(es - 1,))
+    loads = src[: (ne - 1) * es].view(dt)
+    for s in range(0, ne - 1, BLOCK_ELEMENTS):  # forward: each store's extra byte is fixed by the next
+        e = min(ne - 1, s + BLOCK_ELEMENTS)
+        np.copyto(stores[s:e], loads[s:e])
+    # The last element's store would write one byte past the rest: it is copied by hand, last.
+    rest[(ne - 1) * (es - 1) : ne * (es - 1)] = src[(ne - 1) * es : ne * es - 1]
 
 
 def join_top(top: np.ndarray, rest: np.ndarray, ne: int, es: int, a: int, b: int, out: np.ndarray) -> None:

@@ -123,7 +123,7 @@ class Codec:
         chunk stays valid and unchanged until ``encode`` returns (e.g. fresh host copies)
         and skips that wait. ``sink`` runs in the
         calling thread and receives the stored frames in order, one call per frame; the
-        buffer is valid only during the call (a ``memoryview`` is a raw-stored frame
+        buffer is valid only during the call (a raw-stored frame is a ``memoryview``
         pointing into ``data``), so copy it to keep it. ``element_size``
         and ``floating`` come from :func:`grouping_for_dtype`; ``floating`` with an
         element size of 2, 4 or 8 selects byte grouping. Returns the item's index.

@@ -10,6 +10,12 @@ from the stored bytes while joining (no copy), in cache-sized blocks
 (:func:`~dcp_s3.codec.byte_planes.join_top`). Non-float frames and raw frames are as in
 version 1.
 
+Encoding is mostly zstd on the top plane (Huffman coding of its literals, and on Adam states the
+match finder): the plane gets whichever of the literal-heavy setting and level ``level`` wins on a
+:data:`SAMPLE_BYTES` sample of it; the rest is written straight into the stored frame
+(:func:`~dcp_s3.codec.byte_planes.split_top`, ~memcpy speed), after a sample of it decided whether
+zstd codes it too.
+
 Runs on the codec's pool threads; each thread keeps its zstd compressors, its decompressor and
 scratch buffers in a ``threading.local``.
 """
@@ -35,6 +41,9 @@ HEADER: Final = struct.Struct("<II")
 #: The rest is zstd-coded only if a sample of it shrinks by at least this fraction.
 REST_MIN_GAIN: Final = 1 / 32
 REST_SAMPLE: Final = 64 << 10
+#: Bytes of a plane on which both zstd settings are tried (:func:`_compress`). Version 1 tries 32 KiB;
+#: 16 KiB picks the same setting for every frame of the benchmark's data at half the cost.
+SAMPLE_BYTES: Final = 16 << 10
 
 check_index = v1.check_index
 
@@ -45,9 +54,8 @@ def encode_frame(
     """The stored bytes of one frame and whether they are the raw bytes."""
     if grouping != GROUP_FLOAT:
         return v1.encode_frame(local, level, frame, es, grouping)
-    cctx = getattr(local, "cctx", None)
-    if cctx is None:
-        cctx = local.cctx = zstandard.ZstdCompressor(level=level)
+    if getattr(local, "literal_cctx", None) is None:
+        local.cctx = zstandard.ZstdCompressor(level=level)
         local.literal_cctx = zstandard.ZstdCompressor(
             compression_params=zstandard.ZstdCompressionParameters(**v1.LITERAL_PARAMS)
         )
@@ -56,7 +64,7 @@ def encode_frame(
     src = np.frombuffer(frame, np.uint8)
     top = _scratch(local, "top", ne)
     split_top(src, es, top, None)
-    top_stored: bytes | memoryview = _compress(local, cctx, top) if ne else b""
+    top_stored: bytes | memoryview = _compress(local, top) if ne else b""
     if len(top_stored) >= ne:
         top_stored = top.data
     # Whether zstd gains enough on the rest, judged on a sample of it.
@@ -67,35 +75,36 @@ def encode_frame(
     pack_rest = bool(rest_len) and len(local.literal_cctx.compress(sample.data)) <= (1 - REST_MIN_GAIN) * len(sample)
     if not pack_rest and len(top_stored) == ne:  # nothing shrinks: the frame is stored raw
         return frame, True
-    # The raw rest goes straight to its place in the stored frame.
-    tail = frame[ne * es :]
+    # The rest goes straight to its place in the stored frame (numpy's buffer: not zero-filled first).
+    tail = np.frombuffer(frame[ne * es :], np.uint8)
     at = HEADER.size + len(top_stored)
-    out = bytearray(at + rest_len + len(tail))
-    rest = np.frombuffer(out, np.uint8)[at : at + rest_len]
+    out = np.empty(at + rest_len + len(tail), np.uint8)
+    rest = out[at : at + rest_len]
     split_top(src, es, None, rest)
     if pack_rest:
-        packed = _compress(local, cctx, rest)
+        packed = _compress(local, rest)
         if len(packed) < rest_len:
-            out = bytearray(at + len(packed) + len(tail))
-            out[at : at + len(packed)] = packed
+            out = np.empty(at + len(packed) + len(tail), np.uint8)
+            out[at : at + len(packed)] = np.frombuffer(packed, np.uint8)
             rest_len = len(packed)
     if len(out) >= n:
         return frame, True
     HEADER.pack_into(out, 0, len(top_stored), rest_len)
-    out[HEADER.size : at] = top_stored
+    out[HEADER.size : at] = np.frombuffer(top_stored, np.uint8)
     out[at + rest_len :] = tail
-    return out, False
+    return out.data, False
 
 
-def _compress(local: threading.local, level_cctx: zstandard.ZstdCompressor, plane: np.ndarray) -> bytes:
-    """``plane`` zstd-coded with whichever of level ``level`` and the literal-heavy setting wins on
-    a sample (both for planes too small to sample: the literal-heavy one), as in version 1."""
+def _compress(local: threading.local, plane: np.ndarray) -> bytes:
+    """``plane`` zstd-coded with whichever of level ``level`` and the literal-heavy setting wins on its
+    first :data:`SAMPLE_BYTES` (for planes too small to sample: the literal-heavy one)."""
     cctx = local.literal_cctx
-    if len(plane) >= 2 * v1.SAMPLE_BYTES:
-        sample = plane.data[: v1.SAMPLE_BYTES]
-        if len(level_cctx.compress(sample)) < len(cctx.compress(sample)):
-            cctx = level_cctx
-    return bytes(cctx.compress(plane.data))
+    if len(plane) >= 2 * SAMPLE_BYTES:
+        sample = plane.data[:SAMPLE_BYTES]
+        if len(local.cctx.compress(sample)) < len(cctx.compress(sample)):
+            cctx = local.cctx
+    stored: bytes = cctx.compress(plane.data)
+    return stored
 
 
 def sections(index: FrameIndex, i: int, piece: memoryview) -> tuple[memoryview, memoryview, memoryview]:
