@@ -20,7 +20,7 @@ README = (ROOT / "README.md").read_text()
 API = "\n".join(p.read_text() for p in (ROOT / "docs" / "api").glob("*.md"))
 #: The set-up commands, exactly: users copy them, and .ci/run runs the test command's `pytest -q`.
 DEMO = 'pip install "torch==2.13.0" -e ".[demo]" && python -m dcp_s3.demo'
-TESTS = 'pip install "torch==2.13.0" -e ".[test]" && pip install --no-deps torchtitan==0.3.0 nemo-automodel==0.7.0 torch-checkpointing==0.1.1 && python -m pytest -q'
+TESTS = 'pip install "torch==2.13.0" -e ".[test]" && pip install --no-deps torchtitan==0.3.0 nemo-automodel==0.7.0 torch-checkpointing==0.1.1 && python -m pytest -q -n 2 --dist loadfile'
 
 
 def test_the_readme_is_a_front_door_with_the_set_up_commands() -> None:
@@ -28,7 +28,7 @@ def test_the_readme_is_a_front_door_with_the_set_up_commands() -> None:
     section = README.split("## Set up on a fresh machine", 1)[1].split("\n## ", 1)[0]
     assert f"```bash\n{DEMO}\n```" in section
     assert f"```bash\n{TESTS}\n```" in section
-    assert "python3 -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+    assert "python3 -m pytest -q -n 2 --dist loadfile" in (ROOT / ".ci" / "run").read_text()
 
 
 def test_the_readmes_relative_links_lead_to_files_and_its_anchors_to_headings() -> None:
