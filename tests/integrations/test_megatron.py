@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -43,6 +46,7 @@ from hostile import replace_items, root_causes, torch_saved, touch
 from objects import object_keys
 
 from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
+from dcp_s3.integrations import megatron_async
 from dcp_s3.integrations.megatron import COMMON_KEY, load, load_common_state_dict, save
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.local_server import LocalS3Server
@@ -321,12 +325,6 @@ def test_other_formats_refused() -> None:
 def test_the_finalize_step_waits_only_for_a_worker_that_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Results are sent before the worker ends: one that ended (reaped or not) without them died, and is reported
     at once; one still running is waited for until RESULT_WAIT_S; results sent just before the end are taken."""
-    import queue
-    import subprocess
-    import sys
-
-    from dcp_s3.integrations import megatron_async
-
     results: queue.SimpleQueue[Any] = queue.SimpleQueue()
     monkeypatch.setattr(megatron_async, "RESULT_WAIT_S", 0.5)
     results.put(("worker", os.getpid()))
