@@ -23,8 +23,8 @@ LINT = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-
 #: Every import inside a function body in dcp_s3, by (module path, imported module): why it is there.
 FUNCTION_LOCAL_IMPORTS = {
     **{
-        ("cli/commands.py", "dcp_s3.admin"): "`dcp-s3 --help` and argument errors answer without importing torch",
-        ("cli/commands.py", "dcp_s3.demo"): "`dcp-s3 demo` only: the demo imports torch and FSDP",
+        ("cli/handlers.py", "dcp_s3.admin"): "`dcp-s3 --help` and argument errors answer without importing torch",
+        ("cli/handlers.py", "dcp_s3.demo"): "`dcp-s3 demo` only: the demo imports torch and FSDP",
     },
     ("admin/convert.py", "safetensors.torch"): "optional dependency, only for `convert --format safetensors`",
     # Private torch names that only one feature needs: a torch without them still imports dcp_s3.

@@ -22,6 +22,7 @@ from dcp_s3 import S3StorageReader
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.checkpointer.generations import find_complete
 from dcp_s3.cli import commands as cli
+from dcp_s3.cli.text import human_size, parse_duration
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.store import open_store
 from tests.objects import data_key
@@ -226,8 +227,8 @@ def test_help_for_every_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_formatting_helpers() -> None:
-    assert cli.human_size(0) == "0 B" and cli.human_size(1536) == "1.5 KiB" and cli.human_size(3 << 30) == "3.0 GiB"
-    assert cli.parse_duration("90") == 90 and cli.parse_duration("30m") == 1800 and cli.parse_duration("2d") == 172800
+    assert human_size(0) == "0 B" and human_size(1536) == "1.5 KiB" and human_size(3 << 30) == "3.0 GiB"
+    assert parse_duration("90") == 90 and parse_duration("30m") == 1800 and parse_duration("2d") == 172800
 
 
 def test_module_entry_point_exits_non_zero_with_one_line(tmp_path: Path) -> None:

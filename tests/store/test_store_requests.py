@@ -21,6 +21,7 @@ from dcp_s3.checkpointer.generations import find_complete
 from dcp_s3.checkpointer.retention import retain_last
 from dcp_s3.checkpointer.steps import complete_steps, scan
 from dcp_s3.cli import commands as cli
+from dcp_s3.cli.text import parse_request_arg
 from dcp_s3.errors import CheckpointNotFoundError
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore import config, s3_multipart
@@ -151,8 +152,8 @@ def test_cli_request_arg_is_checked(tmp_path: Path, capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         cli.main(["ls", str(tmp_path), "--request-arg", "NoEquals"])
     assert "KEY=VALUE" in capsys.readouterr().err
-    assert cli.parse_request_arg("BucketKeyEnabled=True") == ("BucketKeyEnabled", True)
-    assert cli.parse_request_arg("SSEKMSKeyId=arn:aws:kms:k=v") == ("SSEKMSKeyId", "arn:aws:kms:k=v")
+    assert parse_request_arg("BucketKeyEnabled=True") == ("BucketKeyEnabled", True)
+    assert parse_request_arg("SSEKMSKeyId=arn:aws:kms:k=v") == ("SSEKMSKeyId", "arn:aws:kms:k=v")
     capsys.readouterr()
     assert cli.main(["ls", "s3://bucket/x", "--request-arg", "SSECustomerKey=k"]) != 0  # refused, not ignored
     assert "unsupported request_args ['SSECustomerKey']" in capsys.readouterr().err
