@@ -33,7 +33,8 @@ pytest.register_assert_rewrite("dcp_s3.testing.store_conformance", "dcp_s3.testi
 
 from dcp_s3.local_server import LocalS3Server  # noqa: E402
 from dcp_s3.testing.objstore_conformance import ObjectStoreConformance  # noqa: E402
-from dcp_s3.testing.store_conformance import LocalRaw, Raw, S3Raw, StoreConformance, Target  # noqa: E402
+from dcp_s3.testing.store_conformance import StoreConformance  # noqa: E402
+from dcp_s3.testing.targets import LocalRaw, Raw, S3Raw, Target  # noqa: E402
 
 __all__ = [
     "LocalRaw",

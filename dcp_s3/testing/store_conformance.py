@@ -1,13 +1,13 @@
 """What a user relies on, for every place a checkpoint can live: one shared test class (zarr-style).
 
 ``StoreConformance`` holds the tests; a subclass provides the ``target`` fixture, a
-:class:`Target`: a root location (``s3://bucket/prefix`` or a local directory), the storage
-options that reach it, and :class:`Raw` access to its objects that does not go through
-dcp_s3 (boto3 or ``os``: :class:`S3Raw`, :class:`LocalRaw`, or a class of the backend's own), with
-which the tests look at what was stored and damage it the way a crash or a bad disk would. Every
-test goes through the public API only: ``dcp.save`` / ``dcp.load`` with the location's writer and
-reader (:meth:`Target.writer` / :meth:`Target.reader`), :class:`~dcp_s3.Checkpointer` and
-:mod:`dcp_s3.admin`. Each test wants a fresh, empty root.
+:class:`Target` (:mod:`~dcp_s3.testing.targets`): a root location (``s3://bucket/prefix`` or a
+local directory), the storage options that reach it, and :class:`Raw` access to its objects that
+does not go through dcp_s3 (boto3 or ``os``: :class:`S3Raw`, :class:`LocalRaw`, or a class of the
+backend's own), with which the tests look at what was stored and damage it the way a crash or a
+bad disk would. Every test goes through the public API only: ``dcp.save`` / ``dcp.load`` with the
+location's writer and reader (:meth:`Target.writer` / :meth:`Target.reader`),
+:class:`~dcp_s3.Checkpointer` and :mod:`dcp_s3.admin`. Each test wants a fresh, empty root.
 
 dcp_s3's own subclasses: ``tests/test_conformance.py`` (a local directory, SeaweedFS and moto, in
 CI) and ``tests/compat/conformance_external.py`` (any S3 server named by environment variables;
@@ -24,24 +24,19 @@ import pickle
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from botocore.exceptions import ClientError
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcp_s3 import (
     Checkpointer,
     CheckpointExistsError,
     CheckpointFormatError,
-    S3StorageReader,
-    S3StorageWriter,
     ServerCapabilityError,
 )
 from dcp_s3.admin import (
@@ -52,116 +47,12 @@ from dcp_s3.admin import (
     remove_checkpoint,
     verify_checkpoint,
 )
+from dcp_s3.testing.targets import Raw, Target
 
-__all__ = ["Raw", "S3Raw", "LocalRaw", "Target", "StoreConformance"]
+__all__ = ["StoreConformance"]
 
 MiB = 1 << 20
 Record = Callable[[str, object], None]
-
-
-# -- access to stored objects that bypasses dcp_s3 ----------------------------------------------------
-class Raw(Protocol):
-    """Objects under a target's root, named relative to it with ``/``."""
-
-    def sizes(self, prefix: str = "") -> dict[str, int]:
-        """Every object under ``prefix`` and its size."""
-
-    def read(self, name: str) -> bytes: ...
-
-    def write(self, name: str, data: bytes) -> None: ...
-
-    def start_upload(self, name: str) -> str | None:
-        """Start a multipart upload of ``name`` and leave it unfinished (None: the backend has no uploads)."""
-
-    def uploads(self) -> list[str] | None:
-        """Names with an unfinished multipart upload; None if the server cannot list them."""
-
-
-class S3Raw:
-    """A bucket prefix through a boto3 client of the test's own."""
-
-    def __init__(self, client: Any, bucket: str, prefix: str) -> None:
-        self.client, self.bucket, self.prefix = client, bucket, prefix.strip("/") + "/"
-
-    def sizes(self, prefix: str = "") -> dict[str, int]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)
-        return {o["Key"][len(self.prefix) :]: int(o["Size"]) for p in pages for o in p.get("Contents", [])}
-
-    def read(self, name: str) -> bytes:
-        return bytes(self.client.get_object(Bucket=self.bucket, Key=self.prefix + name)["Body"].read())
-
-    def write(self, name: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self.prefix + name, Body=data)
-
-    def start_upload(self, name: str) -> str | None:
-        return str(self.client.create_multipart_upload(Bucket=self.bucket, Key=self.prefix + name)["UploadId"])
-
-    def uploads(self) -> list[str] | None:
-        try:
-            resp = self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=self.prefix)
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") == "NotImplemented":
-                return None
-            raise
-        return [u["Key"][len(self.prefix) :] for u in resp.get("Uploads", [])]
-
-
-class LocalRaw:
-    """Files under a directory."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-
-    def sizes(self, prefix: str = "") -> dict[str, int]:
-        out = {}
-        for dirpath, _, files in os.walk(self.root):
-            for f in files:
-                name = Path(dirpath, f).relative_to(self.root).as_posix()
-                if name.startswith(prefix):
-                    out[name] = os.path.getsize(Path(dirpath, f))
-        return out
-
-    def read(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
-
-    def write(self, name: str, data: bytes) -> None:
-        (self.root / name).parent.mkdir(parents=True, exist_ok=True)
-        (self.root / name).write_bytes(data)
-
-    def start_upload(self, name: str) -> str | None:
-        return None
-
-    def uploads(self) -> list[str] | None:
-        return []
-
-
-@dataclass
-class Target:
-    """One place checkpoints are stored, as a user reaches it.
-
-    ``options`` are the storage options a user passes to ``Checkpointer`` and the admin
-    functions, and to ``S3StorageWriter``/``S3StorageReader`` (the same classes on every backend:
-    a local directory goes through the local object store).
-    """
-
-    name: str
-    root: str
-    raw: Raw
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def is_s3(self) -> bool:
-        return self.root.startswith("s3://")
-
-    def url(self, name: str) -> str:
-        return f"{self.root.rstrip('/')}/{name}"
-
-    def writer(self, name: str, *, overwrite: bool = True, part_size: int | None = None, **s3: Any) -> StorageWriter:
-        """The writer dcp_s3 uses at this location."""
-        return S3StorageWriter(self.url(name), overwrite=overwrite, part_size=part_size, **s3, **self.options)
-
-    def reader(self, name: str, *, max_range_size: int | None = None) -> StorageReader:
-        return S3StorageReader(self.url(name), max_range_size=max_range_size, **self.options)
 
 
 # -- data -----------------------------------------------------------------------------------------------
