@@ -12,7 +12,8 @@ checkpoints; :mod:`~dcp_s3.checkpointer.ranks` rank coordination; :mod:`~dcp_s3.
 ``save_object``/``load_object``/``latest_checkpoint``. The node-local tier (``local_root=``):
 :mod:`~dcp_s3.checkpointer.tiers` (local saves, status, retention), :mod:`~dcp_s3.checkpointer.local_layout`
 (local shards and their layout), :mod:`~dcp_s3.checkpointer.promotion` (to S3),
-:mod:`~dcp_s3.checkpointer.tier_load` (which step, from which tier).
+:mod:`~dcp_s3.checkpointer.tier_load` (which step, from which tier), :mod:`~dcp_s3.checkpointer.rank_load`
+(one rank's check of its local copy, and its load alone).
 """
 
 from dcp_s3.checkpointer.manager import AsyncSave, Checkpointer
