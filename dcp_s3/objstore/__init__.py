@@ -5,8 +5,9 @@
 :mod:`~dcp_s3.objstore.s3_requests`) is S3 and S3-compatible servers; :mod:`~dcp_s3.objstore.local`
 (with :mod:`~dcp_s3.objstore.local_fs`, the link- and FIFO-proof file access) is files under a
 directory. :mod:`~dcp_s3.objstore.config` holds the one settings object of S3 clients
-(:class:`ClientConfig`) and of transfers (:class:`TransferConfig`); :mod:`~dcp_s3.objstore.buffers`
-the part buffers that bound upload memory; :mod:`~dcp_s3.objstore.redact` keeps secrets out of logs.
+(:class:`ClientConfig`) and of transfers (:class:`TransferConfig`); :mod:`~dcp_s3.objstore.credentials`
+reads a credential file; :mod:`~dcp_s3.objstore.buffers` the part buffers that bound upload memory;
+:mod:`~dcp_s3.objstore.redact` keeps secrets out of logs.
 """
 
 from dcp_s3.objstore.base import ObjectInfo, ObjectStore, ObjectWriter, PendingUpload, RangeRead

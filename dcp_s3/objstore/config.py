@@ -1,4 +1,5 @@
-"""Credentials and S3 client settings (checkpoint URIs: :mod:`dcp_s3.objstore.uri`).
+"""Credentials and S3 client settings (checkpoint URIs: :mod:`dcp_s3.objstore.uri`; credential files:
+:mod:`dcp_s3.objstore.credentials`; the User-Agent: :mod:`dcp_s3.objstore.user_agent`).
 
 Nothing here knows about DCP. ``ClientConfig`` is a frozen, picklable value:
 it holds where credentials come from (a file path, a profile, the standard
@@ -10,15 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
-import json
 import logging
 import math
 import numbers
 import os
-import platform
 import re
-import stat
 import threading
 import warnings
 from collections.abc import Mapping
@@ -29,9 +26,11 @@ import boto3
 from botocore.config import Config
 
 from dcp_s3.errors import ConfigError
+from dcp_s3.objstore.credentials import read_credential_file
 from dcp_s3.objstore.deadline import install_request_deadline
 from dcp_s3.objstore.rate_hooks import install_rate_control
 from dcp_s3.objstore.redact import install_log_redaction
+from dcp_s3.objstore.user_agent import USER_AGENT
 
 __all__ = ["ClientConfig", "TransferConfig"]
 
@@ -40,27 +39,8 @@ log = logging.getLogger("dcp_s3")
 MiB = 1 << 20
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
-        return "unknown"
-
-
 #: Default of ``TransferConfig.max_whole_read``: 4 GiB.
 DEFAULT_MAX_WHOLE_READ = 4 << 30
-
-#: The User-Agent of dcp_s3's requests (botocore's legacy form, fixed: see ``make_client``), to which botocore
-#: appends ``Botocore/<version>``.
-USER_AGENT = (
-    f"dcp_s3/{_version('dcp_s3')} Boto3/{boto3.__version__} "
-    f"Python/{platform.python_version()} {platform.system()}/{platform.release()}"
-)
-
-#: Keys a credential file may hold: boto3 client keyword arguments.
-CREDENTIAL_FILE_KEYS = frozenset(
-    {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "endpoint_url", "region_name"}
-)
 
 
 def int_option(name: str, value: Any, minimum: int) -> int:
@@ -266,7 +246,7 @@ class ClientConfig:
         """Keyword arguments for ``boto3.session.Session.client('s3', ...)`` (may hold secrets: never log)."""
         kwargs: dict[str, Any] = {}
         if self.credential_path is not None:
-            kwargs.update(_read_credential_file(self.credential_path))
+            kwargs.update(read_credential_file(self.credential_path))
         if self.endpoint_url is not None:
             kwargs["endpoint_url"] = self.endpoint_url
         if self.region is not None:
@@ -397,32 +377,3 @@ def _log_failed_attempt(
     url = str(request_dict.get("url", "")).split("?", 1)[0]
     log.debug("%s %s: attempt %d failed (%s)", operation.name, url, attempts, cause)
     return None
-
-
-def _read_credential_file(path: str) -> dict[str, Any]:
-    try:
-        mode = os.stat(path).st_mode
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"credential file {path!r} does not exist") from None
-    except (OSError, ValueError) as exc:
-        # The message of a JSON error can quote the file's content: name only the position.
-        where = f" (line {exc.lineno})" if isinstance(exc, json.JSONDecodeError) else ""
-        raise ConfigError(f"credential file {path!r} is not readable JSON{where}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"credential file {path!r} must hold a JSON object of boto3 client arguments")
-    unknown = sorted(set(data) - CREDENTIAL_FILE_KEYS)
-    if unknown:
-        raise ConfigError(
-            f"credential file {path!r} has unknown keys {unknown}; allowed: {sorted(CREDENTIAL_FILE_KEYS)}"
-        )
-    secrets = sorted(k for k in ("aws_secret_access_key", "aws_session_token") if data.get(k))
-    if mode & (stat.S_IRGRP | stat.S_IROTH) and secrets:
-        # warnings, not only logging: library users see it without configuring logging.
-        warnings.warn(
-            f"credential file {path!r} holds {' and '.join(secrets)} and is readable by other users; chmod 600 it",
-            UserWarning,
-            stacklevel=2,
-        )
-    return {k: v for k, v in data.items() if v is not None}

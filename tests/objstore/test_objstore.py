@@ -20,8 +20,9 @@ from dcp_s3.errors import S3TransferError
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore.base import RangeRead, coalesce
 from dcp_s3.objstore.buffers import BufferPool, fit_part_size
-from dcp_s3.objstore.config import USER_AGENT, ClientConfig
+from dcp_s3.objstore.config import ClientConfig
 from dcp_s3.objstore.s3 import S3ObjectStore
+from dcp_s3.objstore.user_agent import USER_AGENT
 
 MiB = 1 << 20
 
