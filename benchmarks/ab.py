@@ -4,6 +4,7 @@ as ``benchmarks.run`` runs them), alternating between another source tree (``--b
 both. Prints and writes the medians of client CPU seconds per GiB and wall seconds per tree and op.
 
     python -m benchmarks.ab --base /tmp/base --size-mib 256 --reps 4 --warm
+    python -m benchmarks.ab --base /tmp/base --contestant dcp_s3_zstd --warm   # compressed saves and loads
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--workload", default="transformer", choices=("transformer", "uniform"))
     parser.add_argument("--server", default="juicefs_shm")
+    parser.add_argument(
+        "--contestant", default="dcp_s3", help="a dcp_s3 contestant of benchmarks.contestants (dcp_s3_zstd, dcp_s3:...)"
+    )
     parser.add_argument("--warm", action="store_true", help="after a tiny save and load in the same process")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ab.json")
     args = parser.parse_args(argv)
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                     for op in OPS:
                         res = common.run_child(
                             {
-                                "contestant": "dcp_s3",
+                                "contestant": args.contestant,
                                 "op": op,
                                 "workload": args.workload,
                                 "size_mib": args.size_mib,
