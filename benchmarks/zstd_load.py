@@ -14,6 +14,10 @@ spend on top of moving its stored bytes. Workloads:
 * ``realistic``: 3/4 bf16 weights and 1/4 fp32 ``exp_avg_sq`` of a trained model
   (``benchmarks.compression_e2e.build``).
 
+``--base TREE`` adds the loads of both checkpoints with ``TREE``'s ``dcp_s3/storage/item_reads.py`` (the code
+that turns a load plan into reads) swapped in for this tree's, alternating with this tree's in the same process:
+a before/after of a change there with nothing else different (it needs the same ``ItemReads`` interface).
+
 Writes ``results/zstd_load.json``.
 """
 
@@ -74,18 +78,35 @@ def decode_alone(reader: Any, reps: int) -> tuple[float, float]:
     return sum(i.length for i in items) / raw, statistics.median(figures[1:])
 
 
+def base_item_reads(tree: Path) -> Any:
+    """``ItemReads`` of ``tree``'s ``dcp_s3/storage/item_reads.py``, imported under another name."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("base_item_reads", tree / "dcp_s3" / "storage" / "item_reads.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ItemReads
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--server", default="juicefs_shm")
     ap.add_argument("--workloads", default="transformer,realistic")
+    ap.add_argument("--base", type=Path, help="another source tree: also load with its item_reads.py")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "zstd_load.json")
     args = ap.parse_args(argv)
 
     import torch.distributed.checkpoint as dcp
 
+    import dcp_s3.storage.reader as reader_module
     from dcp_s3 import S3StorageReader, S3StorageWriter
+
+    item_reads = {"": reader_module.ItemReads}
+    if args.base:
+        item_reads["base "] = base_item_reads(args.base.resolve())
 
     endpoint = common.open_endpoint(args.server)
     os.environ.update(endpoint.env)
@@ -98,17 +119,25 @@ def main(argv: list[str] | None = None) -> int:
             logical = sum(t.nbytes for t in sd.values() if isinstance(t, torch.Tensor))
             out = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
             modes = {"plain": {}, "zstd": {"compression": "zstd"}}
-            runs: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
             for mode, extra in modes.items():
-                uri = f"s3://{bucket}/{workload}/{mode}"
-                dcp.save(sd, storage_writer=S3StorageWriter(uri, **opts, **extra), no_dist=True)
-                dcp.load(out, storage_reader=S3StorageReader(uri, **opts), no_dist=True)  # warm
-            for rep in range(args.reps):
-                for mode in modes if rep % 2 == 0 else reversed(modes):
+                dcp.save(
+                    sd,
+                    storage_writer=S3StorageWriter(f"s3://{bucket}/{workload}/{mode}", **opts, **extra),
+                    no_dist=True,
+                )
+            loads = [(tree + mode, mode) for tree in item_reads for mode in modes]
+            runs: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in loads}
+            for rep in range(args.reps + 1):  # the first round warms up: not counted
+                for name, mode in loads if rep % 2 == 0 else reversed(loads):
+                    reader_module.ItemReads = item_reads[name[: -len(mode)]]
                     reader = S3StorageReader(f"s3://{bucket}/{workload}/{mode}", **opts)
                     c0, t0 = time.process_time(), time.perf_counter()
-                    dcp.load(out, storage_reader=reader, no_dist=True)
-                    runs[mode].append(((time.process_time() - c0) / (logical / GiB), time.perf_counter() - t0))
+                    try:
+                        dcp.load(out, storage_reader=reader, no_dist=True)
+                    finally:
+                        reader_module.ItemReads = item_reads[""]
+                    if rep:
+                        runs[name].append(((time.process_time() - c0) / (logical / GiB), time.perf_counter() - t0))
             same = all(
                 torch.equal(out[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8))
                 for k, v in sd.items()
@@ -120,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             med = {m: [statistics.median(x[j] for x in r) for j in (0, 1)] for m, r in runs.items()}
             results[workload] = {"runs": runs, "median": med, "stored_over_raw": ratio, "decode_cpu_s_per_gib": decode}
             print(
-                f"{workload}: plain {med['plain'][0]:.2f} CPU s/GiB {med['plain'][1]:.2f} s; zstd "
-                f"{med['zstd'][0]:.2f} CPU s/GiB {med['zstd'][1]:.2f} s; decode alone {decode:.2f}; stored/raw {ratio:.3f}",
+                f"{workload}: "
+                + "; ".join(f"{name} {cpu:.2f} CPU s/GiB {wall:.2f} s" for name, (cpu, wall) in med.items())
+                + f"; decode alone {decode:.2f}; stored/raw {ratio:.3f}",
                 flush=True,
             )
     finally:
@@ -137,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             common.fmt(r["median"]["plain"][1]),
             common.fmt(r["median"]["zstd"][1]),
         ]
+        + [
+            f"{common.fmt(r['median'][f'base {m}'][0])} / {common.fmt(r['median'][f'base {m}'][1])}"
+            for m in ("plain", "zstd")
+            if args.base
+        ]
         for w, r in results.items()
     ]
     table = common.markdown_table(
@@ -149,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             "decode alone CPU s/GiB",
             "plain load s",
             "zstd load s",
-        ],
+        ]
+        + (["base plain load CPU s/GiB / s", "base zstd load CPU s/GiB / s"] if args.base else []),
         rows,
     )
     print(table)
