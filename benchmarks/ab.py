@@ -4,6 +4,7 @@ as ``benchmarks.run`` runs them), alternating between another source tree (``--b
 both. Prints and writes the medians of client CPU seconds per GiB and wall seconds per tree and op.
 
     python -m benchmarks.ab --base /tmp/base --size-mib 256 --reps 4 --warm
+    python -m benchmarks.ab --base /tmp/base --contestants dcp_s3,dcp_s3_zstd --warm   # plain and compressed
 """
 
 from __future__ import annotations
@@ -27,17 +28,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--workload", default="transformer", choices=("transformer", "uniform"))
     parser.add_argument("--server", default="juicefs_shm")
+    parser.add_argument(
+        "--contestants",
+        default="dcp_s3",
+        help="comma-separated dcp_s3 contestants of benchmarks.contestants (dcp_s3, dcp_s3_zstd, dcp_s3:...), "
+        "each run in every rep on both trees",
+    )
     parser.add_argument("--warm", action="store_true", help="after a tiny save and load in the same process")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "ab.json")
     args = parser.parse_args(argv)
     trees = {"before": args.base.resolve(), "after": common.REPO_ROOT}
-    results: dict[str, dict[str, list[dict[str, Any]]]] = {t: {op: [] for op in OPS} for t in trees}
+    contestants = args.contestants.split(",")
+    runs = [(tree, c) for tree in trees for c in contestants]
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {f"{t} {c}": {op: [] for op in OPS} for t, c in runs}
     endpoint = common.open_endpoint(args.server, None)
     try:
         bucket = endpoint.create_bucket(common.new_bucket_name("ab"))
         for rep in range(args.reps):
-            for tree, root in trees.items() if rep % 2 == 0 else reversed(trees.items()):
-                prefix = f"ab/{tree}/rep{rep}"
+            for tree, contestant in runs if rep % 2 == 0 else reversed(runs):
+                root = trees[tree]
+                prefix = f"ab/{tree}/{contestant}/rep{rep}"
                 target = {
                     "bucket": bucket,
                     "prefix": prefix,
@@ -50,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                     for op in OPS:
                         res = common.run_child(
                             {
-                                "contestant": "dcp_s3",
+                                "contestant": contestant,
                                 "op": op,
                                 "workload": args.workload,
                                 "size_mib": args.size_mib,
@@ -60,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                             endpoint.env,
                         )
                         if not res.get("ok"):
-                            raise RuntimeError(f"{tree} {op}: {res.get('error')}")
-                        results[tree][op].append(res)
+                            raise RuntimeError(f"{tree} {contestant} {op}: {res.get('error')}")
+                        results[f"{tree} {contestant}"][op].append(res)
                         print(
-                            f"rep {rep} {tree:>6} {op}: {res['seconds']:.2f} s, "
+                            f"rep {rep} {tree:>6} {contestant} {op}: {res['seconds']:.2f} s, "
                             f"{res['cpu_s_per_gb'] * 1.073741824:.2f} CPU s/GiB",
                             flush=True,
                         )
@@ -75,17 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         tree: {
             op: {
-                "cpu_s_per_gib": statistics.median(r["cpu_s_per_gb"] * 1.073741824 for r in runs),
-                "seconds": statistics.median(r["seconds"] for r in runs),
+                "cpu_s_per_gib": statistics.median(r["cpu_s_per_gb"] * 1.073741824 for r in done),
+                "seconds": statistics.median(r["seconds"] for r in done),
             }
-            for op, runs in ops.items()
+            for op, done in ops.items()
         }
         for tree, ops in results.items()
     }
-    lines = ["| tree | save CPU s/GiB | save s | load CPU s/GiB | load s |", "|---|---|---|---|---|"]
-    for tree, ops in summary.items():
+    lines = ["| tree | contestant | save CPU s/GiB | save s | load CPU s/GiB | load s |", "|---|---|---|---|---|---|"]
+    for (tree, contestant), ops in zip(runs, summary.values()):
         lines.append(
-            f"| {tree} ({trees[tree].name}) | {ops['save']['cpu_s_per_gib']:.2f} | {ops['save']['seconds']:.2f} "
+            f"| {tree} ({trees[tree].name}) | {contestant} | {ops['save']['cpu_s_per_gib']:.2f} "
+            f"| {ops['save']['seconds']:.2f} "
             f"| {ops['load']['cpu_s_per_gib']:.2f} | {ops['load']['seconds']:.2f} |"
         )
     print("\n".join(lines))

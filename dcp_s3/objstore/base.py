@@ -74,8 +74,9 @@ class RangeRead:
 
     ``open()`` is called in the worker thread right before the bytes arrive and returns a
     writable buffer of exactly ``end - start`` bytes; ``done()`` runs after it is filled.
-    ``direct``: that buffer is the caller's own destination, not memory allocated for the read, so
-    groups of such reads alone may be larger (``read_ranges``' ``max_direct_size``).
+    ``direct``: that buffer is the caller's own destination, or memory the caller reuses read after read
+    (given back by ``done``), not memory allocated for the read, so groups of such reads alone may be larger
+    (``read_ranges``' ``max_direct_size``): a backend opens one read of a group at a time.
     """
 
     key: str

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from crc32c import crc32c
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from dcp_s3._torch_compat import element_size, narrow_tensor_by_index
-from dcp_s3.codec import Codec, FrameIndex, accepts, stored_span, supported
+from dcp_s3.codec import DEFAULT_FRAME_SIZE, Codec, FrameIndex, accepts, stored_span, supported
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.layout import checksum_error
 from dcp_s3.metadata.compact_chunks import ChunkLookup
@@ -57,6 +59,7 @@ class ItemReads:
         self._chunks = chunks
         self._codec = codec
         self._stagings = stagings
+        self._frame_buffers = _FrameBuffers()
         self.allow_unsafe_byte_items = allow_unsafe_byte_items
 
     def plan_item(self, req: ReadItem, planner: LoadPlanner, reads: list[RangeRead]) -> Callable[[], None]:
@@ -196,12 +199,10 @@ class ItemReads:
             view = raw_bytes_view(dest)
             start = row0 * row_bytes
             # Raw bytes go straight into ``dest``: no buffer to bound, so larger GETs (fewer, cheaper per byte).
-            # Compressed bytes are held while in flight: their GETs keep ``max_range_size``, frame-aligned.
-            if frames is None:
-                step = max(max_bytes, transfer.max_direct_range_size)
-            else:
-                step = max(1, max_bytes // frames.frame_size) * frames.frame_size
-            # Frame-aligned pieces (in raw offsets) so that no frame is decoded twice.
+            # A compressed item: one read per frame, each decoded into ``dest`` as soon as its stored bytes are in,
+            # from a buffer reused frame after frame (``_FrameBuffers``): nothing held grows with the GET, so its
+            # GETs are as large as raw ones, and each frame is decoded and checked while it is still in cache.
+            step = max(max_bytes, transfer.max_direct_range_size) if frames is None else frames.frame_size
             cuts = [start, *range(start - start % step + step, start + len(view), step), start + len(view)]
             for lo, hi in zip(cuts, cuts[1:]):
                 self._add_read(reads, key, info, lo, hi, _slice_opener(view, lo - start, hi - start), direct=True)
@@ -228,13 +229,17 @@ class ItemReads:
         direct: bool = False,
     ) -> None:
         """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``
-        (``direct``: ``open_dest`` gives the destination itself, no buffer: see ``RangeRead.direct``)."""
+        (``direct``: ``open_dest`` gives the destination itself, no buffer: see ``RangeRead.direct``;
+        for a compressed item, ``[lo, hi)`` then lies in one frame)."""
         frames: FrameIndex | None = getattr(info, "frames", None)
         if frames is None:
             start = info.offset + info.payload_offset
             reads.append(RangeRead(key, start + lo, start + hi, open_dest, done, direct=direct))
             return
         s0, s1 = stored_span(frames, lo, hi)
+        if direct:
+            self._add_frame_read(reads, key, info, frames, lo, hi, s0, s1, open_dest)
+            return
         held: dict[str, bytearray] = {}
 
         def open_stored() -> memoryview:  # compressed bytes live only while in flight
@@ -249,6 +254,78 @@ class ItemReads:
                 done()
 
         reads.append(RangeRead(key, info.offset + s0, info.offset + s1, open_stored, decode))
+
+    def _add_frame_read(
+        self,
+        reads: list[RangeRead],
+        key: str,
+        info: Any,
+        frames: FrameIndex,
+        lo: int,
+        hi: int,
+        s0: int,
+        s1: int,
+        open_dest: Callable[[], memoryview],
+    ) -> None:
+        """Raw bytes ``[lo, hi)`` of one frame of a compressed item (stored at ``[s0, s1)``) into ``open_dest()``.
+
+        A raw frame read whole lands in the destination itself (its stored bytes are its raw bytes); any
+        other frame's stored bytes go to one of the load's reused frame buffers, are decoded into the
+        destination on the reading thread, and the buffer goes back. Either way the frame's CRC32C is
+        checked once its raw bytes are in, as for ranges of several frames."""
+        i = lo // frames.frame_size
+        f_lo, f_hi = frames.raw_range(i)
+        if s1 - s0 > f_hi - f_lo:  # every codec version stores a frame that does not shrink raw
+            raise CheckpointFormatError(
+                f"{self._session.object_store.url(key)}: frame {i} of the item at bytes {info.offset}-"
+                f"{info.offset + info.length} claims {s1 - s0} stored bytes for {f_hi - f_lo} raw bytes"
+            )
+        start, end = info.offset + s0, info.offset + s1
+        if frames.is_raw(i) and (lo, hi) == (f_lo, f_hi):
+
+            def check() -> None:
+                self._verify_frames(key, info, frames, lo, hi, open_dest())
+
+            reads.append(RangeRead(key, start, end, open_dest, check, direct=True))
+            return
+        held: list[np.ndarray] = []
+
+        def open_stored() -> memoryview:
+            held.append(self._frame_buffers.take(s1 - s0))
+            return memoryview(held[-1])[: s1 - s0]
+
+        def decode() -> None:
+            out = open_dest()
+            stored = held.pop()
+            self._codec.decode_into(frames, stored[: s1 - s0], s0, lo, hi, out)
+            self._frame_buffers.give_back(stored)
+            self._verify_frames(key, info, frames, lo, hi, out)
+
+        reads.append(RangeRead(key, start, end, open_stored, decode, direct=True))
+
+
+class _FrameBuffers:
+    """The stored bytes of compressed frames while they are read and decoded: buffers taken by one frame's
+    read and given back once it is decoded, then reused by the next frame. A thread reads one range at a
+    time, so a load holds at most one buffer per reading thread, each the size of the largest stored frame
+    it held (4 MiB by default, at most ``codec.MAX_FRAME_SIZE``); they are dropped with the load's
+    :class:`ItemReads`. ``numpy.empty``: not zero-filled, and a reused buffer's pages are already mapped."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> np.ndarray:
+        """A buffer of at least ``n`` bytes."""
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None or len(buf) < n:
+            buf = np.empty(max(n, DEFAULT_FRAME_SIZE), np.uint8)
+        return buf
+
+    def give_back(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buf)
 
 
 def _slice_opener(view: memoryview, lo: int, hi: int) -> Callable[[], memoryview]:

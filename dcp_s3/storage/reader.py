@@ -54,8 +54,9 @@ class S3StorageReader(Location, StorageReader):
     Takes the same location, credential and ``client`` arguments as ``S3StorageWriter``.
     ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
     (larger reads are split), which also bounds staging memory per request, except GETs read
-    straight into a CPU tensor (no staging), which may reach ``max_direct_range_size`` (64 MiB:
-    fewer GETs, less CPU per byte; the larger of the two is used); ``max_whole_read``
+    straight into a CPU tensor (no staging; a compressed item's frames decoded into it one by one
+    from a reused buffer), which may reach ``max_direct_range_size`` (64 MiB: fewer GETs, less CPU
+    per byte; the larger of the two is used); ``max_whole_read``
     (``TransferConfig.max_whole_read``, 4 GiB) the largest ``.metadata`` read.
 
     ``share_metadata`` (default True): inside ``dcp.load`` on several ranks, ``.metadata``

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +145,81 @@ def test_each_frame_is_checksummed(bucket: str, s3_env: LocalS3Server) -> None:
     client.put_object(Bucket=bucket, Key=data_key(s3_env.client(), bucket, "zcrc"), Body=bytes(body))
     with pytest.raises(BaseException, match="frame 1 of the item .* fails its checksum"):
         dcp.load({"w": torch.zeros(3 * MiB)}, storage_reader=S3StorageReader(uri, max_range_size=4 * MiB))
+
+
+def _load_counting(uri: str, out: dict[str, torch.Tensor], **reader_args: Any) -> tuple[list[int], int]:
+    """Load ``uri`` into ``out``: the body sizes of its data GETs, and the most Python-allocated memory
+    (tracemalloc: numpy and bytearray buffers included) held at once during ``dcp.load``."""
+    reader = S3StorageReader(uri, **reader_args)
+    sizes: list[int] = []
+    with hooked(reader, "after-call.s3.GetObject", lambda parsed, **_: sizes.append(int(parsed["ContentLength"]))):
+        tracemalloc.start()
+        try:
+            dcp.load(out, storage_reader=reader)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    return sizes[1:], peak  # the first GET is .metadata
+
+
+def test_compressed_load_makes_as_few_gets_as_a_plain_one_and_holds_one_frame_per_thread(bucket: str) -> None:
+    """Issue 39: a compressed item's frames are read in GETs as large as raw ones (``max_direct_range_size``),
+    each frame decoded into the destination as soon as it is in, from a buffer reused frame after frame; before,
+    GETs were cut at ``max_range_size`` and each held all of its stored bytes until decoded."""
+    g = torch.Generator().manual_seed(3)
+    sd = {"w": torch.randn(12 * MiB, generator=g) * 0.02}  # 48 MiB of fp32: 12 frames
+    for name, options in (("plain", {}), ("zstd", {"compression": "zstd"})):
+        dcp.save(sd, storage_writer=S3StorageWriter(f"s3://{bucket}/{name}", **options))
+    got: dict[str, tuple[list[int], int]] = {}
+    for name in ("plain", "zstd"):
+        out = {"w": torch.zeros(12 * MiB)}
+        got[name] = _load_counting(f"s3://{bucket}/{name}", out, max_concurrency=2, max_range_size=16 * MiB)
+        assert torch.equal(out["w"], sd["w"])
+    (plain_gets, _), (zstd_gets, peak) = got["plain"], got["zstd"]
+    assert len(plain_gets) == 1 and len(zstd_gets) == 1, got  # before: 3 GETs of at most 16 MiB
+    assert sum(zstd_gets) < 0.9 * sum(plain_gets)  # still fewer bytes fetched
+    # At most one 4 MiB frame buffer per reading thread, plus the codec's per-thread scratch for a top plane
+    # (2 MiB) and what any GET holds (see below); before: 16 MiB held per GET in flight.
+    assert peak < 2 * (4 + 2) * MiB + 3 * MiB, peak
+
+
+def test_compressed_load_reads_raw_frames_straight_into_the_destination(bucket: str, s3_env: LocalS3Server) -> None:
+    """Frames that did not shrink are stored raw: a load reads them into the destination tensor itself,
+    holding no buffer of their bytes, and still checks each one's CRC32C."""
+    g = torch.Generator().manual_seed(4)
+    bits = torch.randint(-(2**31), 2**31 - 1, (6 * MiB,), generator=g, dtype=torch.int32)  # incompressible
+    sd = {"w": bits.view(torch.float32)}  # 24 MiB: 6 raw frames
+    uri = f"s3://{bucket}/zraw"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri, compression="zstd"))
+    md = S3StorageReader(uri).read_metadata()
+    (info,) = md.storage_data.values()
+    assert all(info.frames.is_raw(i) for i in range(info.frames.num_frames)) and info.frames.num_frames == 6
+    out = {"w": torch.zeros(6 * MiB)}
+    gets, peak = _load_counting(uri, out)
+    assert torch.equal(out["w"].view(torch.int32), bits) and len(gets) == 1
+    # What a plain GET holds (its 1 MiB gap buffer, urllib3's 1 MiB read); before: each frame's 4 MiB also
+    # fetched into a buffer of its own, then copied.
+    assert peak < 3 * MiB, peak
+    client = s3_env.client()
+    key = data_key(client, bucket, "zraw")
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    start, end = info.frames.stored_range(4)
+    body[info.offset + (start + end) // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(BaseException, match="frame 4 of the item .* fails its checksum"):
+        dcp.load({"w": torch.zeros(6 * MiB)}, storage_reader=S3StorageReader(uri))
+
+
+def test_a_frame_claiming_more_stored_than_raw_bytes_is_refused(bucket: str, s3_env: LocalS3Server) -> None:
+    """A frame is read into a buffer of its stored size: a frame index claiming more stored bytes than the
+    frame's raw size (which no codec version writes: such a frame is stored raw) is refused before any read."""
+    uri = f"s3://{bucket}/zbig"
+    g = torch.Generator().manual_seed(5)
+    dcp.save({"w": torch.randn(3 * MiB, generator=g) * 0.02}, storage_writer=S3StorageWriter(uri, compression="zstd"))
+    md = S3StorageReader(uri).read_metadata()
+    (info,) = md.storage_data.values()
+    ends = info.frames.ends
+    info.frames = dataclasses.replace(info.frames, ends=(ends[1] - 1, ends[1], ends[2]))
+    s3_env.client().put_object(Bucket=bucket, Key="zbig/.metadata", Body=pickle.dumps(md))
+    with pytest.raises(BaseException, match=r"frame 0 of the item .* claims \d+ stored bytes for 4194304 raw"):
+        dcp.load({"w": torch.zeros(3 * MiB)}, storage_reader=S3StorageReader(uri))
