@@ -121,8 +121,9 @@ class TransferConfig:
     max_direct_range_size: int = 64 * MiB
     #: Neighbouring reads closer than this are merged into one ranged GET.
     coalesce_gap: int = 1 * MiB
-    #: Threads per reader decoding compressed checkpoints (per process: a node with many ranks
-    #: runs this many per rank, so the default stays small).
+    #: Threads per reader decoding compressed items read through staging (CUDA, cast or column-sliced
+    #: destinations; a frame read straight into a CPU tensor is decoded by the thread that read it).
+    #: Per process: a node with many ranks runs this many per rank, so the default stays small.
     decode_threads: int = dataclasses.field(default_factory=lambda: min(4, os.cpu_count() or 1))
     #: Largest object read whole into memory (``.metadata``, step markers, other small objects);
     #: a larger one fails with ``CheckpointFormatError`` naming it, its size and this setting,
