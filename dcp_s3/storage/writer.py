@@ -13,7 +13,8 @@ uses, so until its ``.metadata`` PUT lands the checkpoint already at the path is
 untouched and loads bit-exact; the PUT replaces the old ``.metadata`` atomically; only
 then are the old objects deleted. Two saves racing to one path each commit a complete
 ``.metadata`` naming only their own objects, so the result is one save's data, never a
-mix. Objects of a save that failed or was killed are left for ``dcp-s3 gc``.
+mix. Objects of a save that failed or was killed are left for ``dcp-s3 gc``. The commit itself is
+:mod:`dcp_s3.storage.metadata_commit`.
 """
 
 from __future__ import annotations
@@ -36,15 +37,7 @@ from torch.futures import Future
 
 from dcp_s3._torch_compat import _StoragePrefix
 from dcp_s3.codec import Codec
-from dcp_s3.errors import (
-    BucketNotFoundError,
-    CheckpointExistsError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    ConfigError,
-    DcpS3Error,
-    ServerCapabilityError,
-)
+from dcp_s3.errors import ConfigError, ServerCapabilityError
 from dcp_s3.layout import (
     FORMAT_TAG,
     METADATA_KEY,
@@ -54,7 +47,6 @@ from dcp_s3.layout import (
     new_token,
     rank_prefix,
     referenced_objects,
-    replaceable_objects,
 )
 from dcp_s3.metadata.compact_write import dump_compact
 from dcp_s3.metadata.formats import compact_wanted, dump_metadata, load_metadata, metadata_format_option
@@ -64,6 +56,7 @@ from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.packed.results import PackedResults
 from dcp_s3.storage.data_objects import planned_size, split_items, write_item
 from dcp_s3.storage.job_progress import JobCount, following_job, forget_counts, job_counts
+from dcp_s3.storage.metadata_commit import commit_once, commit_replacing, delete_quietly, exists_error
 from dcp_s3.storage.options import check_compression
 from dcp_s3.storage.request_report import Meter, RankFigures, RankResults, own_rank, split_results, summary
 from dcp_s3.storage.session import Location, Session
@@ -228,7 +221,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         object_store.check_container()
         if not self.overwrite:
             if object_store.head(self._session.key(METADATA_KEY)) is not None:
-                raise self._exists_error("pass overwrite=True to replace it or choose a new path")
+                raise exists_error(self.checkpoint_id, "pass overwrite=True to replace it or choose a new path")
             self._conditional_commit = object_store.conditional_writes_supported(
                 self._session.key(PROBE_PREFIX + new_token())
             )
@@ -251,10 +244,6 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
             dataclasses.replace(plan, storage_data=_RankStorage(rank_prefix(i, self.key_prefixes), counts[i]))
             for i, plan in enumerate(plans)
         ]
-
-    def _exists_error(self, advice: str) -> CheckpointExistsError:
-        # torch's FileSystemWriter says "Checkpoint already exists"; code written against it matches that text.
-        return CheckpointExistsError(f"Checkpoint already exists at {self.checkpoint_id} and overwrite=False; {advice}")
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Stream this rank's items into ``files_per_rank`` objects; no object for an empty plan.
@@ -318,7 +307,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
                 except BaseException:
                     # This save will not be committed: remove what this rank already completed.
                     done = {r.storage_data.relative_path for f in futures if not f.exception() for r in f.result()}
-                    self._delete_quietly(sorted(done), "objects of a failed save")
+                    delete_quietly(self._session, self.checkpoint_id, sorted(done), "objects of a failed save")
                     raise
         finally:
             pool.clear()
@@ -356,14 +345,9 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
             body = dump_metadata(metadata, "dcp")
         ours = referenced_objects(metadata)
         if self.overwrite:
-            replaced = self._committed_objects(key) - ours
-            etag = object_store.put(key, body)
-            # Delete the replaced checkpoint's objects only while .metadata is still ours: if another
-            # save committed after us, it deletes what it replaced, and ours are then left for gc.
-            if replaced and self._still_committed(key, etag, body):
-                self._delete_quietly(sorted(replaced), "objects of the replaced checkpoint")
+            commit_replacing(self._session, self.checkpoint_id, body, ours)
         else:
-            self._commit_once(key, body, ours)
+            commit_once(self._session, self.checkpoint_id, body, ours, self._conditional_commit)
         log.info("committed checkpoint %s (%d items)", self.checkpoint_id, len(metadata.storage_data))
 
     def _compact_body(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]], where: str) -> bytes | None:
@@ -380,63 +364,3 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         view = load_metadata(body, where)
         metadata.state_dict_metadata, metadata.storage_data = view.state_dict_metadata, view.storage_data
         return body
-
-    def _commit_once(self, key: str, body: bytes, ours: set[str]) -> None:
-        """``overwrite=False``: PUT ``.metadata`` only if no checkpoint is there; else clean up and raise."""
-        object_store = self._session.object_store
-        if not self._conditional_commit and object_store.head(key) is not None:  # best effort (warned)
-            self._delete_quietly(sorted(ours), "objects of a save that was not committed")
-            raise self._exists_error("another save committed it while this one was being written")
-        try:
-            object_store.put(key, body, if_none_match=self._conditional_commit)
-        except CheckpointExistsError as exc:
-            # A retried PUT whose first attempt did land finds its own bytes (they hold this save's id).
-            if object_store.get(key) == body:
-                return
-            self._delete_quietly(sorted(ours), "objects of a save that was not committed")
-            raise self._exists_error(
-                "another save committed it while this one was being written; this save was not committed"
-            ) from exc
-
-    def _still_committed(self, key: str, etag: str, body: bytes) -> bool:
-        """Whether ``.metadata`` still holds ``body`` (this save's): by ETag, or by content where
-        the server's HEAD carries none (the JuiceFS/MinIO gateway)."""
-        head = self._session.object_store.head(key)
-        if head is None:
-            return False
-        if head.etag and etag:
-            return head.etag == etag
-        try:
-            return self._session.object_store.get(key) == body
-        except CheckpointNotFoundError:
-            return False
-
-    def _committed_objects(self, key: str) -> set[str]:
-        """The objects the checkpoint now committed at this path uses (empty if there is none)."""
-        object_store = self._session.object_store
-        try:
-            data = object_store.get(key)  # one GET, no HEAD first: a 404 answers "no checkpoint" as well
-        except BucketNotFoundError:
-            raise
-        except CheckpointNotFoundError:
-            return set()
-        try:
-            return replaceable_objects(load_metadata(data, object_store.url(key)))
-        except CheckpointFormatError as exc:
-            # Unreadable: replace it, but leave its objects to ``dcp-s3 gc`` rather than guess.
-            log.warning("not deleting the objects of the checkpoint being replaced: %s", exc)
-            return set()
-
-    def _delete_quietly(self, names: list[str], what: str) -> None:
-        """Best-effort delete of ``names`` (relative to the checkpoint); a failure is a warning, not an error."""
-        if not names:
-            return
-        try:
-            self._session.object_store.delete([self._session.key(n) for n in names])
-        except DcpS3Error as exc:
-            warnings.warn(
-                f"could not delete {len(names)} {what} under {self.checkpoint_id} ({exc}); "
-                "`dcp-s3 gc` removes them later",
-                RuntimeWarning,
-                stacklevel=2,
-            )
