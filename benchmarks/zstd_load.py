@@ -24,6 +24,7 @@ Writes ``results/zstd_load.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -33,29 +34,29 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from crc32c import crc32c
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import dcp_s3.storage.reader as reader_module  # noqa: E402
 from benchmarks import common  # noqa: E402
+from benchmarks.compression_e2e import build  # noqa: E402
+from dcp_s3 import S3StorageReader, S3StorageWriter  # noqa: E402
+from dcp_s3.codec import Codec  # noqa: E402
 
 GiB = 1 << 30
 
 
 def state(workload: str, size_mib: int) -> dict[str, Any]:
     if workload == "realistic":
-        from benchmarks.compression_e2e import build
-
         return dict(build(size_mib))
     return common.build_state_dict(common.make_workload("transformer", size_mib), fill="random")
 
 
 def decode_alone(reader: Any, reps: int) -> tuple[float, float]:
     """(stored/raw, median CPU s/GiB) of decoding every compressed frame of ``reader``'s checkpoint from memory."""
-    from crc32c import crc32c
-
-    from dcp_s3.codec import Codec
-
     md = reader.read_metadata()
     items = [i for i in md.storage_data.values() if getattr(i, "frames", None) is not None]
     store, session = reader._session.object_store, reader._session
@@ -80,8 +81,6 @@ def decode_alone(reader: Any, reps: int) -> tuple[float, float]:
 
 def base_item_reads(tree: Path) -> Any:
     """``ItemReads`` of ``tree``'s ``dcp_s3/storage/item_reads.py``, imported under another name."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("base_item_reads", tree / "dcp_s3" / "storage" / "item_reads.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -98,11 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", type=Path, help="another source tree: also load with its item_reads.py")
     ap.add_argument("--out", type=Path, default=common.RESULTS_DIR / "zstd_load.json")
     args = ap.parse_args(argv)
-
-    import torch.distributed.checkpoint as dcp
-
-    import dcp_s3.storage.reader as reader_module
-    from dcp_s3 import S3StorageReader, S3StorageWriter
 
     item_reads = {"": reader_module.ItemReads}
     if args.base:
