@@ -270,6 +270,7 @@ class FaultProxy:
         self.connections = 0  # client connections accepted (keep-alive reuses one for many requests)
         self.faults: Counter[tuple[str, str]] = Counter()
         self.log: list[tuple[str, str, str | None]] = []  # (op, key, fault) of every request
+        self.trickle_starts: list[float] = []  # time.monotonic() when each trickled answer's first byte went out
         self._seen: Counter[tuple[str, ...]] = Counter()
         self._per_request: Counter[tuple[str, ...]] = Counter()
         self._lock = threading.Lock()
@@ -392,6 +393,8 @@ class FaultProxy:
                 client.sendall(head)
                 head = b""
             data = head + body
+            with self._lock:
+                self.trickle_starts.append(time.monotonic())
             for i in range(len(data)):
                 client.sendall(data[i : i + 1])
                 if self._stopping.wait(rule.trickle_s):
