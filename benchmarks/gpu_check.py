@@ -15,7 +15,7 @@ writes ``benchmarks/results/gpu.md`` (and ``gpu.json``):
 * the NCCL path of the planners' collectives: ``collective_device``, ``broadcast_bytes`` (bytes and an
   error), ``share_metadata`` and a ``replica_group`` load on the NCCL group;
 * two gloo ranks holding CUDA tensors on the same GPU (saved and loaded bit-exact);
-* moto's server, only if moto is importable (the local directory target takes the same staging path).
+* moto's server, where gpu_check.sh carried it in or it is importable (the local directory takes the same staging path).
 
 The target is a local directory (``--dir``; default under ``/dev/shm`` when it has room, so the disk
 does not hide the copies): the GPU machine has no S3 server. ``--cpu-smoke`` runs every part that does
@@ -48,6 +48,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
+from benchmarks.gpu_copy_probe import RowsRequest, h2d_breakdown
+from benchmarks.gpu_fw_common import s3_target
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.errors import DcpS3Error
 from dcp_s3.objstore.config import TransferConfig
@@ -58,7 +60,7 @@ from dcp_s3.storage.tensor_bytes import StagedRows, payload_chunks
 MiB = 1 << 20
 GiB = 1 << 30
 RESULTS = Path(__file__).resolve().parent / "results"
-DEPS = ("boto3", "botocore", "s3transfer", "zstandard", "crc32c", "psutil", "moto")
+DEPS = ("boto3", "botocore", "s3transfer", "zstandard", "crc32c", "psutil")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -198,7 +200,7 @@ def dcp_s3_copy_rates(device: torch.device, nbytes: int, transfer: TransferConfi
         load.begin()
         staging = load.get(dest)
         staging.stream.wait_current()
-        req = _RowsRequest(nbytes)
+        req = RowsRequest(nbytes)
         for r in range(0, nbytes, rows):
             piece = StagedRows(dest, torch.Size([nbytes]), torch.uint8, req, r, min(rows, nbytes - r), staging)  # type: ignore[arg-type]
             piece.open()  # (the network fills it here)
@@ -208,14 +210,6 @@ def dcp_s3_copy_rates(device: torch.device, nbytes: int, transfer: TransferConfi
     out["dcp_s3_h2d"] = nbytes / _best(h2d, device) / 1e9
     load.close()
     return out
-
-
-class _RowsRequest:
-    """What ``StagedRows`` reads of a ReadItem: the offsets and lengths of a 1-D whole read."""
-
-    def __init__(self, n: int) -> None:
-        self.storage_offsets = [0]
-        self.lengths = [n]
 
 
 class _CpuStream:
@@ -526,20 +520,16 @@ def two_gloo_ranks(root: Path, device: torch.device) -> dict[str, Any]:
 
 
 def moto_round_trip(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
-    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
-        return {"moto": "moto not importable: skipped (the local directory takes the same staging path)"}
-    from dcp_s3.local_server import LocalS3Server  # noqa: PLC0415  (imports boto3: only where present)
-
-    with LocalS3Server.start("moto") as server:
-        bucket = server.create_bucket("gpu-check")
-        opts = {"endpoint_url": server.endpoint_url, "region": server.region}
-        os.environ.update(server.env())
-        uri = f"s3://{bucket}/ck"
+    """A few CUDA tensors saved to and loaded from moto's server (carried in by gpu_check.sh, or importable)."""
+    with s3_target() as target:
+        if target is None:
+            return {"moto": "moto not here: skipped (the local directory takes the same staging path)"}
+        uri = f"{target.root}/ck"
         small = dict(list(sd.items())[:6])
         t0 = time.perf_counter()
-        dcp.save(small, storage_writer=S3StorageWriter(uri, **opts))
+        dcp.save(small, storage_writer=S3StorageWriter(uri, **target.options))
         out = {k: torch.zeros_like(v) for k, v in small.items()}
-        dcp.load(out, storage_reader=S3StorageReader(uri, **opts))
+        dcp.load(out, storage_reader=S3StorageReader(uri, **target.options))
         return {
             "moto": {
                 "bytes": state_bytes(small),
@@ -573,6 +563,20 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {value:.1f} | {100 * value / limit:.0f}% |" if limit else f"| {name} | {value:.1f} | |"
             )
+        lines.append("")
+    breakdown = results.get("h2d_breakdown", {})
+    if breakdown:
+        lines += [
+            "### Host→device in pieces (benchmarks/gpu_copy_probe.py)",
+            "",
+            "| way | GB/s | of torch's pinned copy_ | host CPU per piece (us) |",
+            "|---|---:|---:|---|",
+        ]
+        limit = rates.get("torch_pinned_h2d", 0.0)
+        for name, m in breakdown.items():
+            share = f"{100 * m['GB/s'] / limit:.0f}%" if limit else ""
+            spent = ", ".join(f"{k.split()[0]} {v:.0f}" for k, v in m.items() if k != "GB/s")
+            lines.append(f"| {name} | {m['GB/s']:.1f} | {share} | {spent} |")
         lines.append("")
     lines += [
         "## Saves and loads",
@@ -634,6 +638,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if cuda:
         torch.cuda.set_device(device)
+        piece, count = transfer.max_range_size, transfer.max_concurrency
+        attempt("h2d_breakdown", lambda: h2d_breakdown(device, copy_bytes, piece, count))
     rendezvous = Path(tempfile.mkdtemp(dir=root)) / "pg"  # a fresh file: a stale one would hang the rendezvous
     # The default group has a CPU backend (dcp.async_save asserts one); the sync saves, loads and the
     # collectives run on a group of NCCL alone, where collective_device is the GPU.

@@ -53,12 +53,15 @@ install() {  # install DIR TARGET (nothing when DIR has no wheels: that part the
     python3 -m pip install --quiet --no-index --no-deps --target "$2" "$1"/*.whl
 }
 
-frameworks() {  # the framework part, with the wheels installed ($site; moto's server from $moto_site)
-    install "$WHEELS/frameworks" "$site"
+with_moto() {  # moto's server, installed apart ($moto_site), for the processes of both parts' servers
     install "$WHEELS/moto" "$moto_site"
     if [ -n "$(ls -A "$moto_site")" ]; then
         export DCP_S3_GPU_MOTO_PATH="$moto_site:$site"
     fi
+}
+
+frameworks() {  # the framework part, with the wheels installed ($site)
+    install "$WHEELS/frameworks" "$site"
     PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}" python3 -m benchmarks.gpu_frameworks "$@"
 }
 
@@ -83,6 +86,7 @@ run | frameworks)
     tmp="$(mktemp -d)"
     site="$tmp/site" moto_site="$tmp/moto"
     install "$WHEELS" "$site"
+    with_moto
     if [ "$command" = frameworks ]; then
         frameworks "$@"
         exit
