@@ -157,21 +157,31 @@ class PinnedPool:
 
     def take(self, n: int = 1, size: int | None = None) -> list[torch.Tensor]:
         """Up to ``n`` free buffers (fewer, or none, when the others are taken, ``size`` exceeds the
-        pool's, or pinning failed). Never waits for another item; a buffer whose host→device copy is
-        still running is waited for (``wait_copy``: a queued copy, not another item's work)."""
+        pool's, or pinning failed). Never waits for another item. A free buffer whose host→device copy
+        is still running is taken last: after the idle ones and after new ones while the pool is under
+        its count (else every read would wait for the read before it: one copy on the bus at a time);
+        then its copy is waited for (``wait_copy``: a queued copy, not another item's work)."""
         if self.disabled or (size is not None and size > self.size):
             return []
         got: list[torch.Tensor] = []
         pending: list[Event] = []
         with self._lock:
-            while len(got) < n and self._free:
-                buf, event = self._free.pop(0)  # oldest first: its copy is the likeliest to be done
-                got.append(buf)
-                if event is not None:
-                    pending.append(event)
+            idle: list[int] = []
+            for i, (_, event) in enumerate(self._free):
+                if len(idle) == n:
+                    break
+                if event is None or event.query():
+                    idle.append(i)
+            for i in reversed(idle):
+                got.append(self._free.pop(i)[0])
             new = min(n - len(got), self.count - self._made)
             self._made += new
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            while len(got) + new < n and self._free:  # at its count: the oldest busy ones (the likeliest done)
+                buf, event = self._free.pop(0)
+                got.append(buf)
+                if event is not None:
+                    pending.append(event)
         for event in pending:
             wait_copy(event)
         for i in range(new):

@@ -267,3 +267,38 @@ def test_a_copy_that_never_completes_is_an_error_after_the_deadline() -> None:
 
     with pytest.raises(DcpS3Error, match="did not complete within 0.5 s"):
         staging_mod.wait_copy(Stuck(), timeout=0.5)
+
+
+class BusyEvent:
+    """A copy still running: ``query`` is False until asked ``until`` times."""
+
+    def __init__(self, until: int) -> None:
+        self.until, self.asked = until, 0
+
+    def query(self) -> bool:
+        self.asked += 1
+        return self.asked >= self.until
+
+
+def test_a_busy_buffer_is_taken_only_at_the_pools_count_and_then_waited_for() -> None:
+    """A read whose buffer's copy is still queued must not make the next read wait while the pool may grow: on an
+    H200 the pool used to keep one buffer and wait for each copy before the next (72% of torch's pinned rate)."""
+    alloc = Allocations()
+    pool = PinnedPool(3, 100, alloc)
+    (a,) = pool.take(1)
+    busy_a = BusyEvent(until=1000)
+    pool.give_back([a], busy_a)
+    (b,) = pool.take(1)
+    assert b is not a and alloc.calls == 2 and busy_a.asked == 1  # a new buffer; a's copy not waited for
+    pool.give_back([b])  # b idle (no copy)
+    (got,) = pool.take(1)
+    assert got is b and alloc.calls == 2  # an idle buffer before a new one
+    (c,) = pool.take(1)
+    assert c is not a and alloc.calls == 3  # still under the count: a new one, not the busy a
+    busy_b, busy_c = BusyEvent(until=5), BusyEvent(until=1000)
+    pool.give_back([b], busy_b)
+    pool.give_back([c], busy_c)
+    busy_a.until = busy_a.asked + 3  # a's copy ends after three more polls
+    (got,) = pool.take(1)
+    assert got is a and alloc.calls == 3  # at the count, all busy: the oldest, once its copy is done
+    assert busy_a.asked >= busy_a.until and busy_c.asked <= 1
