@@ -26,9 +26,9 @@ and deletes steps through s3fs (whose listing cache silently stops ``keep_latest
 - ``endpoint_url`` and ``storage_options`` (``dcp_s3.StorageOptions`` keywords) are given once, for
   all of it. A local ``folder`` works the same way (dcp_s3's writer on disk).
 
-``async_mode="async_with_pinned_mem"`` is refused (``ConfigError``): torchtitan stages into pinned
-shared memory and uploads from a process of its own, which needs an accelerator and has not been
-tried with dcp_s3's writer. Final saves in Hugging Face format (``last_save_in_hf``) and HF initial
+``async_mode="async_with_pinned_mem"``: torchtitan's own ``DefaultStager`` (pinned shared memory,
+staging in the background) and torch's upload process, with ``S3StorageWriter`` sent to that process;
+the step commits in it, and the purge counts it once ``upload_completion`` is done. Final saves in Hugging Face format (``last_save_in_hf``) and HF initial
 loads keep torchtitan's own code (local paths only, as torchtitan requires).
 """
 
@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torchtitan.components.checkpointer import MODEL, CheckpointManager
 from torchtitan.components.checkpointer.base import purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode
@@ -54,7 +55,7 @@ from torchtitan.tools.utils import GarbageCollection
 
 from dcp_s3.checkpointer.ownership import Ownership
 from dcp_s3.checkpointer.ranks import Ranks
-from dcp_s3.errors import CheckpointNotFoundError, ConfigError
+from dcp_s3.errors import CheckpointNotFoundError
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store.base import Store
 from dcp_s3.store.storage_options import StorageOptions
@@ -81,12 +82,6 @@ class S3CheckpointManager(CheckpointManager):
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM.value:
-                raise ConfigError(
-                    "checkpoint.async_mode='async_with_pinned_mem' is not supported by S3CheckpointManager: "
-                    "torchtitan then stages into pinned shared memory (an accelerator's) and uploads from a "
-                    "process of its own; use async_mode='async' (the upload runs in a thread while training goes on)"
-                )
             self.options()  # ConfigError now, naming the option, not at the first save
 
         def options(self) -> StorageOptions:
@@ -161,15 +156,25 @@ class S3CheckpointManager(CheckpointManager):
         async_mode: AsyncMode,
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
-    ) -> Future[Any] | None:
+    ) -> Future[Any] | AsyncSaveResponse | None:
         if to_hf:  # torchtitan's HF writer, local folders only (its Config refuses a remote one)
             return CheckpointManager.dcp_save(
                 self, state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
         # No checkpoint_id beside the writer: DCP would reset the writer to it (and on a path, to disk).
         writer = self.storage_options.writer(checkpoint_id)
-        result: Future[Any] | None = None
-        if async_mode == AsyncMode.ASYNC:
+        result: Future[Any] | AsyncSaveResponse | None = None
+        if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+            # torchtitan's stager (pinned shared memory) stages in the background; torch's upload process
+            # gets a pickled copy of the writer (no pinned pool travels: Stagings starts empty there).
+            result = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )
+        elif async_mode == AsyncMode.ASYNC:
             # S3StorageWriter stages (copies the state to CPU) before this returns; the upload then runs
             # in torch's thread. torch >= 2.9 returns the upload's future itself for such a stager.
             response: Any = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
