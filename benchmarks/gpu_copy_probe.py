@@ -119,7 +119,8 @@ def _staged_rows(device: torch.device, dest: torch.Tensor, nbytes: int, piece: i
         opened = done = 0.0
         staging.stream.wait_current()
         for s in starts:
-            row = StagedRows(dest, torch.Size([nbytes]), torch.uint8, req, s, min(piece, nbytes - s), staging)  # type: ignore[arg-type]
+            n = min(piece, nbytes - s)
+            row = StagedRows(dest, torch.Size([nbytes]), torch.uint8, req, s, n, staging)  # type: ignore[arg-type]
             t = time.perf_counter()
             row.open()  # (the network fills it here)
             t1 = time.perf_counter()

@@ -28,8 +28,9 @@ and deletes steps through s3fs (whose listing cache silently stops ``keep_latest
 
 ``async_mode="async_with_pinned_mem"``: torchtitan's own ``DefaultStager`` (pinned shared memory,
 staging in the background) and torch's upload process, with ``S3StorageWriter`` sent to that process;
-the step commits in it, and the purge counts it once ``upload_completion`` is done. Final saves in Hugging Face format (``last_save_in_hf``) and HF initial
-loads keep torchtitan's own code (local paths only, as torchtitan requires).
+the step commits in it, and the purge counts it once ``upload_completion`` is done. Final saves in
+Hugging Face format (``last_save_in_hf``) and HF initial loads keep torchtitan's own code (local paths
+only, as torchtitan requires).
 """
 
 from __future__ import annotations

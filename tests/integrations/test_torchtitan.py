@@ -385,8 +385,9 @@ def _pinned_mem_run(rank: int, world: int, config_kwargs: dict[str, Any], dump: 
 def test_async_with_pinned_mem_saves_through_torchs_upload_process(seaweed: Any, bucket: str, tmp_path: Path) -> None:
     """torchtitan's async_with_pinned_mem route (AsyncCheckpointerType.PROCESS with its DefaultStager) with
     dcp_s3's writer: each step commits from torch's upload process, the purge keeps the newest two committed
-    steps (keep_latest_k=2, torchtitan's least), and a resume loads it bit-exact. (Refused before; on a GPU the device check runs the same call with
-    pinned memory: benchmarks/results/gpu.md, "async_save + DefaultStager (process)".)"""
+    steps (keep_latest_k=2, torchtitan's least), and a resume loads the last bit-exact. (Refused before; on a
+    GPU the device check runs the same call with pinned memory: benchmarks/results/gpu.md, "async_save +
+    DefaultStager (process)".)"""
     dump, tmp = tmp_path / "dump", tmp_path / "tmp"
     dump.mkdir()
     tmp.mkdir()
