@@ -43,12 +43,12 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpointer import MODEL, CheckpointManager
 from torchtitan.components.checkpointer.base import purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode
@@ -60,6 +60,9 @@ from dcp_s3.errors import CheckpointNotFoundError
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store.base import Store
 from dcp_s3.store.storage_options import StorageOptions
+
+if TYPE_CHECKING:  # torch >= 2.9 (torchtitan 0.3.0's own torch); this module is imported on older ones too
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 __all__ = ["S3CheckpointManager"]
 
