@@ -15,7 +15,8 @@ writes ``benchmarks/results/gpu.md`` (and ``gpu.json``):
 * the NCCL path of the planners' collectives: ``collective_device``, ``broadcast_bytes`` (bytes and an
   error), ``share_metadata`` and a ``replica_group`` load on the NCCL group;
 * two gloo ranks holding CUDA tensors on the same GPU (saved and loaded bit-exact);
-* moto's server, where gpu_check.sh carried it in or it is importable (the local directory takes the same staging path).
+* moto's server, where gpu_check.sh carried it in or it is importable (the local directory takes the same
+  staging path).
 
 The target is a local directory (``--dir``; default under ``/dev/shm`` when it has room, so the disk
 does not hide the copies): the GPU machine has no S3 server. ``--cpu-smoke`` runs every part that does
