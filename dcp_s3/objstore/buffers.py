@@ -33,12 +33,15 @@ class BufferPool:
     This is the memory bound of uploads: at most ``count`` buffers exist at once, each of
     the pool's ``size`` or of the (enlarged) part size asked for, so the bytes held never
     exceed ``count * largest part size`` (``peak_bytes`` records the most held at once).
-    Buffers are allocated on first use and dropped by ``clear``.
+    Buffers are allocated on first use and dropped by ``clear``. ``direct_size``: the largest part made
+    only of views of the caller's memory (it holds no buffer, so it may be larger than ``size``; never
+    smaller).
     """
 
-    def __init__(self, count: int, size: int) -> None:
+    def __init__(self, count: int, size: int, direct_size: int | None = None) -> None:
         self.count = count
         self.size = size
+        self.direct_size = max(size, direct_size or size)
         self._free: list[memoryview] = []
         self._available = threading.Semaphore(count)
         self._lock = threading.Lock()

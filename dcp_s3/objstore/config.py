@@ -106,6 +106,12 @@ class TransferConfig:
 
     #: Bytes per multipart part (5 MiB..5 GiB); enlarged when an object would exceed 10,000 parts.
     part_size: int = 16 * MiB
+    #: Largest part sent straight from the caller's memory (tensor bytes a save does not copy into a part
+    #: buffer): it holds no buffer, so it may be larger than ``part_size`` (never smaller: the larger of the
+    #: two is used), while an object still gets as many parts as the save has upload places. Fewer,
+    #: larger UploadParts cost less CPU per byte (each costs ~4 ms of botocore); one part must still
+    #: finish within ``ClientConfig.request_deadline``.
+    max_direct_part_size: int = 64 * MiB
     #: Parallel part uploads / ranged GETs per process.
     max_concurrency: int = 8
     #: Data objects each rank writes (each streamed by its own thread).
@@ -139,6 +145,7 @@ class TransferConfig:
     def __post_init__(self) -> None:
         for name, minimum in (
             ("part_size", 1),
+            ("max_direct_part_size", 1),
             ("max_concurrency", 1),
             ("files_per_rank", 1),
             ("max_range_size", 64 * 1024),
@@ -150,6 +157,8 @@ class TransferConfig:
             _check_int(self, name, minimum)
         if not 5 * MiB <= self.part_size <= 5 * 1024 * MiB:
             raise ConfigError(f"part_size={self.part_size} must be between 5 MiB and 5 GiB (S3 limits)")
+        if self.max_direct_part_size > 5 * 1024 * MiB:
+            raise ConfigError(f"max_direct_part_size={self.max_direct_part_size} must be at most 5 GiB (S3 limits)")
 
 
 @dataclass(frozen=True)

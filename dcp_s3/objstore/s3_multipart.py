@@ -20,7 +20,7 @@ from dcp_s3.objstore.buffers import BufferPool, BufferReader, fit_part_size
 from dcp_s3.objstore.checksums import crc32c_combine
 from dcp_s3.objstore.s3_requests import range_header
 
-__all__ = ["MultipartWriter", "copy_multipart", "COPY_PART_SIZE"]
+__all__ = ["MultipartWriter", "copy_multipart", "direct_part_size", "COPY_PART_SIZE"]
 
 log = logging.getLogger("dcp_s3")
 
@@ -102,6 +102,19 @@ MIN_BORROW = 256 << 10
 COMBINE_MIN = 256 << 10
 
 
+def direct_part_size(pool: BufferPool, part_size: int, expected_size: int | None) -> int:
+    """The largest part of an object of ``expected_size`` bytes (borrowed views, and at most ``part_size``
+    bytes copied): up to
+    ``pool.direct_size``, but no larger than an equal share of the object among the pool's places (so
+    that every upload thread still has a part of it), and never below ``part_size``. An object of
+    unknown size keeps ``part_size``."""
+    if expected_size is None:
+        return part_size
+    share = -(-expected_size // pool.count)
+    share = -(-share // (1 << 20)) << 20  # whole MiB
+    return max(part_size, min(pool.direct_size, share))
+
+
 class _Part:
     """One part being assembled: views of the caller's memory it borrows, and the bytes copied into
     its pool buffer (taken only once something is copied), in object order, and their CRC32C."""
@@ -139,7 +152,9 @@ class MultipartWriter(ObjectWriter):
     Small objects go up in one PUT on ``close``; larger ones as a multipart upload whose
     parts upload concurrently on ``executor``. Every part takes one of ``pool``'s places while it
     is assembled and sent, and a buffer of it for the bytes ``write`` copies; ``write_stable``
-    bytes (at least ``MIN_BORROW`` long) are sent from the caller's memory without a copy. Each
+    bytes (at least ``MIN_BORROW`` long) are sent from the caller's memory without a copy. A part ends
+    when its buffer is full (``part_size`` bytes copied) or when it reaches ``direct_part_size`` bytes
+    (``pool.direct_size``, larger: the views it borrows cost no buffer). Each
     part carries its CRC32C (``S3Requests.upload_checksum``), which the server checks, made as the
     bytes are written from the CRCs of its pieces, which also give each write's CRC32C
     (``ObjectWriter.write_checked``): a save hashes each byte once.
@@ -155,6 +170,7 @@ class MultipartWriter(ObjectWriter):
         expected_size: int | None = None,
     ) -> None:
         super().__init__(key, fit_part_size(pool.size, expected_size), f"s3://{store.bucket}/{key}")
+        self._direct_size = direct_part_size(pool, self.part_size, expected_size)
         self.store = store
         self._pool = pool
         self._executor = executor
@@ -175,7 +191,8 @@ class MultipartWriter(ObjectWriter):
             part = self._open_part()
             if part.buf is None:
                 part.buf = self._pool.buffer(self.part_size)
-            n = min(len(view), self.part_size - part.size)
+            # Copies fill the part's buffer (part_size); borrowed views may make the part larger.
+            n = min(len(view), self.part_size - part.fill, self._direct_size - part.size)
             part.buf[part.fill : part.fill + n] = view[:n]
             crc = crc32c_combine(crc, part.absorb(part.buf[part.fill : part.fill + n]), n)
             last = part.pieces[-1] if part.pieces else None
@@ -186,7 +203,7 @@ class MultipartWriter(ObjectWriter):
             part.fill += n
             part.size += n
             view = view[n:]
-            if part.size == self.part_size:
+            if part.fill == self.part_size or part.size == self._direct_size:
                 self._submit_part()
         return crc
 
@@ -196,12 +213,12 @@ class MultipartWriter(ObjectWriter):
         crc = 0
         while view:
             part = self._open_part()
-            n = min(len(view), self.part_size - part.size)
+            n = min(len(view), self._direct_size - part.size)
             crc = crc32c_combine(crc, part.absorb(view[:n]), n)
             part.pieces.append(view[:n])
             part.size += n
             view = view[n:]
-            if part.size == self.part_size:
+            if part.size == self._direct_size:
                 self._submit_part()
         return crc
 

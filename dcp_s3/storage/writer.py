@@ -104,9 +104,12 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         part_size: multipart part size; part buffers of a save hold at most
             ``(max_concurrency + files_per_rank) * fit_part_size(part_size, largest object)`` bytes
             (see docs/configuration.md, "Memory").
+        max_direct_part_size: largest part sent straight from tensor memory (no copy, no buffer),
+            overriding ``transfer.max_direct_part_size`` (64 MiB; objects keep at least as many parts as
+            upload places, and the larger of it and ``part_size`` is used).
         max_concurrency: parallel part uploads per process.
         files_per_rank: data objects per rank, each serialized by its own thread.
-        transfer: full engine settings; the three arguments above override its fields.
+        transfer: full engine settings; the four arguments above override its fields.
         max_whole_read: largest ``.metadata`` read whole (the one an overwrite replaces), overriding
             ``transfer.max_whole_read`` (4 GiB).
         compression: ``"zstd"`` stores tensors as byte-grouped, frame-indexed zstd
@@ -134,6 +137,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         overwrite: bool = True,
         require_conditional_writes: bool = True,
         part_size: int | None = None,
+        max_direct_part_size: int | None = None,
         max_concurrency: int | None = None,
         files_per_rank: int | None = None,
         transfer: TransferConfig | None = None,
@@ -150,6 +154,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         BlockingAsyncStager.__init__(self)
         transfer = (transfer or TransferConfig()).override(
             part_size=part_size,
+            max_direct_part_size=max_direct_part_size,
             max_concurrency=max_concurrency,
             files_per_rank=files_per_rank,
             max_whole_read=max_whole_read,
@@ -278,7 +283,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         transfer = self._session.transfer
         buckets = [b for b in split_items(plan.items, transfer.files_per_rank) if b]
         object_store, executor = self._session.object_store, self._session.executor
-        pool = BufferPool(transfer.max_concurrency + len(buckets), transfer.part_size)
+        pool = BufferPool(transfer.max_concurrency + len(buckets), transfer.part_size, transfer.max_direct_part_size)
         failed = threading.Event()
         self._stagings.begin()  # on the caller's thread: the stream CUDA tensors come from
 

@@ -111,6 +111,7 @@ def parse_storage_options(options: Mapping[str, Any], *, local: str | None = Non
         raise ConfigError(f"unknown storage option(s) {unknown}; S3 locations accept {accepted}")
     transfer = (options.get("transfer") or TransferConfig()).override(
         part_size=options.get("part_size"),
+        max_direct_part_size=options.get("max_direct_part_size"),
         max_concurrency=options.get("max_concurrency"),
         files_per_rank=options.get("files_per_rank"),
         max_range_size=options.get("max_range_size"),

@@ -235,7 +235,9 @@ def _kill_entry(rank: int, port: int, uri: str, queue: Any) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=20))
         g = torch.Generator().manual_seed(10 + rank)
         sd = {f"r{rank}_t{i}": torch.randn(6 * MiB // 4, generator=g) for i in range(3)}
-        writer = S3StorageWriter(uri, transfer=TransferConfig(part_size=PART, max_concurrency=2))
+        writer = S3StorageWriter(
+            uri, transfer=TransferConfig(part_size=PART, max_direct_part_size=PART, max_concurrency=2)
+        )  # each tensor fills a part: the first lands before rank 1 dies
         t0 = time.monotonic()
         try:
             dcp.save(sd, storage_writer=writer, planner=_DieMidSave(rank))

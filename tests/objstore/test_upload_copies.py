@@ -25,6 +25,7 @@ from dcp_s3.local_server import LocalS3Server
 from dcp_s3.objstore.buffers import MIN_PART_SIZE, BufferPool
 from dcp_s3.objstore.config import ClientConfig
 from dcp_s3.objstore.s3 import S3ObjectStore
+from dcp_s3.objstore.s3_multipart import direct_part_size
 
 MiB = 1 << 20
 PART = MIN_PART_SIZE  # 5 MiB
@@ -112,6 +113,50 @@ def test_parts_carry_our_crc32c_and_botocore_computes_none(bucket: str, s3_env: 
     ]
     assert not any("x-amz-checksum-crc32" in h for h in sent.headers)
     assert set(sent.payload_hashes) == {"UNSIGNED-PAYLOAD"}  # no SHA-256 of every byte over plain HTTP
+
+
+def test_parts_of_borrowed_memory_grow_to_the_direct_part_size_while_copies_stay_in_one_buffer(
+    bucket: str, s3_env: LocalS3Server
+) -> None:
+    """A part grows past ``part_size`` with views of the caller's memory, up to ``pool.direct_size`` (fewer
+    UploadParts: each costs ~4 ms of botocore), while the bytes copied into it never exceed its one buffer
+    of ``part_size``: the pool's memory bound is unchanged. With the old rule every part was 5 MiB (9 here)."""
+    client = ClientConfig(endpoint_url=s3_env.endpoint_url).make_client()
+    sizes: list[int] = []
+    sent = _Sent(client, lambda request: sizes.append(int(request.headers["Content-Length"])))
+    store = _store(s3_env, bucket, client)
+    gen = torch.Generator().manual_seed(3)
+    pieces = [
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+        for n in (1000, 30 * MiB, 6 * MiB, 8 * MiB)
+    ]
+    data = b"".join(pieces)
+    pool = BufferPool(2, PART, direct_size=4 * PART)
+    with ThreadPoolExecutor(2) as ex:
+        writer = store.open_writer("grown", pool=pool, executor=ex, expected_size=len(data))
+        writer.write(pieces[0])  # copied: the first part takes a buffer
+        writer.write_stable(memoryview(pieces[1]))  # borrowed: the first part grows to 20 MiB
+        writer.write(pieces[2])  # copied: fills the second part's buffer (5 MiB), the rest starts a third
+        writer.write_stable(memoryview(pieces[3]))
+        writer.close()
+    assert store.get("grown") == data
+    assert sizes == [20 * MiB, 15 * MiB + 1000, 9 * MiB], [s / MiB for s in sizes]
+    assert pool.peak_bytes <= 2 * PART  # one buffer per place, of part_size
+    starts = [0, sizes[0], sizes[0] + sizes[1]]
+    assert [h.get("x-amz-checksum-crc32c") for h in sent.headers] == [
+        base64.b64encode(crc32c(data[a : a + n]).to_bytes(4, "big")).decode() for a, n in zip(starts, sizes)
+    ]
+
+
+def test_the_direct_part_size_leaves_every_upload_place_a_part() -> None:
+    """Parts of borrowed memory grow only while the object still has a part per place of the pool (the
+    upload threads stay busy on a small object), never past ``direct_size``, never below ``part_size``."""
+    pool = BufferPool(9, 16 * MiB, direct_size=64 * MiB)
+    assert direct_part_size(pool, 16 * MiB, None) == 16 * MiB  # size unknown: as before
+    assert direct_part_size(pool, 16 * MiB, 100 * MiB) == 16 * MiB  # 12 MiB shares: part_size
+    assert direct_part_size(pool, 16 * MiB, 512 * MiB) == 57 * MiB  # 9 parts, each a whole MiB
+    assert direct_part_size(pool, 16 * MiB, 8 << 30) == 64 * MiB
+    assert direct_part_size(BufferPool(9, 16 * MiB, direct_size=8 * MiB), 16 * MiB, 8 << 30) == 16 * MiB
 
 
 def test_a_part_changed_after_its_checksum_is_refused(bucket: str, s3_env: LocalS3Server) -> None:
