@@ -131,12 +131,13 @@ def replaceable_objects(metadata: Metadata) -> set[str]:
     return out
 
 
-def checksum_error(info: _StorageInfo, payload: bytes | memoryview) -> str | None:
-    """Why ``payload`` (the item's payload, see ``ItemLocation``) fails its recorded CRC32C, or None."""
+def checksum_error(info: _StorageInfo, payload: bytes | memoryview, crc: int | None = None) -> str | None:
+    """Why ``payload`` (the item's payload, see ``ItemLocation``) fails its recorded CRC32C, or None.
+    ``crc``: the payload's CRC32C, already taken (as its bytes arrived); else it is hashed here."""
     expected = getattr(info, "crc32c", None)
     if expected is None:
         return None
-    actual = crc32c(payload)
+    actual = crc32c(payload) if crc is None else crc
     if actual == expected:
         return None
     return f"checksum mismatch (crc32c {actual:#010x}, expected {expected:#010x}): the stored bytes are corrupt"

@@ -77,6 +77,8 @@ class RangeRead:
     ``direct``: that buffer is the caller's own destination, or memory the caller reuses read after read
     (given back by ``done``), not memory allocated for the read, so groups of such reads alone may be larger
     (``read_ranges``' ``max_direct_size``): a backend opens one read of a group at a time.
+    ``received``: called with each piece of that buffer as soon as its bytes have arrived, in order, every
+    byte once (a checksum taken there reads them while they are still in the CPU's cache).
     """
 
     key: str
@@ -85,6 +87,7 @@ class RangeRead:
     open: Callable[[], memoryview]
     done: Callable[[], None] | None = None
     direct: bool = False
+    received: Callable[[memoryview], None] | None = None
 
     @property
     def size(self) -> int:

@@ -242,6 +242,8 @@ class LocalObjectStore(ObjectStore):
                         n = os.preadv(fd, [dest[pos:]], read.start + pos)
                     if not n:
                         raise CheckpointFormatError(f"read {path} bytes {read.start}-{read.end}: file cut short")
+                    if read.received is not None:
+                        read.received(dest[pos : pos + n])
                     pos += n
                 if read.done is not None:
                     read.done()

@@ -70,7 +70,10 @@ def read_group(store: S3Reads, group: list[RangeRead]) -> None:
                         continue
                     if dest is None:
                         dest = open_destination(read, store.url(key))
-                    pos += _readinto_some(readinto, dest[pos - read.start :])
+                    n = _readinto_some(readinto, dest[pos - read.start :])
+                    if read.received is not None:
+                        read.received(dest[pos - read.start : pos - read.start + n])
+                    pos += n
                     if pos == read.end:
                         if read.done is not None:
                             read.done()

@@ -29,6 +29,7 @@ from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.layout import checksum_error
 from dcp_s3.metadata.compact_chunks import ChunkLookup
 from dcp_s3.objstore.base import RangeRead
+from dcp_s3.objstore.checksums import crc32c_combine
 from dcp_s3.storage.session import Session
 from dcp_s3.storage.staging import Stagings
 from dcp_s3.storage.tensor_bytes import StagedRows, raw_bytes_view
@@ -104,7 +105,7 @@ class ItemReads:
                 f"{req.storage_index.fqn}: destination shape {tuple(dest.shape)} does not match the "
                 f"checkpoint's {tuple(req.lengths)}"
             )
-        whole = False
+        whole: bool | _PayloadCrc = False
         if frames is None and (foreign or getattr(info, "payload_offset", None) is None):
             self._plan_torch_load(req, key, info, dest, reads, foreign)
         else:
@@ -112,13 +113,15 @@ class ItemReads:
 
         def commit() -> None:
             if whole:  # the destination holds the item's entire payload: check it
-                self._verify(req, info, raw_bytes_view(dest))
+                crc = whole.value() if isinstance(whole, _PayloadCrc) else None
+                self._verify(req, info, raw_bytes_view(dest), crc)
             planner.commit_tensor(req, dest)
 
         return commit
 
-    def _verify(self, req: ReadItem, info: Any, payload: memoryview) -> None:
-        error = checksum_error(info, payload)
+    def _verify(self, req: ReadItem, info: Any, payload: memoryview, crc: int | None = None) -> None:
+        """Check ``payload`` against the item's CRC32C (``crc``: its CRC32C, taken as its bytes arrived)."""
+        error = checksum_error(info, payload, crc)
         if error is not None:
             where = self._session.url(info.relative_path)
             raise CheckpointFormatError(
@@ -162,10 +165,13 @@ class ItemReads:
 
         reads.append(RangeRead(key, info.offset, info.offset + info.length, open_buffer, done))
 
-    def _plan_tensor(self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]) -> bool:
+    def _plan_tensor(
+        self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]
+    ) -> bool | _PayloadCrc:
         """Fetch the rows of the stored chunk that ``req`` covers, straight into ``dest`` if possible.
 
-        Returns whether ``dest`` then holds the whole stored payload (so its checksum can be checked).
+        Returns whether ``dest`` then holds the whole stored payload (so its checksum can be checked): for
+        raw bytes read straight into it, as the ``_PayloadCrc`` taken while they arrived.
         """
         fqn = req.storage_index.fqn
         found = self._chunks.find(fqn, req.storage_index.offset or ()) if self._chunks is not None else None
@@ -204,9 +210,13 @@ class ItemReads:
             # GETs are as large as raw ones, and each frame is decoded and checked while it is still in cache.
             step = max(max_bytes, transfer.max_direct_range_size) if frames is None else frames.frame_size
             cuts = [start, *range(start - start % step + step, start + len(view), step), start + len(view)]
-            for lo, hi in zip(cuts, cuts[1:]):
-                self._add_read(reads, key, info, lo, hi, _slice_opener(view, lo - start, hi - start), direct=True)
-            return row0 == 0 and rows == rows_total
+            whole = row0 == 0 and rows == rows_total
+            crc = _PayloadCrc(cuts) if whole and frames is None and getattr(info, "crc32c", None) is not None else None
+            for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+                opener = _slice_opener(view, lo - start, hi - start)
+                received = crc.taker(i) if crc is not None else None
+                self._add_read(reads, key, info, lo, hi, opener, direct=True, received=received)
+            return crc or whole
         # Staged: whole rows into a bounded CPU buffer (pinned for a CUDA dest), then narrowed, cast and copied.
         staging = self._stagings.get(dest)
         rows_per_piece = max(1, max_bytes // max(1, row_bytes))
@@ -227,14 +237,16 @@ class ItemReads:
         open_dest: Callable[[], memoryview],
         done: Callable[[], None] | None = None,
         direct: bool = False,
+        received: Callable[[memoryview], None] | None = None,
     ) -> None:
         """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``
         (``direct``: ``open_dest`` gives the destination itself, no buffer: see ``RangeRead.direct``;
-        for a compressed item, ``[lo, hi)`` then lies in one frame)."""
+        for a compressed item, ``[lo, hi)`` then lies in one frame; ``received``: see ``RangeRead``, raw
+        items only)."""
         frames: FrameIndex | None = getattr(info, "frames", None)
         if frames is None:
             start = info.offset + info.payload_offset
-            reads.append(RangeRead(key, start + lo, start + hi, open_dest, done, direct=direct))
+            reads.append(RangeRead(key, start + lo, start + hi, open_dest, done, direct=direct, received=received))
             return
         s0, s1 = stored_span(frames, lo, hi)
         if direct:
@@ -326,6 +338,33 @@ class _FrameBuffers:
     def give_back(self, buf: np.ndarray) -> None:
         with self._lock:
             self._free.append(buf)
+
+
+class _PayloadCrc:
+    """The CRC32C of an item's payload read in pieces ``[cuts[i], cuts[i + 1])``, each hashed by the reading
+    thread as its bytes arrive (``RangeRead.received``), while they are still in cache; one pass over the
+    destination afterwards would read them back from memory."""
+
+    def __init__(self, cuts: list[int]) -> None:
+        self._sizes = [hi - lo for lo, hi in zip(cuts, cuts[1:])]
+        self._crcs = [0] * len(self._sizes)
+        self._seen = [0] * len(self._sizes)
+
+    def taker(self, i: int) -> Callable[[memoryview], None]:
+        def received(piece: memoryview) -> None:
+            self._crcs[i] = crc32c(piece, self._crcs[i])
+            self._seen[i] += len(piece)
+
+        return received
+
+    def value(self) -> int | None:
+        """The payload's CRC32C, or None unless every byte was seen exactly once (then hash the destination)."""
+        if self._seen != self._sizes:
+            return None
+        crc = self._crcs[0]
+        for piece_crc, size in zip(self._crcs[1:], self._sizes[1:]):
+            crc = crc32c_combine(crc, piece_crc, size)
+        return crc
 
 
 def _slice_opener(view: memoryview, lo: int, hi: int) -> Callable[[], memoryview]:

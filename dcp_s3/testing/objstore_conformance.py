@@ -106,6 +106,30 @@ class ObjectStoreConformance:
         objstore.read_ranges(reads, executor=pool, max_gap=64, max_size=MiB)
         assert out == data and sorted(done) == cuts[:-1]
 
+    def test_received_sees_every_byte_once_in_order(
+        self, objstore: ObjectStore, base: str, pool: ThreadPoolExecutor
+    ) -> None:
+        """``RangeRead.received`` gets the destination's pieces as they arrive: joined, exactly the read's bytes
+        (a checksum taken there covers what the destination holds, each byte once)."""
+        data = os.urandom(5 * MiB + 11)
+        key = f"{base}r/received"
+        objstore.put(key, data)
+        out = bytearray(len(data))
+        cuts = [0, 7, 3 * MiB, len(data)]
+        pieces: dict[int, list[bytes]] = {lo: [] for lo in cuts[:-1]}
+
+        def keep(lo: int) -> Callable[[memoryview], None]:
+            return lambda view: pieces[lo].append(bytes(view))  # a copy: the bytes had arrived by then
+
+        reads = [
+            RangeRead(key, lo, hi, _into(out, lo, hi), direct=True, received=keep(lo))
+            for lo, hi in zip(cuts, cuts[1:])
+        ]
+        objstore.read_ranges(reads, executor=pool, max_gap=64, max_size=MiB, max_direct_size=8 * MiB)
+        assert out == data
+        for lo, hi in zip(cuts, cuts[1:]):
+            assert b"".join(pieces[lo]) == data[lo:hi], (lo, [len(p) for p in pieces[lo]])
+
     def test_reading_past_the_end_is_a_format_error(
         self, objstore: ObjectStore, base: str, pool: ThreadPoolExecutor
     ) -> None:

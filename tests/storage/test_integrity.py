@@ -9,11 +9,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from botocore.exceptions import ClientError
+from crc32c import crc32c
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3 import S3StorageReader, S3StorageWriter, layout
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.local_server import LocalS3Server
+from dcp_s3.storage.item_reads import _PayloadCrc
 from tests.objects import data_key, hooked
 
 MiB = 1 << 20
@@ -90,6 +92,61 @@ def test_object_replaced_by_same_size_object_fails_checksum(bucket: str, s3_env:
     message = str(info.value)
     assert "checksum mismatch" in message, message
     assert key_a in message, message
+
+
+def test_payload_checksums_are_taken_as_the_bytes_arrive_and_catch_one_flipped_byte(
+    bucket: str, s3_env: LocalS3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor read straight into its destination is hashed by the reading threads piece by piece as the
+    bytes land (in cache), its pieces' CRCs combined: no second pass over the destination once the reads
+    are done (``layout.crc32c`` is not called), and one flipped byte in the middle of the payload, read in
+    four GETs, still fails the load naming the object."""
+    g = torch.Generator().manual_seed(8)
+    sd = {"big": torch.randn(1024, 1024, generator=g), "small": torch.randn(10, generator=g)}
+    uri = f"s3://{bucket}/hot-crc/step-1"
+    _save(uri, sd)
+
+    def reader() -> S3StorageReader:  # 1 MiB GETs: the 4 MiB tensor in four reads, each in several pieces
+        return S3StorageReader(uri, max_range_size=MiB, max_direct_range_size=MiB)
+
+    hashed_after: list[int] = []
+    real = layout.crc32c
+    monkeypatch.setattr(layout, "crc32c", lambda data, *a: hashed_after.append(len(data)) or real(data, *a))
+    out = _zeros_like(sd)
+    dcp.load(out, storage_reader=reader())
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+    assert hashed_after == [], hashed_after
+
+    client = s3_env.client()
+    key = data_key(client, bucket, "hot-crc/step-1")
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0x01  # inside the big tensor's payload
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    with pytest.raises(ERRORS) as info:
+        dcp.load(_zeros_like(sd), storage_reader=reader())
+    assert "checksum mismatch" in str(info.value) and key in str(info.value), str(info.value)
+
+
+def test_a_payload_crc_stands_only_when_every_byte_was_seen_once() -> None:
+    """Pieces hashed in any order of arrival combine into the payload's CRC32C; a piece missing or delivered
+    twice gives none, and the destination is hashed instead."""
+    data = bytes(range(256)) * 40
+    cuts = [0, 1000, 5000, len(data)]
+    crc = _PayloadCrc(cuts)
+    for i in (2, 0, 1):
+        lo, hi = cuts[i], cuts[i + 1]
+        for a in range(lo, hi, 700):
+            crc.taker(i)(memoryview(data)[a : min(hi, a + 700)])
+    assert crc.value() == crc32c(data)
+    missing = _PayloadCrc(cuts)
+    missing.taker(0)(memoryview(data)[:1000])
+    missing.taker(1)(memoryview(data)[1000:5000])
+    assert missing.value() is None
+    twice = _PayloadCrc(cuts)
+    for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+        twice.taker(i)(memoryview(data)[lo:hi])
+    twice.taker(1)(memoryview(data)[1000:1001])
+    assert twice.value() is None
 
 
 # -- (d) transport checksums ---------------------------------------------------------------------------------
