@@ -104,10 +104,9 @@ COMBINE_MIN = 256 << 10
 
 def direct_part_size(pool: BufferPool, part_size: int, expected_size: int | None) -> int:
     """The largest part of an object of ``expected_size`` bytes (borrowed views, and at most ``part_size``
-    bytes copied): up to
-    ``pool.direct_size``, but no larger than an equal share of the object among the pool's places (so
-    that every upload thread still has a part of it), and never below ``part_size``. An object of
-    unknown size keeps ``part_size``."""
+    bytes copied): up to ``pool.direct_size``, but no larger than an equal share of the object among the
+    pool's places (so that every upload thread still has a part of it), and never below ``part_size``. An
+    object of unknown size keeps ``part_size``."""
     if expected_size is None:
         return part_size
     share = -(-expected_size // pool.count)
