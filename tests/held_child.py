@@ -28,6 +28,7 @@ class HeldChild:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # its own process group: ``kill`` reaches the processes it started too
         )
 
     def wait_held(self, timeout: float = 240) -> None:
@@ -40,8 +41,21 @@ class HeldChild:
             time.sleep(0.05)
 
     def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.communicate(timeout=60)
+        """SIGKILL the child and every process it started (torch's upload process of an async save, spawned
+        ranks): the whole process group, at once, as a node failure would."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.communicate(timeout=60)  # every holder of its output pipe is gone
+
+    def group_alive(self) -> bool:
+        """Whether any process of the child's group still runs (a zombie, dead but not yet reaped, does not)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rpartition(")")[2].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[2]) == self.proc.pid and fields[0] != "Z":  # pgrp, state
+                return True
+        return False
 
     def release(self) -> tuple[int, str]:
         """Let it go on; its exit code and output."""

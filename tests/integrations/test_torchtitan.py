@@ -428,10 +428,14 @@ def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
         S3CheckpointManager.Config(enable=True, folder="s3://b/run", storage_options={"no_such_option": 1})
 
 
-def test_a_save_killed_mid_upload_leaves_the_last_committed_step(seaweed: Any, bucket: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])
+def test_a_save_killed_mid_upload_leaves_the_last_committed_step(
+    seaweed: Any, bucket: str, tmp_path: Path, async_mode: str
+) -> None:
     """keep_latest_k counts committed steps only: an async upload in progress (SIGKILLed there) and a step a
     crash left without ``.metadata`` count for nothing, so the last committed step survives and loads bit-exact
-    (old code counted both, purged steps 2 and 4 while step 6 uploaded, and the kill left no step)."""
+    (old code counted both, purged steps 2 and 4 while step 6 uploaded, and the kill left no step). With pinned
+    memory the upload runs in torch's own upload process, held at the commit and killed with the trainer."""
     import json
 
     from held_child import HeldChild
@@ -452,14 +456,18 @@ def test_a_save_killed_mid_upload_leaves_the_last_committed_step(seaweed: Any, b
             "folder": folder,
             "interval": 2,
             "keep_latest_k": 2,
-            "async_mode": "async",
+            "async_mode": async_mode,
             "endpoint_url": proxy.url,
             "storage_options": {"region": seaweed.region},
         }
         held = HeldChild(child, tmp_path, "upload", json.dumps(run), str(dump), str(tmp), str(tmp_path / "saved.pt"))
         held.wait_held()
         held.kill()
-        assert stall.injected == 1
+        assert stall.injected == 1  # the upload (this process's thread, or torch's upload process) was at the commit
+        deadline = time.monotonic() + 30
+        while held.group_alive():  # the upload process too: nothing is left to commit step 6 later
+            assert time.monotonic() < deadline, "a process of the killed job still runs"
+            time.sleep(0.1)
     steps = _steps_in_bucket(seaweed.client(), bucket)
     assert ".metadata" in steps["step-2"] and ".metadata" in steps["step-4"], steps
     assert ".metadata" not in steps["step-6"] and ".metadata" not in steps["step-8"], steps

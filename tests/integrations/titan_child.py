@@ -1,7 +1,7 @@
 """A torchtitan job on one gloo rank, for the SIGKILL test in ``test_torchtitan.py`` (run by ``held_child.HeldChild``).
 
 ``upload``: train, async-save steps 2 and 4 (committed), then step 6, whose ``.metadata`` PUT the test's
-proxy holds; once the purge that save queued has run, write step 4's state and report *held* (the test
+proxy holds (``async_mode`` "async": in this process; "async_with_pinned_mem": in torch's upload process); once the purge that save queued has run, write step 4's state and report *held* (the test
 then SIGKILLs this process mid-upload). ``load``: resume and write what was loaded.
 Arguments: held file, release file, phase, the config (JSON), dump folder, TMPDIR, output file.
 """
@@ -19,6 +19,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 from dist_utils import free_port  # noqa: E402
 from test_torchtitan import _child_env, _snapshot, _step, _trainer  # noqa: E402
 
@@ -35,14 +36,18 @@ def main() -> None:
         torch.save({"loaded": loaded, "state": _snapshot(t)}, out)
         manager.close()
         return
+    if manager.async_mode == "async_with_pinned_mem":  # torchtitan's stager without pinned memory (CPU host)
+        manager.stager = DefaultStager(StagingOptions(False, True, True, False))
     for step in range(1, 5):
         _step(t)
         manager.save(step)
+        manager.maybe_wait_for_staging()
     manager.maybe_wait_for_saving()  # step 4 committed
     state = _snapshot(t)
     for step in (5, 6):
         _step(t)
-        manager.save(step)  # step 6: its upload hangs at the .metadata PUT
+        manager.save(step)  # step 6: its upload hangs at the .metadata PUT (in torch's upload process if pinned)
+        manager.maybe_wait_for_staging()
     while not manager.purge_queue.empty():  # the purge thread took what this save queued...
         time.sleep(0.05)
     time.sleep(2.0)  # ...and deleted it (a wait for the crash to come after the purge, not a measurement)
