@@ -356,23 +356,7 @@ class Endpoint:
 
     def counters(self, bucket: str) -> dict[str, float] | None:
         """SeaweedFS' per-bucket counters: bytes sent/received and requests by type (None elsewhere)."""
-        if self.metrics_url is None:
-            return None
-        try:
-            text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
-        except OSError:
-            return None
-        out: dict[str, float] = {"sent": 0.0, "received": 0.0, "GET": 0.0, "PUT": 0.0, "DELETE": 0.0, "LIST": 0.0}
-        b = re.escape(bucket)
-        for line in text.splitlines():
-            m = re.match(rf'SeaweedFS_s3_bucket_traffic_(sent|received)_bytes_total\{{bucket="{b}"\}} (\S+)', line)
-            if m:
-                out[m.group(1)] += float(m.group(2))
-                continue
-            m = re.match(rf'SeaweedFS_s3_request_total\{{bucket="{b}",code="[^"]*",type="([A-Z]+)"\}} (\S+)', line)
-            if m:
-                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-        return out
+        return bucket_counters(self.metrics_url, bucket)
 
     def stop(self) -> None:
         if self.server is not None:
@@ -413,6 +397,28 @@ def open_endpoint(kind: str, endpoint_url: str | None = None, *, https: bool = F
     return Endpoint(
         server.endpoint_url, server.env(), server, server.metrics_url, server.pid, server.fixed_bucket, tls_dir
     )
+
+
+def bucket_counters(metrics_url: str | None, bucket: str) -> dict[str, float] | None:
+    """SeaweedFS' per-bucket counters at ``metrics_url``: bytes sent/received and requests by type (None
+    without a metrics URL, or when it does not answer)."""
+    if metrics_url is None:
+        return None
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError:
+        return None
+    out: dict[str, float] = {"sent": 0.0, "received": 0.0, "GET": 0.0, "PUT": 0.0, "DELETE": 0.0, "LIST": 0.0}
+    b = re.escape(bucket)
+    for line in text.splitlines():
+        m = re.match(rf'SeaweedFS_s3_bucket_traffic_(sent|received)_bytes_total\{{bucket="{b}"\}} (\S+)', line)
+        if m:
+            out[m.group(1)] += float(m.group(2))
+            continue
+        m = re.match(rf'SeaweedFS_s3_request_total\{{bucket="{b}",code="[^"]*",type="([A-Z]+)"\}} (\S+)', line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
 
 
 def counter_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:

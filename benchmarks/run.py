@@ -206,7 +206,6 @@ def _one_round(
     }
     try:
         for op in OPS:
-            before = endpoint.counters(bucket)
             res = common.run_child(
                 {
                     "contestant": name,
@@ -215,11 +214,12 @@ def _one_round(
                     "size_mib": args.size_mib,
                     "target": target,
                     "warm": row.warm,
+                    "counters": {"metrics_url": endpoint.metrics_url, "bucket": bucket} if get(name).uses_s3 else None,
                 },
                 endpoint.env,
                 server_pid=endpoint.server_pid if get(name).uses_s3 else None,
             )
-            res["server"] = common.counter_delta(before, endpoint.counters(bucket)) if get(name).uses_s3 else None
+            res.setdefault("server", None)
             res["uses_s3"] = get(name).uses_s3
             if res.get("skipped"):
                 skipped[row.label] = res["error"]

@@ -187,7 +187,12 @@ def _juicefs_shm(tls: tuple[str, str, str] | None) -> BenchServer:
     meta = f"sqlite3://{workdir}/jfs.db"
     env = dict(os.environ, MINIO_ROOT_USER=JFS_USER, MINIO_ROOT_PASSWORD=JFS_PASSWORD)
     subprocess.run(
-        [jfs, "format", meta, JFS_VOLUME, "--storage", "file", "--bucket", f"{workdir}/data/", "--no-update"],
+        [
+            *(jfs, "format", meta, JFS_VOLUME, "--storage", "file", "--bucket", f"{workdir}/data/", "--no-update"),
+            # Deleted objects are freed at once: the default keeps them a day in .trash, and a full
+            # benchmarks.run (8 contestants x 3 reps of 512 MiB) filled this machine's tmpfs and memory.
+            *("--trash-days", "0"),
+        ],
         cwd=workdir,
         env=env,
         check=True,

@@ -2,7 +2,9 @@
 
 Spec keys: ``contestant``, ``op`` (``save`` | ``load`` | ``partial``), ``workload``,
 ``size_mib``, ``target`` (``contestants.Target`` fields), ``verify`` (bit-compare a
-sample of loaded tensors afterwards, outside the timed block).
+sample of loaded tensors afterwards, outside the timed block), ``warm`` (:func:`_warm_up` first),
+``counters`` (``{"metrics_url", "bucket"}``: the server's per-bucket counters are read just before and
+after the timed call, so that a warm-up's requests are not counted).
 
 The state dict is built before measuring (the load target is zero-filled so its pages are
 resident); libraries are imported before measuring; the client objects are created
@@ -60,7 +62,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"unknown op {op!r}")
     logical = sum(t.nbytes for t in workload.tensors if t.key in set(keys))
     if spec.get("warm"):
-        _warm_up(contestant, target)
+        _warm_up(contestant, target, sd)
+    counters = spec.get("counters")
+    before = common.bucket_counters(**counters) if counters else None
     gc.collect()
     gc.disable()  # no collector pauses inside the timed block
 
@@ -78,6 +82,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     cpu = common.cpu_seconds() - cpu0
     io1 = common.proc_io()
     gc.enable()
+    server = common.counter_delta(before, common.bucket_counters(**counters)) if counters else None
 
     verified = None
     if op != "save" and spec.get("verify", True):
@@ -100,21 +105,23 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
         "wchar": io1.get("wchar", 0) - io0.get("wchar", 0),
         "verified": verified,
+        "server": server,
         "wall_start": wall0,
         "wall_end": wall0 + seconds,
     }
 
 
-def _warm_up(contestant: Any, target: Target) -> None:
-    """A tiny save and load first, in this process, to another prefix: the timed call then runs as a training
-    job's second and later checkpoints do (modules imported, the process's client made, connections open)."""
+def _warm_up(contestant: Any, target: Target, sd: dict[str, Any]) -> None:
+    """A save and a load of this child's own state dict first, in this process, to another prefix: the timed
+    call then runs as a training job's second and later checkpoints do (modules imported, the process's client
+    made, as many connections open, threads started and buffers grown as a call of this size needs). Before
+    2026-12-04 this was a save and load of one 16-element tensor, which left the first full-size call to open
+    the other connections and grow the pools inside the timing (~0.05-0.1 CPU s/GiB more on dcp_s3's loads)."""
     import dataclasses
 
-    import torch
-
     warm = dataclasses.replace(target, prefix=target.prefix + "-warm", local_dir=os.path.join(target.local_dir, "warm"))
-    contestant.save({"warm": torch.ones(16)}, warm)
-    contestant.load({"warm": torch.zeros(16)}, warm)
+    contestant.save(sd, warm)
+    contestant.load(sd, warm)
 
 
 def _perf(command: str) -> None:
