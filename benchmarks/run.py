@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--warm",
         default="dcp_s3,boto3_ceiling",
-        help="contestants also measured warm (a tiny save and load first in the same process: a "
-        "training job's second and later checkpoints); '' for none",
+        help="contestants also measured warm (a save and load of the same state first in the same process: "
+        "a training job's second and later checkpoints); '' for none",
     )
     ap.add_argument(
         "--https",
