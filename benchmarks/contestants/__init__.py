@@ -141,7 +141,22 @@ def dcp_s3_variant(spec: str) -> Contestant:
 
 # -- torch FsspecWriter/FsspecReader over s3fs ----------------------------------------------------
 def _fsspec_kwargs(t: Target) -> dict[str, Any]:
-    return {"endpoint_url": t.endpoint_url, "client_kwargs": {"region_name": t.region}}
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.register("before-sign.s3.DeleteObjects", _content_md5)
+    return {"endpoint_url": t.endpoint_url, "client_kwargs": {"region_name": t.region}, "session": session}
+
+
+def _content_md5(request: Any, **_: Any) -> None:
+    """Give s3fs's ``DeleteObjects`` (torch's fsspec writer renames ``.metadata`` into place: copy, then delete)
+    the ``Content-MD5`` header that the JuiceFS gateway (the benchmark server) requires and botocore >= 1.36 no
+    longer sends (it sends a CRC32 checksum, which AWS accepts instead)."""
+    import base64
+    import hashlib
+
+    if "Content-MD5" not in request.headers and isinstance(request.body, bytes):
+        request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(request.body).digest()).decode()
 
 
 def _fsspec_writer(t: Target) -> Any:
