@@ -40,11 +40,12 @@ class HeldChild:
             assert time.monotonic() < deadline, "child never reached its phase"
             time.sleep(0.05)
 
-    def kill(self) -> None:
+    def kill(self) -> str:
         """SIGKILL the child and every process it started (torch's upload process of an async save, spawned
-        ranks): the whole process group, at once, as a node failure would."""
+        ranks): the whole process group, at once, as a node failure would. Returns what it printed."""
         os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.communicate(timeout=60)  # every holder of its output pipe is gone
+        out, _ = self.proc.communicate(timeout=60)  # every holder of its output pipe is gone
+        return str(out)
 
     def group_alive(self) -> bool:
         """Whether any process of the child's group still runs (a zombie, dead but not yet reaped, does not)."""

@@ -1,6 +1,6 @@
 """A save in a child process that stops at a chosen phase, for the commit-protocol tests.
 
-    python tests/commit_child.py HELD RELEASE PHASE save URI SEED OVERWRITE
+    python tests/commit_child.py HELD RELEASE PHASE save URI SEED OVERWRITE [big]
     python tests/commit_child.py HELD RELEASE PHASE step ROOT MODE
     python tests/commit_child.py HELD RELEASE PHASE local DIR SEED
 
@@ -16,6 +16,9 @@ the test kills it). Phases are real botocore events on the real client, matched 
 For ``local`` (``S3StorageWriter`` on a directory: the local object store), the phases are the same
 points on disk: ``upload`` the planner's second item, ``commit`` the ``os.replace`` of ``.metadata``,
 ``cleanup`` the first deletion of a replaced data file.
+
+``big``: a 24 MiB state saved with one upload thread, so that its parts, sent straight from tensor
+memory, grow past ``part_size`` (to half the object); the child prints each part's size as it goes up.
 
 Exit status: 0 committed, 3 ``CheckpointExistsError``, 1 anything else.
 """
@@ -37,11 +40,11 @@ from dcp_s3 import Checkpointer, CheckpointExistsError, S3StorageWriter
 MiB = 1 << 20
 
 
-def state(seed: int) -> dict[str, Any]:
-    """6 MiB (two 5 MiB parts) of tensors determined by ``seed``, plus a byte item."""
+def state(seed: int, big: bool = False) -> dict[str, Any]:
+    """6 MiB (two 5 MiB parts; ``big``: 24 MiB) of tensors determined by ``seed``, plus a byte item."""
     g = torch.Generator().manual_seed(seed)
     return {
-        "a": torch.randn(3 * MiB // 2, generator=g),
+        "a": torch.randn(6 * MiB if big else 3 * MiB // 2, generator=g),
         "b": torch.randn(1000, generator=g),
         "meta": {"seed": seed},
     }
@@ -95,13 +98,15 @@ def hold(phase: str, held: str, release: str) -> Any:
 def main(argv: list[str]) -> int:
     held, release, phase, kind, *args = argv
     if kind == "save":
-        uri, seed, overwrite = args
-        writer = S3StorageWriter(uri, overwrite=overwrite == "1", part_size=5 * MiB)
-        writer._session.object_store.client.meta.events.register(
-            "before-parameter-build.s3", hold(phase, held, release)
-        )
+        uri, seed, overwrite, *geometry = args
+        big = geometry == ["big"]
+        writer = S3StorageWriter(uri, overwrite=overwrite == "1", part_size=5 * MiB, max_concurrency=1 if big else 8)
+        events = writer._session.object_store.client.meta.events
+        if big:
+            events.register("before-parameter-build.s3.UploadPart", _print_part_size)
+        events.register("before-parameter-build.s3", hold(phase, held, release))
         try:
-            dcp.save(state(int(seed)), storage_writer=writer, no_dist=True)
+            dcp.save(state(int(seed), big), storage_writer=writer, no_dist=True)
         except BaseException as exc:  # DCP wraps errors; the cause's type decides the exit status
             text = f"{type(exc).__name__}: {exc}"
             print(text, flush=True)
@@ -137,6 +142,13 @@ def main(argv: list[str]) -> int:
         dcp.save(state(int(seed)), storage_writer=writer, planner=planner, no_dist=True)
         return 0
     raise SystemExit(f"unknown kind {kind!r}")
+
+
+def _print_part_size(params: dict[str, Any], **_: Any) -> None:
+    body = params["Body"]
+    size = body.seek(0, os.SEEK_END)
+    body.seek(0)
+    print(f"part {params['PartNumber']}: {size} bytes", flush=True)
 
 
 class _Op:

@@ -7,6 +7,7 @@ save run to the end and then releases them. Everything runs against the session'
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from tests.fault_proxy import FaultProxy, Rule
 from tests.held_child import HeldChild
 from tests.objects import data_keys, object_keys
-from tests.storage.commit_child import model, sgd, state, train_a_bit
+from tests.storage.commit_child import MiB, model, sgd, state, train_a_bit
 
 CHILD = str(Path(__file__).with_name("commit_child.py"))
 
@@ -49,17 +50,17 @@ def child_save(env: dict[str, str], tmp: Path, uri: str, seed: int, phase: str, 
     return Child(env, tmp, phase, "save", uri, str(seed), "1" if overwrite else "0")
 
 
-def _blank() -> dict[str, Any]:
-    ref = state(0)
+def _blank(big: bool = False) -> dict[str, Any]:
+    ref = state(0, big)
     return {"a": torch.zeros_like(ref["a"]), "b": torch.zeros_like(ref["b"]), "meta": {"seed": -1}}
 
 
-def loaded_seed(uri: str) -> int:
+def loaded_seed(uri: str, big: bool = False) -> int:
     """Load the checkpoint at ``uri`` and return the seed of the save it is — checking it is that save, whole."""
-    out = _blank()
+    out = _blank(big)
     dcp.load(out, storage_reader=S3StorageReader(uri), no_dist=True)
     seed = out["meta"]["seed"]
-    ref = state(seed)
+    ref = state(seed, big)
     assert torch.equal(out["a"], ref["a"]) and torch.equal(out["b"], ref["b"]), f"checkpoint at {uri} mixes saves"
     return int(seed)
 
@@ -118,6 +119,29 @@ def test_killed_local_overwrite_leaves_old_or_new_checkpoint(tmp_path: Path, pha
     dcp.save(state(3), storage_writer=S3StorageWriter(directory), no_dist=True)
     used = referenced_objects(load_metadata((directory / METADATA_KEY).read_bytes(), "local"))
     assert not used & old and used <= {p.name for p in directory.glob("*.distcp")}
+
+
+@pytest.mark.parametrize("phase", ["upload", "commit"])
+def test_killed_overwrite_with_parts_larger_than_part_size(
+    bucket: str, s3_env: LocalS3Server, env: dict[str, str], tmp_path: Path, phase: str
+) -> None:
+    """Parts sent straight from tensor memory grow past ``part_size`` (up to ``max_direct_part_size``): a save
+    killed between two such parts, or with all of them up but before its commit, leaves the old checkpoint
+    loading bit-exact, and the next save of that geometry, run through, loads bit-exact."""
+    uri = f"s3://{bucket}/big"
+    dcp.save(state(1, big=True), storage_writer=S3StorageWriter(uri), no_dist=True)
+    old_objects = set(data_keys(s3_env.client(), bucket, "big/"))
+    child = Child(env, tmp_path, phase, "save", uri, "2", "1", "big")
+    child.wait_held()
+    sizes = [int(size) for size in re.findall(r"part \d+: (\d+) bytes", child.kill())]
+    assert sizes and min(sizes[:2]) > 5 * MiB, sizes  # the geometry under test: parts past part_size=5 MiB
+    assert loaded_seed(uri, big=True) == 1
+    assert referenced(s3_env, bucket, "big") == old_objects  # the old checkpoint is untouched
+    resave = Child(env, tmp_path, "none", "save", uri, "3", "1", "big")
+    code, out = resave.release()
+    assert code == 0, out
+    assert max(int(size) for size in re.findall(r"part \d+: (\d+) bytes", out)) > 5 * MiB, out
+    assert loaded_seed(uri, big=True) == 3
 
 
 # -- two saves to one path, one held at each phase while the other runs through -----------------------------
