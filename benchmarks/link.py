@@ -29,35 +29,19 @@ def port_of(endpoint_url: str) -> int:
     return port
 
 
+def _shaped_class(verb: str, gbit: float) -> None:
+    _tc("class", verb, "dev", DEVICE, "parent", "1:", "classid", "1:20", "htb", "rate", f"{gbit:g}gbit", "burst", "4mb")
+
+
 @contextmanager
 def shaped(port: int) -> Iterator[Callable[[float | None], None]]:
     """Shape what the server sends from ``port``; yields ``set_rate(gbit)`` (``None``: unshaped)."""
     _tc("qdisc", "add", "dev", DEVICE, "root", "handle", "1:", "htb", "default", "10")
     try:
         _tc("class", "add", "dev", DEVICE, "parent", "1:", "classid", "1:10", "htb", "rate", f"{UNSHAPED_GBIT}gbit")
-        rate = ("rate", f"{UNSHAPED_GBIT}gbit", "burst", "4mb")
-        _tc("class", "add", "dev", DEVICE, "parent", "1:", "classid", "1:20", "htb", *rate)
+        _shaped_class("add", UNSHAPED_GBIT)
         match = ("u32", "match", "ip", "sport", str(port), "0xffff", "flowid", "1:20")
         _tc("filter", "add", "dev", DEVICE, "parent", "1:", "protocol", "ip", "prio", "1", *match)
-
-        def set_rate(gbit: float | None) -> None:
-            value = f"{gbit if gbit is not None else UNSHAPED_GBIT}gbit"
-            _tc(
-                "class",
-                "change",
-                "dev",
-                DEVICE,
-                "parent",
-                "1:",
-                "classid",
-                "1:20",
-                "htb",
-                "rate",
-                value,
-                "burst",
-                "4mb",
-            )
-
-        yield set_rate
+        yield lambda gbit: _shaped_class("change", UNSHAPED_GBIT if gbit is None else gbit)
     finally:
         subprocess.run(["tc", "qdisc", "del", "dev", DEVICE, "root"], capture_output=True)
