@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import trustme
@@ -54,6 +57,16 @@ def moto_tls(tls_files: tuple[str, str, str]) -> Iterator[LocalS3Server]:
     """moto's server over HTTPS with the session's CA."""
     with LocalS3Server.start("moto", tls=tls_files) as server:
         yield server
+
+
+@pytest.fixture
+def rank_tmp() -> Iterator[Path]:
+    """A short directory for ranks' ``TMPDIR``: multiprocessing binds Unix sockets there (torch's upload
+    process, shared tensors), and a socket path has at most 107 bytes, which a pytest ``tmp_path`` with
+    ``pymp-*/listener-*`` under it can exceed (``pytest-106/popen-gw0/test_async_with_pinned_mem_sav0/...``)."""
+    path = Path(tempfile.mkdtemp(prefix="dcp-s3-rank-tmp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -247,15 +247,14 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
 
 @pytest.mark.multiproc
 def test_save_and_resume_bit_exact_through_s3(
-    seaweed: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    seaweed: Any, bucket: str, tmp_path: Path, rank_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two FSDP2 ranks save three checkpoints with NeMo's Checkpointer (model, optimizer and scheduler, RNG, data
     loader, recipe state, losses, config) and keep the last two; fresh processes resume the newest bit-exact."""
     from dcp_s3.store import open_store
 
-    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work, tmp = tmp_path / "work", rank_tmp
     work.mkdir()
-    tmp.mkdir()
     monkeypatch.chdir(work)  # the ranks' working directory: nothing may land there
     root = f"s3://{bucket}/{RUN}"
     store = open_store(root)

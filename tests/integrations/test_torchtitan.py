@@ -244,12 +244,13 @@ def _counted_load(
     return ops
 
 
-def test_only_rank_0_lists_and_probes_steps_on_resume(seaweed: Any, bucket: str, tmp_path: Path) -> None:
+def test_only_rank_0_lists_and_probes_steps_on_resume(
+    seaweed: Any, bucket: str, tmp_path: Path, rank_tmp: Path
+) -> None:
     """Step discovery is made once for the job: rank 0 lists the folder and HEADs the steps it tries;
     the other ranks send only the reads of their shards."""
-    dump, tmp = tmp_path / "dump", tmp_path / "tmp"
+    dump, tmp = tmp_path / "dump", rank_tmp
     dump.mkdir()
-    tmp.mkdir()
     proxies = [CountingProxy(seaweed.endpoint_url) for _ in range(2)]
     for p in proxies:
         p.__enter__()
@@ -305,11 +306,12 @@ def _steps_in_bucket(client: Any, bucket: str) -> dict[str, set[str]]:
     return steps
 
 
-def test_train_resume_reshard_and_purge_through_dcp_s3(seaweed: Any, bucket: str, tmp_path: Path) -> None:
+def test_train_resume_reshard_and_purge_through_dcp_s3(
+    seaweed: Any, bucket: str, tmp_path: Path, rank_tmp: Path
+) -> None:
     since = time.time() - 1
-    dump, tmp = tmp_path / "dump", tmp_path / "tmp"
+    dump, tmp = tmp_path / "dump", rank_tmp
     dump.mkdir()
-    tmp.mkdir()
     stall = Rule(ops={"PutObject"}, fault="stall", key_contains="step-4/.metadata", stall_s=3.0, limit=1)
     with FaultProxy(seaweed.endpoint_url, [stall]) as proxy:
         run = {
@@ -382,15 +384,16 @@ def _pinned_mem_run(rank: int, world: int, config_kwargs: dict[str, Any], dump: 
     return _packed(out)
 
 
-def test_async_with_pinned_mem_saves_through_torchs_upload_process(seaweed: Any, bucket: str, tmp_path: Path) -> None:
+def test_async_with_pinned_mem_saves_through_torchs_upload_process(
+    seaweed: Any, bucket: str, tmp_path: Path, rank_tmp: Path
+) -> None:
     """torchtitan's async_with_pinned_mem route (AsyncCheckpointerType.PROCESS with its DefaultStager) with
     dcp_s3's writer: each step commits from torch's upload process, the purge keeps the newest two committed
     steps (keep_latest_k=2, torchtitan's least), and a resume loads the last bit-exact. (Refused before; on a
     GPU the device check runs the same call with pinned memory: benchmarks/results/gpu.md, "async_save +
     DefaultStager (process)".)"""
-    dump, tmp = tmp_path / "dump", tmp_path / "tmp"
+    dump, tmp = tmp_path / "dump", rank_tmp
     dump.mkdir()
-    tmp.mkdir()
     run = {
         "folder": f"s3://{bucket}/{RUN}",
         "interval": 2,
@@ -430,7 +433,7 @@ def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
 
 @pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])
 def test_a_save_killed_mid_upload_leaves_the_last_committed_step(
-    seaweed: Any, bucket: str, tmp_path: Path, async_mode: str
+    seaweed: Any, bucket: str, tmp_path: Path, rank_tmp: Path, async_mode: str
 ) -> None:
     """keep_latest_k counts committed steps only: an async upload in progress (SIGKILLed there) and a step a
     crash left without ``.metadata`` count for nothing, so the last committed step survives and loads bit-exact
@@ -443,9 +446,8 @@ def test_a_save_killed_mid_upload_leaves_the_last_committed_step(
     from dcp_s3.store import open_store
 
     child = str(Path(__file__).with_name("titan_child.py"))
-    dump, tmp = tmp_path / "dump", tmp_path / "tmp"
+    dump, tmp = tmp_path / "dump", rank_tmp
     dump.mkdir()
-    tmp.mkdir()
     folder = f"s3://{bucket}/{RUN}"
     open_store(folder, endpoint_url=seaweed.endpoint_url, region=seaweed.region).write(
         "step-8/__0_0.distcp", b"an earlier save killed mid-upload"

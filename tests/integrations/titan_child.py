@@ -19,9 +19,9 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 from dist_utils import free_port  # noqa: E402
 from test_torchtitan import _child_env, _snapshot, _step, _trainer  # noqa: E402
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 
 
 def main() -> None:
