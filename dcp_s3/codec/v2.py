@@ -89,7 +89,7 @@ def encode_frame(
             rest_len = len(packed)
     if len(out) >= n:
         return frame, True
-    HEADER.pack_into(out, 0, len(top_stored), rest_len)
+    HEADER.pack_into(out.data, 0, len(top_stored), rest_len)
     out[HEADER.size : at] = np.frombuffer(top_stored, np.uint8)
     out[at + rest_len :] = tail
     return out.data, False

@@ -201,7 +201,7 @@ class S3ModelCheckpoint(ModelCheckpoint):
         )
         version = re.escape(self.CHECKPOINT_JOIN_CHAR) + r"v\d+"
         scheme = re.compile(rf"(?:{names})(?:{version})?{re.escape(self.FILE_EXTENSION)}")
-        return Ownership(f"S3ModelCheckpoint({self.dirpath})", self.dirpath, scheme)
+        return Ownership(f"S3ModelCheckpoint({self.dirpath})", str(self.dirpath), scheme)
 
     def _should_remove_checkpoint(self, trainer: Any, previous: str, current: str) -> bool:
         """Lightning's rule (never the one just written, never the checkpoint resumed from), then ownership:

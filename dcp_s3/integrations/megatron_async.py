@@ -69,7 +69,7 @@ class RankWrite:
         # The worker may be a process of its own: it must not count itself in the process group's store (the
         # connection is the training process's), so its plan carries no JobCount (rate hand-off only).
         storage = plan.storage_data
-        if dataclasses.is_dataclass(storage) and hasattr(storage, "count"):
+        if dataclasses.is_dataclass(storage) and not isinstance(storage, type) and hasattr(storage, "count"):
             plan = dataclasses.replace(plan, storage_data=dataclasses.replace(storage, count=None))
         self.plan = plan
         self.resolved = {item.index: _resolved(item, planner) for item in plan.items}

@@ -304,7 +304,7 @@ class ItemReads:
 
         def open_stored() -> memoryview:
             held.append(self._frame_buffers.take(s1 - s0))
-            return memoryview(held[-1])[: s1 - s0]
+            return held[-1].data[: s1 - s0]
 
         def decode() -> None:
             out = open_dest()

@@ -122,8 +122,7 @@ class ObjectStoreConformance:
             return lambda view: pieces[lo].append(bytes(view))  # a copy: the bytes had arrived by then
 
         reads = [
-            RangeRead(key, lo, hi, _into(out, lo, hi), direct=True, received=keep(lo))
-            for lo, hi in zip(cuts, cuts[1:])
+            RangeRead(key, lo, hi, _into(out, lo, hi), direct=True, received=keep(lo)) for lo, hi in zip(cuts, cuts[1:])
         ]
         objstore.read_ranges(reads, executor=pool, max_gap=64, max_size=MiB, max_direct_size=8 * MiB)
         assert out == data

@@ -238,8 +238,8 @@ class _Checker:
             isinstance(key, (str, bytes, Global))
             or key is None
             or is_bytes(key)
-            or (type(key) in (int, bool) and -MAX_INT_KEY <= key <= MAX_INT_KEY)
-        ):  # type: ignore[operator]
+            or (isinstance(key, int) and type(key) in (int, bool) and -MAX_INT_KEY <= key <= MAX_INT_KEY)
+        ):
             return
         h = str(hash(real(key)))
         seen[h] = seen.get(h, 0) + 1
