@@ -8,6 +8,8 @@ and torch would otherwise call ``os.sync()`` for the whole machine).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,9 +154,6 @@ def _content_md5(request: Any, **_: Any) -> None:
     """Give s3fs's ``DeleteObjects`` (torch's fsspec writer renames ``.metadata`` into place: copy, then delete)
     the ``Content-MD5`` header that the JuiceFS gateway (the benchmark server) requires and botocore >= 1.36 no
     longer sends (it sends a CRC32 checksum, which AWS accepts instead)."""
-    import base64
-    import hashlib
-
     if "Content-MD5" not in request.headers and isinstance(request.body, bytes):
         request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(request.body).digest()).decode()
 
