@@ -29,6 +29,7 @@ from dcp_s3.checkpointer.steps import MARKER_SUFFIX, root_steps
 from dcp_s3.checkpointer.tier_reshard import Copy, copies_problem, scan_copies
 from dcp_s3.checkpointer.tiers import save_of
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, DcpS3Error
+from dcp_s3.objstore.uri import s3_location
 from dcp_s3.store import Store, open_store
 
 __all__ = ["LocalStep", "is_local_tier_root", "list_local_tier", "refused_rank_dirs"]
@@ -60,7 +61,7 @@ class LocalStep:
 def is_local_tier_root(uri: str) -> bool:
     """Whether ``uri`` is a local directory holding ``rank<NNNNN>`` entries (a tiered Checkpointer's local root;
     entries that are not rank directories of ours, such as links, count: they are reported, never read)."""
-    if "://" in uri:
+    if "://" in uri or s3_location(uri) is not None:
         return False
     ours, refused = rank_dirs(os.path.abspath(uri))
     return bool(ours or refused)

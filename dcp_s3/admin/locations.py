@@ -20,7 +20,7 @@ from dcp_s3.checkpointer.steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step,
 from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.metadata.formats import load_metadata
-from dcp_s3.objstore.uri import parse_s3_uri
+from dcp_s3.objstore.uri import parse_s3_uri, s3_location
 from dcp_s3.store import Store, open_object, open_store
 
 __all__ = ["Progress", "resolve", "is_root", "read_metadata", "single"]
@@ -63,8 +63,9 @@ def resolve(uri: str, *, follow_symlinks: bool = False, **storage_options: Any) 
 
 def is_root(store: Store, uri: str) -> bool:
     """True if ``store`` is rooted at ``uri`` itself (not at its parent)."""
-    if uri.startswith("s3://"):
-        return store.url() == str(parse_s3_uri(uri, require_key=False)).rstrip("/")
+    s3 = s3_location(uri)
+    if s3 is not None:
+        return store.url() == str(parse_s3_uri(s3, require_key=False)).rstrip("/")
     return store.url() == os.path.abspath(uri)
 
 

@@ -20,6 +20,7 @@ from dcp_s3.cli.text import table as _table
 from dcp_s3.cli.text import when as _when
 from dcp_s3.cli.tier_table import print_local_tier as _print_local_tier
 from dcp_s3.errors import ConfigError
+from dcp_s3.objstore.uri import s3_location
 
 __all__ = ["cmd_convert", "cmd_cp", "cmd_demo", "cmd_gc", "cmd_inspect", "cmd_ls", "cmd_rm", "cmd_verify"]
 
@@ -31,7 +32,7 @@ def _options(args: argparse.Namespace, uri: str) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if getattr(args, "max_whole_read", None) is not None:
         options["max_whole_read"] = args.max_whole_read
-    if not uri.startswith("s3://"):
+    if s3_location(uri) is None:
         return options
     names = (
         "credential_path",
@@ -225,7 +226,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     src_options = _options(args, args.uri)
     if args.allow_unsafe_byte_items:
-        if not args.uri.startswith("s3://"):
+        if s3_location(args.uri) is None:
             raise ConfigError(
                 "--allow-unsafe-byte-items applies to s3:// sources; for a local checkpoint register "
                 "its classes with torch.serialization.add_safe_globals instead"

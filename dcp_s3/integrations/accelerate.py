@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.fsdp import StateDictType
 
 from dcp_s3.errors import ConfigError, DcpS3Error
-from dcp_s3.integrations.lightning_io import s3_location
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.trainer_dirs import LocalDirs
 from dcp_s3.store.storage_options import StorageOptions
 

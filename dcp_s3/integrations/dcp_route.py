@@ -39,13 +39,13 @@ import contextlib
 import contextvars
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from dcp_s3._torch_compat import async_save_sites, get_storage_setup, set_storage_setup, storage_setup_sites
 from dcp_s3.errors import ConfigError
+from dcp_s3.objstore.uri import s3_location
 from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["enable", "disable", "s3_route", "active_options", "is_routed"]
@@ -66,8 +66,10 @@ _replaced: list[tuple[Any, str, Any]] = []
 
 
 def is_routed(checkpoint_id: object) -> bool:
-    """Whether the route takes ``checkpoint_id`` (an ``s3://`` id) when it is on."""
-    return isinstance(checkpoint_id, (str, os.PathLike)) and os.fspath(checkpoint_id).startswith("s3://")
+    """Whether the route takes ``checkpoint_id`` (an ``s3://`` id, or pathlib's fold of one) when it is on; an S3
+    look-alike string (``s3:/b/k``, ``S3://b/k``) raises ``InvalidCheckpointIdError`` rather than reach torch's
+    local writer."""
+    return s3_location(checkpoint_id) is not None
 
 
 def active_options() -> StorageOptions | None:

@@ -19,7 +19,6 @@ Nothing here imports Lightning; the strategies in :mod:`~dcp_s3.integrations.lig
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,7 +44,6 @@ from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = [
     "META_KEY",
-    "s3_location",
     "save_sharded",
     "load_sharded",
     "checkpoint_exists",
@@ -61,23 +59,6 @@ MAX_META_BYTES = 1 << 30
 
 #: The state-dict key of Lightning's metadata (the bytes of its ``meta.pt``) inside the DCP checkpoint.
 META_KEY = "lightning.meta.pt"
-
-
-def s3_location(path: Any) -> str | None:
-    """``path`` as an ``s3://bucket/key`` string, or None when it is not an S3 location.
-
-    Takes the text as given, and repairs the ``s3:/bucket/key`` that ``pathlib.Path("s3://...")``
-    and ``os.path.normpath`` make of it (Lightning passes paths through both)."""
-    if not isinstance(path, (str, os.PathLike)):
-        return None
-    text = os.fspath(path)
-    if not isinstance(text, str):
-        return None
-    if text.startswith("s3://"):
-        return text.rstrip("/")
-    if text.startswith("s3:/"):
-        return "s3://" + text[len("s3:/") :].lstrip("/").rstrip("/")
-    return None
 
 
 def _meta_tensor(metadata: Mapping[str, Any]) -> torch.Tensor:

@@ -76,6 +76,7 @@ from megatron.core.dist_checkpointing.validation import (
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from dcp_s3.errors import CheckpointFormatError, ConfigError
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.megatron_async import RankWrite, finalize, results_queue, to_host, write_rank
 from dcp_s3.store.storage_options import StorageOptions
 from dcp_s3.untrusted.torch_files import torch_save_bytes
@@ -100,7 +101,7 @@ def _location(checkpoint_dir: str | os.PathLike[str]) -> str:
     text = os.fspath(checkpoint_dir)
     if not isinstance(text, str) or not text:
         raise ConfigError(f"checkpoint_dir {checkpoint_dir!r}: expected s3://bucket/key or a local directory")
-    return text.rstrip("/")
+    return s3_location(checkpoint_dir) or text.rstrip("/")
 
 
 def _bytes_item(obj: Any) -> io.BytesIO:

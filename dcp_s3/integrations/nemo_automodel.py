@@ -89,7 +89,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from dcp_s3._torch_compat import default_stager
 from dcp_s3.checkpointer.ranks import world_size
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, S3TransferError
-from dcp_s3.integrations.lightning_io import s3_location
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.nemo_commit import COMMIT, Saves, split_part
 from dcp_s3.integrations.nemo_files import RecipeFiles
 from dcp_s3.store.storage_options import StorageOptions

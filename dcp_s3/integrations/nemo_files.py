@@ -24,7 +24,7 @@ import yaml
 
 from dcp_s3.checkpointer.ranks import distributed
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
-from dcp_s3.integrations.lightning_io import s3_location
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.nemo_commit import COMPONENT, Saves
 from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 

@@ -61,7 +61,7 @@ from nemo_automodel.recipes.base_recipe import (
 )
 
 from dcp_s3.errors import ConfigError, DcpS3Error
-from dcp_s3.integrations.lightning_io import s3_location
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.nemo_automodel import S3Checkpointer, S3CheckpointingConfig
 
 __all__ = ["S3Recipe", "S3RecipeConfig", "s3_recipe"]

@@ -12,7 +12,7 @@ reads a credential file; :mod:`~dcp_s3.objstore.buffers` the part buffers that b
 
 from dcp_s3.objstore.base import ObjectInfo, ObjectStore, ObjectWriter, PendingUpload, RangeRead
 from dcp_s3.objstore.config import ClientConfig, TransferConfig
-from dcp_s3.objstore.uri import S3Uri, parse_s3_uri
+from dcp_s3.objstore.uri import S3Uri, parse_s3_uri, s3_location
 
 __all__ = [
     "ClientConfig",
@@ -24,4 +24,5 @@ __all__ = [
     "S3Uri",
     "TransferConfig",
     "parse_s3_uri",
+    "s3_location",
 ]

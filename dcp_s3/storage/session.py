@@ -24,7 +24,7 @@ from dcp_s3.objstore.config import ClientConfig, TransferConfig
 from dcp_s3.objstore.local import LocalObjectStore
 from dcp_s3.objstore.s3 import S3ObjectStore
 from dcp_s3.objstore.s3_requests import check_request_args
-from dcp_s3.objstore.uri import S3Uri, parse_s3_uri
+from dcp_s3.objstore.uri import S3Uri, parse_s3_uri, s3_location
 
 __all__ = ["Session", "Location", "LocalDir", "parse_location", "file_url_path"]
 
@@ -61,10 +61,14 @@ class LocalDir:
 
 
 def parse_location(path: str | os.PathLike[str]) -> S3Uri | LocalDir:
-    """``s3://bucket/key`` → ``S3Uri``; a local path or ``file://`` URL → ``LocalDir``; other schemes refused."""
+    """``s3://bucket/key`` → ``S3Uri``; a local path or ``file://`` URL → ``LocalDir``; other schemes and S3
+    look-alikes (``s3:/bucket/key`` as a string: :func:`dcp_s3.objstore.uri.s3_location`) refused."""
     text = os.fspath(path)
     if not isinstance(text, str) or not text:
         raise InvalidCheckpointIdError(f"checkpoint id {path!r}: expected s3://bucket/key or a local directory")
+    s3 = s3_location(path)
+    if s3 is not None:
+        return parse_s3_uri(s3)
     if text.startswith("file:"):
         return LocalDir(file_url_path(text))
     if "://" in text:

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from dcp_s3.errors import InvalidCheckpointIdError
-from dcp_s3.objstore.uri import parse_s3_uri
+from dcp_s3.objstore.uri import parse_s3_uri, s3_location
 from dcp_s3.store.base import Store
 from dcp_s3.store.local import LocalStore
 from dcp_s3.store.s3 import S3Store
@@ -25,8 +25,9 @@ def open_store(location: str | os.PathLike[str], *, follow_symlinks: bool = Fals
     too (see ``LocalStore``).
     """
     text = os.fspath(location)
-    if text.startswith("s3://"):
-        return S3Store(parse_s3_uri(text, require_key=False), **storage_options)
+    s3 = s3_location(location)
+    if s3 is not None:
+        return S3Store(parse_s3_uri(s3, require_key=False), **storage_options)
     if "://" in text:
         raise InvalidCheckpointIdError(f"{text!r}: unsupported scheme; expected s3://bucket/prefix or a local path")
     return LocalStore(text, follow_symlinks=follow_symlinks, **storage_options)
@@ -36,10 +37,10 @@ def open_object(
     location: str | os.PathLike[str], *, follow_symlinks: bool = False, **storage_options: Any
 ) -> tuple[Store, str]:
     """(store of the parent location, object name) for one object/file location."""
-    text = os.fspath(location).rstrip("/")
-    if text.startswith("s3://"):
-        uri = parse_s3_uri(text)
+    s3 = s3_location(location)
+    if s3 is not None:
+        uri = parse_s3_uri(s3)
         parent, _, name = uri.key.rpartition("/")
         return open_store(f"s3://{uri.bucket}/{parent}", **storage_options), name
-    parent, name = os.path.split(os.path.abspath(text))
+    parent, name = os.path.split(os.path.abspath(os.fspath(location).rstrip("/")))
     return open_store(parent, follow_symlinks=follow_symlinks, **storage_options), name

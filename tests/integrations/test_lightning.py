@@ -356,7 +356,7 @@ class _Boom:
 
 
 def test_s3_paths_are_taken_as_given_and_repaired() -> None:
-    from dcp_s3.integrations.lightning_io import s3_location
+    from dcp_s3.integrations._locations import s3_location
 
     assert s3_location("s3://b/run/step-1/") == "s3://b/run/step-1"
     assert s3_location(Path("s3://b/run/step-1")) == "s3://b/run/step-1"  # Path() made it s3:/b/...

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dcp_s3.errors import InvalidCheckpointIdError
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manifest
 from dcp_s3.store.base import Store
@@ -41,9 +42,7 @@ class Where:
 
 def split(path: Path | str, root: str) -> list[str]:
     """``path``'s parts relative to ``root``; refuses paths elsewhere, ``..`` and dcp_s3's own names."""
-    text = os.fspath(path)
-    if text.startswith("s3:/") and not text.startswith("s3://"):
-        text = "s3://" + text[4:]  # pathlib folds "s3://" into "s3:/"
+    text = s3_location(path) or os.fspath(path)  # pathlib folds "s3://" into "s3:/"
     if "://" in text or root.startswith("/") and text.startswith("/"):
         if text.rstrip("/") != root and not text.startswith(root + "/"):
             raise InvalidCheckpointIdError(f"{text!r} is not under this storage's root {root!r}")
