@@ -8,7 +8,8 @@ A checkpoint directory can share its prefix with a user's files (``config.yaml``
 - a step's marker ``<step>.pth`` (see :mod:`dcp_s3.checkpointer.steps`).
 
 ``gc`` removes, among objects last written more than ``older_than`` ago: the checkpoint
-objects of incomplete steps and checkpoints, of directories of a complete step that its marker
+objects of incomplete steps and checkpoints (never a committed DCP checkpoint: a part directory holding its
+``.metadata`` stays even when its step has no marker), of directories of a complete step that its marker
 does not name (generations of a killed re-save, see :mod:`dcp_s3.checkpointer.generations`), data objects of
 committed checkpoints that their ``.metadata`` does not reference (left by a crashed or replaced
 save), probes anywhere, and
@@ -106,7 +107,10 @@ def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = No
             garbage.skipped.append((store.url(step.name), f"inside the complete checkpoint {store.url(inside[0])}"))
         elif not step.complete:
             if step.mtime <= cutoff:
+                step = _without_committed_parts(store, step, garbage)
                 mine, other = split_step(step)
+                if not mine:
+                    continue
                 garbage.steps.append(step)
                 garbage.objects.extend(mine)
                 garbage.kept.extend(other)
@@ -122,6 +126,22 @@ def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = No
         e for e in entries if PROBE_PATTERN.fullmatch(_base(e.name)) and e.mtime <= cutoff and e.name not in listed
     )
     return garbage
+
+
+def _without_committed_parts(store: Store, step: Step, garbage: Garbage) -> Step:
+    """``step`` (incomplete) less its parts that are complete DCP checkpoints, when it has no marker: a
+    ``<step>.<key>_model`` directory holding its ``.metadata`` may be a plain checkpoint written there (or one
+    a crash left with every part committed); nothing proves it garbage, so it stays (listed in ``skipped``).
+    Generation directories (``<step>.<part>.<token>``, named only by the Checkpointer's saves) still go."""
+    if step.kind != "step" or step.marker is not None:
+        return step
+    kept = {s: p for s, p in step.parts.items() if p.committed}
+    for part in kept.values():
+        garbage.skipped.append(
+            (store.url(part.name), "a complete DCP checkpoint (its .metadata is there): gc never removes one")
+        )
+    parts = {s: p for s, p in step.parts.items() if s not in kept}
+    return Step(step.name, step.kind, None, parts, list(step.stale), step.error, step.named)
 
 
 def _unreferenced(store: Store, part: Part, cutoff: float, garbage: Garbage) -> None:

@@ -181,14 +181,16 @@ def settle(store: Store, steps: Iterable[Step]) -> list[Step]:
     their markers name them: a step with generation directories (and a marker) has its marker read
     (one GET) and its ``parts`` set to the directories ``part_dirs`` names, every other directory of
     the step moved to ``stale``. A step without generation directories is returned as it is (no
-    request). A marker that cannot be read or names what it must not sets ``Step.error``: such a step
-    is not complete, and nothing of it is touched by ``gc``."""
+    request). A marker proved unusable — gone (404) or malformed (``CheckpointFormatError``) — sets
+    ``Step.error``: such a step is not complete, and nothing of it is touched by ``gc``. Any other error
+    (a 500 after the retries, a timeout, throttling, access denied) may pass and proves nothing: it is
+    raised, so that no caller takes an older step for the newest (absent is not unavailable)."""
     out = []
     for step in steps:
         if step.kind == "step" and step.stale and step.marker is not None and not (step.named or step.error):
             try:
                 _follow_marker(store, step)
-            except (DcpS3Error, OSError) as exc:
+            except (CheckpointFormatError, CheckpointNotFoundError) as exc:
                 step.error = f"{type(exc).__name__}: {exc}"
                 log.warning("step %s is not complete: its marker cannot be followed: %s", store.url(step.name), exc)
         out.append(step)
@@ -312,8 +314,15 @@ def _parts_committed(store: Store, step: Step) -> bool:
     )
 
 
-def find_complete(store: Store, count: int | None = 1, unreadable: dict[str, str] | None = None) -> list[Step]:
-    """The newest ``count`` (None: all) complete manager steps directly under the root, oldest first.
+def find_complete(
+    store: Store,
+    count: int | None = 1,
+    unreadable: dict[str, str] | None = None,
+    names: re.Pattern[str] | None = None,
+) -> list[Step]:
+    """The newest ``count`` (None: all) complete manager steps directly under the root, oldest first;
+    with ``names``, only steps whose name it matches in full (a resume considers only the names its own
+    scheme makes: :data:`dcp_s3.checkpointer.names.CHECKPOINTER_STEPS`).
 
     As :func:`complete_steps` over a full listing, at the cost of one delimiter listing of the root
     and a HEAD of each part's ``.metadata`` for the steps with a marker, newest first, until ``count``
@@ -329,7 +338,7 @@ def find_complete(store: Store, count: int | None = 1, unreadable: dict[str, str
             unreadable[step.name] = step.error
         return _parts_committed(store, step)
 
-    candidates = [s for s in root_steps(store) if s.marker is not None]
+    candidates = [s for s in root_steps(store) if s.marker is not None and (names is None or names.fullmatch(s.name))]
     if candidates and all(s.iteration is not None for s in candidates):
         found: list[Step] = []
         for step in reversed(ordered(candidates)):

@@ -73,4 +73,7 @@ def load_legacy(
                 f"legacy checkpoint {where}: optimizer state does not match ({exc}); "
                 "continuing with fresh optimizer state"
             )
-    return int(marker.get("iteration", 0))
+    iteration = marker.get("iteration", 0)
+    if not isinstance(iteration, int) or isinstance(iteration, bool):  # stored bytes: never int() on them
+        raise CheckpointFormatError(f"legacy checkpoint {where}: 'iteration' = {iteration!r:.80} is not a whole number")
+    return iteration

@@ -33,7 +33,7 @@ __all__ = ["RANK_DIR_RE", "rank_dir", "rank_dir_problem", "rank_dirs", "rank_sto
 
 #: The name of a rank directory under a local root: exactly ``rank_dir``'s outputs (five digits, zero-padded,
 #: or more without a leading zero from rank 100000 on).
-RANK_DIR_RE = re.compile(r"rank(\d{5}|[1-9]\d{5,})")
+RANK_DIR_RE = re.compile(r"rank([0-9]{5}|[1-9][0-9]{5,})")
 
 
 def rank_dir(rank: int) -> str:

@@ -51,16 +51,13 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from dcp_s3.checkpointer.names import CHECKPOINTER_STEPS
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store.base import Store
 
 __all__ = ["Ownership", "CHECKPOINTER_STEPS", "committed", "refuse"]
 
 log = logging.getLogger("dcp_s3")
-
-#: The Checkpointer's (and its local tier's) step names, exactly as ``f"{iteration:07d}"`` makes them: seven
-#: digits, or more without a leading zero (``00000123`` is no iteration's name).
-CHECKPOINTER_STEPS = re.compile(r"\d{7}|[1-9]\d{7,}")
 
 
 def _clean(name: str) -> bool:

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dcp_s3.checkpointer.generations import find_complete, plan_parts
 from dcp_s3.checkpointer.legacy import is_foreign_step_marker
 from dcp_s3.checkpointer.markers import check_marker
+from dcp_s3.checkpointer.names import CHECKPOINTER_STEPS
 from dcp_s3.checkpointer.ranks import distributed
 from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
 from dcp_s3.checkpointer.training_state import on_meta, warn
@@ -137,7 +138,7 @@ class StepIO:
         if path is None:
             store: Store = self.root
             unreadable: dict[str, str] = {}
-            found = find_complete(store, 1, unreadable)
+            found = find_complete(store, 1, unreadable, CHECKPOINTER_STEPS)
             for name, why in sorted(unreadable.items()):  # newer than the step found: never resumed from
                 warn(f"step {store.url(name)} is not resumed from: its marker cannot be followed: {why}")
             if not found:

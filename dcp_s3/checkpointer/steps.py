@@ -14,8 +14,10 @@ puts such directories in ``Step.stale`` until :func:`dcp_s3.checkpointer.generat
 
 Steps are recognized at any depth below the root (``run1/0000100`` when listing a bucket).
 
-``<step>`` defaults to ``{iteration:07d}``. A lone ``<step>.pth`` without parts is a
-legacy single-file checkpoint (``{"model": ..., "optimizer": ..., "iteration": ...}``).
+``<step>`` defaults to ``{iteration:07d}``. A ``<x>.<key>_model`` directory without a marker ``<x>.pth`` is a
+step's part only when ``<x>`` is a name the Checkpointer makes (:data:`~dcp_s3.checkpointer.names.CHECKPOINTER_STEPS`);
+otherwise it is a directory like any other (``llama.base_model``, a plain DCP checkpoint). A lone ``<step>.pth``
+without parts is a legacy single-file checkpoint (``{"model": ..., "optimizer": ..., "iteration": ...}``).
 Any other directory that directly holds ``.metadata`` or ``*.distcp`` objects is a plain
 DCP checkpoint. ``*.distcp`` objects in a ``p-<hex>`` directory (``S3StorageWriter(key_prefixes=N)``)
 belong to the directory above it, unless that ``p-<hex>`` directory holds a ``.metadata`` itself.
@@ -31,6 +33,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from dcp_s3.checkpointer.names import CHECKPOINTER_STEPS, number
 from dcp_s3.layout import DATA_SUFFIX, METADATA_KEY, is_key_prefix_dir
 from dcp_s3.store.base import Entry, Store
 
@@ -122,7 +125,7 @@ class Step:
 
     @property
     def iteration(self) -> int | None:
-        return int(self.name) if self.name.isdigit() else None
+        return number(self.name)
 
 
 def _join(a: str, b: str) -> str:
@@ -171,7 +174,16 @@ def scan(entries: Iterable[Entry]) -> list[Step]:
             steps.setdefault(name, Step(name, "step")).marker = entry
         else:
             loose.setdefault(directory, []).append(entry)
-    out = list(steps.values())
+    out = []
+    for step in steps.values():
+        if step.marker is None and not CHECKPOINTER_STEPS.fullmatch(step.name.rpartition("/")[2]):
+            # No marker and a name the Checkpointer does not make (``llama.base_model``): not a step's part but a
+            # directory of its own, a plain DCP checkpoint if it holds one (never an "incomplete step" to gc).
+            for part in [*step.parts.values(), *step.stale]:
+                for entry in part.objects:
+                    loose.setdefault(part.name, []).append(entry)
+        else:
+            out.append(step)
     for directory, objs in loose.items():
         names = {o.name.rpartition("/")[2] for o in objs}
         if METADATA_KEY in names or any(n.endswith(DATA_SUFFIX) for n in names):

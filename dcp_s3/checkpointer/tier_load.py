@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_s3.checkpointer.generations import load_marker_bytes
 from dcp_s3.checkpointer.markers import check_marker
+from dcp_s3.checkpointer.names import CHECKPOINTER_STEPS
 from dcp_s3.checkpointer.rank_load import check_copy, load_alone, short_reason
 from dcp_s3.checkpointer.ranks import distributed, rank, world_size
 from dcp_s3.checkpointer.saves import StoredSave, stored_save
@@ -41,7 +42,7 @@ from dcp_s3.checkpointer.steps import MARKER_SUFFIX, root_steps
 from dcp_s3.checkpointer.tier_reshard import Shared, check_shared, load_merged, shared_copies
 from dcp_s3.checkpointer.tiers import Tiers, save_of
 from dcp_s3.checkpointer.training_state import warn
-from dcp_s3.errors import DcpS3Error
+from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 from dcp_s3.store import Store
 
 __all__ = ["tiered_load"]
@@ -77,7 +78,13 @@ class _S3Steps:
     def __init__(self, tiers: Tiers) -> None:
         self.tiers = tiers
         self.named: set[str] = set(
-            tiers.ranks.run_on_rank0(lambda: sorted(s.name for s in root_steps(tiers.s3) if s.marker is not None))
+            tiers.ranks.run_on_rank0(
+                lambda: sorted(
+                    s.name
+                    for s in root_steps(tiers.s3)
+                    if s.marker is not None and CHECKPOINTER_STEPS.fullmatch(s.name)
+                )
+            )
         )
         self._seen: dict[str, tuple[StoredSave | None, str]] = {}
 
@@ -91,7 +98,7 @@ class _S3Steps:
             def probe() -> tuple[StoredSave | None, str]:
                 try:
                     return stored_save(self.tiers.s3, step), ""
-                except (DcpS3Error, OSError) as exc:
+                except (CheckpointFormatError, CheckpointNotFoundError) as exc:  # proof; any other error raises
                     return None, f"on S3 {short_reason(exc)}"
 
             self._seen[step] = self.tiers.ranks.run_on_rank0(probe)

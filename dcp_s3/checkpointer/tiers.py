@@ -339,7 +339,7 @@ class Tiers:
         if hostile is not None:  # nothing is read through it: this rank has no local copy
             warn(f"the local tier of rank {rank()} is not used: {hostile}")
             return out
-        for step in find_complete(self.local, None):
+        for step in find_complete(self.local, None, names=CHECKPOINTER_STEPS):
             try:
                 found = local_copy(self.local, step.name)
                 if found is None:

@@ -28,7 +28,7 @@ def human_size(n: int | None) -> str:
 
 def parse_duration(text: str) -> float:
     """``90s``, ``30m``, ``1h``, ``2d``, ``1w`` or a number of seconds → seconds."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhdw]?)\s*", text)
     if not match:
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}; use e.g. 90s, 30m, 1h, 2d")
     scale = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]

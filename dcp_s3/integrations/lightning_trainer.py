@@ -34,12 +34,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from dcp_s3.checkpointer.ownership import Ownership, refuse
 from dcp_s3.errors import CheckpointFormatError, ConfigError
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.lightning_io import (
     checkpoint_exists,
     delete_checkpoint,
     list_checkpoints,
     load_sharded,
-    s3_location,
     save_sharded,
 )
 from dcp_s3.store.storage_options import StorageOptions
@@ -199,7 +199,7 @@ class S3ModelCheckpoint(ModelCheckpoint):
         names = "|".join(
             _template_pattern(t, self.auto_insert_metric_name, self.CHECKPOINT_EQUALS_CHAR) for t in templates
         )
-        version = re.escape(self.CHECKPOINT_JOIN_CHAR) + r"v\d+"
+        version = re.escape(self.CHECKPOINT_JOIN_CHAR) + r"v[0-9]+"
         scheme = re.compile(rf"(?:{names})(?:{version})?{re.escape(self.FILE_EXTENSION)}")
         return Ownership(f"S3ModelCheckpoint({self.dirpath})", str(self.dirpath), scheme)
 
@@ -215,7 +215,7 @@ class S3ModelCheckpoint(ModelCheckpoint):
         return location != s3_location(trainer.ckpt_path)
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
-        pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?{re.escape(self.FILE_EXTENSION)}$")
+        pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-([0-9]+))?{re.escape(self.FILE_EXTENSION)}$")
         assert self.dirpath is not None
         found = self._strategy(trainer).list_checkpoints(self.dirpath)
         return {path for path in found if pattern.match(path.rsplit("/", 1)[-1])}

@@ -64,7 +64,7 @@ FORMAT = "dcp_s3.nemo_automodel/1"
 #: The directory of one save's objects inside a checkpoint: ``save.<token>``.
 SAVE_DIR = "save."
 #: NeMo's checkpoint names (``epoch_<E>_step_<S>``, as ``list_automodel_checkpoints`` matches them).
-CHECKPOINT_NAMES = re.compile(r"epoch_\d+_step_(\d+)")
+CHECKPOINT_NAMES = re.compile(r"epoch_[0-9]+_step_([0-9]+)")  # ASCII digits: dcp_s3.checkpointer.names
 #: The largest commit read (NeMo's are a few kilobytes) and the largest small file it may list.
 MAX_COMMIT_BYTES = 1 << 20
 MAX_FILE_BYTES = 1 << 30

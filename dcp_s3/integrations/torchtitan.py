@@ -69,7 +69,7 @@ __all__ = ["S3CheckpointManager"]
 logger = logging.getLogger("dcp_s3")
 
 #: torchtitan's step directories: ``step-<N>`` (``CheckpointManager._create_checkpoint_id``).
-_STEP_DIR = re.compile(r"step-(\d+)")
+_STEP_DIR = re.compile(r"step-([0-9]+)")  # ASCII digits: dcp_s3.checkpointer.names
 
 
 class S3CheckpointManager(CheckpointManager):

@@ -33,7 +33,7 @@ from typing import Any
 from dcp_s3.admin.cleanup import remove_checkpoint
 from dcp_s3.checkpointer.ownership import Ownership
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
-from dcp_s3.integrations.lightning_io import s3_location
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.objstore.uri import parse_s3_uri
 from dcp_s3.store.storage_options import StorageOptions
 
@@ -42,7 +42,7 @@ __all__ = ["LocalDirs", "CHECKPOINT_DIR"]
 logger = logging.getLogger("dcp_s3")
 
 #: The Trainer's checkpoint directory names (``PREFIX_CHECKPOINT_DIR`` is ``"checkpoint"``).
-CHECKPOINT_DIR = re.compile(r"checkpoint-\d+")
+CHECKPOINT_DIR = re.compile(r"checkpoint-[0-9]+")  # ASCII digits: dcp_s3.checkpointer.names
 
 
 def _real(path: Any) -> str:

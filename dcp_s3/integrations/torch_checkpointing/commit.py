@@ -39,6 +39,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from dcp_s3.checkpointer.names import number
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
 from dcp_s3.objstore.base import check_relative_name
 from dcp_s3.store.base import Store
@@ -186,10 +187,10 @@ def claims(store: Store, name: str, attempt: str) -> dict[int, str]:
     found: dict[int, str] = {}
     lead = _claims_of(name, attempt)
     for entry in store.list_objects(lead):
-        found_rank = entry.name[len(lead) :].removeprefix("rank-")
-        if not found_rank.isdigit():
+        found_rank = number(entry.name[len(lead) :].removeprefix("rank-"))
+        if found_rank is None:
             raise CheckpointFormatError(f"{store.url(entry.name)}: not a claim dcp_s3 writes")
-        found[int(found_rank)] = _writer_of(store.read(entry.name), store.url(entry.name))
+        found[found_rank] = _writer_of(store.read(entry.name), store.url(entry.name))
     return found
 
 

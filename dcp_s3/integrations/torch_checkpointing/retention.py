@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+from dcp_s3.checkpointer.names import DIGITS, scheme
 from dcp_s3.checkpointer.ownership import Ownership
 from dcp_s3.errors import ConfigError, DeletionRefusedError
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER
@@ -23,7 +24,7 @@ __all__ = ["ownership", "delete_checkpoint", "committed_checkpoints", "doomed"]
 
 def ownership(store: Store, root: str, names: str) -> Ownership:
     """What may be deleted: committed checkpoints under ``store``'s root (``root`` in messages) named by ``names``."""
-    return Ownership(f"S3Storage(root={root})", store.url(""), re.compile(names), marker=MARKER)
+    return Ownership(f"S3Storage(root={root})", store.url(""), scheme(names), marker=MARKER)
 
 
 def delete_checkpoint(store: Store, root: str, names: str, name: str) -> None:
@@ -44,7 +45,7 @@ def committed_checkpoints(store: Store, root: str, names: str, folder: str) -> l
     lead = folder + "/" if folder else ""
     found = [d.rstrip("/") for d in store.list_dir(lead)[1]]
     found = [n for n in own.owned(found) if store.size(f"{n}/{MARKER}") is not None]
-    return sorted(found, key=lambda n: [int(x) for x in re.findall(r"\d+", n)])
+    return sorted(found, key=lambda n: [int(x) for x in re.findall(DIGITS, n)])
 
 
 def doomed(committed: list[str], count: int) -> list[str]:

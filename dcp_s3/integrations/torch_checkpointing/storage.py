@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch_checkpointing.checkpoint_writer import CallbackArgs
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
+from dcp_s3.checkpointer.names import scheme
 from dcp_s3.errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -61,6 +62,7 @@ from dcp_s3.errors import (
     ConfigError,
     DeletionRefusedError,
 )
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.torch_checkpointing import attempts as tc_attempts
 from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
 from dcp_s3.integrations.torch_checkpointing import paths as tc_paths
@@ -95,7 +97,7 @@ class S3StorageConfig(StorageConfig):
     root: str
     options: StorageOptions | Mapping[str, Any] | None = None
     temp_dir_prefix: str = "tmp_"
-    checkpoint_names: str = r"step_\d+"
+    checkpoint_names: str = r"step_[0-9]+"
     rank: int | None = None
     world_size: int | None = None
     attempt: str | None = None
@@ -105,11 +107,11 @@ class S3StorageConfig(StorageConfig):
         if not self.temp_dir_prefix or "/" in self.temp_dir_prefix:
             raise ConfigError(f"temp_dir_prefix {self.temp_dir_prefix!r}: needs one non-empty name part")
         try:
-            re.compile(self.checkpoint_names)
+            scheme(self.checkpoint_names)
         except re.error as exc:
             raise ConfigError(f"checkpoint_names {self.checkpoint_names!r}: not a regular expression ({exc})") from None
         self._options = StorageOptions.of(self.options)  # a bad option fails here, not at the first save
-        self.root = os.fspath(self.root).rstrip("/")
+        self.root = s3_location(self.root) or os.fspath(self.root).rstrip("/")
         if self.attempt is not None:
             tc_attempts.check_attempt(self.attempt)
 
