@@ -16,6 +16,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from dcp_s3.checkpointer.generations import settle
+from dcp_s3.checkpointer.names import number
 from dcp_s3.checkpointer.steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, scan
 from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
@@ -58,7 +59,17 @@ def resolve(uri: str, *, follow_symlinks: bool = False, **storage_options: Any) 
                 parent.url(named[0].parts[part].name), follow_symlinks=follow_symlinks, **storage_options
             )
             return store, scan(store.list_objects())
-    raise CheckpointNotFoundError(f"no checkpoint found at {uri}")
+    raise CheckpointNotFoundError(f"no checkpoint found at {uri}{_step_hint(uri)}")
+
+
+def _step_hint(uri: str) -> str:
+    """``"; did you mean .../0003000 ..."`` for a location ending in a number the Checkpointer would have
+    written with seven digits (``run1/3000``), else ``""``."""
+    parent, _, last = uri.rstrip("/").rpartition("/")
+    iteration = number(last)
+    if iteration is None or f"{iteration:07d}" == last:
+        return ""
+    return f"; did you mean {parent}/{iteration:07d} (the Checkpointer names steps with 7 digits)?"
 
 
 def is_root(store: Store, uri: str) -> bool:

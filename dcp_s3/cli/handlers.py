@@ -22,7 +22,17 @@ from dcp_s3.cli.tier_table import print_local_tier as _print_local_tier
 from dcp_s3.errors import ConfigError
 from dcp_s3.objstore.uri import s3_location
 
-__all__ = ["cmd_convert", "cmd_cp", "cmd_demo", "cmd_gc", "cmd_inspect", "cmd_ls", "cmd_rm", "cmd_verify"]
+__all__ = [
+    "cmd_convert",
+    "cmd_cp",
+    "cmd_demo",
+    "cmd_gc",
+    "cmd_inspect",
+    "cmd_ls",
+    "cmd_rm",
+    "cmd_server",
+    "cmd_verify",
+]
 
 
 # -- commands ----------------------------------------------------------------------------------------
@@ -83,7 +93,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _say(f"{s.name}: {s.error or 'unreadable'}")
     done = sum(s.complete and not s.unreadable for s in steps)
     print(
-        f"{len(steps)} checkpoints ({done} complete, {len(steps) - done} incomplete), "
+        f"{len(steps)} checkpoint{'' if len(steps) == 1 else 's'} ({done} complete, {len(steps) - done} incomplete), "
         f"{human_size(sum(s.stored_bytes for s in steps))} stored"
     )
     return 0
@@ -136,7 +146,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         item = f" [{p.item}]" if p.item else ""
         _say(f"FAIL {p.url}{item}: {p.message}")
     summary = (
-        f"{report.checkpoints} checkpoints, {report.objects} objects, {report.items} items, "
+        f"{report.checkpoints} checkpoint{'' if report.checkpoints == 1 else 's'}, {report.objects} objects, {report.items} items, "
         f"{human_size(report.bytes_read)} read"
     )
     if report.ok:
@@ -256,3 +266,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from dcp_s3.demo import main as demo_main
 
     return demo_main([])
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    import shutil
+    import signal
+    import sys
+    import threading
+
+    from dcp_s3.local_server import LocalS3Server
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    kind = args.kind or ("seaweedfs" if shutil.which("weed") else "moto")
+    previous = signal.signal(signal.SIGTERM, stop)  # a kill stops the server too, as Ctrl-C does
+    try:
+        with LocalS3Server.start(kind) as server:
+            server.create_bucket(args.bucket)
+            for name, value in server.env().items():
+                print(f"export {name}={value}")
+            print(f"# {kind} on 127.0.0.1, bucket s3://{args.bucket}/; Ctrl-C stops it and removes what it stored")
+            sys.stdout.flush()
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                print("dcp-s3: server stopped", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

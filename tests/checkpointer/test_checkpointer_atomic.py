@@ -217,7 +217,7 @@ def test_every_save_writes_its_generation_resaves_replace_them(
     capsys.readouterr()
     assert cli.main(["ls", str(run)]) == 0 and cli.main(["verify", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "0001000  complete" in out and "(1 complete, 0 incomplete)" in out and "OK: 1 checkpoints" in out
+    assert "0001000  complete" in out and "(1 complete, 0 incomplete)" in out and "OK: 1 checkpoint," in out
 
 
 def test_retention_and_gc_remove_every_generation(tmp_path: Path) -> None:

@@ -317,17 +317,17 @@ def test_commands_on_spread_checkpoints(
     assert code == 0 and "copied 4 objects" in out, out
     assert set(keys(s3_env, bucket, f"{top}/ckpt/")) == {".metadata"} | PLAIN_DATA
     code, out = run(capsys, "ls", f"s3://{bucket}/{top}")
-    assert code == 0 and "1 checkpoints (1 complete, 0 incomplete)" in out and "p-" not in out, out
+    assert code == 0 and "1 checkpoint (1 complete, 0 incomplete)" in out and "p-" not in out, out
     code, out = run(capsys, "ls", f"s3://{bucket}/{RUN}")
-    assert code == 0 and "1 checkpoints (1 complete, 0 incomplete)" in out and "p-" not in out, out
+    assert code == 0 and "1 checkpoint (1 complete, 0 incomplete)" in out and "p-" not in out, out
     row = next(line for line in out.splitlines() if line.startswith("0000002"))
     assert row.split()[-3] == "9", row  # marker + 2 x (.metadata + 3 data objects)
     code, out = run(capsys, "inspect", ckpt)
     assert code == 0 and "inp.weight" in out
     code, out = run(capsys, "verify", ckpt)
-    assert code == 0 and out.startswith("OK: 1 checkpoints, 3 objects"), out
+    assert code == 0 and out.startswith("OK: 1 checkpoint, 3 objects"), out
     code, out = run(capsys, "verify", f"s3://{bucket}/{RUN}")
-    assert code == 0 and out.startswith("OK: 1 checkpoints, 7 objects"), out
+    assert code == 0 and out.startswith("OK: 1 checkpoint, 7 objects"), out
     code, out = run(capsys, "convert", ckpt, str(tmp_path / "full.pt"))
     assert code == 0, out
     assert_same(ref["plain"]["model"], torch.load(tmp_path / "full.pt", weights_only=True)["model"])
