@@ -42,6 +42,7 @@ __all__ = [
     "FORMAT_TAG",
     "ItemLocation",
     "new_token",
+    "is_token",
     "data_object_name",
     "referenced_objects",
     "replaceable_objects",
@@ -68,13 +69,18 @@ def new_token() -> str:
     return secrets.token_hex(8)
 
 
+def is_token(text: object) -> bool:
+    """Whether ``text`` is a save token as :func:`new_token` makes them (16 lowercase hex digits)."""
+    return isinstance(text, str) and _TOKEN.fullmatch(text) is not None
+
+
 def data_object_name(rank_prefix: str, n: int, token: str) -> str:
     """``<rank_prefix>{n}.{token}.distcp``, e.g. ``__3_0.5f1c0e9a2b7d4c11.distcp``.
 
     torch's FileSystemWriter names the same object ``__3_0.distcp``; the token makes the name
     unique to one save, so a save never touches the objects of a checkpoint it replaces.
     """
-    if not _TOKEN.fullmatch(token):
+    if not is_token(token):
         raise ConfigError(f"object name token {token!r}: expected 16 lowercase hex digits")
     return f"{rank_prefix}{n}.{token}{DATA_SUFFIX}"
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import re
-import secrets
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,13 +44,12 @@ from dcp_s3.checkpointer.steps import (
     root_steps,
 )
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
-from dcp_s3.layout import METADATA_KEY
+from dcp_s3.layout import METADATA_KEY, is_token
 from dcp_s3.store.base import Store
 from dcp_s3.untrusted.torch_files import torch_load
 
 __all__ = [
     "PART_DIRS",
-    "new_token",
     "generation_name",
     "marker_entry",
     "part_dirs_of",
@@ -69,12 +67,6 @@ log = logging.getLogger("dcp_s3")
 
 #: The marker entry naming each part's directory (absent from markers of first saves of earlier versions).
 PART_DIRS = "part_dirs"
-_TOKEN_RE = re.compile(r"[0-9a-f]{16}")
-
-
-def new_token() -> str:
-    """16 random hex digits: the generation (save token) of one save."""
-    return secrets.token_hex(8)
 
 
 def generation_name(step: str, key: str, kind: str, token: str | None) -> str:
@@ -103,7 +95,7 @@ def part_dirs_of(marker: Any, step: str, where: str) -> dict[str, str] | None:
         if not PART_SUFFIX_RE.fullmatch(suffix):
             raise CheckpointFormatError(f"{where}: {suffix!r} is not a part name (<key>_model or <key>_optim)")
         token = name[len(suffix) + 1 :] if isinstance(name, str) and name.startswith(suffix + ".") else None
-        ok = name == suffix or (token is not None and _TOKEN_RE.fullmatch(token) is not None)
+        ok = name == suffix or (token is not None and is_token(token))
         if not ok:
             raise CheckpointFormatError(
                 f"{where}: {PART_DIRS}[{suffix!r}] = {name!r} is not a directory of this step "

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from dcp_s3._torch_compat import async_save
-from dcp_s3.checkpointer.generations import PART_DIRS, commit_step, generation_name, marker_entry, new_token
+from dcp_s3.checkpointer.generations import PART_DIRS, commit_step, generation_name, marker_entry
 from dcp_s3.checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV, load_legacy
 from dcp_s3.checkpointer.objects import latest_checkpoint, load_object, save_object
 from dcp_s3.checkpointer.ranks import Ranks, distributed, rank, world_size
@@ -53,6 +53,7 @@ from dcp_s3.checkpointer.tier_load import tiered_load
 from dcp_s3.checkpointer.tiers import Tiers
 from dcp_s3.checkpointer.training_state import check_dicts, restore, state_of, warn
 from dcp_s3.errors import ConfigError, DcpS3Error
+from dcp_s3.layout import new_token
 from dcp_s3.planners.trainable import TrainableOnlySavePlanner
 from dcp_s3.store import Store, open_store
 from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes

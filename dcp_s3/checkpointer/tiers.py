@@ -51,7 +51,6 @@ from dcp_s3.checkpointer.generations import (
     find_complete,
     generation_name,
     marker_entry,
-    new_token,
     part_dirs_of,
     read_marker,
 )
@@ -65,6 +64,7 @@ from dcp_s3.checkpointer.retention import delete_step, retain_last
 from dcp_s3.checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
 from dcp_s3.checkpointer.training_state import warn
 from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
+from dcp_s3.layout import new_token
 from dcp_s3.store import Store
 from dcp_s3.untrusted.torch_files import torch_save_bytes
 

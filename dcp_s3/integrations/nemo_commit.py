@@ -38,7 +38,7 @@ from dcp_s3.errors import (
     ConfigError,
     S3TransferError,
 )
-from dcp_s3.layout import METADATA_KEY, new_token
+from dcp_s3.layout import METADATA_KEY, is_token, new_token
 from dcp_s3.store.base import Store
 from dcp_s3.store.storage_options import StorageOptions
 
@@ -68,7 +68,6 @@ CHECKPOINT_NAMES = re.compile(r"epoch_[0-9]+_step_([0-9]+)")  # ASCII digits: dc
 #: The largest commit read (NeMo's are a few kilobytes) and the largest small file it may list.
 MAX_COMMIT_BYTES = 1 << 20
 MAX_FILE_BYTES = 1 << 30
-_TOKEN = re.compile(r"[0-9a-f]{16}")
 COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -102,7 +101,7 @@ class Commit:
         if doc["format"] != FORMAT:
             raise CheckpointFormatError(f"{where}: format {str(doc['format'])[:40]!r} is not {FORMAT!r}")
         token, parts, files = doc["save"], doc["parts"], doc["files"]
-        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+        if not is_token(token):
             raise CheckpointFormatError(f"{where}: save is not a save token (16 hex digits)")
         if not isinstance(parts, list) or not all(isinstance(p, str) and COMPONENT.fullmatch(p) for p in parts):
             raise CheckpointFormatError(f"{where}: parts is not a list of names of one path component")
