@@ -260,7 +260,7 @@ class ItemReads:
 
         def decode() -> None:
             out = open_dest()
-            self._codec.decode_into(frames, held.pop("buf"), s0, lo, hi, out)
+            self._decode(key, info, frames, held.pop("buf"), s0, s1, lo, hi, out)
             self._verify_frames(key, info, frames, lo, hi, out)
             if done is not None:
                 done()
@@ -309,11 +309,29 @@ class ItemReads:
         def decode() -> None:
             out = open_dest()
             stored = held.pop()
-            self._codec.decode_into(frames, stored[: s1 - s0], s0, lo, hi, out)
-            self._frame_buffers.give_back(stored)
+            try:
+                self._decode(key, info, frames, stored[: s1 - s0], s0, s1, lo, hi, out)
+            finally:
+                self._frame_buffers.give_back(stored)
             self._verify_frames(key, info, frames, lo, hi, out)
 
         reads.append(RangeRead(key, start, end, open_stored, decode, direct=True))
+
+    def _decode(
+        self, key: str, info: Any, frames: FrameIndex, stored: Any, s0: int, s1: int, lo: int, hi: int, out: memoryview
+    ) -> None:
+        """The codec's decode of raw bytes ``[lo, hi)`` of a compressed item from its stored bytes ``[s0, s1)``
+        (``stored``), every call site's: the codec knows frames, not objects, so its ``CheckpointFormatError``
+        (corrupt or misplaced bytes: a server answering a range with other bytes) is raised again naming the
+        object and the byte range read, chained to the codec's."""
+        try:
+            self._codec.decode_into(frames, stored, s0, lo, hi, out)
+        except CheckpointFormatError as e:
+            raise CheckpointFormatError(
+                f"{self._session.object_store.url(key)}: bytes [{info.offset + s0}, {info.offset + s1}) (frames of "
+                f"the item at [{info.offset}, {info.offset + info.length}), its raw bytes [{lo}, {hi})) do not decode: "
+                f"{e}"
+            ) from e
 
 
 class _FrameBuffers:
