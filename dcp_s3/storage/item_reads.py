@@ -61,6 +61,8 @@ class ItemReads:
         self._codec = codec
         self._stagings = stagings
         self._frame_buffers = _FrameBuffers()
+        #: The pieces staged through a pinned pool: ``release_staged`` gives back what a failed read left held.
+        self.staged: list[StagedRows] = []
         self.allow_unsafe_byte_items = allow_unsafe_byte_items
 
     def plan_item(self, req: ReadItem, planner: LoadPlanner, reads: list[RangeRead]) -> Callable[[], None]:
@@ -118,6 +120,12 @@ class ItemReads:
             planner.commit_tensor(req, dest)
 
         return commit
+
+    def release_staged(self) -> None:
+        """Give back the pinned buffers of staged pieces whose read never reached ``done`` (a failed GET); call
+        once every read has ended."""
+        for piece in self.staged:
+            piece.release()
 
     def _verify(self, req: ReadItem, info: Any, payload: memoryview, crc: int | None = None) -> None:
         """Check ``payload`` against the item's CRC32C (``crc``: its CRC32C, taken as its bytes arrived)."""
@@ -223,6 +231,8 @@ class ItemReads:
         for r in range(0, rows, rows_per_piece):
             n = min(rows_per_piece, rows - r)
             piece = StagedRows(dest, sizes, dtype, req, r, n, staging)
+            if staging is not None:
+                self.staged.append(piece)
             start = (row0 + r) * row_bytes
             self._add_read(reads, key, info, start, start + n * row_bytes, piece.open, piece.done)
         return False
