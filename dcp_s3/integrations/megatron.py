@@ -43,6 +43,7 @@ import functools
 import io
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from queue import SimpleQueue
 from typing import Any
@@ -225,6 +226,34 @@ def _check_config(stored: Any, location: str) -> None:
         )
 
 
+#: Megatron's ``ShardedObject.unique_key``: ``<key>/shard_<global offset>_<global shape>``, each a dot-separated
+#: list of ASCII decimal numbers (of up to 19 digits: ``int`` refuses longer text in some settings). An offset one
+#: longer than the shape is Megatron's older spelling (``empty_from_unique_key`` then appends -1 to the shape).
+_OBJECT_KEY = re.compile(
+    r"(.+)/shard_((?:[0-9]{1,19}(?:\.[0-9]{1,19})*)?)_((?:[0-9]{1,19}(?:\.[0-9]{1,19})*)?)", re.ASCII | re.S
+)
+
+
+def _numbers(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")) if text else ()
+
+
+def _sharded_object(key: str, location: str) -> ShardedObject:
+    """The data-less ``ShardedObject`` a stored byte item's ``key`` names (Megatron's ``empty_from_unique_key``,
+    which unpacks, ``assert``s and ``int()``s unchecked text); ``CheckpointFormatError`` naming the checkpoint and
+    the entry for a key Megatron could not have written."""
+    match = _OBJECT_KEY.fullmatch(key)
+    offset, shape = (_numbers(match.group(2)), _numbers(match.group(3))) if match else ((), ())
+    if len(shape) + 1 == len(offset):
+        shape += (-1,)
+    if match is None or len(offset) != len(shape):
+        raise CheckpointFormatError(
+            f"{location}: stored byte item {key!r} is not a Megatron ShardedObject key "
+            "(<key>/shard_<offset>_<shape>, ASCII digits, as many offsets as shape dimensions)"
+        )
+    return ShardedObject(match.group(1), None, shape, offset, replica_id=0)
+
+
 def _checkpoint_metadata(location: str, options: StorageOptions) -> tuple[dict[str, Any], str | None]:
     """What Megatron's ``load_sharded_metadata`` returns (ShardedTensors and ShardedObjects without data), read
     from the checkpoint's ``.metadata``, and the save it belongs to."""
@@ -233,7 +262,7 @@ def _checkpoint_metadata(location: str, options: StorageOptions) -> tuple[dict[s
     sharded: dict[str, Any] = {}
     for key, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, BytesStorageMetadata) and key not in _RESERVED:
-            obj = ShardedObject.empty_from_unique_key(key)
+            obj = _sharded_object(key, location)
             sharded[obj.unique_key] = obj
     sharded.update(TorchDistLoadShardedStrategy().load_tensors_metadata(location, metadata))
     return sharded, getattr(metadata.storage_meta, "save_id", None)

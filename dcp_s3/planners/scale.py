@@ -43,9 +43,11 @@ from typing import Any, cast
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
+    STATE_DICT_TYPE,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    StorageMeta,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan
@@ -72,15 +74,25 @@ class ScalableSavePlanner(OverridableSavePlanner):
         super().__init__(**kwargs)
         self.packed_plans = packed_plans
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+    def set_up_planner(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
         """torch's set-up, and a plan-cache key naming the group this save runs on.
+
+        The parameters are torch's, by name: torch's save passes ``storage_meta`` and
+        ``is_coordinator`` by keyword only to a planner whose ``set_up_planner`` declares
+        ``storage_meta``; to any other it warns and passes ``(state_dict, is_coordinator)``
+        positionally (torch 2.7-2.15), and the coordinator's flag lands in ``storage_meta``.
 
         torch keys its plan cache by the planner's class name alone, process-wide: a save on
         another group (a sub-group, a different world) would have its plans merged with the
         cached plans of a save with other ranks (torch 2.7 then fails; later releases build the
         global plan from a mix). Every rank of one save computes the same key.
         """
-        super().set_up_planner(*args, **kwargs)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
         running = running_dcp_group()
         scope = "local" if running is None else ",".join(map(str, group_ranks(running.group)))
         self.set_plans_cache_key(f"{type(self).__name__}@{scope}")

@@ -61,6 +61,8 @@ class ItemReads:
         self._codec = codec
         self._stagings = stagings
         self._frame_buffers = _FrameBuffers()
+        #: The pieces staged through a pinned pool: ``release_staged`` gives back what a failed read left held.
+        self.staged: list[StagedRows] = []
         self.allow_unsafe_byte_items = allow_unsafe_byte_items
 
     def plan_item(self, req: ReadItem, planner: LoadPlanner, reads: list[RangeRead]) -> Callable[[], None]:
@@ -118,6 +120,12 @@ class ItemReads:
             planner.commit_tensor(req, dest)
 
         return commit
+
+    def release_staged(self) -> None:
+        """Give back the pinned buffers of staged pieces whose read never reached ``done`` (a failed GET); call
+        once every read has ended."""
+        for piece in self.staged:
+            piece.release()
 
     def _verify(self, req: ReadItem, info: Any, payload: memoryview, crc: int | None = None) -> None:
         """Check ``payload`` against the item's CRC32C (``crc``: its CRC32C, taken as its bytes arrived)."""
@@ -223,6 +231,8 @@ class ItemReads:
         for r in range(0, rows, rows_per_piece):
             n = min(rows_per_piece, rows - r)
             piece = StagedRows(dest, sizes, dtype, req, r, n, staging)
+            if staging is not None:
+                self.staged.append(piece)
             start = (row0 + r) * row_bytes
             self._add_read(reads, key, info, start, start + n * row_bytes, piece.open, piece.done)
         return False
@@ -260,7 +270,7 @@ class ItemReads:
 
         def decode() -> None:
             out = open_dest()
-            self._codec.decode_into(frames, held.pop("buf"), s0, lo, hi, out)
+            self._decode(key, info, frames, held.pop("buf"), s0, s1, lo, hi, out)
             self._verify_frames(key, info, frames, lo, hi, out)
             if done is not None:
                 done()
@@ -309,11 +319,29 @@ class ItemReads:
         def decode() -> None:
             out = open_dest()
             stored = held.pop()
-            self._codec.decode_into(frames, stored[: s1 - s0], s0, lo, hi, out)
-            self._frame_buffers.give_back(stored)
+            try:
+                self._decode(key, info, frames, stored[: s1 - s0], s0, s1, lo, hi, out)
+            finally:
+                self._frame_buffers.give_back(stored)
             self._verify_frames(key, info, frames, lo, hi, out)
 
         reads.append(RangeRead(key, start, end, open_stored, decode, direct=True))
+
+    def _decode(
+        self, key: str, info: Any, frames: FrameIndex, stored: Any, s0: int, s1: int, lo: int, hi: int, out: memoryview
+    ) -> None:
+        """The codec's decode of raw bytes ``[lo, hi)`` of a compressed item from its stored bytes ``[s0, s1)``
+        (``stored``), every call site's: the codec knows frames, not objects, so its ``CheckpointFormatError``
+        (corrupt or misplaced bytes: a server answering a range with other bytes) is raised again naming the
+        object and the byte range read, chained to the codec's."""
+        try:
+            self._codec.decode_into(frames, stored, s0, lo, hi, out)
+        except CheckpointFormatError as e:
+            raise CheckpointFormatError(
+                f"{self._session.object_store.url(key)}: bytes [{info.offset + s0}, {info.offset + s1}) (frames of "
+                f"the item at [{info.offset}, {info.offset + info.length}), its raw bytes [{lo}, {hi})) do not decode: "
+                f"{e}"
+            ) from e
 
 
 class _FrameBuffers:

@@ -277,6 +277,7 @@ class S3StorageReader(Location, StorageReader):
             )
         finally:  # every host-to-device copy is done before DCP sees a tensor (or an error leaves the load)
             self._stagings.drain()
+            items.release_staged()  # pinned buffers of pieces whose read failed: back in the pool
         self._codec.close()  # decoding is done: stop its threads (recreated on next use)
         # Planner callbacks run on this thread, in plan order, once all bytes are in.
         for finish in finishers:

@@ -147,6 +147,7 @@ class PinnedPool:
         self._allocate = allocate
         self._lock = threading.Lock()
         self._free: list[tuple[torch.Tensor, Event | None]] = []
+        self._taken: dict[int, torch.Tensor] = {}  # id -> buffer, for each one handed out and not given back
         self._made = 0  # buffers that exist (free or taken)
         self.disabled = False  # allocation failed once: no more attempts
         self.peak_bytes = 0
@@ -182,11 +183,12 @@ class PinnedPool:
                 got.append(buf)
                 if event is not None:
                     pending.append(event)
+            self._taken.update((id(b), b) for b in got)
         for event in pending:
             wait_copy(event)
         for i in range(new):
             try:
-                got.append(self._allocate(self.size))
+                buf = self._allocate(self.size)
             except (RuntimeError, OSError, MemoryError) as exc:
                 with self._lock:
                     self._made -= new - i
@@ -194,11 +196,27 @@ class PinnedPool:
                 log.debug("pinned allocation of %d bytes failed: %r", self.size, exc)
                 _warn_fallback(exc)
                 break
+            with self._lock:
+                self._taken[id(buf)] = buf
+            got.append(buf)
         return got
 
     def give_back(self, bufs: list[torch.Tensor], event: Event | None = None) -> None:
-        """Return buffers; ``event``: they are still read by a queued copy until it completes."""
+        """Return buffers; ``event``: they are still read by a queued copy until it completes.
+
+        Each buffer must be one this pool handed out and not yet got back: another (a buffer given back
+        twice would be handed to two takers, each overwriting the other's bytes) is a ``DcpS3Error`` naming
+        it, and none of ``bufs`` is taken back then."""
         with self._lock:
+            ids = [id(b) for b in bufs]
+            for i, buf in enumerate(bufs):
+                if self._taken.get(ids[i]) is not buf or ids[i] in ids[:i]:
+                    raise DcpS3Error(
+                        f"pinned pool of {self.count} x {self.size} bytes: buffer at 0x{buf.data_ptr():x} "
+                        f"({buf.numel() * buf.element_size()} bytes) given back but not taken (given back twice?)"
+                    )
+            for i in ids:
+                del self._taken[i]
             self._free.extend((b, event) for b in bufs)
 
     def drain(self) -> None:
@@ -252,9 +270,11 @@ def _pipelined(
             if k + len(bufs) < len(starts):
                 issue(k + len(bufs))
     finally:
-        for _, _, event in queued:  # abandoned (an error downstream): no copy may still write
-            wait_copy(event)
-        pool.give_back(bufs)
+        try:
+            for _, _, event in queued:  # abandoned (an error downstream): no copy may still write
+                wait_copy(event)
+        finally:
+            pool.give_back(bufs)
 
 
 class DeviceStaging:

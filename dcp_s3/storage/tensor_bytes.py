@@ -224,15 +224,25 @@ class StagedRows:
         assert self.buf is not None
         src = self.buf
         dest = self.dest
-        if len(self.sizes):
-            for dim in range(1, len(self.sizes)):
-                src = src.narrow(dim, self.req.storage_offsets[dim], self.req.lengths[dim])
-            dest = dest.narrow(0, self.r, self.n)
-        if self.pinned:
+        event: Event | None = None
+        try:
+            if len(self.sizes):
+                for dim in range(1, len(self.sizes)):
+                    src = src.narrow(dim, self.req.storage_offsets[dim], self.req.lengths[dim])
+                dest = dest.narrow(0, self.r, self.n)
+            if self.pinned:
+                assert self.staging is not None
+                event = self.staging.stream.copy(dest, src)
+            else:
+                dest.copy_(src)
+        finally:  # the pinned buffer goes back even when the copy raised: else the pool shrinks for good
+            self.release(event)  # reused once the copy (if queued) has read it
+
+    def release(self, event: Event | None = None) -> None:
+        """Give the pinned buffer back (if still held) and drop the staging memory now, not when the plan ends;
+        also for a piece whose read failed before ``done`` (the reader calls it once every read has ended)."""
+        pinned, self.pinned = self.pinned, []
+        self.buf = None
+        if pinned:
             assert self.staging is not None
-            event: Event = self.staging.stream.copy(dest, src)
-            self.staging.pool.give_back(self.pinned, event)  # reused once the copy has read it
-            self.pinned = []
-        else:
-            dest.copy_(src)
-        self.buf = None  # release the staging memory now, not when the plan ends
+            self.staging.pool.give_back(pinned, event)

@@ -171,10 +171,11 @@ def hold_at(phase: str, held: str, release: str) -> None:
         class Holding(planner):  # type: ignore[misc, valid-type]
             saves = 0
 
-            def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            # torch's parameter names: without storage_meta, torch warns and passes is_coordinator as it.
+            def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
                 Holding.saves += 1
                 self.calls = 0
-                super().set_up_planner(*args, **kwargs)
+                super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
             def resolve_data(self, write_item: Any) -> Any:
                 self.calls += 1

@@ -15,6 +15,7 @@ CPU no-ops in the rank processes (:func:`_cpu_async_queue`); everything else is 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import queue
@@ -42,12 +43,12 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from fault_proxy import FaultProxy, Rule
-from hostile import replace_items, root_causes, torch_saved, touch
+from hostile import read_metadata, replace_items, root_causes, torch_saved, touch, write_metadata
 from objects import object_keys
 
 from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
 from dcp_s3.integrations import megatron_async
-from dcp_s3.integrations.megatron import COMMON_KEY, load, load_common_state_dict, save
+from dcp_s3.integrations.megatron import COMMON_KEY, _sharded_object, load, load_common_state_dict, save
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.store import open_store
@@ -309,6 +310,68 @@ def test_hostile_common_state_refused(seaweed: LocalS3Server, bucket: str, tmp_p
         load_common_state_dict(uri)
     assert any(isinstance(e, CheckpointFormatError) and COMMON_KEY in str(e) for e in root_causes(refused.value))
     assert not marker.exists()
+
+
+def _strict_error_rank(rank: int, world: int, uri: str, workdir: str) -> bytes:
+    os.chdir(workdir)
+    request = _sharded(rank, world, {k: torch.zeros_like(v) for k, v in _values(rank, world, 0).items()}, None)
+    try:
+        load(request, uri, strict=StrictHandling.RETURN_ALL)
+    except BaseException as exc:
+        return _pack((type(exc).__name__, isinstance(exc, CheckpointFormatError), str(exc)))
+    return _pack(None)
+
+
+def test_strict_load_of_a_crafted_object_key(seaweed: LocalS3Server, bucket: str, tmp_path: Path) -> None:
+    """A stored byte item whose key is no ``<key>/shard_<offset>_<shape>`` (issue 50, item 10): a strict load reads
+    the keys of the checkpoint's metadata; it raises ``CheckpointFormatError`` naming the checkpoint and the entry
+    (Megatron's own parser: ``ValueError: not enough values to unpack``)."""
+    uri = f"s3://{bucket}/run/iter_0000010"
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    run_ranks(_save_rank, WORLD, uri, 10, "sync", str(workdir))
+    md = read_metadata(uri)
+    stored = f"rng_state/shard_1_{WORLD}"
+    md.state_dict_metadata["rng_state"] = md.state_dict_metadata.pop(stored)
+    md.storage_data = {
+        (dataclasses.replace(i, fqn="rng_state") if i.fqn == stored else i): v for i, v in md.storage_data.items()
+    }
+    write_metadata(uri, md)
+    for packed in run_ranks(_strict_error_rank, WORLD, uri, str(workdir)):
+        assert _unpack(packed) == (
+            "CheckpointFormatError",
+            True,
+            f"{uri}: stored byte item 'rng_state' is not a Megatron ShardedObject key (<key>/shard_<offset>_<shape>, "
+            "ASCII digits, as many offsets as shape dimensions)",
+        )
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "rng",  # no /shard_
+        "rng/shard_0",  # no shape
+        "rng/shard_0_1_2",
+        "rng/shard_\u0661_2",  # an Arabic-Indic digit: int() takes it
+        "rng/shard_0_\uff12",  # a fullwidth digit
+        "rng/shard_ 1_2",  # int() strips spaces
+        "rng/shard_+1_2",
+        "rng/shard_1..2_2.2",
+        "rng/shard_0.0.0_2",  # three offsets for one dimension
+        "rng/shard_0_" + "9" * 5000,  # int() refuses 5000 digits (ValueError) under Python's default limit
+    ],
+)
+def test_object_keys_parsed_by_an_ascii_grammar(key: str) -> None:
+    with pytest.raises(CheckpointFormatError, match=r"^s3://b/c: stored byte item '.*' is not a Megatron"):
+        _sharded_object(key, "s3://b/c")
+
+
+def test_object_keys_megatron_writes() -> None:
+    assert _sharded_object("rng_state/shard_1_2", "s3://b/c").unique_key == "rng_state/shard_1_2"
+    obj = _sharded_object("a.b/c/shard_0.3_2.4", "s3://b/c")  # parsed from the right: a key with a slash
+    assert (obj.key, obj.global_offset, obj.global_shape) == ("a.b/c", (0, 3), (2, 4))
+    older = _sharded_object("opt/shard_0.1_2", "s3://b/c")  # Megatron's older spelling: one offset more
+    assert (older.global_offset, older.global_shape) == ((0, 1), (2, -1))
 
 
 def test_other_formats_refused() -> None:

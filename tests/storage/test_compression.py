@@ -12,12 +12,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
+from hostile import load_direct
 from test_multirank import load_job, save_job
 from test_storage import assert_same, blank_like, keys, sample_state
 from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.admin import convert_checkpoint
+from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.layout import CODEC_DESCRIPTOR
 from dcp_s3.local_server import LocalS3Server
 from tests.objects import data_key, hooked
@@ -223,3 +225,32 @@ def test_a_frame_claiming_more_stored_than_raw_bytes_is_refused(bucket: str, s3_
     s3_env.client().put_object(Bucket=bucket, Key="zbig/.metadata", Body=pickle.dumps(md))
     with pytest.raises(BaseException, match=r"frame 0 of the item .* claims \d+ stored bytes for 4194304 raw"):
         dcp.load({"w": torch.zeros(3 * MiB)}, storage_reader=S3StorageReader(uri))
+
+
+@pytest.mark.parametrize("dest", ["bf16", "fp32 (cast, staged)"])
+def test_a_frame_of_other_bytes_is_an_error_naming_the_object_and_range(
+    bucket: str, s3_env: LocalS3Server, dest: str
+) -> None:
+    """A server answering a range with other bytes (a shifted 206), played by a data object whose bytes are
+    rotated: the codec's error (it knows frames, not objects) is raised again naming the object and the bytes
+    read (issue 50, item 11), on the path that decodes into the destination and on the staged one."""
+    uri = f"s3://{bucket}/zshift"
+    g = torch.Generator().manual_seed(6)
+    sd = {"w": (torch.randn(2 * MiB, generator=g) * 0.02).to(torch.bfloat16)}  # 4 MiB: one grouped frame
+    dcp.save(sd, storage_writer=S3StorageWriter(uri, compression="zstd"))
+    (info,) = S3StorageReader(uri).read_metadata().storage_data.values()
+    assert not info.frames.is_raw(0)
+    client = s3_env.client()
+    key = data_key(client, bucket, "zshift")
+    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=key, Body=body[7:] + body[:7])
+    out = {"w": torch.zeros(2 * MiB, dtype=torch.bfloat16 if dest == "bf16" else torch.float32)}
+    with pytest.raises(CheckpointFormatError) as raised:
+        load_direct(uri, out)
+    s0, s1 = info.frames.stored_range(0)
+    assert str(raised.value).startswith(
+        f"s3://{bucket}/{key}: bytes [{info.offset + s0}, {info.offset + s1}) (frames of the item at "
+        f"[{info.offset}, {info.offset + info.length}), its raw bytes [0, {4 * MiB})) do not decode: frame 0"
+    ), str(raised.value)
+    assert isinstance(raised.value.__cause__, CheckpointFormatError)
+    assert str(raised.value).endswith(str(raised.value.__cause__))

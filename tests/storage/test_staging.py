@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from fault_proxy import FaultProxy, Rule
 from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.errors import DcpS3Error
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.config import TransferConfig
+from dcp_s3.objstore.config import ClientConfig, TransferConfig
 from dcp_s3.storage import staging as staging_mod
 from dcp_s3.storage.staging import DeviceStaging, PinnedPool, Stagings, device_chunks, save_pinned_bound
 
@@ -302,3 +303,89 @@ def test_a_busy_buffer_is_taken_only_at_the_pools_count_and_then_waited_for() ->
     (got,) = pool.take(1)
     assert got is a and alloc.calls == 3  # at the count, all busy: the oldest, once its copy is done
     assert busy_a.asked >= busy_a.until and busy_c.asked <= 1
+
+
+def test_a_buffer_given_back_twice_is_refused() -> None:
+    """Given back twice, a buffer would be handed to two takers, each overwriting the other's bytes (issue 50,
+    item 12): the second give-back is refused naming the buffer, and the pool still hands out distinct buffers."""
+    alloc = Allocations()
+    pool = PinnedPool(2, 100, alloc)
+    a, b = pool.take(2)
+    pool.give_back([a])
+    with pytest.raises(DcpS3Error, match=rf"pinned pool of 2 x 100 bytes: buffer at 0x{a.data_ptr():x} \(100 bytes\)"):
+        pool.give_back([a])
+    with pytest.raises(DcpS3Error, match="given back but not taken"):
+        pool.give_back([b, b])  # twice in one call
+    with pytest.raises(DcpS3Error, match="given back but not taken"):
+        pool.give_back([torch.empty(100, dtype=torch.uint8)])  # never this pool's
+    pool.give_back([b])  # b's first give-back: accepted (the refused calls took nothing back)
+    first, second = pool.take(2)
+    assert first is not second and {id(first), id(second)} == {id(a), id(b)} and pool.take(1) == []
+
+
+class _FailingStream(FakeStream):
+    """A side stream whose host-to-device copies raise while ``failing`` (a CUDA error at launch)."""
+
+    failing = True
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> FakeEvent:
+        if self.failing:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return super().copy(dst, src)
+
+
+def test_a_piece_whose_copy_raises_gives_its_buffer_back(tmp_path: Path) -> None:
+    """A staged piece whose host-to-device copy raises gives its pinned buffer back (issue 50, item 12): two
+    failed loads used to keep both buffers of the pool for good, and every later read silently took the
+    pageable path."""
+    sd = _state()
+    uri = str(tmp_path / "ck")
+    dcp.save(sd, storage_writer=S3StorageWriter(uri), no_dist=True)
+    alloc = Allocations()
+    fake = _StageEverything(2, 64 << 10, alloc)
+    stream = _FailingStream()
+    fake.staging.stream = stream
+    for _ in range(2):
+        reader = S3StorageReader(uri, max_range_size=64 << 10)
+        reader._stagings = fake
+        out = {
+            "w": torch.zeros(2000, 1000),
+            "adam": torch.zeros(1000, 33, dtype=torch.float64),
+            "step": torch.tensor(0),
+        }
+        with pytest.raises(BaseException, match="illegal memory access"):
+            dcp.load(out, storage_reader=reader, no_dist=True)
+        back = fake.staging.pool.take(2)
+        assert len(back) == 2  # every buffer back
+        fake.staging.pool.give_back(back)
+    stream.failing = False
+    reader = S3StorageReader(uri, max_range_size=64 << 10)
+    reader._stagings = fake
+    out = {"w": torch.zeros(2000, 1000), "adam": torch.zeros(1000, 33, dtype=torch.float64), "step": torch.tensor(0)}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert torch.equal(out["w"], sd["w"].float()) and torch.equal(out["adam"], sd["adam"].double())
+    assert stream.copies >= 5 and alloc.calls <= 2  # through the pinned buffers, the same two
+
+
+def test_a_piece_whose_read_fails_gives_its_buffer_back(bucket: str, s3_env: LocalS3Server) -> None:
+    """A staged piece whose GET fails after its buffer was taken (every answer cut short, past the retries) never
+    reaches ``done``: the reader gives its pinned buffer back once every read has ended."""
+    sd = _state()
+    uri = f"s3://{bucket}/cut"
+    dcp.save(sd, storage_writer=S3StorageWriter(uri), no_dist=True)
+    fake = _StageEverything(2, 64 << 10, Allocations())
+    with FaultProxy(s3_env.endpoint_url, [Rule({"GetObjectRange"}, "truncate")], lifetime_s=120) as proxy:
+        reader = S3StorageReader(
+            uri, endpoint_url=proxy.url, max_range_size=64 << 10, client=ClientConfig(retry_attempts=2)
+        )
+        reader._stagings = fake
+        out = {
+            "w": torch.zeros(2000, 1000),
+            "adam": torch.zeros(1000, 33, dtype=torch.float64),
+            "step": torch.tensor(0),
+        }
+        with pytest.raises(BaseException, match="cut"):
+            dcp.load(out, storage_reader=reader, no_dist=True)
+        assert proxy.injected("truncate") >= 2
+    assert fake.staging.pool.peak_bytes > 0  # pieces took pinned buffers before their reads failed
+    assert len(fake.staging.pool.take(2)) == 2  # both buffers back
