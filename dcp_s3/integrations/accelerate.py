@@ -15,7 +15,8 @@ module that holds them, and so in any imported later — are this module's funct
 signature: an ``s3://`` directory with ``SHARDED_STATE_DICT`` (FSDP2, ``use_dcp=True``) is saved
 and loaded through dcp_s3 in Accelerate's own layout (``<dir>/pytorch_model_fsdp_<i>`` with the
 key ``model``, ``<dir>/optimizer_<i>`` with ``optimizer``) and nothing is written to local disk;
-every other call goes to Accelerate's function unchanged. On exit the names are Accelerate's again.
+every other call goes to Accelerate's function unchanged, and so does every call made where no block of
+its own is open (a block belongs to its thread or asyncio task). After the last block the names are Accelerate's again.
 The four functions are public here too, with an ``options`` keyword, for code that calls them itself.
 
 The transformers ``Trainer`` passes local directories (``<output_dir>/checkpoint-<step>``): with
@@ -46,6 +47,7 @@ from torch.distributed.fsdp import StateDictType
 
 from dcp_s3.errors import ConfigError, DcpS3Error
 from dcp_s3.integrations._locations import s3_location
+from dcp_s3.integrations._patching import ContextPatch, Handler, Site
 from dcp_s3.integrations.trainer_dirs import LocalDirs
 from dcp_s3.store.storage_options import StorageOptions
 
@@ -233,40 +235,51 @@ _MINE: dict[str, Callable[..., Any]] = {
 }
 
 
-def _bind(name: str, options: StorageOptions, local_dirs: LocalDirs) -> Any:
+def _bound(name: str) -> Handler:
+    """Accelerate's ``name`` inside a block: this module's function with the block's options and directories."""
     mine = _MINE[name]
 
-    def routed(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("options", options)
-        kwargs.setdefault("local_dirs", local_dirs)
+    def routed(scope: tuple[StorageOptions, LocalDirs], original: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("options", scope[0])
+        kwargs.setdefault("local_dirs", scope[1])
         return mine(*args, **kwargs)
 
-    routed.__name__ = routed.__qualname__ = name
-    routed.__doc__ = mine.__doc__
-    routed.__wrapped__ = _ORIGINAL[name]  # type: ignore[attr-defined]
     return routed
 
 
-def _mirrored_rotation(original: Callable[..., Any], local_dirs: LocalDirs) -> Callable[..., Any]:
+def _mirrored_rotation(
+    scope: tuple[StorageOptions, LocalDirs], original: Any, output_dir: Any, *args: Any, **kwargs: Any
+) -> Any:
     """transformers' ``rotate_checkpoints``, then, when it returns, the same deletions in S3 (of the
     checkpoints this process saved in the block; on the process that rotates: the Trainer's saving one)."""
-
-    def rotate_checkpoints(output_dir: Any, *args: Any, **kwargs: Any) -> Any:
-        before = local_dirs.present()
-        result = original(output_dir, *args, **kwargs)
-        _mirror(local_dirs, {path for path in before if not os.path.lexists(path)})
-        return result
-
-    rotate_checkpoints.__doc__ = original.__doc__
-    rotate_checkpoints.__wrapped__ = original  # type: ignore[attr-defined]
-    return rotate_checkpoints
+    local_dirs = scope[1]
+    if not local_dirs:
+        return original(output_dir, *args, **kwargs)
+    before = local_dirs.present()
+    result = original(output_dir, *args, **kwargs)
+    _mirror(local_dirs, {path for path in before if not os.path.lexists(path)})
+    return result
 
 
-def _holders() -> list[Any]:
-    """Every loaded accelerate/transformers module, and the three that call the functions."""
-    return [
+def _sites() -> list[Site]:
+    """Every loaded accelerate/transformers module holding one of Accelerate's four functions (or transformers'
+    ``rotate_checkpoints``) by its name."""
+    handlers: dict[str, tuple[Any, Handler]] = {name: (_ORIGINAL[name], _bound(name)) for name in _NAMES}
+    trainer_utils = sys.modules.get("transformers.trainer_utils")
+    if trainer_utils is not None:
+        handlers["rotate_checkpoints"] = (trainer_utils.rotate_checkpoints, _mirrored_rotation)
+    holders = [
         m for n, m in list(sys.modules.items()) if m is not None and n.split(".")[0] in ("accelerate", "transformers")
     ]
+    return [
+        Site(module, name, handler)
+        for module in holders
+        for name, (original, handler) in handlers.items()
+        if module.__dict__.get(name) is original
+    ]
+
+
+_patch: ContextPatch[tuple[StorageOptions, LocalDirs]] = ContextPatch("Accelerate FSDP checkpoints", _sites)
 
 
 @contextlib.contextmanager
@@ -280,25 +293,10 @@ def route_fsdp_checkpoints(
     directories under a key of ``local_dirs`` (a local directory such as the Trainer's
     ``output_dir`` -> the ``s3://`` root it stands for), through dcp_s3 with ``options``
     (``SHARDED_STATE_DICT``, FSDP2); with ``local_dirs``, transformers' checkpoint rotation deletes
-    in S3 too the rotated checkpoints saved in the block (nothing else is ever deleted). Yields the options. Not reentrant across threads: enter it
-    once, around training, in each process, after importing transformers."""
+    in S3 too the rotated checkpoints saved in the block (nothing else is ever deleted). Yields the options.
+    The block belongs to its context (thread or asyncio task): calls elsewhere run Accelerate's own functions,
+    or another block's settings; Accelerate's names are its own again when the last block closes. Enter it
+    after importing transformers."""
     storage_options = StorageOptions.of(options)
-    dirs = LocalDirs(local_dirs, storage_options)
-    routed: dict[str, Any] = {name: _bind(name, storage_options, dirs) for name in _NAMES}
-    originals: dict[str, Any] = dict(_ORIGINAL)
-    trainer_utils = sys.modules.get("transformers.trainer_utils")
-    if dirs and trainer_utils is not None:
-        originals["rotate_checkpoints"] = trainer_utils.rotate_checkpoints
-        routed["rotate_checkpoints"] = _mirrored_rotation(trainer_utils.rotate_checkpoints, dirs)
-    replaced: list[tuple[Any, str]] = []
-    for module in _holders():
-        for name, original in originals.items():
-            if module.__dict__.get(name) is original:
-                setattr(module, name, routed[name])
-                replaced.append((module, name))
-    try:
+    with _patch.scope((storage_options, LocalDirs(local_dirs, storage_options))):
         yield storage_options
-    finally:
-        for module, name in replaced:
-            if module.__dict__.get(name) is routed[name]:
-                setattr(module, name, originals[name])

@@ -36,8 +36,6 @@ where no block is open at all.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -45,6 +43,7 @@ from typing import Any
 
 from dcp_s3._torch_compat import async_save_sites, get_storage_setup, set_storage_setup, storage_setup_sites
 from dcp_s3.errors import ConfigError
+from dcp_s3.integrations._patching import ContextPatch, Site
 from dcp_s3.objstore.uri import s3_location
 from dcp_s3.store.storage_options import StorageOptions
 
@@ -55,14 +54,6 @@ logger = logging.getLogger("dcp_s3")
 _lock = threading.RLock()
 #: The process-wide route's options (``enable``), if on.
 _enabled: StorageOptions | None = None
-#: The options of the ``s3_route`` blocks open in this context, innermost last (they win over ``_enabled``).
-_context_blocks: contextvars.ContextVar[tuple[StorageOptions, ...]] = contextvars.ContextVar(
-    "dcp_s3_route_blocks", default=()
-)
-#: The options of every ``s3_route`` block open in the process, any context, in opening order.
-_blocks: list[StorageOptions] = []
-#: What the route replaced while it is on: (module, attribute, torch's own value).
-_replaced: list[tuple[Any, str, Any]] = []
 
 
 def is_routed(checkpoint_id: object) -> bool:
@@ -76,21 +67,21 @@ def active_options() -> StorageOptions | None:
     """The options ``s3://`` ids are saved and loaded with now, in this context, or None when no route
     is on. ``ConfigError`` where this context has no block of its own and blocks with different
     options are open in others."""
-    own = _context_blocks.get()
-    if own:
-        return own[-1]
-    with _lock:
-        if not _blocks:
-            return _enabled
-        first = _blocks[0]
-        if any(opts != first for opts in _blocks):
-            endpoints = sorted({str(opts.as_dict().get("endpoint_url", "default endpoint")) for opts in _blocks})
-            raise ConfigError(
-                "an s3:// checkpoint id outside any dcp_s3 route block of this thread, while blocks with different "
-                f"options are open in other threads (endpoints {endpoints}): open an s3_route block in this "
-                "thread, or pass storage_writer/storage_reader"
-            )
-        return first
+    own = _patch.current()
+    if own is not None:
+        return own
+    blocks = _patch.open_values()
+    if not blocks:
+        return _enabled
+    first = blocks[0]
+    if any(opts != first for opts in blocks):
+        endpoints = sorted({str(opts.as_dict().get("endpoint_url", "default endpoint")) for opts in blocks})
+        raise ConfigError(
+            "an s3:// checkpoint id outside any dcp_s3 route block of this thread, while blocks with different "
+            f"options are open in other threads (endpoints {endpoints}): open an s3_route block in this "
+            "thread, or pass storage_writer/storage_reader"
+        )
+    return first
 
 
 def enable(options: StorageOptions | Mapping[str, Any] | None = None) -> None:
@@ -100,7 +91,8 @@ def enable(options: StorageOptions | Mapping[str, Any] | None = None) -> None:
     global _enabled
     opts = StorageOptions.of(options)
     with _lock:
-        _install()
+        if _enabled is None:
+            _patch.hold()
         _enabled = opts
 
 
@@ -108,78 +100,47 @@ def disable() -> None:
     """Turn the process-wide route off (``s3_route`` blocks still open keep theirs)."""
     global _enabled
     with _lock:
-        _enabled = None
-        _uninstall_if_idle()
+        if _enabled is not None:
+            _enabled = None
+            _patch.release()
 
 
 @contextlib.contextmanager
 def s3_route(options: StorageOptions | Mapping[str, Any] | None = None) -> Iterator[StorageOptions]:
     """The route, with ``options``, for the ``with`` block in this context (thread or task; nested blocks: the
     innermost's options); yields the ``StorageOptions``. An async save started in the block finishes through dcp_s3."""
-    opts = StorageOptions.of(options)
-    with _lock:
-        _install()
-        _blocks.append(opts)
-    reset = _context_blocks.set((*_context_blocks.get(), opts))
-    try:
+    with _patch.scope(StorageOptions.of(options)) as opts:
         yield opts
-    finally:
-        _context_blocks.reset(reset)
-        with _lock:
-            del _blocks[max(i for i, o in enumerate(_blocks) if o is opts)]  # this block (others may interleave)
-            _uninstall_if_idle()
 
 
-def _install() -> None:
-    if _replaced:
-        return
-    sites = storage_setup_sites()  # TorchCompatibilityError before anything is replaced
-    saves = async_save_sites()
-    for module in sites:
-        original = get_storage_setup(module)
-        set_storage_setup(module, _routed_setup(original))
-        _replaced.append((module, "setup", original))
-    wrapped: dict[int, Callable[..., Any]] = {}
-    for module in saves:
-        original = getattr(module, "async_save")
-        setattr(module, "async_save", wrapped.setdefault(id(original), _routed_async_save(original)))
-        _replaced.append((module, "async_save", original))
-    logger.debug("dcp_s3 route for s3:// checkpoint ids installed in %s", [m.__name__ for m in sites])
+def _routed_setup(
+    opts: StorageOptions, original: Callable[..., Any], storage: Any, checkpoint_id: Any, reader: bool = False
+) -> Any:
+    if storage or not is_routed(checkpoint_id):
+        return original(storage, checkpoint_id, reader)
+    made = opts.reader(checkpoint_id) if reader else opts.writer(checkpoint_id)
+    made.reset(checkpoint_id)  # as torch does with the storage it makes
+    logger.debug("dcp_s3 route: %s for %s", type(made).__name__, checkpoint_id)
+    return made
 
 
-def _uninstall_if_idle() -> None:
-    if _blocks or _enabled is not None:
-        return
-    while _replaced:
-        module, what, original = _replaced.pop()
-        if what == "setup":
-            set_storage_setup(module, original)
-        else:
-            setattr(module, "async_save", original)
-    logger.debug("dcp_s3 route for s3:// checkpoint ids removed")
+def _routed_async_save(
+    opts: StorageOptions, original: Callable[..., Any], state_dict: Any, *args: Any, **kwargs: Any
+) -> Any:
+    checkpoint_id: Any = kwargs.get("checkpoint_id")
+    if not args and kwargs.get("storage_writer") is None and is_routed(checkpoint_id):
+        kwargs["storage_writer"] = opts.writer(checkpoint_id)
+    return original(state_dict, *args, **kwargs)
 
 
-def _routed_setup(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def setup(storage: Any, checkpoint_id: Any, reader: bool = False) -> Any:
-        opts = active_options()
-        if storage or opts is None or not is_routed(checkpoint_id):
-            return original(storage, checkpoint_id, reader)
-        made = opts.reader(checkpoint_id) if reader else opts.writer(checkpoint_id)
-        made.reset(checkpoint_id)  # as torch does with the storage it makes
-        logger.debug("dcp_s3 route: %s for %s", type(made).__name__, checkpoint_id)
-        return made
-
-    return setup
+def _sites() -> list[Site]:
+    setups = storage_setup_sites()  # TorchCompatibilityError before anything is replaced
+    return [
+        *(Site(m, "storage setup", _routed_setup, get=get_storage_setup, set=set_storage_setup) for m in setups),
+        *(Site(m, "async_save", _routed_async_save) for m in async_save_sites()),
+    ]
 
 
-def _routed_async_save(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def async_save(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        opts = active_options()
-        checkpoint_id: Any = kwargs.get("checkpoint_id")
-        if opts is not None and not args and kwargs.get("storage_writer") is None and is_routed(checkpoint_id):
-            kwargs["storage_writer"] = opts.writer(checkpoint_id)
-        return original(state_dict, *args, **kwargs)
-
-    return async_save
+_patch: ContextPatch[StorageOptions] = ContextPatch(
+    "route for s3:// checkpoint ids", _sites, resolve=lambda _: active_options()
+)

@@ -43,7 +43,9 @@ only, the newest ``max_recent_checkpoints`` by step kept; a name without a commi
 group per part, the upload in torch's checkpoint process), with dcp_s3's writer; the upload's future is recorded
 with the save, and the commit (``lifecycle.publish``, or ``lifecycle.complete_pending`` after NeMo's recipes'
 ``defer_publication``) waits for it on every rank, at most ``async_upload_timeout_s``, before rank 0 writes it. A
-failed upload fails ``async_wait`` and the commit on every rank, nothing committed. On a host without an
+failed upload fails ``async_wait`` and the commit on every rank, nothing committed. Each upload itself fails at
+``async_upload_timeout_s`` (:mod:`dcp_s3.integrations._bounded_upload`): NeMo holds a lock while one runs and the
+next ``async_save`` waits for it in the training thread. On a host without an
 accelerator the stagers are built with ``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``
 (NeMo's ``DefaultStager()`` asserts there); with one, with NeMo's default options.
 
@@ -55,7 +57,8 @@ checkpoint process group must span every rank.
 
 NeMo's ``Checkpointer.save_model``/``save_optimizer``/``load_model`` create local directories and check that
 the model path exists unless NeMo's ``is_cloud_path`` says the path is remote (true for ``msc://`` only); while
-one of those runs on an ``s3://`` path, that function also answers true for ``s3://`` (:func:`_remote_paths`).
+one of those runs on an ``s3://`` path, that function also answers true for ``s3://`` in the thread (or task) running it
+(:data:`_remote_paths`).
 """
 
 from __future__ import annotations
@@ -64,9 +67,8 @@ import contextlib
 import copy
 import logging
 import os
-import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,7 +91,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from dcp_s3._torch_compat import default_stager
 from dcp_s3.checkpointer.ranks import world_size
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, S3TransferError
+from dcp_s3.integrations._bounded_upload import bounded
 from dcp_s3.integrations._locations import s3_location
+from dcp_s3.integrations._patching import ContextPatch, Site
 from dcp_s3.integrations.nemo_commit import COMMIT, Saves, split_part
 from dcp_s3.integrations.nemo_files import RecipeFiles
 from dcp_s3.store.storage_options import StorageOptions
@@ -99,33 +103,22 @@ __all__ = ["S3CheckpointingConfig", "S3Checkpointer", "S3CheckpointLifecycle", "
 logger = logging.getLogger("dcp_s3")
 
 
-@contextlib.contextmanager
-def _remote_paths() -> Iterator[None]:
-    """While it is open, NeMo's ``checkpointing.is_cloud_path`` also answers true for ``s3://`` paths, so that
-    NeMo's own ``save_model``/``save_optimizer``/``load_model`` neither create local directories for them nor
-    require them to exist on disk. Re-entrant; NeMo's function is back in place when the last one closes."""
-    with _patch_lock:
-        if not _patched:
-            original = nemo_checkpointing.is_cloud_path
-            nemo_checkpointing.is_cloud_path = lambda path: original(path) or s3_location(path) is not None
-            _patched.append(original)
-        _patched.append(None)
-    try:
-        yield
-    finally:
-        with _patch_lock:
-            _patched.pop()
-            if len(_patched) == 1:
-                nemo_checkpointing.is_cloud_path = _patched.pop()
+def _cloud_or_s3(_: bool, nemo: Callable[[Any], bool], path: Any) -> bool:
+    return nemo(path) or s3_location(path) is not None
 
 
-def _remote_if_s3(path: str) -> contextlib.AbstractContextManager[None]:
-    """:func:`_remote_paths` for an ``s3://`` path; nothing for a local one."""
-    return _remote_paths() if s3_location(path) else contextlib.nullcontext()
+#: NeMo's ``checkpointing.is_cloud_path``, answering true for ``s3://`` paths too in the context (thread or task) that
+#: runs one of ``S3Checkpointer``'s ``save_model``/``save_optimizer``/``load_model`` on an ``s3://`` path, so that
+#: NeMo's own code neither creates local directories for them nor requires them to exist on disk; NeMo's answer
+#: elsewhere, and NeMo's function back in place when the last one returns.
+_remote_paths: ContextPatch[bool] = ContextPatch(
+    "NeMo is_cloud_path", lambda: [Site(nemo_checkpointing, "is_cloud_path", _cloud_or_s3)]
+)
 
 
-_patch_lock = threading.Lock()
-_patched: list[Any] = []  # [NeMo's is_cloud_path, one None per open _remote_paths()]
+def _remote_if_s3(path: str) -> contextlib.AbstractContextManager[Any]:
+    """:data:`_remote_paths` for an ``s3://`` path; nothing for a local one."""
+    return _remote_paths.scope(True) if s3_location(path) else contextlib.nullcontext()
 
 
 @dataclass
@@ -266,7 +259,7 @@ class S3Checkpointer(RecipeFiles, Checkpointer):
             ctx.stager = default_stager()
         response = dcp.async_save(
             state_dict,
-            storage_writer=writer,
+            storage_writer=bounded(writer, self.config.async_upload_timeout_s),  # NeMo's next save waits for it
             planner=planner,
             process_group=ctx.process_group,
             async_stager=ctx.stager,

@@ -22,8 +22,10 @@ and ``load_torch_ckpt``; finding checkpoints by listing a directory) goes, for `
 - while a save or load runs, the module-level functions NeMo's ``base_recipe`` calls by name — ``save_losses``,
   ``save_config``, ``load_torch_ckpt``, ``find_latest_checkpoint``, ``resolve_restore_from_to_checkpoint_dir``
   and ``_is_checkpoint_model_config_compatible`` — answer ``s3://`` paths through the checkpointer (a commit's
-  files only, the newest committed checkpoint as the latest) and every other path with NeMo's own function
-  (process-wide, re-entrant, NeMo's functions back in place when the last one returns: :func:`_routed`).
+  files only, the newest committed checkpoint as the latest) and every other path with NeMo's own function. The
+  routing belongs to the context (thread or asyncio task) running the save or load: two recipes saving and loading
+  in two threads each use their own checkpointer, and a call in a context with no save or load of its own runs
+  NeMo's function (re-entrant; NeMo's functions back in place when the last one returns: :func:`_routed`).
 
 Limits: the recipe must build its checkpointer from ``self.cfg.checkpoint`` (NeMo's LLM/VLM fine-tune and
 sequence-classification recipes do; one that constructs ``Checkpointer(...)`` itself gets a ``ConfigError`` at its
@@ -40,8 +42,7 @@ import importlib
 import logging
 import os
 import tempfile
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any, TypeVar
 
@@ -62,6 +63,7 @@ from nemo_automodel.recipes.base_recipe import (
 
 from dcp_s3.errors import ConfigError, DcpS3Error
 from dcp_s3.integrations._locations import s3_location
+from dcp_s3.integrations._patching import ContextPatch, Handler, Site
 from dcp_s3.integrations.nemo_automodel import S3Checkpointer, S3CheckpointingConfig
 
 __all__ = ["S3Recipe", "S3RecipeConfig", "s3_recipe"]
@@ -192,102 +194,86 @@ def __getattr__(name: str) -> Any:
 
 
 # -- NeMo's base_recipe functions, answered through the checkpointer for s3:// paths -----------------------------
+# Each is ``handler(checkpointer, nemo's function, *its arguments)``: called in place of NeMo's function while a save
+# or load of this context runs (:data:`_patch`), with that save's or load's checkpointer.
 
 
-def _functions(checkpointer: S3Checkpointer, nemo: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
-    """Replacements for NeMo's ``base_recipe`` functions ``nemo``: ``s3://`` paths through ``checkpointer``,
-    others to NeMo's function."""
+def _save_losses(checkpointer: S3Checkpointer, nemo: Callable[..., Any], losses: dict[str, Any], path: str) -> None:
+    if s3_location(path) is None:
+        return nemo(losses, path)  # type: ignore[no-any-return]
+    try:  # as NeMo's: a rank-0-only write must not leave the other ranks waiting in the next collective
+        checkpointer.save_losses(losses, path)
+    except (DcpS3Error, OSError, TypeError, ValueError) as exc:
+        logger.warning("Failed to write checkpoint loss metadata to %s: %s", path, exc)
+    return None
 
-    def save_losses(losses: dict[str, Any], path: str) -> None:
-        if s3_location(path) is None:
-            return nemo["save_losses"](losses, path)  # type: ignore[no-any-return]
-        try:  # as NeMo's: a rank-0-only write must not leave the other ranks waiting in the next collective
-            checkpointer.save_losses(losses, path)
-        except (DcpS3Error, OSError, TypeError, ValueError) as exc:
-            logger.warning("Failed to write checkpoint loss metadata to %s: %s", path, exc)
-        return None
 
-    def save_config(config: dict[str, Any], path: str) -> None:
-        if s3_location(path) is None:
-            return nemo["save_config"](config, path)  # type: ignore[no-any-return]
-        checkpointer.save_config(config, path)
-        return None
+def _save_config(checkpointer: S3Checkpointer, nemo: Callable[..., Any], config: dict[str, Any], path: str) -> None:
+    if s3_location(path) is None:
+        return nemo(config, path)  # type: ignore[no-any-return]
+    checkpointer.save_config(config, path)
+    return None
 
-    def load_torch_ckpt(f: Any, *args: Any, **kwargs: Any) -> Any:
-        location = s3_location(f)
-        if location is None:
-            return nemo["load_torch_ckpt"](f, *args, **kwargs)
-        ckpt, _, rel = location.rpartition("/")
-        return checkpointer.load_pt(ckpt, rel)  # weights_only unless the config trusts it, as NeMo passes it
 
-    def find_latest_checkpoint(checkpoint_dir: Any) -> Any:
-        if s3_location(checkpoint_dir) is None:
-            return nemo["find_latest_checkpoint"](checkpoint_dir)
+def _load_torch_ckpt(checkpointer: S3Checkpointer, nemo: Callable[..., Any], f: Any, *args: Any, **kwargs: Any) -> Any:
+    location = s3_location(f)
+    if location is None:
+        return nemo(f, *args, **kwargs)
+    ckpt, _, rel = location.rpartition("/")
+    return checkpointer.load_pt(ckpt, rel)  # weights_only unless the config trusts it, as NeMo passes it
+
+
+def _find_latest_checkpoint(checkpointer: S3Checkpointer, nemo: Callable[..., Any], checkpoint_dir: Any) -> Any:
+    if s3_location(checkpoint_dir) is None:
+        return nemo(checkpoint_dir)
+    return checkpointer.latest_checkpoint()
+
+
+def _resolve_restore_from_to_checkpoint_dir(
+    checkpointer: S3Checkpointer, nemo: Callable[..., Any], checkpoint_dir: Any, restore_from: str
+) -> str | None:
+    root = s3_location(checkpoint_dir)
+    if root is None:
+        return nemo(checkpoint_dir, restore_from)  # type: ignore[no-any-return]
+    if restore_from.upper() == "LATEST":  # no pointer objects on S3: the newest committed checkpoint
         return checkpointer.latest_checkpoint()
-
-    def resolve_restore_from_to_checkpoint_dir(checkpoint_dir: Any, restore_from: str) -> str | None:
-        root = s3_location(checkpoint_dir)
-        if root is None:
-            return nemo["resolve_restore_from_to_checkpoint_dir"](checkpoint_dir, restore_from)  # type: ignore[no-any-return]
-        if restore_from.upper() == "LATEST":  # no pointer objects on S3: the newest committed checkpoint
-            return checkpointer.latest_checkpoint()
-        if os.path.sep not in restore_from and not os.path.isabs(restore_from):
-            return f"{root}/{restore_from}"  # a name under checkpoint_dir, as NeMo resolves it
-        return s3_location(restore_from) or restore_from
-
-    def _is_checkpoint_model_config_compatible(current_cfg: Any, ckpt_dir: Any) -> tuple[bool, str]:
-        location = s3_location(ckpt_dir)
-        if location is None:
-            return nemo["_is_checkpoint_model_config_compatible"](current_cfg, ckpt_dir)  # type: ignore[no-any-return]
-        data = checkpointer.checkpoint_file(location, "config.yaml")  # the committed save's, checked against its size
-        with tempfile.TemporaryDirectory() as local:
-            if data is not None:
-                with open(os.path.join(local, "config.yaml"), "wb") as f:
-                    f.write(data)
-            return nemo["_is_checkpoint_model_config_compatible"](current_cfg, local)  # type: ignore[no-any-return]
-
-    return {
-        "save_losses": save_losses,
-        "save_config": save_config,
-        "load_torch_ckpt": load_torch_ckpt,
-        "find_latest_checkpoint": find_latest_checkpoint,
-        "resolve_restore_from_to_checkpoint_dir": resolve_restore_from_to_checkpoint_dir,
-        "_is_checkpoint_model_config_compatible": _is_checkpoint_model_config_compatible,
-    }
+    if os.path.sep not in restore_from and not os.path.isabs(restore_from):
+        return f"{root}/{restore_from}"  # a name under checkpoint_dir, as NeMo resolves it
+    return s3_location(restore_from) or restore_from
 
 
-_lock = threading.Lock()
-_saved: list[dict[str, Any]] = []  # [NeMo's functions, then one entry per open _routed() (the replacements)]
+def _is_checkpoint_model_config_compatible(
+    checkpointer: S3Checkpointer, nemo: Callable[..., Any], current_cfg: Any, ckpt_dir: Any
+) -> tuple[bool, str]:
+    location = s3_location(ckpt_dir)
+    if location is None:
+        return nemo(current_cfg, ckpt_dir)  # type: ignore[no-any-return]
+    data = checkpointer.checkpoint_file(location, "config.yaml")  # the committed save's, checked against its size
+    with tempfile.TemporaryDirectory() as local:
+        if data is not None:
+            with open(os.path.join(local, "config.yaml"), "wb") as f:
+                f.write(data)
+        return nemo(current_cfg, local)  # type: ignore[no-any-return]
 
 
-@contextlib.contextmanager
-def _routed(checkpointer: S3Checkpointer) -> Iterator[None]:
-    """While it is open, NeMo's ``base_recipe`` functions answer ``s3://`` paths through ``checkpointer`` (the
-    innermost open one); re-entrant; NeMo's functions are back in place when the last one closes."""
-    with _lock:
-        if not _saved:
-            _saved.append({name: getattr(base_recipe, name) for name in _NAMES})
-        replacements = _functions(checkpointer, _saved[0])
-        _saved.append(replacements)
-        for name, fn in replacements.items():
-            setattr(base_recipe, name, fn)
-    try:
-        yield
-    finally:
-        with _lock:
-            _saved.remove(replacements)
-            current = _saved[-1]
-            for name in _NAMES:
-                setattr(base_recipe, name, current[name])
-            if len(_saved) == 1:
-                _saved.clear()
+_HANDLERS: dict[str, Handler] = {
+    "save_losses": _save_losses,
+    "save_config": _save_config,
+    "load_torch_ckpt": _load_torch_ckpt,
+    "find_latest_checkpoint": _find_latest_checkpoint,
+    "resolve_restore_from_to_checkpoint_dir": _resolve_restore_from_to_checkpoint_dir,
+    "_is_checkpoint_model_config_compatible": _is_checkpoint_model_config_compatible,
+}
 
-
-_NAMES = (
-    "save_losses",
-    "save_config",
-    "load_torch_ckpt",
-    "find_latest_checkpoint",
-    "resolve_restore_from_to_checkpoint_dir",
-    "_is_checkpoint_model_config_compatible",
+#: NeMo's six ``base_recipe`` functions, replaced while any recipe's save or load runs; each call acts with the
+#: checkpointer of the save or load running in its own context (thread or task), NeMo's function elsewhere.
+_patch: ContextPatch[S3Checkpointer] = ContextPatch(
+    "NeMo base_recipe functions", lambda: [Site(base_recipe, name, fn) for name, fn in _HANDLERS.items()]
 )
+
+
+def _routed(checkpointer: S3Checkpointer) -> contextlib.AbstractContextManager[S3Checkpointer]:
+    """While it is open, NeMo's ``base_recipe`` functions called in this context (thread or asyncio task) answer
+    ``s3://`` paths through ``checkpointer`` (the innermost open one of this context); calls in other contexts are
+    not touched. Re-entrant; NeMo's functions are back in place when the last one in the process closes."""
+    return _patch.scope(checkpointer)

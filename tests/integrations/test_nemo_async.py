@@ -167,3 +167,59 @@ def test_async_save_commits_after_every_upload(seaweed: Any, bucket: str, tmp_pa
     assert all(_diff(out["after_3"]["model"], out["saved_3"]["model"]) for out in first)
     keys = object_keys(seaweed.client(), bucket)
     assert not [k for k in keys if k.startswith(f"{RUN}/epoch_0_step_4/") and k.endswith("dcp_s3_commit.json")]
+
+
+def _stalled_then_next(rank: int, world: int, config: dict[str, Any], proxy_url: str) -> bytes:
+    os.environ.pop("AWS_ENDPOINT_URL", None)
+    t = _parts(rank, world, {**config, "is_async": True, "endpoint_url": proxy_url})
+    root, ckpt = config["checkpoint_dir"], t["ckpt"]
+    out: dict[str, Any] = {}
+    _train(t)
+    path = f"{root}/epoch_0_step_1"  # its uploads are held by the proxy far past async_upload_timeout_s
+    ckpt.lifecycle.reserve(path)
+    ckpt.save_model(t["model"], path)
+    ckpt.save_optimizer(
+        t["optim"], t["model"], path, t["sched"]
+    )  # on main: NeMo's lock, until the model's upload ended
+    ckpt.lifecycle.defer_publication(path, best_val_metric=None, metric_key=None)
+    for name, call in (("async_wait", ckpt.async_wait), ("commit", ckpt.lifecycle.complete_pending)):
+        try:
+            call()
+            out[name] = None
+        except S3TransferError as exc:
+            out[name] = str(exc)
+    _train(t)
+    path = f"{root}/epoch_0_step_2"  # not held: saved and committed while step 1's requests are still held
+    _begin(t, path)
+    ckpt.lifecycle.publish(path, best_val_metric=None, metric_key=None)
+    out["latest"] = ckpt.latest_checkpoint()
+    ckpt.close()
+    return _packed(out)
+
+
+@pytest.mark.multiproc
+def test_an_upload_past_its_deadline_does_not_hold_the_training_thread(seaweed: Any, bucket: str) -> None:
+    """NeMo 0.7.0 holds one lock while an async save's upload runs and takes it again in the next ``async_save``
+    (``_nemo_initialize_checkpoint_process``): an upload held by the network held the training thread with it.
+    Each upload now fails at ``async_upload_timeout_s``: the saves after it start, step 1 is committed nowhere,
+    step 2 is. (On main the first ``save_optimizer`` waits until the proxy lets step 1's requests go: the run
+    outlives its hang guard.)"""
+    root = f"s3://{bucket}/{RUN}"
+    config = {
+        "checkpoint_dir": root,
+        "endpoint_url": seaweed.endpoint_url,
+        # a held request is not cut for minutes (on main the 20 s read_timeout and its retries bounded the wait)
+        "storage_options": {"region": seaweed.region, "retry_attempts": 1, "read_timeout": 600.0},
+        "async_upload_timeout_s": 4.0,
+    }
+    held = Rule({"PutObject", "CreateMultipartUpload", "UploadPart"}, "stall", key_contains=f"{RUN}/epoch_0_step_1/")
+    held.stall_s = 240.0
+    with FaultProxy(seaweed.endpoint_url, [held]) as proxy:
+        results = _unpacked(run_ranks(_stalled_then_next, 2, config, proxy.url, timeout=150))
+        assert proxy.injected("stall") > 0
+    for out in results:
+        assert out["async_wait"] and "async save not committed" in out["async_wait"], out
+        assert out["commit"] and "not committed" in out["commit"], out
+        assert out["latest"] == f"{root}/epoch_0_step_2"
+    keys = object_keys(seaweed.client(), bucket)
+    assert not [k for k in keys if k.startswith(f"{RUN}/epoch_0_step_1/") and k.endswith("dcp_s3_commit.json")]

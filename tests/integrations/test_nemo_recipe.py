@@ -14,6 +14,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,84 @@ def test_s3_recipes_by_name_and_the_config_they_build(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"peft": {"dim": 8}, "checkpoint": {"checkpoint_dir": "s3://bucket/run"}}))
     with pytest.raises(ConfigError, match="is_peft"):
         nemo_recipe.S3RecipeConfig.of(load_yaml_config(str(path))).checkpoint  # noqa: B018
+
+
+def _checkpointer(seaweed: Any, bucket: str, job: str) -> Any:
+    from dcp_s3.integrations.nemo_automodel import S3CheckpointingConfig
+
+    return S3CheckpointingConfig(
+        checkpoint_dir=f"s3://{bucket}/{job}",
+        endpoint_url=seaweed.endpoint_url,
+        storage_options={"region": seaweed.region},
+    ).build(dp_rank=0, tp_rank=0, pp_rank=0)
+
+
+def test_two_jobs_in_two_threads_each_route_through_their_own_checkpointer(
+    seaweed: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Job A's recipe save and job B's recipe load run at once in two threads (B's routing opened after A's, the
+    order that captured A's calls on main): NeMo's own ``base_recipe`` functions, called as its recipes call them,
+    answer A's save through A's checkpointer and B's load through B's; outside both, and after the last one closes
+    (also through an exception), NeMo's functions are its own."""
+    from nemo_automodel.recipes import base_recipe
+
+    from dcp_s3.integrations.nemo_recipe import _routed
+
+    monkeypatch.chdir(tmp_path)  # a call routed to NeMo's own function would write here
+    nemo = {name: getattr(base_recipe, name) for name in ("save_config", "find_latest_checkpoint", "load_torch_ckpt")}
+    a, b = _checkpointer(seaweed, bucket, "jobA"), _checkpointer(seaweed, bucket, "jobB")
+    path_a, path_b = f"s3://{bucket}/jobA/epoch_0_step_1", f"s3://{bucket}/jobB/epoch_0_step_7"
+    b.lifecycle.reserve(path_b)  # job B's checkpoint, to be loaded
+    b.save_state(torch.nn.Linear(2, 2), "ema", path_b)
+    b.save_distributed_state(torch.nn.Linear(2, 2), "extra", path_b)  # a DCP part: what makes it a checkpoint
+    b.lifecycle.publish(path_b, best_val_metric=None, metric_key=None)
+
+    a_open, b_open, a_saved, b_loaded = (threading.Event() for _ in range(4))
+    got: dict[str, Any] = {}
+
+    def job_a() -> None:
+        a.lifecycle.reserve(path_a)
+        with _routed(a):
+            a_open.set()
+            assert b_open.wait(60)
+            base_recipe.save_config({"job": "A"}, path_a)  # as NeMo's save_checkpoint calls it
+            a_saved.set()
+            assert b_loaded.wait(60)
+        a.lifecycle.publish(path_a, best_val_metric=None, metric_key=None)
+
+    def job_b() -> None:
+        assert a_open.wait(60)
+        with _routed(b):
+            b_open.set()
+            assert a_saved.wait(60)
+            latest = base_recipe.find_latest_checkpoint(f"s3://{bucket}/jobB")  # as NeMo's load_checkpoint
+            got["latest"] = latest
+            got["ema"] = base_recipe.load_torch_ckpt(f"{latest}/ema.pt")
+            b_loaded.set()
+
+    errors: list[BaseException] = []
+
+    def run_job(fn: Any) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # reported below, with its type
+            errors.append(exc)
+            for event in (a_open, b_open, a_saved, b_loaded):
+                event.set()
+
+    threads = [threading.Thread(target=run_job, args=(fn,)) for fn in (job_a, job_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, [f"{type(e).__name__}: {e}" for e in errors]
+    assert got["latest"] == path_b and set(got["ema"]) == {"weight", "bias"}
+    assert a.load_config(path_a) == {"job": "A"} and b.load_config(path_b) is None
+    assert {name: getattr(base_recipe, name) for name in nemo} == nemo
+    with pytest.raises(KeyError), _routed(a):
+        assert base_recipe.save_config is not nemo["save_config"]
+        raise KeyError("a save that fails")
+    assert {name: getattr(base_recipe, name) for name in nemo} == nemo
+    assert list(tmp_path.iterdir()) == []
+    a.close()
+    b.close()

@@ -360,6 +360,81 @@ def test_a_callback_making_a_directory_in_the_stage_continues_the_save(bucket: s
     assert _storage(bucket).read(Path("step_1/notes/n.txt")) == b"added before the commit"
 
 
+class _NotesBesideTheModel:
+    """A pre-finalize callback (issue 50, item 1): ``mkdir`` of the stage directory itself, where the save already
+    wrote ``model_0.pt``, then ``notes.json`` into it — what a callback does on a disk, where the directory exists."""
+
+    def __call__(self, args: Any) -> None:
+        args.storage.mkdir(Path(args.path))
+        args.storage.write(Path(args.path) / "notes.json", b'{"note": "beside the model"}')
+
+
+def _sync_manager(root: str, callback: Any, keep_last: int | None = None) -> Any:
+    from torch_checkpointing.checkpoint_manager import CheckpointManager
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+
+    from dcp_s3.integrations.torch_checkpointing import KeepLast, S3StorageConfig
+
+    config = CheckpointManager.Config(
+        save=SyncCheckpointSaverConfig(),
+        storage_config=S3StorageConfig(root),
+        pre_finalize_callback=callback,
+        finalize_callback=KeepLast(keep_last) if keep_last else None,
+    )
+    return CheckpointManager(config)
+
+
+def test_a_callbacks_mkdir_of_the_stage_does_not_drop_the_model_from_the_commit(bucket: str, s3_env: Any) -> None:
+    """A save begins and ends where torch_checkpointing's writer says (its ``write`` call), never at a ``mkdir``:
+    the callback's ``mkdir`` of the stage directory and its ``notes.json`` stay in the save, the commit names
+    ``model_0.pt`` too, the step loads, and ``KeepLast(1)`` deletes the step before only once this one is whole."""
+    root = f"s3://{bucket}/run"
+    manager = _sync_manager(root, _NotesBesideTheModel(), keep_last=1)
+    try:
+        manager.save(f"{root}/step_1", {"model": torch.ones(3)})
+        model = torch.arange(6.0)
+        manager.save(f"{root}/step_2", {"model": model})
+        assert sorted(_marker(s3_env, bucket, "step_2")["files"]) == ["model_0.pt", "notes.json"]
+        assert torch.equal(manager.load(f"{root}/step_2", into={"model": torch.zeros(6)})["model"], model)
+    finally:
+        manager.close()
+    assert _storage(bucket).read(Path("step_2/notes.json")) == b'{"note": "beside the model"}'
+    assert _storage(bucket).ls(Path("")) == ["step_2"]
+
+
+class _LoseTheModel:
+    """A pre-finalize callback standing for an object of the save lost before the commit (deleted behind the
+    storage's back, e.g. by a lifecycle rule or a concurrent ``rm``): the staged ``model_0.pt`` of ``step_2``."""
+
+    def __init__(self, s3_env: Any, bucket: str) -> None:
+        self.client, self.bucket = s3_env.client(), bucket
+
+    def __call__(self, args: Any) -> None:
+        if not args.path.endswith("tmp_step_2"):
+            return
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix="run/step_2/")
+        keys = [o["Key"] for page in pages for o in page.get("Contents", []) if o["Key"].endswith("/model_0.pt")]
+        assert keys
+        self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in keys]})
+
+
+def test_a_commit_missing_a_file_of_the_save_fails_and_keep_last_deletes_nothing(bucket: str, s3_env: Any) -> None:
+    """The commit names every file this save wrote, or the save fails: a file of ``step_2`` gone before its commit
+    fails ``manager.save`` (naming the file), ``step_2`` is not committed, and ``KeepLast(1)`` (which runs only
+    after a commit) leaves ``step_1`` whole."""
+    root = f"s3://{bucket}/run"
+    manager = _sync_manager(root, _LoseTheModel(s3_env, bucket), keep_last=1)
+    try:
+        model = torch.arange(3.0)
+        manager.save(f"{root}/step_1", {"model": model})
+        with pytest.raises(CheckpointFormatError, match="model_0.pt"):
+            manager.save(f"{root}/step_2", {"model": torch.ones(3)})
+        assert _storage(bucket).ls(Path("")) == ["step_1", "tmp_step_2"]
+        assert torch.equal(manager.load(f"{root}/step_1", into={"model": torch.zeros(3)})["model"], model)
+    finally:
+        manager.close()
+
+
 # -- deletion by ownership -----------------------------------------------------------------------------
 
 

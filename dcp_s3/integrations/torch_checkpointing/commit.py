@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dcp_s3.checkpointer.names import number
@@ -194,10 +195,14 @@ def claims(store: Store, name: str, attempt: str) -> dict[int, str]:
     return found
 
 
-def commit(store: Store, name: str, world_size: int, attempt: str) -> Manifest:
+def commit(
+    store: Store, name: str, world_size: int, attempt: str, expected: Mapping[str, set[str]] | None = None
+) -> Manifest:
     """Commit ``attempt``'s stage of ``name`` (rank 0, after every rank finished writing): the marker, then this
     attempt's claims removed. Refuses (``CheckpointExistsError``) an occupied destination and
-    (``CheckpointFormatError``) a stage whose claims in ``attempt`` are not one writer per rank ``0..world_size-1``."""
+    (``CheckpointFormatError``) a stage whose claims in ``attempt`` are not one writer per rank ``0..world_size-1``,
+    or one whose listing lacks a file of ``expected`` (writer -> the files the caller knows it wrote in this save):
+    the marker then is never written."""
     writers = claims(store, name, attempt)
     if sorted(writers) != list(range(world_size)):
         raise CheckpointFormatError(
@@ -215,6 +220,14 @@ def commit(store: Store, name: str, world_size: int, attempt: str) -> Manifest:
                     f"cannot commit {store.url(name)}: ranks {rank} and another both wrote {rel!r}"
                 )
             files[rel] = FileEntry(writer, obj.size, obj.etag)
+    for writer, rels in (expected or {}).items():
+        missing = sorted(rel for rel in rels if files.get(rel, FileEntry("", 0, "")).writer != writer)
+        if writer not in writers.values() or missing:
+            raise CheckpointFormatError(
+                f"cannot commit {store.url(name)}: files of this save are not in its stage under writer {writer} "
+                f"({', '.join(missing) or 'its claim is gone'}); the commit would not name them, so nothing is "
+                "committed"
+            )
     manifest = Manifest(uuid.uuid4().hex, dict(writers), files)
     body = {
         "format": FORMAT,

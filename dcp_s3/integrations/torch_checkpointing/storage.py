@@ -70,7 +70,7 @@ from dcp_s3.integrations.torch_checkpointing import retention as tc_retention
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manifest
 from dcp_s3.integrations.torch_checkpointing.paths import Where
 from dcp_s3.integrations.torch_checkpointing.streams import ObjectReadStream, ObjectWriteStream
-from dcp_s3.integrations.torch_checkpointing.writers import StageWriters
+from dcp_s3.integrations.torch_checkpointing.writers import StageWriters, watch_saves
 from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.store.base import Store
 from dcp_s3.store.storage_options import StorageOptions
@@ -143,6 +143,11 @@ class S3Storage(Storage):
         self._store_lock = threading.Lock()
         self._writers = StageWriters(lambda: self.store, self.rank, self.attempt)  # a fresh writer for each save
         self._manifests: dict[str, Manifest] = {}  # checkpoint -> marker read when its directory was looked at
+        watch_saves(self, S3Storage.begin_save)  # torch_checkpointing's writer says where each save begins
+
+    def begin_save(self, path: Path | str) -> None:
+        """torch_checkpointing's writer begins a save of ``path`` (its final name): :mod:`.writers`."""
+        self._writers.begin(self.name_of(path))
 
     @property
     def store(self) -> Store:
@@ -194,11 +199,9 @@ class S3Storage(Storage):
             stream.write(data)
 
     def mkdir(self, path: Path, recursive: bool = True) -> None:
-        """No directory to make (a stage is claimed by its first file); in a stage, where a save begins
-        (:mod:`dcp_s3.integrations.torch_checkpointing.writers`)."""
-        stage = tc_paths.in_stage(self._parts(path), self.config.temp_dir_prefix)
-        if stage is not None:
-            self._writers.prepare(stage.name, stage.rest)
+        """Nothing: no directory to make (a stage is claimed by its first file), and no sign of anything (a save
+        begins where torch_checkpointing's writer says: :mod:`dcp_s3.integrations.torch_checkpointing.writers`)."""
+        self._parts(path)  # a path elsewhere is refused, as for every other call
 
     # -- reading -----------------------------------------------------------------------------------
 
@@ -320,7 +323,9 @@ class S3Storage(Storage):
                 )
             if dst.kind == "committed" or store.size(src.name) is not None or self._has_children(src.name):
                 raise CheckpointExistsError(f"refusing to commit {src_path} onto {store.url(src.name)}: it is occupied")
-            self._manifests[src.name] = tc_commit.commit(store, src.name, self.world_size, self.attempt)
+            writer = self._writers.get(src.name)
+            expected = {writer: self._writers.written(src.name)} if writer is not None else {}
+            self._manifests[src.name] = tc_commit.commit(store, src.name, self.world_size, self.attempt, expected)
             self._writers.committed(src.name)
             return
         if src.kind == "plain" and store.size(src.name) is not None:
