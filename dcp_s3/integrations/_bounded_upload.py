@@ -40,11 +40,16 @@ class _BoundedUpload(S3StorageWriter):
         done: dict[str, Any] = {}
 
         def upload() -> None:
-            done["future"] = S3StorageWriter.write_data(self, plan, planner)
+            try:
+                done["future"] = S3StorageWriter.write_data(self, plan, planner)
+            except BaseException as exc:  # raised in the caller's thread below, as an unbounded upload would
+                done["error"] = exc
 
         thread = threading.Thread(target=upload, name="dcp_s3-bounded-upload", daemon=True)
         thread.start()
         thread.join(max(self._upload_deadline - time.time(), 0.0))
+        if "error" in done:
+            raise done["error"]
         if "future" in done:
             return done["future"]
         failed: Future[Any] = Future()
