@@ -1,0 +1,74 @@
+"""Absent is not unavailable, swept over the "which checkpoints are committed / which is the latest" lookups of the
+core and of the integrations (issue 50's rule): a server error on the newest checkpoint's commit object raises
+``S3TransferError`` naming it; it never makes the lookup answer an older checkpoint (a rollback) or count one fewer
+(a retention deleting the wrong one). The Checkpointer's own load: ``tests/checkpointer/test_absent_not_unavailable.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fault_proxy import FaultProxy, Rule
+
+from dcp_s3 import ClientConfig, S3TransferError
+from dcp_s3.integrations import nemo_commit
+from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
+from dcp_s3.integrations.torch_checkpointing import retention as tc_retention
+from dcp_s3.local_server import LocalS3Server
+from dcp_s3.store import open_store
+from dcp_s3.store.storage_options import StorageOptions
+
+FAST = ClientConfig(retry_attempts=2, read_timeout=2.0, connect_timeout=2.0)
+
+
+def _torch_checkpointing(root: str, endpoint: str) -> Any:
+    store = open_store(root, endpoint_url=endpoint, client=FAST)
+    return tc_retention.committed_checkpoints(store, root, r"step_[0-9]+", "")
+
+
+def _nemo_names(root: str, endpoint: str) -> Any:
+    return nemo_commit.Saves(
+        StorageOptions.of({"endpoint_url": endpoint, "client": FAST}), root, "test"
+    ).committed_names()
+
+
+def _nemo_latest(root: str, endpoint: str) -> Any:
+    return nemo_commit.Saves(StorageOptions.of({"endpoint_url": endpoint, "client": FAST}), root, "test").latest()
+
+
+#: lookup -> (objects that commit two checkpoints, the newest one's commit key, the operation that fails on it)
+LOOKUPS: dict[str, tuple[Callable[[str, str], Any], list[str], str, str]] = {
+    "torch_checkpointing committed (KeepLast)": (
+        _torch_checkpointing,
+        [f"step_1/{tc_commit.MARKER}", f"step_2/{tc_commit.MARKER}"],
+        f"step_2/{tc_commit.MARKER}",
+        "HeadObject",
+    ),
+    "NeMo committed names (max_recent_checkpoints)": (
+        _nemo_names,
+        [f"epoch_0_step_1/{nemo_commit.COMMIT}", f"epoch_0_step_2/{nemo_commit.COMMIT}"],
+        f"epoch_0_step_2/{nemo_commit.COMMIT}",
+        "HeadObject",
+    ),
+    "NeMo latest (resume)": (
+        _nemo_latest,
+        [f"epoch_0_step_1/{nemo_commit.COMMIT}", f"epoch_0_step_2/{nemo_commit.COMMIT}"],
+        f"epoch_0_step_2/{nemo_commit.COMMIT}",
+        "GetObject",
+    ),
+}
+
+
+@pytest.mark.parametrize("lookup", sorted(LOOKUPS))
+def test_a_server_error_on_the_newest_commit_raises(lookup: str, s3_env: LocalS3Server, bucket: str) -> None:
+    fn, keys, failing, op = LOOKUPS[lookup]
+    client = s3_env.client()
+    for key in keys:
+        client.put_object(Bucket=bucket, Key=f"run/{key}", Body=b"{}")
+    rule = Rule({op}, "500", key_contains=f"run/{failing}")
+    with FaultProxy(s3_env.endpoint_url, [rule]) as proxy, pytest.raises(S3TransferError) as info:
+        fn(f"s3://{bucket}/run", proxy.url)
+    assert rule.injected > 0
+    assert failing in str(info.value)
