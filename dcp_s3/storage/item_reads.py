@@ -166,8 +166,8 @@ class ItemReads:
             if crc32c(out[f_lo - lo : f_hi - lo]) != crcs[i]:
                 s_lo, s_hi = frames.stored_range(i)
                 raise CheckpointFormatError(
-                    f"{self._session.object_store.url(key)}: frame {i} (bytes {info.offset + s_lo}-"
-                    f"{info.offset + s_hi}) of the item at bytes {info.offset}-{info.offset + info.length} "
+                    f"{self._session.object_store.url(key)}: frame {i} of the item at bytes {info.offset}-"
+                    f"{info.offset + info.length} (the frame: bytes {info.offset + s_lo}-{info.offset + s_hi}) "
                     "fails its checksum: the stored object is corrupt"
                 )
 
