@@ -3,11 +3,12 @@
 Only the bytes the plan needs are read: the rows of the stored chunk that the item covers (the codec's
 frames around them for a compressed item), straight into the destination tensor when its layout allows,
 otherwise into bounded staging that is copied (and cast) into it; items other writers wrote are fetched
-whole and loaded as torch would. Every byte that reaches a tensor is checked against a stored checksum
-covering exactly the bytes hashed before the planner sees it: a raw item's blocks, widened to whole blocks
-(:mod:`dcp_s3.storage.block_checks`), a compressed item's frames, decoded whole; byte items are checked
-whole before anything unpickles them (:mod:`dcp_s3.untrusted.byte_items`). The reader (:mod:`dcp_s3.storage.reader`) makes one
-:class:`ItemReads` per read, with the load's metadata, and runs the reads it gathers.
+whole and loaded as torch would. Every byte that reaches a tensor is checked, before the planner sees it,
+against a stored checksum covering exactly the bytes hashed: a raw item's blocks, the read widened to whole
+blocks (:mod:`dcp_s3.storage.block_checks`), or a compressed item's frames, each decoded whole; byte items
+are checked whole before anything unpickles them (:mod:`dcp_s3.untrusted.byte_items`). The reader
+(:mod:`dcp_s3.storage.reader`) makes one :class:`ItemReads` per read, with the load's metadata, and runs
+the reads it gathers.
 """
 
 from __future__ import annotations
