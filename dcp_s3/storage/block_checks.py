@@ -14,7 +14,6 @@ is checked the same way, a read of part of it is widened to the whole item when 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -59,8 +58,8 @@ class BlockLedger:
         self.wide_hi = min(nbytes, (self.last + 1) * block)
         if len(crcs) != -(-nbytes // block) and nbytes:
             raise CheckpointFormatError(f"{where(0, nbytes)}: {len(crcs)} block checksums for {nbytes} bytes")
-        self._fragments: list[tuple[int, int, int]] = []  # (start, end, crc32c) in payload offsets
-        self._lock = threading.Lock()
+        # (start, end, crc32c) in payload offsets, appended by the reading threads (``list.append`` is atomic)
+        self._fragments: list[tuple[int, int, int]] = []
 
     def edge_reads(self, key: str, start: int) -> list[RangeRead]:
         """Reads of the bytes the blocks hold outside ``[lo, hi)`` (object offset of payload byte 0:
@@ -82,8 +81,7 @@ class BlockLedger:
 
     def add(self, a: int, b: int, crc: int) -> None:
         """Payload bytes ``[a, b)`` (within one block) arrived with CRC32C ``crc``."""
-        with self._lock:
-            self._fragments.append((a, b, crc))
+        self._fragments.append((a, b, crc))
 
     def hasher(self, a: int, b: int) -> _ReadHasher:
         """What hashes the bytes of one read of payload bytes ``[a, b)`` as they arrive."""
@@ -91,8 +89,12 @@ class BlockLedger:
 
     def check(self) -> None:
         """Every block ``[lo, hi)`` touches: its fragments cover it exactly and combine to its CRC32C."""
-        with self._lock:
-            fragments = sorted(self._fragments)
+        fragments = self._fragments
+        if len(fragments) == 1 and fragments[0][:2] == (self.wide_lo, self.wide_hi) and self.first == self.last:
+            if fragments[0][2] != self.crcs[self.first]:  # one block, read in one piece: the common small item
+                self._mismatch(self.first, self.wide_lo, self.wide_hi, fragments[0][2])
+            return
+        fragments = sorted(fragments)
         at = 0
         for i in range(self.first, self.last + 1):
             b_lo, b_hi = i * self.block, min(self.nbytes, (i + 1) * self.block)
@@ -107,10 +109,13 @@ class BlockLedger:
             if pos != b_hi:
                 raise CheckpointFormatError(f"{self.where(b_lo, b_hi)}: block {i} was not read whole")
             if crc != self.crcs[i]:
-                raise CheckpointFormatError(
-                    f"{self.where(b_lo, b_hi)}: checksum mismatch in block {i} (crc32c {crc:#010x}, expected "
-                    f"{self.crcs[i]:#010x}): the stored bytes are corrupt"
-                )
+                self._mismatch(i, b_lo, b_hi, crc)
+
+    def _mismatch(self, i: int, b_lo: int, b_hi: int, crc: int) -> None:
+        raise CheckpointFormatError(
+            f"{self.where(b_lo, b_hi)}: checksum mismatch in block {i} (crc32c {crc:#010x}, expected "
+            f"{self.crcs[i]:#010x}): the stored bytes are corrupt"
+        )
 
 
 class _ReadHasher:
@@ -131,9 +136,16 @@ class _ReadHasher:
 
     def __call__(self, piece: memoryview) -> None:
         end = self.pos + piece.nbytes
-        if end < self.bound:  # the common case (a socket read inside a block): as cheap as hashing alone
+        bound = self.bound
+        if end < bound:  # the common case (a socket read inside a block): as cheap as hashing alone
             self.crc = crc32c(piece, self.crc)
             self.pos = end
+            return
+        if end == bound:  # a piece that ends a block (or the read)
+            self.done.append((self.start, end, crc32c(piece, self.crc)))
+            self.start = self.pos = end
+            self.crc = 0
+            self.bound = min(self.b, end + self.ledger.block)  # (``end`` is a block boundary, or the read's end)
             return
         view = memoryview(piece).cast("B")
         while view:
@@ -157,5 +169,4 @@ class _ReadHasher:
             self.done, self.pos, self.start, self.crc = [], self.a, self.a, 0
             self.bound = self._bound()
             self(buf)
-        for fragment in self.done:
-            self.ledger.add(*fragment)
+        self.ledger._fragments.extend(self.done)

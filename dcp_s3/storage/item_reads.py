@@ -229,13 +229,13 @@ class ItemReads:
         ledger = None
         if frames is None:
             nbytes, payload = rows_total * row_bytes, info.offset + info.payload_offset
-            where = f"{fqn}: {self._session.object_store.url(key)}"
+            url = self._session.object_store.url
             ledger = ledger_for(
                 info,
                 nbytes,
                 row0 * row_bytes,
                 (row0 + rows) * row_bytes,
-                lambda a, b: f"{where} bytes {payload + a}-{payload + b}",
+                lambda a, b: f"{fqn}: {url(key)} bytes {payload + a}-{payload + b}",  # (named only on errors)
             )
             if ledger is not None:
                 reads.extend(ledger.edge_reads(key, payload))
