@@ -50,14 +50,21 @@ __all__ = [
     "check_key_prefixes",
     "is_key_prefix_dir",
     "checksum_error",
+    "BLOCK_SIZE",
+    "payload_blocks",
 ]
 
 METADATA_KEY = ".metadata"
 DATA_SUFFIX = ".distcp"
 #: ``transform_descriptors`` of a compressed item.
 CODEC_DESCRIPTOR = f"{CODEC_NAME}/{CODEC_VERSION}"
-#: Version of dcp_s3's storage data, recorded in ``Metadata.storage_meta.modules``.
-FORMAT_TAG = "dcp_s3/1"
+#: Version of dcp_s3's storage data, recorded in ``Metadata.storage_meta.modules`` (informational: readers
+#: go by the fields each ``ItemLocation`` has). ``dcp_s3/2``: raw tensor items carry ``block_size`` and
+#: ``block_crc32c``; every reader of ``dcp_s3/1`` data reads it, and ``dcp_s3/1`` checkpoints still load.
+FORMAT_TAG = "dcp_s3/2"
+#: Bytes of a raw tensor payload that one ``block_crc32c`` checksum covers (the last block may be shorter):
+#: the codec's default frame size, so raw and compressed items are checked at the same granularity.
+BLOCK_SIZE = 4 << 20
 _KEY_PREFIX_DIR = re.compile(r"p-[0-9a-f]+")
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 #: Name prefix of the short-lived object the writer uses to test whether a server honours ``If-None-Match``.
@@ -161,12 +168,29 @@ class ItemLocation(_StorageInfo):
     the raw bytes (no ``torch.save`` envelope), and ``transform_descriptors`` names
     the codec so stock readers refuse it instead of misreading it. ``frame_crc32c``
     holds the CRC32C of each frame's raw bytes, so partial reads are checked too.
+    ``block_size`` (format ``dcp_s3/2``, raw tensor items): the payload is checked in blocks of this many
+    bytes (the last one shorter); ``block_crc32c`` holds each block's CRC32C, or is None when the payload is
+    one block (then ``crc32c`` is its checksum). A read of any byte range widens it to whole blocks and
+    checks each. Items saved before have neither (None): only a read of the whole payload is checked.
     """
 
     payload_offset: int | None = None
     crc32c: int | None = None
     frames: FrameIndex | None = None
     frame_crc32c: tuple[int, ...] | None = None
+    block_size: int | None = None
+    block_crc32c: tuple[int, ...] | None = None
+
+
+def payload_blocks(info: _StorageInfo, nbytes: int) -> tuple[int, tuple[int, ...]] | None:
+    """``(block_size, one CRC32C per block)`` of a raw tensor item whose payload is ``nbytes`` long, or
+    None if it was saved without block checksums (``ItemLocation``)."""
+    size = getattr(info, "block_size", None)
+    crc = getattr(info, "crc32c", None)
+    if size is None or crc is None:
+        return None
+    crcs = getattr(info, "block_crc32c", None)
+    return size, (crc,) if crcs is None else crcs
 
 
 ItemLocation.__module__ = "dcp_s3.layout"  # the pinned stored name (module docstring)

@@ -14,7 +14,8 @@ unpickling on every rank. The compact format describes the same ``Metadata``:
 * storage entries sorted by (state-dict entry, chunk): which chunks have one (all of them,
   or an explicit chunk list), then one *column* per field (object index, offset, length,
   payload offset, CRC32C, frame index, the ``MetadataIndex.index`` hint, the entry's
-  class). A column is a constant, an arithmetic sequence, a repeated arithmetic period
+  class, and since format ``dcp_s3/2`` the block size and block count of a raw item's
+  ``block_crc32c``, whose checksums are concatenated in one array).  A column is a constant, an arithmetic sequence, a repeated arithmetic period
   (optionally followed by a tail column: FSDP's rank-periodic object numbers), runs, or an
   explicit array of the narrowest integer type that holds it;
 * codec frame indexes (``codec.FrameIndex``) as columns plus concatenated frame ends,
@@ -50,7 +51,22 @@ __all__ = ["MAGIC", "FORMAT_VERSION", "chunk_count", "DTYPES", "LAYOUTS", "MEMOR
 MAGIC = b"\x89DCPS3M\n"
 FORMAT_VERSION = 1
 #: Storage columns, in the order they are written.
-STORAGE_COLUMNS = ("kind", "object", "offset", "length", "transform", "payload", "crc", "frame", "hint")
+STORAGE_COLUMNS = (
+    "kind",
+    "object",
+    "offset",
+    "length",
+    "transform",
+    "payload",
+    "crc",
+    "frame",
+    "hint",
+    "block",
+    "nblocks",
+)
+#: Columns that files written before block checksums lack, and the value each entry then has (readers of
+#: those releases ignore them: such a file still loads there, its reads checked as they always were).
+OPTIONAL_COLUMNS = {"block": -1, "nblocks": 0}
 FRAME_COLUMNS = FRAME_FIELDS
 #: ``kind`` column values.
 KIND_STORAGE_INFO, KIND_ITEM_LOCATION = 0, 1

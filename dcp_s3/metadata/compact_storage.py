@@ -21,7 +21,7 @@ from dcp_s3._torch_compat import _StorageInfo
 from dcp_s3.codec.format import FrameIndex
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.layout import ItemLocation
-from dcp_s3.metadata.compact import FRAME_COLUMNS, KIND_ITEM_LOCATION, STORAGE_COLUMNS
+from dcp_s3.metadata.compact import FRAME_COLUMNS, KIND_ITEM_LOCATION, OPTIONAL_COLUMNS, STORAGE_COLUMNS
 from dcp_s3.untrusted.metadata_check import MAX_OFFSET, check_location, check_object_name
 from dcp_s3.untrusted.metadata_pickle import MAX_INT_KEY, MAX_NDIM, describe
 
@@ -234,7 +234,14 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
             if type(t) not in (list, tuple) or len(t) > 16 or any(type(x) is not str for x in t):
                 raise _bad(f"transform descriptors {describe(t)}")
         columns = _get(header, "columns", dict, "storage")
-        self.cols = {c: Column(columns.get(c), self.count, arrays, c) for c in STORAGE_COLUMNS}
+        self.cols = {
+            c: Column(
+                columns.get(c, {"c": OPTIONAL_COLUMNS[c]} if c in OPTIONAL_COLUMNS else None), self.count, arrays, c
+            )
+            for c in STORAGE_COLUMNS
+        }
+        self.bcrcs = arrays.get(header["blocks"]) if "blocks" in header else np.zeros(0, np.uint32)
+        self._block_at: np.ndarray | None = None
         fr = _get(header, "frames", dict, "storage")
         self.nframes = _int(_get(fr, "count", int, "frames"), "frame count")
         self.codecs = _get(fr, "codecs", list, "frames")
@@ -253,6 +260,8 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
             "payload": (-1, MAX_OFFSET),
             "crc": (-1, 0xFFFFFFFF),
             "hint": (-1, MAX_OFFSET),
+            "block": (-1, MAX_OFFSET),
+            "nblocks": (0, MAX_OFFSET),
         }
         for name, (lo, hi) in limits.items():  # (an empty column has no values to check: bounds() says (0, 0))
             have = self.cols[name].bounds()
@@ -346,12 +355,15 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
         if col["kind"][p] == KIND_ITEM_LOCATION:
             payload, crc, f = col["payload"][p], col["crc"][p], col["frame"][p]
             frames, frame_crcs = self._frames(f) if f != -1 else (None, None)
+            block = col["block"][p]
             info: _StorageInfo = ItemLocation(
                 *args,
                 payload_offset=None if payload == -1 else payload,
                 crc32c=None if crc == -1 else crc,
                 frames=frames,
                 frame_crc32c=frame_crcs,
+                block_size=None if block == -1 else block,
+                block_crc32c=self._blocks(p),
             )
         else:
             info = _StorageInfo(*args)
@@ -364,6 +376,16 @@ class CompactStorage(Mapping[MetadataIndex, _StorageInfo]):
             MetadataIndex(entry.fqn, entry.chunks[c].offsets if entry.chunks is not None else None), info, nbytes
         )
         return info
+
+    def _blocks(self, p: int) -> tuple[int, ...] | None:
+        """Entry ``p``'s ``block_crc32c`` (positions in the block array computed on first use)."""
+        if self._block_at is None:
+            at = np.concatenate(([0], np.cumsum(self.cols["nblocks"].array())))
+            if int(at[-1]) != len(self.bcrcs):
+                raise _bad("the block array does not hold what the nblocks column counts")
+            self._block_at = at
+        lo, hi = int(self._block_at[p]), int(self._block_at[p + 1])
+        return tuple(self.bcrcs[lo:hi].tolist()) if hi > lo else None
 
     def _frame_positions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where each frame index's ends, CRCs and raw bits start (computed on first use)."""

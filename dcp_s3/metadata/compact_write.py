@@ -122,6 +122,7 @@ class _Rows:
         self.single = array("q")  # rows added from objects: entry, chunk, seq, frame (-1 or in framed), *_ROW
         self.packs: list[tuple[Any, int]] = []  # (PackedResults, seq of its first result)
         self.framed: list[Framed] = []  # frame indexes of the rows added from objects
+        self.blocks: list[int] = []  # block checksums of the rows added from objects, in row order
         self.frame_tables: list[FrameTable] = []  # of packed rows: the frames table is framed's, then these
         self.objects: dict[str, int] = {}
         self.transforms: dict[str, int] = {}  # JSON of the tagged descriptors -> id
@@ -155,10 +156,15 @@ class _Rows:
             or type(info.length) is not int
         ):
             raise _unsupported(f"storage entry {index.fqn!r}: {type(info).__name__} {info!r}"[:300])
-        payload = crc = None
+        payload = crc = block = None
+        block_crcs: tuple[int, ...] = ()
         frame = -1
         if isinstance(info, ItemLocation):
-            payload, crc = info.payload_offset, info.crc32c
+            payload, crc, block = info.payload_offset, info.crc32c, info.block_size
+            if info.block_crc32c is not None:
+                block_crcs = info.block_crc32c
+                if type(block_crcs) is not tuple or not all(type(v) is int and 0 <= v < 1 << 32 for v in block_crcs):
+                    raise _unsupported(f"storage entry {index.fqn!r}: block checksums {block_crcs!r}"[:300])
             if info.frames is not None:
                 if type(info.frames) is not FrameIndex or type(info.frames.codec) is not str:
                     raise _unsupported(
@@ -183,11 +189,14 @@ class _Rows:
             _opt(payload),
             _opt(crc),
             _opt(index.index),
+            _opt(block),
+            len(block_crcs),
         )
         for name, value in zip(_ROW, values):
             if type(value) is not int or not -1 <= value < _LIMIT:
                 raise _unsupported(f"storage entry {index.fqn!r}: {name} {value!r}")
         self.single.extend((e, c, seq, frame, *values))
+        self.blocks.extend(block_crcs)
 
     def add_results(self, results: Iterable[Sequence[WriteResult]]) -> None:
         """Every rank's results, in order (a later result for the same chunk replaces an earlier one)."""
@@ -333,13 +342,28 @@ class _Rows:
         if not with_columns:
             return None
         values["object"], values["transform"], values["frame"] = objects[0], transforms[0], frame
+        blocks = self._block_crcs(cols[:, _ROW.index("nblocks")], order)
         return {
             "count": len(e),
             "objects": objects[1],
             "transforms": [self.tagged[self.transforms[k]] for k in transforms[1]],
             "columns": {name: arrays.column(f"s.{name}", values[name]) for name in STORAGE_COLUMNS},
             "frames": _frames(arrays, frames),
+            "blocks": arrays.add("b.crcs", blocks.astype("<u4")),
         }
+
+    def _block_crcs(self, nblocks: np.ndarray, order: np.ndarray) -> np.ndarray:
+        """The block checksums of the rows ``order`` keeps, in that order (``nblocks``: each row's count,
+        rows as ``_rows`` gives them: packed ranks' first, then those added from objects)."""
+        crcs = np.concatenate([*(pk.blocks for pk, _ in self.packs), np.array(self.blocks, np.uint32)]).astype(np.int64)
+        if len(crcs) != int(nblocks.sum()):
+            raise _unsupported(f"{len(crcs)} block checksums for rows that count {int(nblocks.sum())}")
+        starts = np.cumsum(nblocks) - nblocks
+        kept = nblocks[order]
+        if not int(kept.sum()):
+            return np.zeros(0, np.int64)
+        first = np.repeat(starts[order] - (np.cumsum(kept) - kept), kept)
+        return crcs[first + np.arange(int(kept.sum()))]
 
 
 def _by_name(ids: np.ndarray, names: list[str]) -> tuple[np.ndarray, list[str]]:

@@ -31,7 +31,7 @@ from dcp_s3.packed.plans import PackedSequence
 __all__ = ["PackedResults", "FIELDS"]
 
 #: Integer fields of a row, in ``PackedResults.fields`` order (-1 stands for None).
-FIELDS = ("object", "offset", "length", "size", "transform", "payload", "crc", "hint")
+FIELDS = ("object", "offset", "length", "size", "transform", "payload", "crc", "hint", "block", "nblocks")
 _LIMIT = 1 << 63
 
 
@@ -41,7 +41,8 @@ class PackedResults(PackedSequence[WriteResult]):
     def __init__(self, state: tuple[Any, ...]) -> None:
         # names (b"\0"-joined tensor names) and their digest; ndim per name; objects; transforms;
         # per row: ids (into names), offsets (padded with -1), fields (rows x FIELDS); frames: None or
-        # (the compressed rows, their frame indexes as a FrameTable); extras: (position, WriteResult).
+        # (the compressed rows, their frame indexes as a FrameTable); extras: (position, WriteResult);
+        # blocks: every row's ``block_crc32c`` (``nblocks`` of them, in row order) as one uint32 array.
         (
             self.names,
             self.digest,
@@ -53,6 +54,7 @@ class PackedResults(PackedSequence[WriteResult]):
             self.fields,
             self.frames,
             self.extras,
+            self.blocks,
         ) = state
         self._results: list[WriteResult] | None = None
 
@@ -68,6 +70,7 @@ class PackedResults(PackedSequence[WriteResult]):
             self.fields,
             self.frames,
             self.extras,
+            self.blocks,
         )
 
     @classmethod
@@ -83,6 +86,7 @@ class PackedResults(PackedSequence[WriteResult]):
         framed_rows: list[int] = []
         framed: list[Framed] = []
         extras: list[tuple[int, WriteResult]] = []
+        blocks: list[int] = []
         for pos, result in enumerate(results):
             row = _row(result, objects, transforms)
             offset = result.index.offset
@@ -99,6 +103,7 @@ class PackedResults(PackedSequence[WriteResult]):
             if info.frames is not None:
                 framed_rows.append(len(ids))
                 framed.append((info.frames, info.frame_crc32c))
+            blocks.extend(info.block_crc32c or ())
             ids.append(fid)
             offsets.append(offset)
             fields.append(row)
@@ -121,6 +126,7 @@ class PackedResults(PackedSequence[WriteResult]):
                 np.array(fields, np.int64).reshape(-1, len(FIELDS)),
                 (np.array(framed_rows, np.int64), FrameTable.of(framed)) if framed else None,
                 extras,
+                np.array(blocks, np.uint32),
             )
         )
         packed._results = results
@@ -146,8 +152,10 @@ class PackedResults(PackedSequence[WriteResult]):
         fqns = self.fqns()
         frames = dict(zip(self.frames[0].tolist(), self.frames[1].framed())) if self.frames is not None else {}
         out: list[WriteResult] = []
+        block_crcs = self.blocks.tolist()
+        at = 0
         for row, (fid, off, values) in enumerate(zip(self.ids.tolist(), self.offsets.tolist(), self.fields.tolist())):
-            obj, offset, length, size, t, payload, crc, hint = values
+            obj, offset, length, size, t, payload, crc, hint, block, nblocks = values
             index, crcs = frames.get(row, (None, None))
             info = ItemLocation(
                 self.objects[obj],
@@ -158,7 +166,10 @@ class PackedResults(PackedSequence[WriteResult]):
                 crc32c=None if crc < 0 else crc,
                 frames=index,
                 frame_crc32c=crcs,
+                block_size=None if block < 0 else block,
+                block_crc32c=tuple(block_crcs[at : at + nblocks]) if nblocks else None,
             )
+            at += nblocks
             key = MetadataIndex(fqns[fid], off[: self.ndim[fid]], None if hint < 0 else hint)
             out.append(WriteResult(index=key, size_in_bytes=size, storage_data=info))
         for pos, extra in self.extras:
@@ -193,6 +204,11 @@ def _row(result: WriteResult, objects: dict[str, int], transforms: list[Any]) ->
         info.frames, info.frame_crc32c
     ):
         return None
+    block_crcs = info.block_crc32c
+    if block_crcs is not None and (
+        type(block_crcs) is not tuple or not all(type(c) is int and 0 <= c < 1 << 32 for c in block_crcs)
+    ):
+        return None
     values = (
         objects.setdefault(info.relative_path, len(objects)),
         info.offset,
@@ -202,6 +218,8 @@ def _row(result: WriteResult, objects: dict[str, int], transforms: list[Any]) ->
         _opt(info.payload_offset),
         _opt(info.crc32c),
         _opt(index.index),
+        _opt(info.block_size),
+        len(block_crcs or ()),
     )
     if any(type(v) is not int or not -1 <= v < _LIMIT for v in values) or any(
         type(o) is not int or not 0 <= o < _LIMIT for o in index.offset

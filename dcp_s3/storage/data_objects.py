@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_s3._torch_compat import element_size
 from dcp_s3.codec import Codec, grouping_for_dtype
 from dcp_s3.errors import CheckpointFormatError, DcpS3Error
-from dcp_s3.layout import ItemLocation
+from dcp_s3.layout import BLOCK_SIZE, ItemLocation
 from dcp_s3.objstore.base import ObjectWriter
 from dcp_s3.objstore.checksums import crc32c_combine
 from dcp_s3.storage.staging import Stagings
@@ -96,11 +96,20 @@ def _write_tensor(
         staging = stagings.get(blob.tensor) if stagings is not None else None
         # Pinned chunks are reused: copied by the writer, never borrowed.
         stable = blob.borrowed and staging is None
-        checksum = 0
+        blocks = _PayloadBlocks(BLOCK_SIZE)
         for chunk in blob.payload_chunks(staging):
-            checksum = crc32c_combine(checksum, writer.write_checked(chunk, stable=stable), memoryview(chunk).nbytes)
+            blocks.write(writer, chunk, stable)
         writer.write(blob.trailer)
-        return ItemLocation(name, offset, writer.tell() - offset, payload_offset=blob.payload_offset, crc32c=checksum)
+        checksum, block_crcs = blocks.finish()
+        return ItemLocation(
+            name,
+            offset,
+            writer.tell() - offset,
+            payload_offset=blob.payload_offset,
+            crc32c=checksum,
+            block_size=BLOCK_SIZE,
+            block_crc32c=block_crcs,
+        )
     # Compressed: one CRC per frame covers every byte, and lets partial reads be checked too.
     tensor = compact(tensor)
     element_size, floating = grouping_for_dtype(tensor.dtype)
@@ -117,6 +126,42 @@ def _write_tensor(
         frames=frames,
         frame_crc32c=block_crcs.finish(),
     )
+
+
+class _PayloadBlocks:
+    """The CRC32C of each ``block``-byte block of a raw payload written in chunks of any size, and of the
+    whole payload, from the one pass that hashes the bytes for the upload: each chunk is written in pieces
+    that end at block boundaries (``ObjectWriter.write_checked`` returns each piece's CRC32C), the pieces'
+    CRCs combine into their block's, and the blocks' into the payload's (``crc32c_combine``)."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+        self.crcs: list[int] = []
+        self._crc = 0  # of the block being filled
+        self._filled = 0
+        self._total = 0  # CRC32C of the payload before that block
+
+    def write(self, writer: ObjectWriter, chunk: memoryview, stable: bool) -> None:
+        view = memoryview(chunk).cast("B")
+        while view:
+            n = min(len(view), self.block - self._filled)
+            crc = writer.write_checked(view[:n], stable=stable)
+            self._crc = crc if self._filled == 0 else crc32c_combine(self._crc, crc, n)
+            self._filled += n
+            view = view[n:]
+            if self._filled == self.block:
+                self._end_block()
+
+    def _end_block(self) -> None:
+        self.crcs.append(self._crc)
+        self._total = crc32c_combine(self._total, self._crc, self._filled)
+        self._crc, self._filled = 0, 0
+
+    def finish(self) -> tuple[int, tuple[int, ...] | None]:
+        """The payload's CRC32C, and its blocks' (None if it is one block: then that is the payload's)."""
+        if self._filled:
+            self._end_block()
+        return self._total, tuple(self.crcs) if len(self.crcs) > 1 else None
 
 
 class _BlockChecksums:

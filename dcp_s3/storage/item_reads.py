@@ -3,10 +3,12 @@
 Only the bytes the plan needs are read: the rows of the stored chunk that the item covers (the codec's
 frames around them for a compressed item), straight into the destination tensor when its layout allows,
 otherwise into bounded staging that is copied (and cast) into it; items other writers wrote are fetched
-whole and loaded as torch would. Once the bytes are in, each item is checked (its CRC32C, or each
-frame's) before the planner sees it, and byte items are checked before anything unpickles them
-(:mod:`dcp_s3.untrusted.byte_items`). The reader (:mod:`dcp_s3.storage.reader`) makes one
-:class:`ItemReads` per read, with the load's metadata, and runs the reads it gathers.
+whole and loaded as torch would. Every byte that reaches a tensor is checked, before the planner sees it,
+against a stored checksum covering exactly the bytes hashed: a raw item's blocks, the read widened to whole
+blocks (:mod:`dcp_s3.storage.block_checks`), or a compressed item's frames, each decoded whole; byte items
+are checked whole before anything unpickles them (:mod:`dcp_s3.untrusted.byte_items`). The reader
+(:mod:`dcp_s3.storage.reader`) makes one :class:`ItemReads` per read, with the load's metadata, and runs
+the reads it gathers.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.layout import checksum_error
 from dcp_s3.metadata.compact_chunks import ChunkLookup
 from dcp_s3.objstore.base import RangeRead
-from dcp_s3.objstore.checksums import crc32c_combine
+from dcp_s3.storage.block_checks import BlockLedger, ledger_for
 from dcp_s3.storage.session import Session
 from dcp_s3.storage.staging import Stagings
 from dcp_s3.storage.tensor_bytes import StagedRows, raw_bytes_view
@@ -107,16 +109,15 @@ class ItemReads:
                 f"{req.storage_index.fqn}: destination shape {tuple(dest.shape)} does not match the "
                 f"checkpoint's {tuple(req.lengths)}"
             )
-        whole: bool | _PayloadCrc = False
+        ledger: BlockLedger | None = None
         if frames is None and (foreign or getattr(info, "payload_offset", None) is None):
             self._plan_torch_load(req, key, info, dest, reads, foreign)
         else:
-            whole = self._plan_tensor(req, key, info, dest, reads)
+            ledger = self._plan_tensor(req, key, info, dest, reads)
 
         def commit() -> None:
-            if whole:  # the destination holds the item's entire payload: check it
-                crc = whole.value() if isinstance(whole, _PayloadCrc) else None
-                self._verify(req, info, raw_bytes_view(dest), crc)
+            if ledger is not None:  # every block the reads touched, checked before the planner sees it
+                ledger.check()
             planner.commit_tensor(req, dest)
 
         return commit
@@ -136,8 +137,38 @@ class ItemReads:
                 f"{req.storage_index.fqn}: {where} bytes {info.offset}-{info.offset + info.length}: {error}"
             )
 
+    def _decode_checked(
+        self,
+        key: str,
+        info: Any,
+        frames: FrameIndex,
+        stored: Any,
+        s0: int,
+        s1: int,
+        lo: int,
+        hi: int,
+        out: memoryview,
+    ) -> None:
+        """Decode raw bytes ``[lo, hi)`` into ``out`` from ``stored`` (the item's stored bytes ``[s0, s1)``,
+        whole frames) and check them: the frames they touch are decoded whole (into scratch where
+        ``[lo, hi)`` covers only part of one), each checked against its CRC32C, before ``out`` is written."""
+        first, last = lo // frames.frame_size, (hi - 1) // frames.frame_size
+        f_lo, f_hi = frames.raw_range(first)[0], frames.raw_range(last)[1]
+        if (f_lo, f_hi) == (lo, hi):
+            self._decode(key, info, frames, stored, s0, s1, lo, hi, out)
+            self._verify_frames(key, info, frames, lo, hi, out)
+            return
+        scratch = self._frame_buffers.take(f_hi - f_lo)
+        try:
+            whole = scratch.data[: f_hi - f_lo]
+            self._decode(key, info, frames, stored, s0, s1, f_lo, f_hi, whole)
+            self._verify_frames(key, info, frames, f_lo, f_hi, whole)
+            out[:] = whole[lo - f_lo : hi - f_lo]
+        finally:
+            self._frame_buffers.give_back(scratch)
+
     def _verify_frames(self, key: str, info: Any, frames: FrameIndex, lo: int, hi: int, out: memoryview) -> None:
-        """Check the CRC32C of every frame that raw bytes ``[lo, hi)`` (now in ``out``) cover whole."""
+        """Check the CRC32C of every frame in raw bytes ``[lo, hi)`` (frame-aligned, now in ``out``)."""
         crcs = getattr(info, "frame_crc32c", None)
         if crcs is None:  # load_metadata refuses this; metadata built in-process could still lack them
             raise CheckpointFormatError(f"{self._session.object_store.url(key)}: compressed item without checksums")
@@ -145,10 +176,17 @@ class ItemReads:
             f_lo, f_hi = frames.raw_range(i)
             if f_lo >= hi:
                 break
-            if f_lo >= lo and f_hi <= hi and crc32c(out[f_lo - lo : f_hi - lo]) != crcs[i]:
+            if f_lo < lo or f_hi > hi:  # (callers decode whole frames: ``_decode_checked``)
                 raise CheckpointFormatError(
                     f"{self._session.object_store.url(key)}: frame {i} of the item at bytes "
-                    f"{info.offset}-{info.offset + info.length} fails its checksum: the stored object is corrupt"
+                    f"{info.offset}-{info.offset + info.length} was decoded in part and cannot be checked"
+                )
+            if crc32c(out[f_lo - lo : f_hi - lo]) != crcs[i]:
+                s_lo, s_hi = frames.stored_range(i)
+                raise CheckpointFormatError(
+                    f"{self._session.object_store.url(key)}: frame {i} of the item at bytes {info.offset}-"
+                    f"{info.offset + info.length} (the frame: bytes {info.offset + s_lo}-{info.offset + s_hi}) "
+                    "fails its checksum: the stored object is corrupt"
                 )
 
     def _plan_torch_load(
@@ -175,11 +213,11 @@ class ItemReads:
 
     def _plan_tensor(
         self, req: ReadItem, key: str, info: Any, dest: torch.Tensor, reads: list[RangeRead]
-    ) -> bool | _PayloadCrc:
+    ) -> BlockLedger | None:
         """Fetch the rows of the stored chunk that ``req`` covers, straight into ``dest`` if possible.
 
-        Returns whether ``dest`` then holds the whole stored payload (so its checksum can be checked): for
-        raw bytes read straight into it, as the ``_PayloadCrc`` taken while they arrived.
+        Returns the ledger that checks a raw item's bytes once they are all in (``block_checks``; None for a
+        compressed item, whose frames are checked as they are decoded, or where nothing can check them).
         """
         fqn = req.storage_index.fqn
         found = self._chunks.find(fqn, req.storage_index.offset or ()) if self._chunks is not None else None
@@ -204,7 +242,20 @@ class ItemReads:
         row0 = req.storage_offsets[0] if len(sizes) else 0
         rows = req.lengths[0] if len(sizes) else 1
         if rows == 0 or math.prod(req.lengths) == 0:
-            return False
+            return None
+        ledger = None
+        if frames is None:
+            nbytes, payload = rows_total * row_bytes, info.offset + info.payload_offset
+            url = self._session.object_store.url
+            ledger = ledger_for(
+                info,
+                nbytes,
+                row0 * row_bytes,
+                (row0 + rows) * row_bytes,
+                lambda a, b: f"{fqn}: {url(key)} bytes {payload + a}-{payload + b}",  # (named only on errors)
+            )
+            if ledger is not None:
+                reads.extend(ledger.edge_reads(key, payload))
         transfer = self._session.transfer
         max_bytes = transfer.max_range_size
         whole_rows = tuple(req.lengths[1:]) == tuple(sizes[1:])
@@ -218,13 +269,10 @@ class ItemReads:
             # GETs are as large as raw ones, and each frame is decoded and checked while it is still in cache.
             step = max(max_bytes, transfer.max_direct_range_size) if frames is None else frames.frame_size
             cuts = [start, *range(start - start % step + step, start + len(view), step), start + len(view)]
-            whole = row0 == 0 and rows == rows_total
-            crc = _PayloadCrc(cuts) if whole and frames is None and getattr(info, "crc32c", None) is not None else None
-            for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+            for lo, hi in zip(cuts, cuts[1:]):
                 opener = _slice_opener(view, lo - start, hi - start)
-                received = crc.taker(i) if crc is not None else None
-                self._add_read(reads, key, info, lo, hi, opener, direct=True, received=received)
-            return crc or whole
+                self._add_read(reads, key, info, lo, hi, opener, direct=True, ledger=ledger)
+            return ledger
         # Staged: whole rows into a bounded CPU buffer (pinned for a CUDA dest), then narrowed, cast and copied.
         staging = self._stagings.get(dest)
         rows_per_piece = max(1, max_bytes // max(1, row_bytes))
@@ -234,8 +282,8 @@ class ItemReads:
             if staging is not None:
                 self.staged.append(piece)
             start = (row0 + r) * row_bytes
-            self._add_read(reads, key, info, start, start + n * row_bytes, piece.open, piece.done)
-        return False
+            self._add_read(reads, key, info, start, start + n * row_bytes, piece.open, piece.done, ledger=ledger)
+        return ledger
 
     def _add_read(
         self,
@@ -247,16 +295,31 @@ class ItemReads:
         open_dest: Callable[[], memoryview],
         done: Callable[[], None] | None = None,
         direct: bool = False,
-        received: Callable[[memoryview], None] | None = None,
+        ledger: BlockLedger | None = None,
     ) -> None:
         """Deliver raw payload bytes ``[lo, hi)`` of an item into ``open_dest()``, then run ``done``
         (``direct``: ``open_dest`` gives the destination itself, no buffer: see ``RangeRead.direct``;
-        for a compressed item, ``[lo, hi)`` then lies in one frame; ``received``: see ``RangeRead``, raw
-        items only)."""
+        for a compressed item, ``[lo, hi)`` then lies in one frame; ``ledger``: a raw item's, which hashes
+        the bytes as they arrive, before ``done`` sees them)."""
         frames: FrameIndex | None = getattr(info, "frames", None)
         if frames is None:
             start = info.offset + info.payload_offset
-            reads.append(RangeRead(key, start + lo, start + hi, open_dest, done, direct=direct, received=received))
+            if ledger is None:
+                reads.append(RangeRead(key, start + lo, start + hi, open_dest, done, direct=direct))
+                return
+            hasher = ledger.hasher(lo, hi)
+            opened: list[memoryview] = []
+
+            def open_hashed() -> memoryview:
+                opened.append(open_dest())
+                return opened[-1]
+
+            def hashed() -> None:
+                hasher.finish(opened.pop() if opened else None)
+                if done is not None:
+                    done()
+
+            reads.append(RangeRead(key, start + lo, start + hi, open_hashed, hashed, direct=direct, received=hasher))
             return
         s0, s1 = stored_span(frames, lo, hi)
         if direct:
@@ -270,8 +333,7 @@ class ItemReads:
 
         def decode() -> None:
             out = open_dest()
-            self._decode(key, info, frames, held.pop("buf"), s0, s1, lo, hi, out)
-            self._verify_frames(key, info, frames, lo, hi, out)
+            self._decode_checked(key, info, frames, held.pop("buf"), s0, s1, lo, hi, out)
             if done is not None:
                 done()
 
@@ -320,10 +382,9 @@ class ItemReads:
             out = open_dest()
             stored = held.pop()
             try:
-                self._decode(key, info, frames, stored[: s1 - s0], s0, s1, lo, hi, out)
+                self._decode_checked(key, info, frames, stored[: s1 - s0], s0, s1, lo, hi, out)
             finally:
                 self._frame_buffers.give_back(stored)
-            self._verify_frames(key, info, frames, lo, hi, out)
 
         reads.append(RangeRead(key, start, end, open_stored, decode, direct=True))
 
@@ -366,33 +427,6 @@ class _FrameBuffers:
     def give_back(self, buf: np.ndarray) -> None:
         with self._lock:
             self._free.append(buf)
-
-
-class _PayloadCrc:
-    """The CRC32C of an item's payload read in pieces ``[cuts[i], cuts[i + 1])``, each hashed by the reading
-    thread as its bytes arrive (``RangeRead.received``), while they are still in cache; one pass over the
-    destination afterwards would read them back from memory."""
-
-    def __init__(self, cuts: list[int]) -> None:
-        self._sizes = [hi - lo for lo, hi in zip(cuts, cuts[1:])]
-        self._crcs = [0] * len(self._sizes)
-        self._seen = [0] * len(self._sizes)
-
-    def taker(self, i: int) -> Callable[[memoryview], None]:
-        def received(piece: memoryview) -> None:
-            self._crcs[i] = crc32c(piece, self._crcs[i])
-            self._seen[i] += len(piece)
-
-        return received
-
-    def value(self) -> int | None:
-        """The payload's CRC32C, or None unless every byte was seen exactly once (then hash the destination)."""
-        if self._seen != self._sizes:
-            return None
-        crc = self._crcs[0]
-        for piece_crc, size in zip(self._crcs[1:], self._sizes[1:]):
-            crc = crc32c_combine(crc, piece_crc, size)
-        return crc
 
 
 def _slice_opener(view: memoryview, lo: int, hi: int) -> Callable[[], memoryview]:

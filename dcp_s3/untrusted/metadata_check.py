@@ -255,10 +255,15 @@ def _location(index: MetadataIndex, info: _StorageInfo, nbytes: int | None, walk
         _int(crc, f"{where}: crc32c", 0, 0xFFFFFFFF)
     if payload_offset is not None:
         _int(payload_offset, f"{where}: payload_offset", 0, length)
+    block_size = getattr(info, "block_size", None)
+    block_crcs = getattr(info, "block_crc32c", None)
     if nbytes is None:  # a byte item: stored as is
-        if payload_offset is not None or frames is not None or frame_crcs is not None:
-            raise CheckpointFormatError(f"{where}: a byte item with a tensor payload offset or frames")
+        if payload_offset is not None or frames is not None or frame_crcs is not None or block_size is not None:
+            raise CheckpointFormatError(f"{where}: a byte item with a tensor payload offset, frames or blocks")
+        if block_crcs is not None:
+            raise CheckpointFormatError(f"{where}: a byte item with block checksums")
         return
+    _blocks(where, block_size, block_crcs, crc, payload_offset, frames, nbytes, walk)
     if frames is None:
         if frame_crcs is not None:
             raise CheckpointFormatError(f"{where}: frame_crc32c without frames")
@@ -284,6 +289,41 @@ def _location(index: MetadataIndex, info: _StorageInfo, nbytes: int | None, walk
         )
     for value in frame_crcs:
         _int(value, f"{where}: frame_crc32c", 0, 0xFFFFFFFF)
+
+
+#: Largest ``block_size`` a checkpoint may claim (a block is read and hashed whole).
+MAX_BLOCK_SIZE = 1 << 30
+
+
+def _blocks(
+    where: str,
+    size: object,
+    crcs: object,
+    crc: object,
+    payload_offset: object,
+    frames: object,
+    nbytes: int,
+    walk: _Walk,
+) -> None:
+    """Check a tensor entry's ``block_size``/``block_crc32c`` (``ItemLocation``): none, or a raw item's payload
+    cut into blocks, one checksum each (None for a one-block payload, whose checksum is ``crc32c``)."""
+    if size is None:
+        if crcs is not None:
+            raise CheckpointFormatError(f"{where}: block_crc32c without block_size")
+        return
+    size = _int(size, f"{where}: block_size", 1, MAX_BLOCK_SIZE)
+    if frames is not None or payload_offset is None or crc is None:
+        raise CheckpointFormatError(f"{where}: block_size on an item that is not a checksummed raw tensor payload")
+    count = max(1, -(-nbytes // size))
+    if crcs is None:
+        if count != 1:
+            raise CheckpointFormatError(f"{where}: block_crc32c missing for a payload of {count} blocks")
+        return
+    walk.spend(len(crcs) if type(crcs) is tuple else 1)
+    if type(crcs) is not tuple or len(crcs) != count or count == 1:
+        raise CheckpointFormatError(f"{where}: block_crc32c is {describe(crcs)}, expected {count} checksums")
+    for value in crcs:
+        _int(value, f"{where}: block_crc32c", 0, 0xFFFFFFFF)
 
 
 def check_location(index: MetadataIndex, info: _StorageInfo, nbytes: int | None) -> None:

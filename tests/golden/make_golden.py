@@ -125,6 +125,27 @@ def _save_floats(uri: str, options: dict[str, Any]) -> None:
     dcp.save(golden_state.float_state(), storage_writer=S3StorageWriter(uri, **options))
 
 
+def _block_variants(f: dict[str, bool]) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = [("blocks", {})]
+    if f["metadata_format"]:
+        out.append(("compact-blocks", {"metadata_format": "compact"}))
+    return out
+
+
+def _save_blocks(uri: str, options: dict[str, Any], block_size: int) -> None:
+    """``float_state()`` saved raw, each tensor's payload checksummed in blocks of ``block_size`` bytes (the
+    writer's ``BLOCK_SIZE``, set for this save only)."""
+    from dcp_s3 import S3StorageWriter
+    from dcp_s3.storage import data_objects
+
+    default = data_objects.BLOCK_SIZE
+    data_objects.BLOCK_SIZE = block_size
+    try:
+        dcp.save(golden_state.float_state(), storage_writer=S3StorageWriter(uri, **options))
+    finally:
+        data_objects.BLOCK_SIZE = default
+
+
 def _save_step(root: str) -> None:
     from dcp_s3 import Checkpointer
 
@@ -211,6 +232,13 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--server", default="seaweedfs", choices=["seaweedfs", "moto"])
     ap.add_argument("--out", type=Path, default=None, help="default: tests/golden/<label>")
+    ap.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="versions with block checksums (ItemLocation.block_size): also write `blocks` and `compact-blocks`, "
+        "golden_state.float_state() saved raw with this block size (small, so each tensor spans several blocks)",
+    )
     ap.add_argument("--shard-worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--uri", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--options", default="{}", help=argparse.SUPPRESS)
@@ -253,6 +281,11 @@ def main() -> None:
             entries.append(
                 _entry("zstd-floats", "s3", "ckpt/zstd-floats", "dcp", {"compression": "zstd"}, state="floats")
             )
+        if args.block_size:
+            for name, options in _block_variants(features):
+                _save_blocks(f"s3://{BUCKET}/ckpt/{name}", options, args.block_size)
+                entries.append(_entry(name, "s3", f"ckpt/{name}", "dcp", options, state="floats"))
+                entries[-1]["block_size"] = args.block_size
         # 2 gloo ranks, each saving its row block of DTensors (Shard(0)), in 2 key prefixes where supported.
         sharded = {"key_prefixes": 2} if features["key_prefixes"] else {}
         _save_sharded(f"s3://{BUCKET}/ckpt/sharded", sharded)
@@ -279,6 +312,11 @@ def main() -> None:
             entries.append(
                 _entry("zstd-floats", "local", "local/zstd-floats", "dcp", {"compression": "zstd"}, state="floats")
             )
+        if args.block_size:
+            for name, options in _block_variants(features):
+                _save_blocks(str(local / name), options, args.block_size)
+                entries.append(_entry(name, "local", f"local/{name}", "dcp", options, state="floats"))
+                entries[-1]["block_size"] = args.block_size
     elif features["safe_fs_writer"]:
         from dcp_s3.local_writer import SafeFileSystemWriter
 

@@ -47,9 +47,10 @@ def per_rank(md: Metadata) -> list[list[WriteResult]]:
     return [ranks.get(r, []) for r in range(max(ranks) + 1)]
 
 
-def fsdp(ranks: int, compressed: bool = False) -> Metadata:
+def fsdp(ranks: int, compressed: bool = False, blocks: int | None = None) -> Metadata:
     """An FSDP-like metadata: every tensor torch.chunk-split over ``ranks`` (some on dim 1, some uneven
-    with empty trailing chunks), every chunk stored by its rank."""
+    with empty trailing chunks), every chunk stored by its rank (``blocks``: raw items checksummed in blocks
+    of that many bytes, format ``dcp_s3/2``)."""
     shapes = {"emb": ((100, 8), 0), "w": ((64, 64), 0), "norm": ((7,), 0), "cols": ((3, 70), 1), "bias": ((1,), 0)}
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
@@ -65,6 +66,12 @@ def fsdp(ranks: int, compressed: bool = False) -> Metadata:
             nbytes = c.sizes.numel() * 4
             length = nbytes + 64
             extra: dict[str, Any] = {"payload_offset": 64, "crc32c": (r * 7919 + pos[r]) % (1 << 32)}
+            if blocks is not None:
+                count = max(1, -(-nbytes // blocks))
+                extra["block_size"] = blocks
+                extra["block_crc32c"] = (
+                    tuple((pos[r] * 31 + i) % (1 << 32) for i in range(count)) if count > 1 else None
+                )
             if compressed:
                 ends = tuple(range(9, 9 * (-(-nbytes // 64)) + 1, 9))
                 extra = {
@@ -123,8 +130,8 @@ def test_results_that_do_not_fit_ride_along_in_place() -> None:
 
 @pytest.mark.parametrize(
     "make",
-    [hand_built, lambda: fsdp(16), lambda: fsdp(5, compressed=True)],
-    ids=["every kind", "fsdp 16 ranks", "fsdp compressed"],
+    [hand_built, lambda: fsdp(16), lambda: fsdp(5, compressed=True), lambda: fsdp(6, blocks=256)],
+    ids=["every kind", "fsdp 16 ranks", "fsdp compressed", "fsdp block checksums"],
 )
 def test_encoding_from_results_gives_the_same_bytes(make: Any) -> None:
     md = make()

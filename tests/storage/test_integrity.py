@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_s3 import S3StorageReader, S3StorageWriter, layout
 from dcp_s3.errors import CheckpointFormatError
 from dcp_s3.local_server import LocalS3Server
-from dcp_s3.storage.item_reads import _PayloadCrc
+from dcp_s3.storage.block_checks import BlockLedger
 from tests.objects import data_key, hooked
 
 MiB = 1 << 20
@@ -127,26 +127,27 @@ def test_payload_checksums_are_taken_as_the_bytes_arrive_and_catch_one_flipped_b
     assert "checksum mismatch" in str(info.value) and key in str(info.value), str(info.value)
 
 
-def test_a_payload_crc_stands_only_when_every_byte_was_seen_once() -> None:
-    """Pieces hashed in any order of arrival combine into the payload's CRC32C; a piece missing or delivered
-    twice gives none, and the destination is hashed instead."""
+def test_block_fragments_combine_whatever_the_pieces_and_a_read_seen_twice_is_rehashed() -> None:
+    """Reads hashed in pieces of any size and order combine into each block's CRC32C; a read whose bytes
+    were reported twice is hashed from its buffer instead; a block short of bytes is refused."""
     data = bytes(range(256)) * 40
+    block = 1024
+    crcs = tuple(crc32c(data[i : i + block]) for i in range(0, len(data), block))
+    ledger = BlockLedger(block, crcs, len(data), 0, len(data), lambda a, b: f"x {a}-{b}")
     cuts = [0, 1000, 5000, len(data)]
-    crc = _PayloadCrc(cuts)
     for i in (2, 0, 1):
         lo, hi = cuts[i], cuts[i + 1]
+        hasher = ledger.hasher(lo, hi)
         for a in range(lo, hi, 700):
-            crc.taker(i)(memoryview(data)[a : min(hi, a + 700)])
-    assert crc.value() == crc32c(data)
-    missing = _PayloadCrc(cuts)
-    missing.taker(0)(memoryview(data)[:1000])
-    missing.taker(1)(memoryview(data)[1000:5000])
-    assert missing.value() is None
-    twice = _PayloadCrc(cuts)
-    for i, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
-        twice.taker(i)(memoryview(data)[lo:hi])
-    twice.taker(1)(memoryview(data)[1000:1001])
-    assert twice.value() is None
+            hasher(memoryview(data)[a : min(hi, a + 700)])
+        if i == 1:
+            hasher(memoryview(data)[1000:1001])  # one byte reported twice
+        hasher.finish(memoryview(data)[lo:hi])
+    ledger.check()
+    short = BlockLedger(block, crcs, len(data), 0, 2000, lambda a, b: f"x {a}-{b}")
+    short.hasher(0, 1500).finish(memoryview(data)[0:1500])
+    with pytest.raises(CheckpointFormatError, match="not read whole"):
+        short.check()
 
 
 # -- (d) transport checksums ---------------------------------------------------------------------------------

@@ -572,6 +572,11 @@ def _entry(md: Metadata, fqn: str, n: int = 0) -> Any:
     return [info for index, info in md.storage_data.items() if index.fqn == fqn][n]
 
 
+def _set(info: Any, **fields: Any) -> None:
+    for name, value in fields.items():
+        setattr(info, name, value)
+
+
 def _rekey(md: Metadata, old_fqn: str, new: MetadataIndex) -> None:
     (index,) = [i for i in md.storage_data if i.fqn == old_fqn][:1]
     md.storage_data[new] = md.storage_data.pop(index)
@@ -610,6 +615,33 @@ _MALFORMED: list[tuple[str, Any, str]] = [
         lambda md: setattr(_entry(md, "w", 1), "frame_crc32c", (1, 2)),
         r"w\[2, 0\]: frame_crc32c is a tuple, expected 1",
     ),
+    ("block-size-zero", lambda md: setattr(_entry(md, "w"), "block_size", 0), r"w\[0, 0\]: block_size is 0"),
+    (
+        "block-crcs-count",
+        lambda md: _set(_entry(md, "w"), block_size=16, block_crc32c=(1, 2)),
+        r"w\[0, 0\]: block_crc32c is a tuple, expected 4",
+    ),
+    (
+        "block-crcs-missing",
+        lambda md: _set(_entry(md, "w"), block_size=16),
+        r"block_crc32c missing for a payload of 4 blocks",
+    ),
+    (
+        "block-crc-range",
+        lambda md: _set(_entry(md, "w"), block_size=16, block_crc32c=(1, 2, 3, 2**40)),
+        r"block_crc32c is 1099511627776",
+    ),
+    (
+        "block-crcs-without-size",
+        lambda md: setattr(_entry(md, "w"), "block_crc32c", (1, 2)),
+        r"block_crc32c without block_size",
+    ),
+    (
+        "blocks-on-frames",
+        lambda md: setattr(_entry(md, "w", 1), "block_size", 16),
+        r"block_size on an item that is not a checksummed raw tensor payload",
+    ),
+    ("bytes-with-blocks", lambda md: setattr(_entry(md, "step"), "block_size", 16), r"step: a byte item with"),
     ("frames-bool", lambda md: setattr(_entry(md, "w", 1), "frames", _frames(element_size=True)), "wrong type"),
     (
         "frames-decrease",
