@@ -37,6 +37,7 @@ from dcp_s3.storage._safetensors_header import (
     MAX_INDEX_BYTES,
     PREFIX_BYTES,
     TensorEntry,
+    check_whole_tensors,
     header_length,
     parse_header,
     parse_index,
@@ -47,8 +48,10 @@ __all__ = ["S3HuggingFaceStorageReader", "INDEX_NAME", "SINGLE_NAME", "TORCH_DTY
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-#: Header bytes read with the length prefix in one GET (most headers fit; a longer one takes a second GET).
-FIRST_READ = 64 << 10
+#: Bytes read with the length prefix in the first GET of a shard: a header up to this size takes one GET, a
+#: longer one a second for the rest. Past a short header these are tensor bytes read for nothing (by the
+#: coordinator alone, once per shard): small, next to a shard of hundreds of MiB.
+FIRST_READ = 16 << 10
 #: The safetensors dtype names, as torch types.
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -67,9 +70,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "U64": torch.uint64,
     "F64": torch.float64,
 }
-#: ``__metadata__`` key of torch's per-rank shards (``HuggingFaceStorageWriter(save_distributed=True)``
-#: without consolidation): pieces of tensors, not tensors; not read here.
-_DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
 
 
 class S3HuggingFaceStorageReader(S3StorageReader):
@@ -89,6 +89,13 @@ class S3HuggingFaceStorageReader(S3StorageReader):
     def __repr__(self) -> str:
         return f"S3HuggingFaceStorageReader({str(self._session.location)!r})"
 
+    @property
+    def _coalesce_gap(self) -> int:
+        # The gaps between a rank's reads of an export are other ranks' rows of the same tensors (in dcp_s3's
+        # own layout a rank's items lie together): reading across them would cost up to the world size in
+        # bytes. Reads that touch still merge into one request.
+        return 0
+
     def _get_metadata(self) -> bytes:
         """Read and check the index and every shard's header; the tensors as JSON (decoded on every rank)."""
         files, weight_map = self._files()
@@ -105,11 +112,7 @@ class S3HuggingFaceStorageReader(S3StorageReader):
         for name, info, raw in zip(files, infos, headers):
             where = self._session.url(name)
             entries, extra = parse_header(raw, info.size if info is not None else 0, where)
-            if _DCP_SHARDING_KEY in extra:
-                raise CheckpointFormatError(
-                    f"{where}: holds per-rank pieces of tensors ({_DCP_SHARDING_KEY}), not whole tensors; "
-                    "load a consolidated export"
-                )
+            check_whole_tensors(extra, where)
             rows.extend(self._check_entries(name, entries, weight_map, seen, where))
         if weight_map is not None:
             for tensor, file in weight_map.items():

@@ -35,6 +35,7 @@ __all__ = [
     "parse_header",
     "parse_index",
     "plain_file_name_problem",
+    "check_whole_tensors",
 ]
 
 #: The largest header accepted: 100 MiB (the Rust ``safetensors`` crate's own limit).
@@ -203,3 +204,26 @@ def parse_index(raw: bytes | bytearray | memoryview, where: str) -> dict[str, st
                 "*.safetensors file directly under the index's prefix)"
             )
     return weight_map
+
+
+#: ``__metadata__`` key of torch's ``HuggingFaceStorageWriter``: each tensor's offset in the full tensor
+#: (``{"name": {"saved_offsets": [...]}}``, as a JSON string); all zeros where the file holds whole tensors.
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+def check_whole_tensors(metadata: Mapping[str, str], where: str) -> None:
+    """Refuse an object that torch's writer marks as holding pieces of tensors (``save_distributed=True``
+    without consolidation: the pieces of one tensor lie in several files); whole tensors pass."""
+    text = metadata.get(DCP_SHARDING_KEY)
+    if text is None:
+        return
+    info = _load_json(text.encode(), where, DCP_SHARDING_KEY)
+    for name, entry in info.items():
+        offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
+        if not isinstance(offsets, list) or not all(_is_int(o) for o in offsets):
+            raise CheckpointFormatError(f"{where}: {DCP_SHARDING_KEY} of {name!r} has no saved_offsets list")
+        if any(offsets):
+            raise CheckpointFormatError(
+                f"{where}: holds a piece of {name!r} at offsets {offsets[:8]} ({DCP_SHARDING_KEY}), not whole "
+                "tensors: torch's per-rank shards are not read; load a consolidated export"
+            )

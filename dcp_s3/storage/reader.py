@@ -198,6 +198,11 @@ class S3StorageReader(Location, StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    @property
+    def _coalesce_gap(self) -> int:
+        """The largest gap between two reads of an object that one request spans (``TransferConfig.coalesce_gap``)."""
+        return self._session.transfer.coalesce_gap
+
     #: What ``_get_metadata`` reads, for messages (the HF reader reads ``model.safetensors.index.json``).
     _metadata_name = METADATA_KEY
 
@@ -278,7 +283,7 @@ class S3StorageReader(Location, StorageReader):
             self._session.object_store.read_ranges(
                 reads,
                 executor=self._session.executor,
-                max_gap=transfer.coalesce_gap,
+                max_gap=self._coalesce_gap,
                 max_size=transfer.max_range_size,
                 max_direct_size=transfer.max_direct_range_size,
             )
