@@ -230,7 +230,12 @@ def _fsdp_job(rank: int, world: int, env: dict[str, str], uri: str, urls: list[s
     read = reset(urls[rank])
     for k, v in state.items():
         assert torch.equal(v.full_tensor(), want[k]), k
-    return {"needed": needed, "read": read.bytes(), "ranged_gets": read.requests("GetObjectRange")}
+    return {
+        "needed": needed,
+        "read": read.bytes(),
+        "ranged_gets": read.requests("GetObjectRange"),
+        "heads": read.requests("HeadObject"),
+    }
 
 
 @pytest.mark.multiproc
@@ -262,6 +267,43 @@ def test_fsdp2_two_ranks_read_only_their_shards(seaweed: LocalS3Server, bucket: 
     for fig in figures:
         assert fig["needed"] == total // 2
         assert fig["read"] <= 1.1 * fig["needed"], figures
+    # The index and headers are read by the coordinator and shared; every other rank reads one range per tensor.
+    assert figures[1]["heads"] == 0 and figures[1]["ranged_gets"] == len(state), figures
+
+
+def _replicated_job(rank: int, world: int, env: dict[str, str], uri: str, urls: list[str]) -> dict[str, int]:
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    want = load_file(env["HF_TEST_FILE"])
+    state = {k: torch.zeros_like(v) for k, v in want.items()}
+    reset(urls[rank])
+    reader = S3HuggingFaceStorageReader(uri, endpoint_url=urls[rank], replica_group=dist.group.WORLD)
+    dcp.load(state, storage_reader=reader)
+    read = reset(urls[rank])
+    _assert_bit_exact(state, want)
+    return {"read": read.bytes()}
+
+
+@pytest.mark.multiproc
+def test_replicated_ranks_read_each_byte_once(seaweed: LocalS3Server, bucket: str, tmp_path: Path) -> None:
+    """Two ranks loading the whole model with ``replica_group``: each reads about half, and both get all of it."""
+    want = {f"w{i}": torch.randn(128, 128) for i in range(8)}
+    save_file(want, tmp_path / "model.safetensors")
+    _upload(seaweed, bucket, "rep", tmp_path)
+    env = {**seaweed.env(), "HF_TEST_FILE": os.fspath(tmp_path / "model.safetensors")}
+    proxies = [CountingProxy(seaweed.endpoint_url) for _ in range(2)]
+    for p in proxies:
+        p.__enter__()
+    try:
+        figures = run_ranks(_replicated_job, 2, env, f"s3://{bucket}/rep", [p.url for p in proxies])
+    finally:
+        for p in proxies:
+            p.__exit__(None, None, None)
+    total = sum(v.numel() * v.element_size() for v in want.values())
+    print("replicated bytes per rank:", figures, "model bytes:", total)
+    assert sum(f["read"] for f in figures) <= 1.1 * total, figures
+    assert all(f["read"] <= 0.6 * total for f in figures), figures
 
 
 def test_header_longer_than_the_first_read(s3_env: LocalS3Server, bucket: str, tmp_path: Path) -> None:
