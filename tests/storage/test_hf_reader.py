@@ -162,6 +162,7 @@ HOSTILE = {
         bytes(16),
     ),
     "not_json": struct.pack("<Q", 5) + b"{nope" + bytes(4),
+    "deep_nesting": struct.pack("<Q", 200_000) + b"[" * 200_000,
     "not_utf8": struct.pack("<Q", 4) + b"\xff\xfe\xfd\xfc",
     "duplicate_name": struct.pack("<Q", 0) + b"",  # replaced below (json.dumps cannot repeat a key)
 }
