@@ -35,6 +35,7 @@ from dcp_s3.layout import ItemLocation
 from dcp_s3.objstore.base import RangeRead
 from dcp_s3.storage._safetensors_header import (
     MAX_INDEX_BYTES,
+    MAX_TOTAL_HEADER_BYTES,
     PREFIX_BYTES,
     TensorEntry,
     check_whole_tensors,
@@ -168,6 +169,11 @@ class S3HuggingFaceStorageReader(S3StorageReader):
         """Each shard's header bytes (after the length prefix): one ranged GET each, two for long headers."""
         firsts = self._read([(f, 0, min(size, PREFIX_BYTES + FIRST_READ)) for f, size in zip(files, sizes)])
         lengths = [header_length(b, size, self._session.url(f)) for f, b, size in zip(files, firsts, sizes)]
+        if sum(lengths) > MAX_TOTAL_HEADER_BYTES:
+            raise CheckpointFormatError(
+                f"{self._index_url()}: its shards' headers take {sum(lengths)} bytes together; at most "
+                f"{MAX_TOTAL_HEADER_BYTES} are accepted"
+            )
         rest = [(f, len(b), PREFIX_BYTES + n) for f, b, n in zip(files, firsts, lengths) if PREFIX_BYTES + n > len(b)]
         more = iter(self._read(rest))
         out = []

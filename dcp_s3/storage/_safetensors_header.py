@@ -28,6 +28,8 @@ from dcp_s3.errors import CheckpointFormatError
 __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_INDEX_BYTES",
+    "MAX_SHARDS",
+    "MAX_TOTAL_HEADER_BYTES",
     "PREFIX_BYTES",
     "DTYPE_SIZES",
     "TensorEntry",
@@ -42,6 +44,10 @@ __all__ = [
 MAX_HEADER_BYTES = 100 << 20
 #: The largest ``model.safetensors.index.json`` accepted (a 1T-parameter model's index is a few MiB).
 MAX_INDEX_BYTES = 100 << 20
+#: Most shard files an index may name (a 10 TB model in 1 GB shards): each costs a HEAD and a GET.
+MAX_SHARDS = 10_000
+#: Most header bytes of all shards together, held at once while the metadata is built.
+MAX_TOTAL_HEADER_BYTES = 256 << 20
 #: The length prefix: an unsigned 64-bit little-endian integer.
 PREFIX_BYTES = 8
 #: Most dimensions a tensor may declare (torch's own limit).
@@ -79,11 +85,11 @@ class TensorEntry:
     end: int
 
 
-def header_length(prefix: bytes, object_size: int, where: str) -> int:
+def header_length(prefix: bytes | bytearray | memoryview, object_size: int, where: str) -> int:
     """The header length ``N`` the 8-byte ``prefix`` declares, checked against the cap and the object."""
     if object_size < PREFIX_BYTES or len(prefix) < PREFIX_BYTES:
         raise CheckpointFormatError(f"{where}: {object_size} bytes, too short for a safetensors object")
-    n = int.from_bytes(prefix[:PREFIX_BYTES], "little")
+    n = int.from_bytes(bytes(prefix[:PREFIX_BYTES]), "little")
     if n > MAX_HEADER_BYTES:
         raise CheckpointFormatError(
             f"{where}: declares a {n}-byte safetensors header; at most {MAX_HEADER_BYTES} bytes are accepted"
@@ -203,6 +209,8 @@ def parse_index(raw: bytes | bytearray | memoryview, where: str) -> dict[str, st
                 f"{where}: weight_map maps {name!r} to {str(file)[:200]!r}: {problem} (a shard must be a "
                 "*.safetensors file directly under the index's prefix)"
             )
+    if len(set(weight_map.values())) > MAX_SHARDS:  # every value is a str by now
+        raise CheckpointFormatError(f"{where}: names more than {MAX_SHARDS} shard files")
     return weight_map
 
 

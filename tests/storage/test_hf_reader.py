@@ -196,6 +196,15 @@ def test_index_naming_a_file_outside_the_prefix_is_refused(s3_env: LocalS3Server
     _expect_format_error(f"s3://{bucket}/idx", {"w": torch.zeros(4)}, f"s3://{bucket}/idx/model.safetensors.index.json")
 
 
+def test_index_naming_too_many_shards_is_refused_before_any_shard_is_read(s3_env: LocalS3Server, bucket: str) -> None:
+    from dcp_s3.storage._safetensors_header import MAX_SHARDS
+
+    index = {"weight_map": {f"w{i}": f"s{i}.safetensors" for i in range(MAX_SHARDS + 1)}}
+    _put(s3_env, bucket, "many/model.safetensors.index.json", json.dumps(index).encode())
+    cause = _expect_format_error(f"s3://{bucket}/many", {"w0": torch.zeros(4)}, "model.safetensors.index.json")
+    assert str(MAX_SHARDS) in str(cause)
+
+
 def test_index_and_headers_must_agree(s3_env: LocalS3Server, bucket: str) -> None:
     """A weight_map name its shard does not hold, and a tensor in two shards, are refused."""
     _put(s3_env, bucket, "ag/a.safetensors", save({"w": torch.zeros(4)}))
