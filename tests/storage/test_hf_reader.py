@@ -323,3 +323,13 @@ def test_header_longer_than_the_first_read(s3_env: LocalS3Server, bucket: str, t
     assert int.from_bytes((tmp_path / "model.safetensors").read_bytes()[:8], "little") > 16 << 10
     _upload(s3_env, bucket, "long", tmp_path)
     _assert_bit_exact(_load(f"s3://{bucket}/long", want), want)
+
+
+def test_header_length_cap_holds_however_large_the_object() -> None:
+    """The 100 MiB cap, not only the object's size, bounds the header read (a 1 TiB object declaring 2**40)."""
+    from dcp_s3.storage._safetensors_header import MAX_HEADER_BYTES, header_length
+
+    assert header_length(struct.pack("<Q", MAX_HEADER_BYTES), 1 << 50, "obj") == MAX_HEADER_BYTES
+    with pytest.raises(CheckpointFormatError, match="at most") as info:
+        header_length(struct.pack("<Q", MAX_HEADER_BYTES + 1), 1 << 50, "s3://b/obj.safetensors")
+    assert "s3://b/obj.safetensors" in str(info.value)
