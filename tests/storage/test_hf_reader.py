@@ -333,3 +333,34 @@ def test_header_length_cap_holds_however_large_the_object() -> None:
     with pytest.raises(CheckpointFormatError, match="at most") as info:
         header_length(struct.pack("<Q", MAX_HEADER_BYTES + 1), 1 << 50, "s3://b/obj.safetensors")
     assert "s3://b/obj.safetensors" in str(info.value)
+
+
+def _placements_job(rank: int, world: int, env: dict[str, str], uri: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    os.environ.update(env)
+    want = load_file(env["HF_TEST_FILE"])
+    mesh = init_device_mesh("cpu", (world,))
+    placements = {"rows": Shard(0), "cols": Shard(1), "rep": Replicate(), "odd": Shard(0)}
+    state = {
+        k: distribute_tensor(torch.zeros(v.shape, dtype=torch.float32), mesh, [placements[k]]) for k, v in want.items()
+    }
+    dcp.load(state, storage_reader=S3HuggingFaceStorageReader(uri))
+    for k, v in want.items():
+        assert state[k].dtype == torch.float32 and torch.equal(state[k].full_tensor(), v.float()), k
+
+
+@pytest.mark.multiproc
+def test_dtensor_placements_cast_from_bf16(s3_env: LocalS3Server, bucket: str, tmp_path: Path) -> None:
+    """Row, column, replicated and uneven DTensor pieces on 2 ranks, fp32 destinations from a bf16 file."""
+    want = {
+        "rows": torch.randn(64, 24).bfloat16(),
+        "cols": torch.randn(10, 32).bfloat16(),
+        "rep": torch.randn(7, 3).bfloat16(),
+        "odd": torch.randn(5, 6).bfloat16(),
+    }
+    save_file(want, tmp_path / "model.safetensors")
+    _upload(s3_env, bucket, "place", tmp_path)
+    env = {**s3_env.env(), "HF_TEST_FILE": os.fspath(tmp_path / "model.safetensors")}
+    run_ranks(_placements_job, 2, env, f"s3://{bucket}/place")
