@@ -364,3 +364,22 @@ def test_dtensor_placements_cast_from_bf16(s3_env: LocalS3Server, bucket: str, t
     _upload(s3_env, bucket, "place", tmp_path)
     env = {**s3_env.env(), "HF_TEST_FILE": os.fspath(tmp_path / "model.safetensors")}
     run_ranks(_placements_job, 2, env, f"s3://{bucket}/place")
+
+
+def test_takes_the_readers_options_and_pickles(tmp_path: Path) -> None:
+    """The same keyword options as ``S3StorageReader`` (one settings path), checked the same way; a copy loads."""
+    import inspect
+    import pickle
+
+    from dcp_s3 import ConfigError, S3StorageReader
+
+    assert inspect.signature(S3HuggingFaceStorageReader) == inspect.signature(S3StorageReader)
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        S3HuggingFaceStorageReader(os.fspath(tmp_path), max_concurrency=0)
+    want = {"w": torch.randn(3, 5)}
+    save_file(want, tmp_path / "model.safetensors")
+    reader = pickle.loads(pickle.dumps(S3HuggingFaceStorageReader(os.fspath(tmp_path), max_concurrency=3)))
+    assert isinstance(reader, S3HuggingFaceStorageReader) and "S3HuggingFaceStorageReader" in repr(reader)
+    out = {"w": torch.zeros(3, 5)}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    _assert_bit_exact(out, want)
