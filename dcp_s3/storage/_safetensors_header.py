@@ -100,14 +100,14 @@ def header_length(prefix: bytes | bytearray | memoryview, object_size: int, wher
 
 
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"non-finite number {name}")
+    raise CheckpointFormatError(f"non-finite number {name}")  # caught and named by _load_json
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise ValueError(f"duplicate key {key!r}")
+            raise CheckpointFormatError(f"duplicate key {key!r}")  # caught and named by _load_json
         out[key] = value
     return out
 

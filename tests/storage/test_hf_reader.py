@@ -168,6 +168,8 @@ HOSTILE = {
 }
 _dup = b'{"w": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "w": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}'
 HOSTILE["duplicate_name"] = struct.pack("<Q", len(_dup)) + _dup + bytes(2)
+_nan = b'{"w": {"dtype": "F32", "shape": [NaN], "data_offsets": [0, 4]}}'
+HOSTILE["non_finite_number"] = struct.pack("<Q", len(_nan)) + _nan + bytes(4)
 
 
 def _expect_format_error(uri: str, like: dict[str, torch.Tensor], where: str) -> CheckpointFormatError:
