@@ -42,7 +42,7 @@ if TYPE_CHECKING:
         TrainableOnlySavePlanner,
         frozen_parameter_fqns,
     )
-    from dcp_s3.storage import S3StorageReader, S3StorageWriter
+    from dcp_s3.storage import S3HuggingFaceStorageReader, S3StorageReader, S3StorageWriter
     from dcp_s3.store import StorageOptions
 
 __version__ = "0.3.0"
@@ -52,6 +52,7 @@ __version__ = "0.3.0"
 _LAZY = {
     "S3StorageWriter": "storage",
     "S3StorageReader": "storage",
+    "S3HuggingFaceStorageReader": "storage",
     "StorageOptions": "store",
     "Checkpointer": "checkpointer",
     "AsyncSave": "checkpointer",
@@ -85,6 +86,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "S3StorageWriter",
     "S3StorageReader",
+    "S3HuggingFaceStorageReader",
     "StorageOptions",
     "Checkpointer",
     "AsyncSave",

@@ -182,14 +182,13 @@ class S3StorageReader(Location, StorageReader):
             self._meter.start()
             self.request_stats = {}
         source = metadata_source(self.share_metadata)  # ConfigError for a wrong explicit group, on both calls
-        key = self._session.key(METADATA_KEY)
         try:
             if source is None or "rank" in kwargs:
                 data = self._get_metadata()
             else:  # one rank reads, the load's group shares it (an error reaches every rank)
                 group, src = source
-                data = broadcast_bytes(self._get_metadata, src, group, f"{self.checkpoint_id}/{METADATA_KEY}")
-            metadata = load_metadata(data, self._session.object_store.url(key))
+                data = broadcast_bytes(self._get_metadata, src, group, f"{self.checkpoint_id}/{self._metadata_name}")
+            metadata = self._decode_metadata(data)
         except DcpS3Error as exc:
             self._metadata_error = exc
             raise
@@ -199,7 +198,20 @@ class S3StorageReader(Location, StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    @property
+    def _coalesce_gap(self) -> int:
+        """The largest gap between two reads of an object that one request spans (``TransferConfig.coalesce_gap``)."""
+        return self._session.transfer.coalesce_gap
+
+    #: What ``_get_metadata`` reads, for messages (the HF reader reads ``model.safetensors.index.json``).
+    _metadata_name = METADATA_KEY
+
+    def _decode_metadata(self, data: bytes) -> Metadata:
+        """The load's ``Metadata`` from the bytes ``_get_metadata`` returned (on every rank)."""
+        return load_metadata(data, self._session.url(METADATA_KEY))
+
     def _get_metadata(self) -> bytes:
+        """The bytes every rank decodes into the load's metadata (read once and shared, see ``share_metadata``)."""
         key = self._session.key(METADATA_KEY)
         try:
             data = self._session.object_store.get(key)
@@ -271,7 +283,7 @@ class S3StorageReader(Location, StorageReader):
             self._session.object_store.read_ranges(
                 reads,
                 executor=self._session.executor,
-                max_gap=transfer.coalesce_gap,
+                max_gap=self._coalesce_gap,
                 max_size=transfer.max_range_size,
                 max_direct_size=transfer.max_direct_range_size,
             )
