@@ -28,7 +28,7 @@ from dcp_s3.errors import ConfigError, LocalServerError
 
 __all__ = ["LocalS3Server"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 ACCESS_KEY = "testkey"
 SECRET_KEY = "testsecret"  # noqa: S105 - a fixed credential of a throw-away loopback server

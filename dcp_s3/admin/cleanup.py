@@ -37,7 +37,7 @@ from dcp_s3.store import Entry, Store, Upload, open_store
 
 __all__ = ["Garbage", "Removal", "find_garbage", "collect_garbage", "remove_checkpoint"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 def _base(name: str) -> str:

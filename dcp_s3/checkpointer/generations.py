@@ -63,7 +63,7 @@ __all__ = [
     "plan_parts",
 ]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 #: The marker entry naming each part's directory (absent from markers of first saves of earlier versions).
 PART_DIRS = "part_dirs"

@@ -16,7 +16,7 @@ from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError
 
 __all__ = ["ALLOW_MISSING_OPTIM_ENV", "is_foreign_step_marker", "load_legacy"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 ALLOW_MISSING_OPTIM_ENV = "DCP_S3_ALLOW_MISSING_OPTIM"
 

@@ -60,7 +60,7 @@ from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = ["Checkpointer", "AsyncSave", "latest_checkpoint", "save_object", "load_object"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 # -- the manager ------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from dcp_s3.store.base import Store
 
 __all__ = ["Ownership", "CHECKPOINTER_STEPS", "committed", "refuse"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 def _clean(name: str) -> bool:

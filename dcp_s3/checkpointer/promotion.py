@@ -42,7 +42,7 @@ from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = ["merge_metadata", "report_name", "upload_rank", "commit_promoted", "retry"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

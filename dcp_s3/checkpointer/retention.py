@@ -20,7 +20,7 @@ from dcp_s3.store.base import Entry, Store
 
 __all__ = ["split_step", "deletion_order", "delete_ordered", "delete_step", "retain_last"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 def split_step(step: Step) -> tuple[list[Entry], list[Entry]]:

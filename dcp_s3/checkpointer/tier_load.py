@@ -47,7 +47,7 @@ from dcp_s3.store import Store
 
 __all__ = ["tiered_load"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 def _gather(tiers: Tiers, value: Any) -> list[Any]:

@@ -70,7 +70,7 @@ from dcp_s3.untrusted.torch_files import torch_save_bytes
 
 __all__ = ["TIERS", "LOCAL_ENTRY", "LAYOUT", "StepStatus", "Tiers", "local_copy", "save_of"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 #: Values of ``save(..., tier=...)``: the local tier only, or local and then promoted to S3.
 TIERS = ("local", "s3")

@@ -15,7 +15,7 @@ from dcp_s3.errors import CheckpointFormatError, ConfigError, InvalidTypeError
 
 __all__ = ["check_dicts", "state_of", "restore", "on_meta", "sharded", "warn"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 def warn(message: str) -> None:

@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 __all__ = ["ContextPatch", "Handler", "Site"]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

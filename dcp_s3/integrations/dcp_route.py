@@ -49,7 +49,7 @@ from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["enable", "disable", "s3_route", "active_options", "is_routed"]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 _lock = threading.RLock()
 #: The process-wide route's options (``enable``), if on.

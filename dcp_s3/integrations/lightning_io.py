@@ -51,7 +51,7 @@ __all__ = [
     "delete_checkpoint",
 ]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 #: The largest stored metadata read (its buffer is allocated before the read; a crafted ``.metadata``
 #: could declare any size). Lightning's is kilobytes.

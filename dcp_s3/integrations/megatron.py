@@ -84,7 +84,7 @@ from dcp_s3.untrusted.torch_files import torch_save_bytes
 
 __all__ = ["COMMON_KEY", "CONFIG_KEY", "save", "load", "load_common_state_dict"]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 #: The DCP key of what Megatron writes to ``common.pt`` (rank 0's common state dict, ``torch.save``d).
 COMMON_KEY = "megatron.common.pt"

@@ -33,7 +33,7 @@ from dcp_s3.storage.writer import S3StorageWriter
 
 __all__ = ["RankWrite", "RESULT_WAIT_S", "write_rank", "to_host", "results_queue", "finalize"]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 #: How long the finalize step waits for this rank's write results while the worker still runs (Megatron finalizes
 #: once its worker ended or reported the request done, and the results are sent before that: a wait only means

@@ -100,7 +100,7 @@ from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["S3CheckpointingConfig", "S3Checkpointer", "S3CheckpointLifecycle", "COMMIT"]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 
 def _cloud_or_s3(_: bool, nemo: Callable[[Any], bool], path: Any) -> bool:

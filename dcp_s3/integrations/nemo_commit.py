@@ -55,7 +55,7 @@ __all__ = [
     "split_part",
 ]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 #: The commit of a checkpoint, written last by rank 0 (a JSON document).
 COMMIT = "dcp_s3_commit.json"

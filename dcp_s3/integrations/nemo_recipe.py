@@ -70,7 +70,7 @@ __all__ = ["S3Recipe", "S3RecipeConfig", "s3_recipe"]
 
 R = TypeVar("R", bound=type)
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 
 class S3RecipeConfig(RecipeConfig):

@@ -66,7 +66,7 @@ if TYPE_CHECKING:  # torch >= 2.9 (torchtitan 0.3.0's own torch); this module is
 
 __all__ = ["S3CheckpointManager"]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 #: torchtitan's step directories: ``step-<N>`` (``CheckpointManager._create_checkpoint_id``).
 _STEP_DIR = re.compile(r"step-([0-9]+)")  # ASCII digits: dcp_s3.checkpointer.names

@@ -39,7 +39,7 @@ from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["LocalDirs", "CHECKPOINT_DIR"]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 #: The Trainer's checkpoint directory names (``PREFIX_CHECKPOINT_DIR`` is ``"checkpoint"``).
 CHECKPOINT_DIR = re.compile(r"checkpoint-[0-9]+")  # ASCII digits: dcp_s3.checkpointer.names

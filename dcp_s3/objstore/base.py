@@ -42,7 +42,7 @@ __all__ = [
     "check_whole_size",
 ]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from dcp_s3.objstore.user_agent import USER_AGENT
 
 __all__ = ["ClientConfig", "TransferConfig"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 

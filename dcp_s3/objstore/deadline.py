@@ -38,7 +38,7 @@ from dcp_s3.errors import S3TransferError
 
 __all__ = ["install_request_deadline", "body_deadline", "deadline_error"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 RECHECK_S = 0.2  # a fired deadline whose thread was in no socket call is tried again this often
 _WATCH = "dcp_s3.deadline_watch"  # the running attempt's watch, in the call's context

@@ -49,7 +49,7 @@ from dcp_s3.objstore.throttle import JobProgress, RateController
 
 __all__ = ["install_rate_control", "controller_for", "plan_share", "plan_progress", "end_progress", "request_stats"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 _KEY = "dcp_s3.rate_key"
 _OBJECT = "dcp_s3.object"  # s3://bucket/key of the call, for errors

@@ -50,7 +50,7 @@ from dcp_s3.objstore.throttle import JobProgress
 
 __all__ = ["S3ObjectStore", "MAX_COPY_SIZE"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 #: Largest object CopyObject copies in one request (S3's limit); larger ones are copied by UploadPartCopy.
 MAX_COPY_SIZE = 5 << 30

@@ -22,7 +22,7 @@ from dcp_s3.objstore.s3_requests import range_header
 
 __all__ = ["MultipartWriter", "copy_multipart", "direct_part_size", "COPY_PART_SIZE"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 #: Bytes per UploadPartCopy part (enlarged when an object would exceed 10,000 parts).
 COPY_PART_SIZE = 512 << 20

@@ -19,7 +19,7 @@ from dcp_s3.objstore.s3_requests import BODY_ERRORS, range_header, status_of, tr
 
 __all__ = ["read_group", "BODY_READ_SIZE"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 class S3Reads(Protocol):

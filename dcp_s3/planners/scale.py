@@ -61,7 +61,7 @@ from dcp_s3.planners.vector import vector_global_plan
 
 __all__ = ["ScalableSavePlanner", "packed_plan", "validate_global_plan"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 _OFFSETS = attrgetter("offsets")
 _SIZES = attrgetter("sizes")
 

@@ -49,7 +49,7 @@ __all__ = [
     "error_payload",
 ]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 _DCP_DIR = os.path.dirname(os.path.abspath(_dcp.__file__)) + os.sep
 _MAX_FRAMES = 16

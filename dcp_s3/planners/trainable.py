@@ -42,7 +42,7 @@ __all__ = [
     "frozen_parameter_fqns",
 ]
 
-logger = logging.getLogger("dcp_s3")
+logger = logging.getLogger(__name__)
 
 ModuleOrModules = nn.Module | Mapping[str, nn.Module]
 

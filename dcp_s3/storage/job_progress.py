@@ -28,7 +28,7 @@ from dcp_s3.objstore.base import ObjectStore
 
 __all__ = ["JobCount", "StoreProgress", "job_counts", "following_job", "forget_counts"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from dcp_s3.storage.session import Session
 
 __all__ = ["commit_once", "commit_replacing", "delete_quietly", "exists_error"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 def exists_error(checkpoint_id: str, advice: str) -> CheckpointExistsError:

@@ -44,7 +44,7 @@ from dcp_s3.storage.staging import Stagings, load_pinned_bound
 
 __all__ = ["S3StorageReader"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 class S3StorageReader(Location, StorageReader):

@@ -25,7 +25,7 @@ from dcp_s3.objstore.rate_hooks import request_stats, request_stats_since
 
 __all__ = ["KeyFigures", "RankFigures", "RankResults", "Meter", "own_rank", "split_results", "summary"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 #: One key's figures: ``attempts``, ``refusals``, ``wait_s`` (seconds waited for tokens), ``rate`` and
 #: ``peak_rate`` (requests per second).

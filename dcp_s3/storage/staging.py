@@ -57,7 +57,7 @@ __all__ = [
     "COPY_TIMEOUT",
 ]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 #: Whether the fallback warning was given in this process (one warning, whatever the number of pools).
 _warned = False

@@ -64,7 +64,7 @@ from dcp_s3.storage.staging import Stagings, save_pinned_bound
 
 __all__ = ["S3StorageWriter"]
 
-log = logging.getLogger("dcp_s3")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
