@@ -13,7 +13,8 @@ import pytest
 from fault_proxy import FaultProxy, Rule
 
 from dcp_s3 import ClientConfig, S3TransferError
-from dcp_s3.integrations import nemo_commit
+from dcp_s3.checkpointer import latest_checkpoint
+from dcp_s3.integrations import lightning_io, nemo_commit
 from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
 from dcp_s3.integrations.torch_checkpointing import retention as tc_retention
 from dcp_s3.local_server import LocalS3Server
@@ -28,6 +29,22 @@ def _torch_checkpointing(root: str, endpoint: str) -> Any:
     return tc_retention.committed_checkpoints(store, root, r"step_[0-9]+", "")
 
 
+def _options(endpoint: str) -> StorageOptions:
+    return StorageOptions.of({"endpoint_url": endpoint, "client": FAST})
+
+
+def _lightning_list(root: str, endpoint: str) -> Any:
+    return lightning_io.list_checkpoints(root, _options(endpoint))
+
+
+def _lightning_exists(root: str, endpoint: str) -> Any:
+    return lightning_io.checkpoint_exists(f"{root}/b.ckpt", _options(endpoint))
+
+
+def _latest_step(root: str, endpoint: str) -> Any:
+    return latest_checkpoint(root, endpoint_url=endpoint, client=FAST)
+
+
 def _nemo_names(root: str, endpoint: str) -> Any:
     return nemo_commit.Saves(
         StorageOptions.of({"endpoint_url": endpoint, "client": FAST}), root, "test"
@@ -35,7 +52,7 @@ def _nemo_names(root: str, endpoint: str) -> Any:
 
 
 def _nemo_latest(root: str, endpoint: str) -> Any:
-    return nemo_commit.Saves(StorageOptions.of({"endpoint_url": endpoint, "client": FAST}), root, "test").latest()
+    return nemo_commit.Saves(_options(endpoint), root, "test").latest()
 
 
 #: lookup -> (objects that commit two checkpoints, the newest one's commit key, the operation that fails on it)
@@ -44,6 +61,19 @@ LOOKUPS: dict[str, tuple[Callable[[str, str], Any], list[str], str, str]] = {
         _torch_checkpointing,
         [f"step_1/{tc_commit.MARKER}", f"step_2/{tc_commit.MARKER}"],
         f"step_2/{tc_commit.MARKER}",
+        "HeadObject",
+    ),
+    "Lightning checkpoints listed (S3ModelCheckpoint's last/rotation)": (
+        _lightning_list,
+        ["a.ckpt/.metadata", "b.ckpt/.metadata"],
+        "b.ckpt/.metadata",
+        "HeadObject",
+    ),
+    "Lightning checkpoint_exists (resume)": (_lightning_exists, ["b.ckpt/.metadata"], "b.ckpt/.metadata", "HeadObject"),
+    "dcp_s3.checkpointer.latest_checkpoint": (
+        _latest_step,
+        ["0000001.pth", "0000001.model_model/.metadata", "0000002.pth", "0000002.model_model/.metadata"],
+        "0000002.model_model/.metadata",
         "HeadObject",
     ),
     "NeMo committed names (max_recent_checkpoints)": (
