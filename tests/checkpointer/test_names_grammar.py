@@ -16,8 +16,6 @@ from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.checkpointer.names import CHECKPOINTER_STEPS, number, scheme, step_iteration
 from dcp_s3.local_server import LocalS3Server
 
-pytestmark = pytest.mark.torch_range
-
 ARABIC = "٠١٢٣٤٥٦٧٨٩"  # Arabic-Indic digits: str.isdigit(), int() and \d take them
 FULLWIDTH = "０１２３４５６７８９"
 
