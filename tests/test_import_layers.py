@@ -25,6 +25,7 @@ FUNCTION_LOCAL_IMPORTS = {
     **{
         ("cli/handlers.py", "dcp_s3.admin"): "`dcp-s3 --help` and argument errors answer without importing torch",
         ("cli/handlers.py", "dcp_s3.demo"): "`dcp-s3 demo` only: the demo imports torch and FSDP",
+        ("cli/handlers.py", "dcp_s3.local_server"): "`dcp-s3 server` only: boto3 and the server's start-up",
     },
     ("admin/convert.py", "safetensors.torch"): "optional dependency, only for `convert --format safetensors`",
     # Private torch names that only one feature needs: a torch without them still imports dcp_s3.

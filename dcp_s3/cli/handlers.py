@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
+import sys
+import threading
 from typing import Any
 
 # The commands below use these under private names.
@@ -269,11 +273,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    import shutil
-    import signal
-    import sys
-    import threading
-
     from dcp_s3.local_server import LocalS3Server
 
     def stop(signum: int, frame: object) -> None:

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from dcp_s3.errors import DcpS3Error
+
 __all__ = ["ContextPatch", "Handler", "Site"]
 
 logger = logging.getLogger(__name__)
@@ -156,7 +158,7 @@ class ContextPatch(Generic[T]):
         """Give back one :meth:`hold`."""
         with self._lock:
             if self._holds <= len(self._open):
-                raise RuntimeError(f"{self.label}: release() without hold()")
+                raise DcpS3Error(f"{self.label}: release() without hold()")
             self._release()
 
     # -- installing --------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from dcp_s3.errors import DcpS3Error
 from dcp_s3.integrations._patching import ContextPatch, Site
 
 
@@ -97,5 +98,5 @@ def test_hold_keeps_it_installed_and_release_needs_a_hold() -> None:
     assert patch.installed
     patch.release()
     assert not patch.installed
-    with pytest.raises(RuntimeError):
+    with pytest.raises(DcpS3Error):
         patch.release()
