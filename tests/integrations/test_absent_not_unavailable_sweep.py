@@ -15,16 +15,18 @@ from fault_proxy import FaultProxy, Rule
 from dcp_s3 import ClientConfig, S3TransferError
 from dcp_s3.checkpointer import latest_checkpoint
 from dcp_s3.integrations import lightning_io, nemo_commit
-from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
-from dcp_s3.integrations.torch_checkpointing import retention as tc_retention
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.store import open_store
 from dcp_s3.store.storage_options import StorageOptions
 
+#: torch_checkpointing's commit marker (``dcp_s3.integrations.torch_checkpointing.commit.MARKER``; that package
+#: imports torch_checkpointing, which the torch-range environments lack).
+TC_MARKER = ".dcp_s3-commit"
 FAST = ClientConfig(retry_attempts=2, read_timeout=2.0, connect_timeout=2.0)
 
 
 def _torch_checkpointing(root: str, endpoint: str) -> Any:
+    tc_retention = pytest.importorskip("dcp_s3.integrations.torch_checkpointing.retention")  # torch >= 2.11 only
     store = open_store(root, endpoint_url=endpoint, client=FAST)
     return tc_retention.committed_checkpoints(store, root, r"step_[0-9]+", "")
 
@@ -59,8 +61,8 @@ def _nemo_latest(root: str, endpoint: str) -> Any:
 LOOKUPS: dict[str, tuple[Callable[[str, str], Any], list[str], str, str]] = {
     "torch_checkpointing committed (KeepLast)": (
         _torch_checkpointing,
-        [f"step_1/{tc_commit.MARKER}", f"step_2/{tc_commit.MARKER}"],
-        f"step_2/{tc_commit.MARKER}",
+        [f"step_1/{TC_MARKER}", f"step_2/{TC_MARKER}"],
+        f"step_2/{TC_MARKER}",
         "HeadObject",
     ),
     "Lightning checkpoints listed (S3ModelCheckpoint's last/rotation)": (
@@ -102,3 +104,8 @@ def test_a_server_error_on_the_newest_commit_raises(lookup: str, s3_env: LocalS3
         fn(f"s3://{bucket}/run", proxy.url)
     assert rule.injected > 0
     assert failing in str(info.value)
+
+
+def test_the_sweeps_marker_is_torch_checkpointings() -> None:
+    commit = pytest.importorskip("dcp_s3.integrations.torch_checkpointing.commit")
+    assert commit.MARKER == TC_MARKER
