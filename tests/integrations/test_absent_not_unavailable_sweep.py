@@ -6,6 +6,7 @@ core and of the integrations (issue 50's rule): a server error on the newest che
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,16 @@ def _latest_step(root: str, endpoint: str) -> Any:
     return latest_checkpoint(root, endpoint_url=endpoint, client=FAST)
 
 
+def _torchtitan(root: str, endpoint: str) -> Any:
+    """torchtitan's resume lookup (``S3CheckpointManager._find_load_step``, the manager's own method) on a manager
+    holding just what that method reads: building one needs torchtitan's whole job config and model parts."""
+    titan = pytest.importorskip("dcp_s3.integrations.torchtitan")
+    manager = object.__new__(titan.S3CheckpointManager)
+    manager.folder, manager._folder_store, manager._store_lock = "s3://elsewhere/run", None, threading.Lock()
+    manager.storage_options = _options(endpoint)
+    return manager._find_load_step(root)
+
+
 def _nemo_names(root: str, endpoint: str) -> Any:
     return nemo_commit.Saves(
         StorageOptions.of({"endpoint_url": endpoint, "client": FAST}), root, "test"
@@ -76,6 +87,12 @@ LOOKUPS: dict[str, tuple[Callable[[str, str], Any], list[str], str, str]] = {
         _latest_step,
         ["0000001.pth", "0000001.model_model/.metadata", "0000002.pth", "0000002.model_model/.metadata"],
         "0000002.model_model/.metadata",
+        "HeadObject",
+    ),
+    "torchtitan's latest step (resume)": (
+        _torchtitan,
+        ["step-10/.metadata", "step-20/.metadata"],
+        "step-20/.metadata",
         "HeadObject",
     ),
     "NeMo committed names (max_recent_checkpoints)": (
