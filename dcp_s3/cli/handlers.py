@@ -279,7 +279,9 @@ def cmd_server(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     kind = args.kind or ("seaweedfs" if shutil.which("weed") else "moto")
-    previous = signal.signal(signal.SIGTERM, stop)  # a kill stops the server too, as Ctrl-C does
+    # Ctrl-C and a kill stop the server; SIGINT explicitly too: a process started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with LocalS3Server.start(kind) as server:
             server.create_bucket(args.bucket)
@@ -292,5 +294,6 @@ def cmd_server(args: argparse.Namespace) -> int:
             except KeyboardInterrupt:
                 print("dcp-s3: server stopped", file=sys.stderr)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,8 +18,11 @@ from dcp_s3.checkpointer import Checkpointer
 def test_server_serves_a_checkpointer_until_stopped(
     stop: signal.Signals, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Started as a background job of a non-interactive shell is: with SIGINT ignored (CI runs so), which Python
+    # then leaves ignored; the server must still stop on it.
+    command = f"trap '' INT; exec {shlex.quote(sys.executable)} -m dcp_s3 server --kind moto --bucket trial"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dcp_s3", "server", "--kind", "moto", "--bucket", "trial"],
+        ["bash", "-c", command],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
