@@ -6,6 +6,9 @@ core and of the integrations (issue 50's rule): a server error on the newest che
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +19,7 @@ from fault_proxy import FaultProxy, Rule
 from dcp_s3 import ClientConfig, S3TransferError
 from dcp_s3.checkpointer import latest_checkpoint
 from dcp_s3.integrations import lightning_io, nemo_commit
+from dcp_s3.integrations.trainer_dirs import LocalDirs
 from dcp_s3.local_server import LocalS3Server
 from dcp_s3.store import open_store
 from dcp_s3.store.storage_options import StorageOptions
@@ -68,6 +72,20 @@ def _nemo_latest(root: str, endpoint: str) -> Any:
     return nemo_commit.Saves(_options(endpoint), root, "test").latest()
 
 
+def _trainer_rotation(root: str, endpoint: str) -> Any:
+    """The transformers Trainer's rotation mirrored to the bucket (``route_fsdp_checkpoints(local_dirs=...)``):
+    this process saved ``checkpoint-2``'s shards, the Trainer removed its local directory; whether the S3 copy is
+    committed (and so deletable) is asked of the store. An error there must raise, not answer "not committed"."""
+    with tempfile.TemporaryDirectory() as out:
+        dirs = LocalDirs({out: root}, _options(endpoint))
+        part = os.path.join(out, "checkpoint-2", "pytorch_model_fsdp_0")
+        os.makedirs(part)
+        dirs.record_save(part)
+        removed = dirs.present()
+        shutil.rmtree(os.path.join(out, "checkpoint-2"))
+        return dirs.mirror(removed)
+
+
 #: lookup -> (objects that commit two checkpoints, the newest one's commit key, the operation that fails on it)
 LOOKUPS: dict[str, tuple[Callable[[str, str], Any], list[str], str, str]] = {
     "torch_checkpointing committed (KeepLast)": (
@@ -93,6 +111,12 @@ LOOKUPS: dict[str, tuple[Callable[[str, str], Any], list[str], str, str]] = {
         _torchtitan,
         ["step-10/.metadata", "step-20/.metadata"],
         "step-20/.metadata",
+        "HeadObject",
+    ),
+    "transformers Trainer's rotation mirrored (route_fsdp_checkpoints local_dirs)": (
+        _trainer_rotation,
+        ["checkpoint-1/pytorch_model_fsdp_0/.metadata", "checkpoint-2/pytorch_model_fsdp_0/.metadata"],
+        "checkpoint-2/pytorch_model_fsdp_0/.metadata",
         "HeadObject",
     ),
     "NeMo committed names (max_recent_checkpoints)": (
