@@ -360,12 +360,26 @@ def test_a_callback_making_a_directory_in_the_stage_continues_the_save(bucket: s
     assert _storage(bucket).read(Path("step_1/notes/n.txt")) == b"added before the commit"
 
 
+#: What a pre-finalize callback may do to the stage directory of a save in progress, as it would on a disk: none of
+#: it is a save boundary (the sweep of side effects: tests/test_save_boundaries.py). (``ls`` of a stage is refused
+#: with ``ConfigError``: which files of a stage belong to this save only the commit says.)
+SIDE_EFFECTS = {
+    "mkdir": lambda storage, stage: storage.mkdir(stage),
+    "exists": lambda storage, stage: (storage.exists(stage), storage.exists(stage / "model_0.pt")),
+    "isdir": lambda storage, stage: storage.isdir(stage),
+}
+
+
 class _NotesBesideTheModel:
-    """A pre-finalize callback (issue 50, item 1): ``mkdir`` of the stage directory itself, where the save already
-    wrote ``model_0.pt``, then ``notes.json`` into it — what a callback does on a disk, where the directory exists."""
+    """A pre-finalize callback (issue 50, item 1): a side effect on the stage directory itself, where the save
+    already wrote ``model_0.pt`` (``mkdir`` of the directory, as on a disk where it exists), then ``notes.json``
+    into it."""
+
+    def __init__(self, side_effect: str = "mkdir") -> None:
+        self.side_effect = SIDE_EFFECTS[side_effect]
 
     def __call__(self, args: Any) -> None:
-        args.storage.mkdir(Path(args.path))
+        self.side_effect(args.storage, Path(args.path))
         args.storage.write(Path(args.path) / "notes.json", b'{"note": "beside the model"}')
 
 
@@ -384,12 +398,16 @@ def _sync_manager(root: str, callback: Any, keep_last: int | None = None) -> Any
     return CheckpointManager(config)
 
 
-def test_a_callbacks_mkdir_of_the_stage_does_not_drop_the_model_from_the_commit(bucket: str, s3_env: Any) -> None:
-    """A save begins and ends where torch_checkpointing's writer says (its ``write`` call), never at a ``mkdir``:
-    the callback's ``mkdir`` of the stage directory and its ``notes.json`` stay in the save, the commit names
-    ``model_0.pt`` too, the step loads, and ``KeepLast(1)`` deletes the step before only once this one is whole."""
+@pytest.mark.parametrize("side_effect", sorted(SIDE_EFFECTS))
+def test_a_callbacks_mkdir_of_the_stage_does_not_drop_the_model_from_the_commit(
+    side_effect: str, bucket: str, s3_env: Any
+) -> None:
+    """A save begins and ends where torch_checkpointing's writer says (its ``write`` call), never at a ``mkdir`` (or
+    any other side effect or probe of the storage): the callback's ``mkdir`` of the stage directory and its
+    ``notes.json`` stay in the save, the commit names ``model_0.pt`` too, the step loads, and ``KeepLast(1)`` deletes
+    the step before only once this one is whole."""
     root = f"s3://{bucket}/run"
-    manager = _sync_manager(root, _NotesBesideTheModel(), keep_last=1)
+    manager = _sync_manager(root, _NotesBesideTheModel(side_effect), keep_last=1)
     try:
         manager.save(f"{root}/step_1", {"model": torch.ones(3)})
         model = torch.arange(6.0)
