@@ -29,8 +29,11 @@ and deletes steps through s3fs (whose listing cache silently stops ``keep_latest
 ``async_mode="async_with_pinned_mem"``: torchtitan's own ``DefaultStager`` (pinned shared memory,
 staging in the background) and torch's upload process, with ``S3StorageWriter`` sent to that process;
 the step commits in it, and the purge counts it once ``upload_completion`` is done. Final saves in
-Hugging Face format (``last_save_in_hf``) and HF initial loads keep torchtitan's own code (local paths
-only, as torchtitan requires).
+Hugging Face initial loads (``initial_load_in_hf``) from an ``s3://`` ``initial_load_path`` read the export with
+``dcp_s3.S3HuggingFaceStorageReader`` (each rank only the byte ranges of its shards; an export without its
+``model.safetensors.index.json`` or ``model.safetensors`` is refused as incomplete), through the model's
+``sd_adapter`` as torchtitan does (torchtitan itself refuses a remote one); from a local path they keep torchtitan's
+own code, as do final saves in Hugging Face format (``last_save_in_hf``: local folders only).
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ from torchtitan.tools.utils import GarbageCollection
 
 from dcp_s3.checkpointer.ownership import Ownership
 from dcp_s3.checkpointer.ranks import Ranks
-from dcp_s3.errors import CheckpointNotFoundError
+from dcp_s3.errors import CheckpointNotFoundError, ConfigError
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.layout import METADATA_KEY
+from dcp_s3.storage._hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
 from dcp_s3.store.base import Store
 from dcp_s3.store.storage_options import StorageOptions
 
@@ -85,7 +90,21 @@ class S3CheckpointManager(CheckpointManager):
         max_concurrency, region, profile, ...); endpoint_url above wins over one given here."""
 
         def __post_init__(self) -> None:
-            CheckpointManager.Config.__post_init__(self)
+            # torchtitan refuses an HF initial load from a remote path (fsspec reads whole files, if at all); dcp_s3
+            # reads an s3:// one itself: torchtitan's other checks run with the flag, that one without it.
+            hf_on_s3 = self.initial_load_in_hf and s3_location(self.initial_load_path) is not None
+            if hf_on_s3 and self.initial_load_in_hf_quantized:
+                raise ConfigError(
+                    f"checkpoint.initial_load_in_hf_quantized: a quantized export is read by the model's own "
+                    f"sd_adapter reader, from a local path, not from {self.initial_load_path}"
+                )
+            if hf_on_s3 and not self.initial_load_model_only:
+                raise ConfigError("checkpoint.initial_load_in_hf requires checkpoint.initial_load_model_only")
+            self.initial_load_in_hf = not hf_on_s3 and self.initial_load_in_hf
+            try:
+                CheckpointManager.Config.__post_init__(self)
+            finally:
+                self.initial_load_in_hf = hf_on_s3 or self.initial_load_in_hf
             self.options()  # ConfigError now, naming the option, not at the first save
 
         def options(self) -> StorageOptions:
@@ -190,8 +209,17 @@ class S3CheckpointManager(CheckpointManager):
         return result
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        if from_hf:  # torchtitan's HF reader (local paths)
+        if from_hf and s3_location(checkpoint_id) is None:  # torchtitan's HF reader (local paths)
             return CheckpointManager.dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
+        if from_hf:  # torchtitan's own steps, with dcp_s3's reader of the export
+            if self.sd_adapter is None:
+                raise ConfigError("checkpoint.initial_load_in_hf needs the model's sd_adapter (its HF names)")
+            hf_state_dict = self.sd_adapter.to_hf(state_dict)
+            reader = self.storage_options.reader(checkpoint_id, S3HuggingFaceStorageReader)
+            dcp.load(hf_state_dict, storage_reader=reader)
+            state_dict = self.sd_adapter.from_hf(hf_state_dict)
+            self.states[MODEL].load_state_dict(state_dict)
+            return None
         dcp.load(state_dict, storage_reader=self.storage_options.reader(checkpoint_id))
         if MODEL in self.states:  # as torchtitan does: the model's keys are flattened into state_dict
             self.states[MODEL].load_state_dict(state_dict)
@@ -229,7 +257,13 @@ class S3CheckpointManager(CheckpointManager):
         from_hf, from_quantized = self.initial_load_in_hf, self.initial_load_in_hf_quantized
         if self.initial_load_path:
             checkpoint_id = self.initial_load_path
-            if from_hf:
+            if from_hf and s3_location(checkpoint_id) is not None:
+                if not self._hf_export(checkpoint_id):
+                    raise CheckpointNotFoundError(
+                        f"checkpoint.initial_load_path {checkpoint_id}: no Hugging Face export there (neither "
+                        f"{INDEX_NAME} nor {SINGLE_NAME}; shards without their index are an incomplete export)"
+                    )
+            elif from_hf:
                 if not os.path.isdir(checkpoint_id):
                     raise CheckpointNotFoundError(f"checkpoint.initial_load_path {checkpoint_id}: no such directory")
             elif not self._committed(checkpoint_id):
@@ -242,6 +276,12 @@ class S3CheckpointManager(CheckpointManager):
         else:
             return None
         return checkpoint_id, self.initial_load_model_only, from_hf, from_quantized
+
+    def _hf_export(self, location: str) -> bool:
+        """Whether ``location`` holds a Hugging Face export's index or single file (a 404 each: no; an error
+        raises)."""
+        with self._at(location) as (store, prefix):
+            return any(store.size(prefix + name) is not None for name in (INDEX_NAME, SINGLE_NAME))
 
     def _should_purge(self) -> bool:
         return self.keep_latest_k > 0 and dist.get_rank() == 0

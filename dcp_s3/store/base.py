@@ -160,9 +160,10 @@ class Store:
             options["overwrite"] = overwrite
         return S3StorageWriter(self.url(name), **options)
 
-    def reader(self, name: str) -> S3StorageReader:
-        """A DCP storage reader for the checkpoint at ``name``."""
-        return S3StorageReader(self.url(name), **self._reader_options)
+    def reader(self, name: str, kind: type[S3StorageReader] = S3StorageReader) -> S3StorageReader:
+        """A DCP storage reader for the checkpoint at ``name`` (``kind``: ``S3StorageReader`` or a subclass taking
+        its arguments, e.g. ``S3HuggingFaceStorageReader``)."""
+        return kind(self.url(name), **self._reader_options)
 
     def uploads(self, prefix: str = "") -> list[Upload]:
         """Unfinished multipart uploads under ``prefix`` (always empty on disk)."""

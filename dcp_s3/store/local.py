@@ -54,9 +54,9 @@ class LocalStore(Store):
         writer._session.anchor_local(self.root)
         return writer
 
-    def reader(self, name: str) -> S3StorageReader:
+    def reader(self, name: str, kind: type[S3StorageReader] = S3StorageReader) -> S3StorageReader:
         """A DCP storage reader for ``name``, rooted here like :meth:`writer`'s."""
-        reader = super().reader(name)
+        reader = super().reader(name, kind)
         reader._session.anchor_local(self.root)
         return reader
 

@@ -74,10 +74,13 @@ class StorageOptions:
         store, name = self._parent(checkpoint)
         return store.writer(name, overwrite=overwrite)
 
-    def reader(self, checkpoint: str | os.PathLike[str]) -> S3StorageReader:
-        """An ``S3StorageReader`` for ``checkpoint`` with the reader's share of these options."""
+    def reader(
+        self, checkpoint: str | os.PathLike[str], kind: type[S3StorageReader] = S3StorageReader
+    ) -> S3StorageReader:
+        """An ``S3StorageReader`` (or ``kind``, a subclass taking its arguments) for ``checkpoint`` with the
+        reader's share of these options."""
         store, name = self._parent(checkpoint)
-        return store.reader(name)
+        return store.reader(name, kind)
 
     def store(self, root: str | os.PathLike[str]) -> Store:
         """A :class:`~dcp_s3.store.Store` rooted at ``root`` with these options (what the

@@ -71,7 +71,9 @@ class _TrainState:
         self.step = state["step"]
 
 
-def _trainer(rank: int, world: int, config_kwargs: dict[str, Any], dump: str) -> dict[str, Any]:
+def _trainer(
+    rank: int, world: int, config_kwargs: dict[str, Any], dump: str, sd_adapter: Any = None
+) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
@@ -110,7 +112,7 @@ def _trainer(rank: int, world: int, config_kwargs: dict[str, Any], dump: str) ->
         optimizers=optimizers,
         lr_schedulers=lr_schedulers,
         states={"train_state": train_state},
-        sd_adapter=None,
+        sd_adapter=sd_adapter,
         base_folder=dump,
     )
     assert type(manager) is S3CheckpointManager  # chosen by the config alone
@@ -411,6 +413,107 @@ def test_async_with_pinned_mem_saves_through_torchs_upload_process(
     assert steps["step-6"] == {".metadata", "__0_0.distcp", "__1_0.distcp"}, steps
 
 
+#: The test model's names (``nn.Sequential``) -> its names in the Hugging Face export.
+HF_NAMES = {"0.weight": "model.up.weight", "0.bias": "model.up.bias", "2.weight": "lm_head.weight", "2.bias": "lm_head.b"}
+
+
+def _hf_adapter() -> Any:
+    """A state-dict adapter of torchtitan's own protocol (``BaseStateDictAdapter``) for the test model."""
+    from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
+
+    class Adapter(BaseStateDictAdapter):
+        def __init__(self, model_config: Any = None, hf_assets_path: str | None = None) -> None:
+            self.hf_assets_path = hf_assets_path
+
+        def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+            return {HF_NAMES[k]: v for k, v in state_dict.items()}
+
+        def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+            native = {v: k for k, v in HF_NAMES.items()}
+            return {native[k]: v for k, v in hf_state_dict.items()}
+
+        def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> Any:
+            raise AssertionError("torchtitan's reader is not used for an s3:// export")
+
+    return Adapter()
+
+
+def _hf_export() -> dict[str, torch.Tensor]:
+    """The export's tensors under their HF names: two in bfloat16 (cast to the model's float32 on load)."""
+    g = torch.Generator().manual_seed(7)
+    shapes = {"model.up.weight": (32, 8), "model.up.bias": (32,), "lm_head.weight": (1, 32), "lm_head.b": (1,)}
+    out = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+    out["model.up.weight"] = out["model.up.weight"].to(torch.bfloat16)
+    out["lm_head.b"] = out["lm_head.b"].to(torch.bfloat16)
+    return out
+
+
+def _put_hf_export(client: Any, bucket: str, prefix: str, *, index: bool = True) -> None:
+    """Two safetensors shards written by the released ``safetensors`` and their index, as ``save_pretrained``
+    lays them out."""
+    import json
+
+    from safetensors.torch import save
+
+    tensors = _hf_export()
+    shards = {
+        "model-00001-of-00002.safetensors": ["model.up.weight", "model.up.bias"],
+        "model-00002-of-00002.safetensors": ["lm_head.weight", "lm_head.b"],
+    }
+    for shard, names in shards.items():
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{shard}", Body=save({n: tensors[n] for n in names}))
+    if index:
+        weight_map = {n: shard for shard, names in shards.items() for n in names}
+        body = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
+        client.put_object(Bucket=bucket, Key=f"{prefix}/model.safetensors.index.json", Body=body)
+
+
+def _hf_initial_load(rank: int, world: int, config_kwargs: dict[str, Any], torn: str, dump: str, tmp: str) -> bytes:
+    from dcp_s3.errors import CheckpointNotFoundError
+
+    _child_env(tmp)
+    t = _trainer(rank, world, config_kwargs, dump, sd_adapter=_hf_adapter())
+    out: dict[str, Any] = {"loaded": t["manager"].load(), "model": full(t["model"].state_dict())}
+    t["manager"].close()
+    t = _trainer(rank, world, {**config_kwargs, "initial_load_path": torn}, dump, sd_adapter=_hf_adapter())
+    try:
+        t["manager"].load()
+    except CheckpointNotFoundError as exc:  # rank 0's finding, raised on every rank
+        out["torn"] = str(exc)
+    t["manager"].close()
+    return _packed(out)
+
+
+def test_an_initial_load_in_hf_reads_an_s3_export_into_fsdp_shards(
+    seaweed: Any, bucket: str, tmp_path: Path, rank_tmp: Path
+) -> None:
+    """``initial_load_in_hf`` from an ``s3://`` ``initial_load_path`` (torchtitan refuses a remote one): 2 FSDP2
+    ranks load a ``save_pretrained``-style export (two shards and their index, written by the released
+    ``safetensors``) through the model's ``sd_adapter`` with dcp_s3's reader, bit-exact (bfloat16 tensors cast to
+    the model's float32); an export whose index is missing is refused as incomplete, on every rank, naming it."""
+    dump, tmp = tmp_path / "dump", rank_tmp
+    dump.mkdir()
+    client = seaweed.client()
+    _put_hf_export(client, bucket, "hf")
+    _put_hf_export(client, bucket, "torn", index=False)
+    run = {
+        "folder": f"s3://{bucket}/{RUN}",
+        "initial_load_path": f"s3://{bucket}/hf",
+        "initial_load_in_hf": True,
+        "initial_load_model_only": True,
+        "async_mode": "disabled",
+        "endpoint_url": seaweed.endpoint_url,
+        "storage_options": {"region": seaweed.region},
+    }
+    ranks = _unpacked(run_ranks(_hf_initial_load, 2, run, f"s3://{bucket}/torn", str(dump), str(tmp), timeout=180))
+    expected = {native: _hf_export()[hf].float() for native, hf in HF_NAMES.items()}
+    for r in ranks:
+        assert r["loaded"] is True
+        assert _diff(r["model"], expected) == []
+        assert f"s3://{bucket}/torn" in r["torn"] and "model.safetensors.index.json" in r["torn"]
+    assert object_keys(client, bucket, f"{RUN}/") == []  # nothing saved
+
+
 def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
     from torchtitan.components.checkpointer import BaseCheckpointManager
 
@@ -429,6 +532,12 @@ def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
     assert S3CheckpointManager.Config(enable=True, folder="s3://b/run", async_mode="async_with_pinned_mem").enable
     with pytest.raises(ConfigError, match="no_such_option"):
         S3CheckpointManager.Config(enable=True, folder="s3://b/run", storage_options={"no_such_option": 1})
+    hf = {"enable": True, "folder": "s3://b/run", "initial_load_path": "s3://b/hf", "initial_load_in_hf": True}
+    assert S3CheckpointManager.Config(**hf, initial_load_model_only=True).initial_load_in_hf  # torchtitan refuses
+    with pytest.raises(ConfigError, match="initial_load_model_only"):
+        S3CheckpointManager.Config(**hf, initial_load_model_only=False)
+    with pytest.raises(ConfigError, match="quantized"):
+        S3CheckpointManager.Config(**hf, initial_load_model_only=True, initial_load_in_hf_quantized=True)
 
 
 @pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])
