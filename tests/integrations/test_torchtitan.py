@@ -71,9 +71,7 @@ class _TrainState:
         self.step = state["step"]
 
 
-def _trainer(
-    rank: int, world: int, config_kwargs: dict[str, Any], dump: str, sd_adapter: Any = None
-) -> dict[str, Any]:
+def _trainer(rank: int, world: int, config_kwargs: dict[str, Any], dump: str, sd_adapter: Any = None) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
@@ -414,7 +412,12 @@ def test_async_with_pinned_mem_saves_through_torchs_upload_process(
 
 
 #: The test model's names (``nn.Sequential``) -> its names in the Hugging Face export.
-HF_NAMES = {"0.weight": "model.up.weight", "0.bias": "model.up.bias", "2.weight": "lm_head.weight", "2.bias": "lm_head.b"}
+HF_NAMES = {
+    "0.weight": "model.up.weight",
+    "0.bias": "model.up.bias",
+    "2.weight": "lm_head.weight",
+    "2.bias": "lm_head.b",
+}
 
 
 def _hf_adapter() -> Any:
