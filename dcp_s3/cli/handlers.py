@@ -74,7 +74,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         _print_local_tier(args.uri, tier_rows, args.s3, refused_rank_dirs(args.uri))
         return 0
     steps = list_steps(args.uri, **_options(args, args.uri))
-    rows = [["STEP", "STATUS", "STORED", "LOGICAL", "RATIO", "OBJECTS", "TIME"]]
+    # TENSORS and COMPRESSION count tensor items only; STORED every object (metadata, byte items, markers too)
+    rows = [["STEP", "STATUS", "STORED", "TENSORS", "COMPRESSION", "OBJECTS", "TIME"]]
     for s in steps:
         status = ("UNREADABLE" if s.unreadable else "complete" if s.complete else "INCOMPLETE") + (
             " (dcp)" if s.kind == "dcp" else ""
@@ -92,6 +93,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             ]
         )
     print(_table(rows, right={2, 3, 4, 5}))
+    if steps:
+        print("STORED: every object; TENSORS: the tensors' bytes; COMPRESSION: TENSORS / their items' stored bytes")
     for s in steps:
         if s.unreadable:
             _say(f"{s.name}: {s.error or 'unreadable'}")

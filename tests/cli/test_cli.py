@@ -85,6 +85,9 @@ def test_commands_on_a_sharded_checkpoint(
     assert code == 0
     row = next(line for line in out.splitlines() if line.startswith("0000100"))
     assert "complete" in row and "KiB" in row and "x" in row  # sizes and ratio
+    header = next(line for line in out.splitlines() if line.startswith("STEP"))
+    assert header.split() == ["STEP", "STATUS", "STORED", "TENSORS", "COMPRESSION", "OBJECTS", "TIME"]
+    assert "COMPRESSION: TENSORS / their items' stored bytes" in out  # what the columns compare, said
     assert "1 checkpoint (1 complete, 0 incomplete)" in out
 
     code, out, _ = run(capsys, "inspect", step, "--json")
