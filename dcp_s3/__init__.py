@@ -118,4 +118,22 @@ __all__ = [
     "DeletionRefusedError",
 ]
 
+#: The public face, listed once: these modules' ``__all__`` and the ``dcp-s3`` command line are what the compatibility
+#: policy promises (docs/stored-format.md) and what the API reference documents (docs/api/, checked by
+#: tests/test_docs_site.py); every other module is internal, whatever its name. One entry module per integration
+#: (NeMo AutoModel has two: its Checkpointer and its recipes).
+_PUBLIC_MODULES = (
+    "dcp_s3",
+    "dcp_s3.admin",
+    "dcp_s3.testing",
+    "dcp_s3.integrations.dcp_route",
+    "dcp_s3.integrations.torchtitan",
+    "dcp_s3.integrations.lightning",
+    "dcp_s3.integrations.accelerate",
+    "dcp_s3.integrations.nemo_automodel",
+    "dcp_s3.integrations.nemo_recipe",
+    "dcp_s3.integrations.torch_checkpointing",
+    "dcp_s3.integrations.megatron",
+)
+
 logging.getLogger("dcp_s3").addHandler(logging.NullHandler())
