@@ -1,4 +1,5 @@
-"""``dcp-s3 convert``: one DCP checkpoint to a single file of full tensors, or to an uncompressed DCP checkpoint."""
+"""``dcp-s3 convert``: a DCP checkpoint to a single file of full tensors; a DCP checkpoint or a Hugging Face
+safetensors export to an uncompressed DCP checkpoint, streamed (:mod:`dcp_s3.admin.streaming`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_s3._torch_compat import _EmptyStateDictLoadPlanner, _load_state_dict
+from dcp_s3._torch_compat import _EmptyStateDictLoadPlanner, _load_state_dict, checkpoint_failures
 from dcp_s3.admin.locations import resolve
 from dcp_s3.admin.locations import single as _single
+from dcp_s3.admin.streaming import DEFAULT_CHUNK_BYTES, StreamingSavePlanner
 from dcp_s3.checkpointer.steps import Part
 from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
+from dcp_s3.storage._hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
 from dcp_s3.store import Store, open_object, open_store
 
 __all__ = ["ConvertReport", "convert_checkpoint"]
@@ -57,17 +60,23 @@ def convert_checkpoint(
     overwrite: bool = False,
     src_options: dict[str, Any] | None = None,
     dst_options: dict[str, Any] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> ConvertReport:
-    """Convert one DCP checkpoint to a single file of full tensors, or to an uncompressed DCP checkpoint.
+    """Convert one DCP checkpoint to a single file of full tensors, or a DCP checkpoint or a Hugging Face
+    safetensors export to an uncompressed DCP checkpoint.
 
     ``fmt``: ``"torch"`` (a ``torch.save`` file of the nested state dict), ``"safetensors"``
     (flat dotted names, tensors only; needs the ``safetensors`` package) or ``"dcp"`` (a new
-    checkpoint at ``out`` written with the default writer). Default: from ``out``'s suffix
-    (``.safetensors``), else ``torch``. A step with exactly one ``*_model`` part converts that
-    part. Everything is loaded into this process's memory. ``src_options``/``dst_options``
-    are the storage options of ``uri`` and ``out``. An existing ``out`` (a file, or for
-    ``"dcp"`` any object under it) is refused with ``CheckpointExistsError`` before anything is
-    loaded, unless ``overwrite``.
+    checkpoint at ``out`` written with the default writer, stock ``.metadata``). Default: from ``out``'s suffix
+    (``.safetensors``), else ``torch``. ``uri`` is a DCP checkpoint, a step with exactly one ``*_model`` part
+    (that part is converted), or for ``"dcp"`` a prefix holding a Hugging Face export
+    (``model.safetensors.index.json`` and its shards, or ``model.safetensors``). ``"torch"`` and
+    ``"safetensors"`` load everything into this process's memory; ``"dcp"`` streams: each tensor is copied in
+    chunks of whole rows of at most ``chunk_bytes`` (32 MiB), read only when written (memory bounded by the chunk and the transfer
+    settings, not by the largest tensor), every byte checked as the source's reader checks it.
+    ``src_options``/``dst_options`` are the storage options of ``uri`` and ``out``. An existing ``out`` (a file,
+    or for ``"dcp"`` any object under it) is refused with ``CheckpointExistsError`` before anything is read,
+    unless ``overwrite``.
     """
     fmt = fmt or ("safetensors" if out.endswith(".safetensors") else "torch")
     if fmt not in ("torch", "safetensors", "dcp"):
@@ -91,6 +100,9 @@ def convert_checkpoint(
             raise CheckpointExistsError(
                 f"{dst_store.url(name)} already exists; pass overwrite=True (--force) to replace it"
             )
+    if fmt == "dcp" and _is_hf_export(uri, src_options or {}):
+        reader = open_store(uri, **(src_options or {})).reader("", S3HuggingFaceStorageReader)
+        return _stream(reader, dst_dir, out, overwrite, chunk_bytes)
     store, steps = resolve(uri, **(src_options or {}))
     step = _single(store, steps, uri)
     parts = [p for k, p in step.parts.items() if step.kind == "dcp" or k.endswith("_model")]
@@ -100,21 +112,42 @@ def convert_checkpoint(
     part = parts[0]
     if not part.committed:
         raise CheckpointNotFoundError(f"{store.url(part.name)} is incomplete: {METADATA_KEY} is missing")
+    if fmt == "dcp":
+        return _stream(store.reader(part.name), dst_dir, out, overwrite, chunk_bytes)
     state = _load_full(store, part)
     tensors = [(k, v) for k, v in _flatten(state) if isinstance(v, torch.Tensor)]
     nbytes = sum(v.numel() * v.element_size() for _, v in tensors)
     skipped: list[str] = []
-    if fmt == "dcp":
-        writer = dst_dir.writer("", overwrite=overwrite)
-        writer.metadata_format = "dcp"  # stock .metadata: a downloaded copy loads with torch's FileSystemReader
-        dcp.save(state, storage_writer=writer, no_dist=True)
+    if fmt == "safetensors":
+        skipped = [k for k, v in _flatten(state) if not isinstance(v, torch.Tensor)]
+        data = st.save({k: v.contiguous().clone() for k, v in tensors})
     else:
-        if fmt == "safetensors":
-            skipped = [k for k, v in _flatten(state) if not isinstance(v, torch.Tensor)]
-            data = st.save({k: v.contiguous().clone() for k, v in tensors})
-        else:
-            buf = io.BytesIO()
-            torch.save(state, buf)
-            data = buf.getvalue()
-        dst_store.write(name, data, overwrite=overwrite)
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+    dst_store.write(name, data, overwrite=overwrite)
     return ConvertReport(store.url(part.name), out, fmt, len(tensors), nbytes, skipped)
+
+
+def _is_hf_export(uri: str, options: dict[str, Any]) -> bool:
+    """Whether ``uri`` holds a Hugging Face export (its index or single file) rather than a DCP checkpoint."""
+    store = open_store(uri, **options)
+    try:
+        return store.size(METADATA_KEY) is None and any(store.size(n) is not None for n in (INDEX_NAME, SINGLE_NAME))
+    finally:
+        store.close()
+
+
+def _stream(reader: Any, dst_dir: Store, out: str, overwrite: bool, chunk_bytes: int) -> ConvertReport:
+    """Copy what ``reader`` holds into a new DCP checkpoint at ``dst_dir``, chunk by chunk."""
+    planner = StreamingSavePlanner(reader, chunk_bytes)
+    writer = dst_dir.writer("", overwrite=overwrite)
+    writer.metadata_format = "dcp"  # stock .metadata: a downloaded copy loads with torch's FileSystemReader
+    try:
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    except BaseException as exc:  # torch's CheckpointException (a BaseException): raise the error it carries
+        causes = [c for c in checkpoint_failures(exc) if isinstance(c, DcpS3Error)]
+        if causes:
+            raise causes[0] from exc
+        raise
+    return ConvertReport(str(reader.checkpoint_id), out, "dcp", planner.tensors, planner.nbytes)
