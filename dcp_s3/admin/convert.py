@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3._torch_compat import _EmptyStateDictLoadPlanner, _load_state_dict, checkpoint_failures
-from dcp_s3.admin.locations import resolve
+from dcp_s3.admin.locations import Progress, resolve
 from dcp_s3.admin.locations import single as _single
 from dcp_s3.admin.streaming import DEFAULT_CHUNK_BYTES, StreamingSavePlanner
 from dcp_s3.checkpointer.steps import Part
@@ -61,6 +61,7 @@ def convert_checkpoint(
     src_options: dict[str, Any] | None = None,
     dst_options: dict[str, Any] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    progress: Progress | None = None,
 ) -> ConvertReport:
     """Convert one DCP checkpoint to a single file of full tensors, or a DCP checkpoint or a Hugging Face
     safetensors export to an uncompressed DCP checkpoint.
@@ -73,7 +74,8 @@ def convert_checkpoint(
     (``model.safetensors.index.json`` and its shards, or ``model.safetensors``). ``"torch"`` and
     ``"safetensors"`` load everything into this process's memory; ``"dcp"`` streams: each tensor is copied in
     chunks of whole rows of at most ``chunk_bytes`` (32 MiB), read only when written (memory bounded by the chunk and the transfer
-    settings, not by the largest tensor), every byte checked as the source's reader checks it.
+    settings, not by the largest tensor), every byte checked as the source's reader checks it; ``progress(done,
+    total)`` is told the tensor bytes copied.
     ``src_options``/``dst_options`` are the storage options of ``uri`` and ``out``. An existing ``out`` (a file,
     or for ``"dcp"`` any object under it) is refused with ``CheckpointExistsError`` before anything is read,
     unless ``overwrite``.
@@ -102,7 +104,7 @@ def convert_checkpoint(
             )
     if fmt == "dcp" and _is_hf_export(uri, src_options or {}):
         reader = open_store(uri, **(src_options or {})).reader("", S3HuggingFaceStorageReader)
-        return _stream(reader, dst_dir, out, overwrite, chunk_bytes)
+        return _stream(reader, dst_dir, out, overwrite, chunk_bytes, progress)
     store, steps = resolve(uri, **(src_options or {}))
     step = _single(store, steps, uri)
     parts = [p for k, p in step.parts.items() if step.kind == "dcp" or k.endswith("_model")]
@@ -113,7 +115,7 @@ def convert_checkpoint(
     if not part.committed:
         raise CheckpointNotFoundError(f"{store.url(part.name)} is incomplete: {METADATA_KEY} is missing")
     if fmt == "dcp":
-        return _stream(store.reader(part.name), dst_dir, out, overwrite, chunk_bytes)
+        return _stream(store.reader(part.name), dst_dir, out, overwrite, chunk_bytes, progress)
     state = _load_full(store, part)
     tensors = [(k, v) for k, v in _flatten(state) if isinstance(v, torch.Tensor)]
     nbytes = sum(v.numel() * v.element_size() for _, v in tensors)
@@ -138,9 +140,11 @@ def _is_hf_export(uri: str, options: dict[str, Any]) -> bool:
         store.close()
 
 
-def _stream(reader: Any, dst_dir: Store, out: str, overwrite: bool, chunk_bytes: int) -> ConvertReport:
+def _stream(
+    reader: Any, dst_dir: Store, out: str, overwrite: bool, chunk_bytes: int, progress: Progress | None
+) -> ConvertReport:
     """Copy what ``reader`` holds into a new DCP checkpoint at ``dst_dir``, chunk by chunk."""
-    planner = StreamingSavePlanner(reader, chunk_bytes)
+    planner = StreamingSavePlanner(reader, chunk_bytes, progress)
     writer = dst_dir.writer("", overwrite=overwrite)
     writer.metadata_format = "dcp"  # stock .metadata: a downloaded copy loads with torch's FileSystemReader
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,15 +122,22 @@ class _Source:
 class StreamingSavePlanner(SavePlanner):
     """Save what ``reader`` holds, chunk by chunk as the writer asks (see the module's docstring). Give it to
     ``dcp.save({}, storage_writer=..., planner=StreamingSavePlanner(reader), no_dist=True)``: the state dict is
-    ignored. ``tensors``/``nbytes`` count what was planned."""
+    ignored. ``tensors``/``nbytes`` count what was planned; ``progress(done, total)`` is called with the tensor bytes
+    read so far after each chunk."""
 
-    def __init__(self, reader: StorageReader, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        reader: StorageReader,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes={chunk_bytes}: expected a positive number of bytes")
         metadata = reader.read_metadata()
         reader.set_up_storage_reader(metadata, True)
         self._source = _Source(reader, metadata, threading.Lock())
         self.chunk_bytes = chunk_bytes
+        self._progress, self._done, self._done_lock = progress, 0, threading.Lock()
         self.tensors = sum(isinstance(md, TensorStorageMetadata) for md in metadata.state_dict_metadata.values())
         self.nbytes = sum(
             math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
@@ -178,4 +186,8 @@ class StreamingSavePlanner(SavePlanner):
         chunk = write_item.tensor_data.chunk
         dest = torch.empty(chunk.sizes, dtype=md.properties.dtype)
         self._source.read(create_read_items_for_chunk_list(fqn, md, [chunk]), _Into(dest))
+        if self._progress is not None:
+            with self._done_lock:
+                self._done += dest.numel() * dest.element_size()
+                self._progress(self._done, self.nbytes)
         return dest

@@ -249,14 +249,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 "its classes with torch.serialization.add_safe_globals instead"
             )
         src_options["allow_unsafe_byte_items"] = True
-    report = convert_checkpoint(
-        args.uri,
-        args.out,
-        fmt=args.format,
-        overwrite=args.force,
-        src_options=src_options,
-        dst_options=_options(args, args.out),
-    )
+    bar = _ProgressLine("convert")
+    try:
+        report = convert_checkpoint(
+            args.uri,
+            args.out,
+            fmt=args.format,
+            overwrite=args.force,
+            src_options=src_options,
+            dst_options=_options(args, args.out),
+            progress=bar,
+        )
+    finally:
+        bar.close()
     _say(
         f"wrote {report.destination} ({report.format}): {report.tensors} tensors, {human_size(report.bytes)} "
         f"from {report.source}"

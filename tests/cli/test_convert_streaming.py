@@ -64,8 +64,13 @@ def test_a_hugging_face_export_converts_to_dcp_in_chunks_bit_exact(
     downloaded copy loads with torch's ``FileSystemReader``)."""
     tensors = _export()
     _put_export(s3_env.client(), bucket, "hf", tensors)
-    report = convert_checkpoint(f"s3://{bucket}/hf", f"s3://{bucket}/dcp", fmt="dcp", chunk_bytes=8 << 10)
-    assert (report.tensors, report.bytes) == (5, sum(t.numel() * t.element_size() for t in tensors.values()))
+    seen: list[tuple[int, int]] = []
+    report = convert_checkpoint(
+        f"s3://{bucket}/hf", f"s3://{bucket}/dcp", fmt="dcp", chunk_bytes=8 << 10, progress=lambda *a: seen.append(a)
+    )
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert (report.tensors, report.bytes) == (5, total)
+    assert seen[-1] == (total, total) and [d for d, _ in seen] == sorted(d for d, _ in seen)  # the progress told
     loaded = _load(f"s3://{bucket}/dcp", tensors)
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
