@@ -223,3 +223,30 @@ def test_options_of_another_format_are_refused() -> None:
         S3HuggingFaceStorageWriter("s3://bkt/x", compression="zstd")
     with pytest.raises(ConfigError, match="max_shard_size"):
         S3HuggingFaceStorageWriter("s3://bkt/x", max_shard_size=0)
+
+
+def test_takes_the_writers_options_and_pickles(tmp_path: Path) -> None:
+    """``S3StorageWriter``'s keyword options pass through (checked by it); a pickled copy saves."""
+    import pickle
+
+    from dcp_s3 import ClientConfig, TransferConfig
+
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        S3HuggingFaceStorageWriter(os.fspath(tmp_path), max_concurrency=0)
+    writer = S3HuggingFaceStorageWriter(
+        "s3://bkt/x",
+        endpoint_url="http://127.0.0.1:9",
+        region="eu-west-1",
+        client=ClientConfig(read_timeout=7.0),
+        transfer=TransferConfig(part_size=8 * MiB),
+        max_concurrency=3,
+    )
+    assert writer._session.transfer.max_concurrency == 3 and writer._session.transfer.part_size == 8 * MiB
+    assert repr(writer) == "S3HuggingFaceStorageWriter('s3://bkt/x', overwrite=False)"
+    copy = pickle.loads(pickle.dumps(S3HuggingFaceStorageWriter(os.fspath(tmp_path / "p"), max_shard_size=99)))
+    assert isinstance(copy, S3HuggingFaceStorageWriter) and copy.max_shard_size == 99 and "HuggingFace" in repr(copy)
+    want = _tensors()
+    dcp.save(want, storage_writer=copy, no_dist=True)
+    assert (
+        len({n for n in os.listdir(tmp_path / "p") if n.endswith(".safetensors")}) == 4
+    )  # 99-byte shards: tiny + scalar share one
