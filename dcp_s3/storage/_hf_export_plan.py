@@ -164,16 +164,16 @@ def plan_export(plans: Sequence[SavePlan], max_shard_size: int, staging: str) ->
     firsts: dict[int, dict[ChunkKey, int]] = {}
     for f, at, _, rank, key, within in runs:
         firsts.setdefault(rank, {}).setdefault(key, len(firsts[rank]))
-    sizes: dict[ChunkKey, int] = {}
+    chunk_bytes: dict[ChunkKey, int] = {}
     for _, _, n, rank, key, _ in runs:
-        sizes[key] = sizes.get(key, 0) + n
+        chunk_bytes[key] = chunk_bytes.get(key, 0) + n
     where: dict[tuple[int, ChunkKey], int] = {}
     for rank in range(len(plans)):
         order = sorted(firsts.get(rank, {}), key=lambda k: firsts[rank][k])
         at = 0
         for key in order:
             where[(rank, key)] = at
-            at += sizes[key]
+            at += chunk_bytes[key]
         out.ranks.append(RankPieces(f"{staging}/rank-{rank:05d}", order, at))
     pieces: list[list[bytes | Span]] = [[h] for h in headers]
     for f, _, n, rank, key, within in runs:

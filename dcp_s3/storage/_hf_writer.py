@@ -42,6 +42,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -164,7 +165,7 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
                 if item is None:
                     raise ConfigError(f"{chunk[0]!r} at {chunk[1]}: planned for this rank, not in its save plan")
                 tensor = planner.resolve_data(item)
-                if not hasattr(tensor, "device") or not streamable(tensor):
+                if not isinstance(tensor, torch.Tensor) or not streamable(tensor):
                     raise ConfigError(f"{chunk[0]!r}: not a dense tensor ({type(tensor).__name__})")
                 tensor = compact(tensor)
                 start = writer.tell()

@@ -250,3 +250,28 @@ def test_takes_the_writers_options_and_pickles(tmp_path: Path) -> None:
     assert (
         len({n for n in os.listdir(tmp_path / "p") if n.endswith(".safetensors")}) == 4
     )  # 99-byte shards: tiny + scalar share one
+
+
+def test_export_loads_with_transformers_from_pretrained(s3_env: LocalS3Server, bucket: str, tmp_path: Path) -> None:
+    """A model's state dict exported, downloaded beside its config.json, loads with ``from_pretrained``."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dcp.save(want, storage_writer=S3HuggingFaceStorageWriter(f"s3://{bucket}/llama"), no_dist=True)
+    _download(s3_env, bucket, "llama", tmp_path)
+    config.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    got = loaded.state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
