@@ -177,6 +177,12 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
                     for view in payload_chunks(tensor):
                         writer.write(view)
                 results.append(WriteResult(index=item.index, size_in_bytes=writer.tell() - start, storage_data=None))
+            written = set(pieces.order)
+            results += [  # zero-element chunks: in the header, no bytes
+                WriteResult(index=item.index, size_in_bytes=0, storage_data=None)
+                for chunk, item in items.items()
+                if chunk not in written
+            ]
             if writer.tell() != pieces.size:
                 raise ConfigError(f"{writer.tell()} bytes written of the {pieces.size} planned for {pieces.name}")
             writer.close()

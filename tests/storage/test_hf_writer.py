@@ -208,7 +208,7 @@ def test_failed_save_leaves_no_index_and_is_refused(moto_server: LocalS3Server, 
 
 
 def test_local_directory_export(tmp_path: Path) -> None:
-    want = _tensors()
+    want = {**_tensors(), "empty.f32": torch.zeros(0, 3)}  # a zero-element tensor has a header entry, no bytes
     dcp.save(want, storage_writer=S3HuggingFaceStorageWriter(os.fspath(tmp_path / "ex")), no_dist=True)
     got = {}
     with safe_open(os.fspath(tmp_path / "ex" / "model-00001-of-00001.safetensors"), framework="pt") as f:
