@@ -275,3 +275,40 @@ def test_export_loads_with_transformers_from_pretrained(s3_env: LocalS3Server, b
     got = loaded.state_dict()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+_KILLED_CHILD = """
+import sys, torch, torch.distributed.checkpoint as dcp
+from dcp_s3 import S3HuggingFaceStorageWriter
+g = torch.Generator().manual_seed(0)
+state = {"big.f32": torch.randn(2048, 1024, generator=g), "small.bf16": torch.randn(64, 48, generator=g).bfloat16()}
+dcp.save(state, storage_writer=S3HuggingFaceStorageWriter(sys.argv[1], max_shard_size=1 << 20), no_dist=True)
+"""
+
+
+def test_killed_save_leaves_no_index(s3_env: LocalS3Server, bucket: str) -> None:
+    """SIGKILL while the second shard is being written (its request held by a proxy): the first shard is
+    there, the index is not, and the reader refuses the prefix."""
+    import subprocess
+    import sys
+    import time
+
+    rules = [Rule({"CompleteMultipartUpload", "PutObject"}, "stall", key_contains="model-00002", stall_s=30)]
+    uri = f"s3://{bucket}/killed"
+    with FaultProxy(s3_env.endpoint_url, rules, lifetime_s=120) as proxy:
+        env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+        child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, uri], env=env)
+        try:
+            deadline = time.monotonic() + 120
+            while proxy.injected("stall") == 0 and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert proxy.injected("stall") == 1, child.poll()
+        finally:
+            child.kill()
+            child.wait()
+    keys = [o["Key"] for o in s3_env.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert "killed/model-00001-of-00002.safetensors" in keys
+    assert "killed/model.safetensors.index.json" not in keys
+    with pytest.raises(BaseException) as info:
+        dcp.load({"small.bf16": torch.zeros(64, 48)}, storage_reader=S3HuggingFaceStorageReader(uri), no_dist=True)
+    assert any(isinstance(c, CheckpointNotFoundError) for c in root_causes(info.value))
