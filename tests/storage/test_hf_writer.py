@@ -312,3 +312,24 @@ def test_killed_save_leaves_no_index(s3_env: LocalS3Server, bucket: str) -> None
     with pytest.raises(BaseException) as info:
         dcp.load({"small.bf16": torch.zeros(64, 48)}, storage_reader=S3HuggingFaceStorageReader(uri), no_dist=True)
     assert any(isinstance(c, CheckpointNotFoundError) for c in root_causes(info.value))
+
+
+def test_server_ignoring_if_none_match_is_refused(moto_server: LocalS3Server, monkeypatch: Any) -> None:
+    """A server that ignores If-None-Match (played by a proxy dropping the header) cannot hold the commit's
+    promise: refused with ServerCapabilityError before anything is written, unless the caller accepts a HEAD."""
+    from dcp_s3 import ServerCapabilityError
+
+    bucket = moto_server.create_bucket(f"nocond-{os.getpid()}-{id(monkeypatch)}")
+    with FaultProxy(moto_server.endpoint_url, drop_request_headers={"if-none-match"}) as proxy:
+        for name, value in moto_server.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        with pytest.raises(BaseException) as info:
+            dcp.save(_tensors(), storage_writer=S3HuggingFaceStorageWriter(f"s3://{bucket}/a"), no_dist=True)
+        assert any(isinstance(c, ServerCapabilityError) for c in root_causes(info.value))
+        assert not moto_server.client().list_objects_v2(Bucket=bucket).get("Contents")
+        with pytest.warns(RuntimeWarning, match="If-None-Match"):
+            writer = S3HuggingFaceStorageWriter(f"s3://{bucket}/b", require_conditional_writes=False)
+            dcp.save(_tensors(), storage_writer=writer, no_dist=True)
+        keys = [o["Key"] for o in moto_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+        assert "b/model.safetensors.index.json" in keys
