@@ -127,9 +127,11 @@ def _files(tensors: list[_Tensor], max_shard_size: int) -> list[list[_Tensor]]:
     return files or [[]]
 
 
-def plan_export(plans: Sequence[SavePlan], max_shard_size: int, staging: str) -> ExportPlan:
+def plan_export(
+    plans: Sequence[SavePlan], max_shard_size: int, staging: str, metadata: dict[str, str] | None = None
+) -> ExportPlan:
     """The export of ``plans`` (one per rank) in files of about ``max_shard_size`` bytes of tensors; piece
-    objects named ``<staging>/rank-<r>``."""
+    objects named ``<staging>/rank-<r>``; ``metadata``: every file's ``__metadata__`` besides ``format``."""
     tensors = _tensors(plans)
     if not tensors:
         raise ConfigError("nothing to export: the state dict holds no tensors")
@@ -140,7 +142,9 @@ def plan_export(plans: Sequence[SavePlan], max_shard_size: int, staging: str) ->
     headers: list[bytes] = []
     ends: list[list[tuple[int, str]]] = []  # per file: (end of each tensor, its name), for errors
     for f, members in enumerate(files):
-        header, spans = build_header([(t.name, t.dtype, t.shape) for t in members], {"format": "pt"})
+        header, spans = build_header(
+            [(t.name, t.dtype, t.shape) for t in members], {"format": "pt", **(metadata or {})}
+        )
         headers.append(header)
         ends.append([(end, t.name) for t, (_, end) in zip(members, spans)])
         name = shard_name(f, len(files))

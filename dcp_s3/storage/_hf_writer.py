@@ -54,7 +54,7 @@ from dcp_s3.objstore.compose import compose
 from dcp_s3.objstore.config import int_option
 from dcp_s3.storage._hf_export_plan import ExportPlan, RankPieces, plan_export
 from dcp_s3.storage._hf_reader import INDEX_NAME
-from dcp_s3.storage._safetensors_header import build_index
+from dcp_s3.storage._safetensors_header import EXPORT_KEY, build_index
 from dcp_s3.storage.metadata_commit import delete_quietly, exists_error
 from dcp_s3.storage.tensor_bytes import compact, payload_chunks, streamable
 from dcp_s3.storage.writer import S3StorageWriter
@@ -108,6 +108,7 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
         super().__init__(path, overwrite=overwrite, **options)
         self.max_shard_size = int_option("max_shard_size", max_shard_size, 1)
         self._export: ExportPlan | None = None  # the coordinator's, from planning to finish
+        self._export_id = ""  # recorded in the index and every shard (EXPORT_KEY)
 
     def __repr__(self) -> str:
         return f"S3HuggingFaceStorageWriter({str(self._session.location)!r}, overwrite={self.overwrite})"
@@ -123,7 +124,10 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
                 raise exists_error(self.checkpoint_id, "pass overwrite=True to replace it or choose a new path")
             log.info("deleting %s: the export it commits is being replaced", store.url(index))
             store.delete([index])
-        self._export = plan_export(plans, self.max_shard_size, STAGING_PREFIX + new_token())
+        self._export_id = new_token()
+        self._export = plan_export(
+            plans, self.max_shard_size, STAGING_PREFIX + self._export_id, {EXPORT_KEY: self._export_id}
+        )
         return [dataclasses.replace(p, storage_data=pieces) for p, pieces in zip(plans, self._export.ranks)]
 
     def _check_conditional_writes(self) -> bool:
@@ -212,7 +216,7 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
                     chunk=transfer.part_size,
                     max_buffered=transfer.max_concurrency,
                 )
-            self._commit(build_index(export.weight_map, export.total_size))
+            self._commit(build_index(export.weight_map, export.total_size, self._export_id))
         finally:
             delete_quietly(
                 session, self.checkpoint_id, [r.name for r in export.ranks if r.size], "staged pieces of the export"

@@ -40,6 +40,9 @@ __all__ = [
     "check_whole_tensors",
     "build_header",
     "build_index",
+    "EXPORT_KEY",
+    "index_export_id",
+    "check_export_id",
 ]
 
 #: The largest header accepted: 100 MiB (the Rust ``safetensors`` crate's own limit).
@@ -269,8 +272,37 @@ def build_header(
     return len(raw).to_bytes(PREFIX_BYTES, "little") + raw, [(start + b, start + e) for b, e in offsets]
 
 
-def build_index(weight_map: Mapping[str, str], total_size: int) -> bytes:
+def build_index(weight_map: Mapping[str, str], total_size: int, export_id: str | None = None) -> bytes:
     """``model.safetensors.index.json`` bytes as ``save_pretrained`` writes them: ``metadata.total_size``
-    (the tensors' bytes) and ``weight_map`` (tensor name → shard file), sorted by name."""
-    body = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (the tensors' bytes) and ``weight_map`` (tensor name → shard file), sorted by name; ``export_id``, if given,
+    as ``metadata[EXPORT_KEY]``."""
+    metadata: dict[str, Any] = {"total_size": total_size}
+    if export_id is not None:
+        metadata[EXPORT_KEY] = export_id
+    body = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
     return (json.dumps(body, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+#: Key of the id of a dcp_s3 export, in the index's ``metadata`` and every shard's ``__metadata__``: shard
+#: names are fixed by the format, so an export racing to the same prefix could replace a shard after this
+#: export's index was committed; a reader that finds a shard of another id refuses the export.
+EXPORT_KEY = "dcp_s3_export_id"
+
+
+def index_export_id(raw: bytes | bytearray | memoryview, where: str) -> str | None:
+    """The export id the index ``raw`` (already accepted by :func:`parse_index`) records, if any."""
+    metadata = _load_json(raw, where, "the index").get("metadata")
+    value = metadata.get(EXPORT_KEY) if isinstance(metadata, dict) else None
+    if value is not None and not isinstance(value, str):
+        raise CheckpointFormatError(f"{where}: metadata.{EXPORT_KEY} must be a string")
+    return value
+
+
+def check_export_id(shard_metadata: Mapping[str, str], export_id: str | None, where: str, index: str) -> None:
+    """Refuse a shard whose ``__metadata__`` names another export than its index (or none, where the index
+    names one)."""
+    if export_id is not None and shard_metadata.get(EXPORT_KEY) != export_id:
+        raise CheckpointFormatError(
+            f"{where}: belongs to another export than {index} (export id {str(shard_metadata.get(EXPORT_KEY))[:40]!r}"
+            f", index {export_id!r}): an export racing to the same prefix replaced it; export again"
+        )

@@ -333,3 +333,22 @@ def test_server_ignoring_if_none_match_is_refused(moto_server: LocalS3Server, mo
             dcp.save(_tensors(), storage_writer=writer, no_dist=True)
         keys = [o["Key"] for o in moto_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
         assert "b/model.safetensors.index.json" in keys
+
+
+def test_shard_replaced_by_a_racing_export_is_refused(s3_env: LocalS3Server, bucket: str) -> None:
+    """Shard names are fixed by the format: an export racing to the same prefix can replace a shard after
+    this export's index was committed. Every shard carries the export id its index records, so the reader
+    refuses the mix, naming the shard, instead of loading another export's tensors."""
+    from dcp_s3 import CheckpointFormatError
+
+    want = _tensors()
+    dcp.save(want, storage_writer=S3HuggingFaceStorageWriter(f"s3://{bucket}/a"), no_dist=True)
+    other = {k: v + 1 for k, v in want.items()}
+    dcp.save(other, storage_writer=S3HuggingFaceStorageWriter(f"s3://{bucket}/b"), no_dist=True)
+    name = "model-00001-of-00001.safetensors"
+    s3_env.client().copy_object(Bucket=bucket, Key=f"a/{name}", CopySource={"Bucket": bucket, "Key": f"b/{name}"})
+    out = {k: torch.zeros_like(v) for k, v in want.items()}
+    with pytest.raises(BaseException) as info:
+        dcp.load(out, storage_reader=S3HuggingFaceStorageReader(f"s3://{bucket}/a"), no_dist=True)
+    (cause,) = root_causes(info.value)
+    assert isinstance(cause, CheckpointFormatError) and f"s3://{bucket}/a/{name}" in str(cause)
