@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 #: A piece of a composed object: bytes given, or a span of an object of the same store.
 Piece = bytes | Span
-#: Largest span copied as one UploadPartCopy part (S3 allows 5 GiB; smaller parts copy in parallel).
-COPY_PART_MAX = 512 << 20
+#: Largest span copied as one UploadPartCopy part (S3 allows 5 GiB): smaller parts copy in parallel, and each
+#: request's answer comes well within the client's ``read_timeout`` on a server copying at ~100 MB/s.
+COPY_PART_MAX = 128 << 20
 
 
 def _size(piece: Piece) -> int:
