@@ -42,7 +42,12 @@ if TYPE_CHECKING:
         TrainableOnlySavePlanner,
         frozen_parameter_fqns,
     )
-    from dcp_s3.storage import S3HuggingFaceStorageReader, S3StorageReader, S3StorageWriter
+    from dcp_s3.storage import (
+        S3HuggingFaceStorageReader,
+        S3HuggingFaceStorageWriter,
+        S3StorageReader,
+        S3StorageWriter,
+    )
     from dcp_s3.store import StorageOptions
 
 __version__ = "0.3.0"
@@ -53,6 +58,7 @@ _LAZY = {
     "S3StorageWriter": "storage",
     "S3StorageReader": "storage",
     "S3HuggingFaceStorageReader": "storage",
+    "S3HuggingFaceStorageWriter": "storage",
     "StorageOptions": "store",
     "Checkpointer": "checkpointer",
     "AsyncSave": "checkpointer",
@@ -87,6 +93,7 @@ __all__ = [
     "S3StorageWriter",
     "S3StorageReader",
     "S3HuggingFaceStorageReader",
+    "S3HuggingFaceStorageWriter",
     "StorageOptions",
     "Checkpointer",
     "AsyncSave",

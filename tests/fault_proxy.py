@@ -99,7 +99,7 @@ def classify(method: str, target: str, headers: dict[str, str]) -> str:
         return "PostObject"
     if method == "PUT":
         if "partNumber" in query and "uploadId" in query:
-            return "UploadPart"
+            return "UploadPartCopy" if "x-amz-copy-source" in headers else "UploadPart"
         return "PutObject"
     if method == "DELETE":
         return "AbortMultipartUpload" if "uploadId" in query else "DeleteObject"

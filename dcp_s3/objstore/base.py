@@ -34,6 +34,8 @@ __all__ = [
     "ObjectInfo",
     "PendingUpload",
     "RangeRead",
+    "Span",
+    "ComposePart",
     "coalesce",
     "wait_all",
     "open_destination",
@@ -92,6 +94,32 @@ class RangeRead:
     @property
     def size(self) -> int:
         return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Bytes ``[start, end)`` (end exclusive) of the object ``key``: a piece of an object being composed."""
+
+    key: str
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class ComposePart:
+    """One part of an object composed by :meth:`ObjectStore.compose_parts`: ``copy``: its one :class:`Span`,
+    copied by the server; else its pieces (given bytes, spans of objects) in order, sent by this process."""
+
+    pieces: tuple[bytes | Span, ...]
+    copy: bool = False
+
+    @property
+    def size(self) -> int:
+        return sum(len(p) if isinstance(p, bytes) else p.size for p in self.pieces)
 
 
 def coalesce(
@@ -363,6 +391,21 @@ class ObjectStore(ABC):
         self, key: str, *, pool: BufferPool, executor: ThreadPoolExecutor, expected_size: int | None = None
     ) -> ObjectWriter:
         """A writer that streams ``key``; its memory comes from ``pool`` (shared by a save's writers)."""
+
+    def compose_parts(
+        self,
+        key: str,
+        parts: Sequence[ComposePart],
+        *,
+        executor: ThreadPoolExecutor,
+        fill: Callable[[ComposePart, memoryview], None],
+        max_buffered: int,
+    ) -> bool:
+        """Create ``key`` from ``parts`` (planned by :func:`dcp_s3.objstore.compose.plan_parts`) with the server
+        copying the ``copy`` parts, ``fill`` giving the bytes of the others, at most ``max_buffered`` of them
+        held at once. False where the backend cannot copy ranges server-side (nothing was created): the caller
+        then streams the object through this process (:func:`dcp_s3.objstore.compose.compose`)."""
+        return False
 
     @abstractmethod
     def list_objects(self, prefix: str) -> Iterator[ObjectInfo]:

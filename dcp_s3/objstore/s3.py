@@ -29,11 +29,12 @@ from dcp_s3.errors import (
     S3TransferError,
     ServerCapabilityError,
 )
-from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size
+from dcp_s3.objstore.base import ComposePart, ObjectInfo, ObjectStore, PendingUpload, RangeRead, check_whole_size
 from dcp_s3.objstore.buffers import BufferPool, BufferReader
 from dcp_s3.objstore.config import DEFAULT_MAX_WHOLE_READ
 from dcp_s3.objstore.deadline import body_deadline
 from dcp_s3.objstore.rate_hooks import end_progress, plan_progress, plan_share
+from dcp_s3.objstore.s3_compose import compose_by_copy
 from dcp_s3.objstore.s3_multipart import MultipartWriter, copy_multipart
 from dcp_s3.objstore.s3_reads import read_group
 from dcp_s3.objstore.s3_requests import (
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 #: Largest object CopyObject copies in one request (S3's limit); larger ones are copied by UploadPartCopy.
 MAX_COPY_SIZE = 5 << 30
 # What each (endpoint, bucket) was found to support ("conditional_writes", "delete_objects",
-# "list_uploads"), learnt once per process; absent = not known yet.
+# "list_uploads", "upload_part_copy"), learnt once per process; absent = not known yet.
 _CAPABILITIES: dict[tuple[str, str, str], bool] = {}
 _CAPABILITIES_LOCK = threading.Lock()
 # Error codes of servers that lack DeleteObjects as we send it: MinIO's gateway (JuiceFS) wants Content-MD5.
@@ -369,6 +370,28 @@ class S3ObjectStore(ObjectStore):
             self.call("copy_object", key, Key=key, CopySource=copy_source, **extra)
         else:
             copy_multipart(self, key, copy_source, size, extra, executor)
+
+    def compose_parts(
+        self,
+        key: str,
+        parts: Sequence[ComposePart],
+        *,
+        executor: ThreadPoolExecutor,
+        fill: Callable[[ComposePart, memoryview], None],
+        max_buffered: int,
+    ) -> bool:
+        """One multipart upload, ``copy`` parts by UploadPartCopy (:mod:`dcp_s3.objstore.s3_compose`); False
+        on a server found to lack UploadPartCopy (its ``NotImplemented`` answer, remembered per endpoint and
+        bucket in a process)."""
+        if self._capability("upload_part_copy") is False:
+            return False
+        extra = {}
+        if "ExpectedBucketOwner" in self.request_args:
+            extra["ExpectedSourceBucketOwner"] = self.request_args["ExpectedBucketOwner"]
+        done = compose_by_copy(self, key, parts, executor=executor, fill=fill, max_buffered=max_buffered, extra=extra)
+        if not done:
+            self._learn("upload_part_copy", False)
+        return done
 
     # -- ranged reads --------------------------------------------------------------------
     def _read_group(self, group: list[RangeRead]) -> None:

@@ -20,7 +20,7 @@ from dcp_s3.objstore.buffers import BufferPool, BufferReader, fit_part_size
 from dcp_s3.objstore.checksums import crc32c_combine
 from dcp_s3.objstore.s3_requests import range_header
 
-__all__ = ["MultipartWriter", "copy_multipart", "direct_part_size", "COPY_PART_SIZE"]
+__all__ = ["MultipartWriter", "abort_quietly", "copy_multipart", "direct_part_size", "COPY_PART_SIZE"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class S3Requests(Protocol):
     def abort_upload(self, upload: PendingUpload) -> None: ...
 
 
-def _abort(store: S3Requests, key: str, upload_id: str, what: str) -> None:
+def abort_quietly(store: S3Requests, key: str, upload_id: str, what: str) -> None:
     try:
         store.abort_upload(PendingUpload(key, upload_id, 0.0))
         log.debug("aborted %s of s3://%s/%s", what, store.bucket, key)
@@ -89,7 +89,7 @@ def copy_multipart(
         parts = [fut.result() for fut in futures]
         store.call("complete_multipart_upload", key, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
     except BaseException:
-        _abort(store, key, upload_id, "multipart copy")
+        abort_quietly(store, key, upload_id, "multipart copy")
         raise
 
 
@@ -298,4 +298,4 @@ class MultipartWriter(ObjectWriter):
             self._release(part)
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
-            _abort(self.store, self.key, upload_id, "multipart upload")
+            abort_quietly(self.store, self.key, upload_id, "multipart upload")

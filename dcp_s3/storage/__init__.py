@@ -6,15 +6,17 @@ They turn DCP's write and read items into objects of an object store (:mod:`dcp_
 how one rank's items are streamed into its data objects, :mod:`~dcp_s3.storage.item_reads` how one
 read item becomes ranged reads of its object, :mod:`~dcp_s3.storage.replicated` the replicated
 loads that read each byte once; :class:`S3HuggingFaceStorageReader` loads Hugging Face safetensors exports
-through the same reads. Nothing here speaks HTTP.
+through the same reads, and :class:`S3HuggingFaceStorageWriter` writes them from many ranks. Nothing here speaks HTTP.
 """
 
 from dcp_s3.storage._hf_reader import S3HuggingFaceStorageReader
+from dcp_s3.storage._hf_writer import S3HuggingFaceStorageWriter
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.storage.writer import S3StorageWriter
 
 __all__ = [
     "S3HuggingFaceStorageReader",
+    "S3HuggingFaceStorageWriter",
     "S3StorageReader",
     "S3StorageWriter",
 ]

@@ -38,8 +38,10 @@ from dcp_s3.storage._safetensors_header import (
     MAX_TOTAL_HEADER_BYTES,
     PREFIX_BYTES,
     TensorEntry,
+    check_export_id,
     check_whole_tensors,
     header_length,
+    index_export_id,
     parse_header,
     parse_index,
 )
@@ -99,7 +101,7 @@ class S3HuggingFaceStorageReader(S3StorageReader):
 
     def _get_metadata(self) -> bytes:
         """Read and check the index and every shard's header; the tensors as JSON (decoded on every rank)."""
-        files, weight_map = self._files()
+        files, weight_map, export_id = self._files()
         store = self._session.object_store
         infos = list(self._session.executor.map(store.head, [self._session.key(f) for f in files]))
         for name, info in zip(files, infos):
@@ -114,6 +116,7 @@ class S3HuggingFaceStorageReader(S3StorageReader):
             where = self._session.url(name)
             entries, extra = parse_header(raw, info.size if info is not None else 0, where)
             check_whole_tensors(extra, where)
+            check_export_id(extra, export_id, where, self._index_url())
             rows.extend(self._check_entries(name, entries, weight_map, seen, where))
         if weight_map is not None:
             for tensor, file in weight_map.items():
@@ -146,8 +149,9 @@ class S3HuggingFaceStorageReader(S3StorageReader):
     def _index_url(self) -> str:
         return self._session.url(INDEX_NAME)
 
-    def _files(self) -> tuple[list[str], dict[str, str] | None]:
-        """The shard names and the index's weight_map (None for a single ``model.safetensors``)."""
+    def _files(self) -> tuple[list[str], dict[str, str] | None, str | None]:
+        """The shard names, the index's weight_map (None for a single ``model.safetensors``) and the export id it
+        records (dcp_s3's exports: every shard must hold the same)."""
         store = self._session.object_store
         info = store.head(self._session.key(INDEX_NAME))
         if info is not None:
@@ -157,9 +161,9 @@ class S3HuggingFaceStorageReader(S3StorageReader):
                 )
             (raw,) = self._read([(INDEX_NAME, 0, info.size)])
             weight_map = parse_index(raw, self._index_url())
-            return sorted(set(weight_map.values())), weight_map
+            return sorted(set(weight_map.values())), weight_map, index_export_id(raw, self._index_url())
         if store.head(self._session.key(SINGLE_NAME)) is not None:
-            return [SINGLE_NAME], None
+            return [SINGLE_NAME], None, None
         raise CheckpointNotFoundError(
             f"no Hugging Face export at {self.checkpoint_id}: neither {INDEX_NAME} nor {SINGLE_NAME} is there "
             "(shards without an index are an incomplete export, never loaded)"

@@ -1,4 +1,4 @@
-"""Safetensors headers and Hugging Face index files, parsed as untrusted input (no torch, no I/O).
+"""Safetensors headers and Hugging Face index files: parsed as untrusted input, and built (no torch, no I/O).
 
 A safetensors object is ``[8-byte little-endian header length N][N bytes of JSON][data]``; the JSON maps
 each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the data,
@@ -38,6 +38,11 @@ __all__ = [
     "parse_index",
     "plain_file_name_problem",
     "check_whole_tensors",
+    "build_header",
+    "build_index",
+    "EXPORT_KEY",
+    "index_export_id",
+    "check_export_id",
 ]
 
 #: The largest header accepted: 100 MiB (the Rust ``safetensors`` crate's own limit).
@@ -235,3 +240,69 @@ def check_whole_tensors(metadata: Mapping[str, str], where: str) -> None:
                 f"{where}: holds a piece of {name!r} at offsets {offsets[:8]} ({DCP_SHARDING_KEY}), not whole "
                 "tensors: torch's per-rank shards are not read; load a consolidated export"
             )
+
+
+def build_header(
+    tensors: list[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """The first bytes of a safetensors object holding ``tensors`` (name, dtype as the format names it,
+    shape) packed in this order: the 8-byte length prefix and the JSON header, padded with spaces to a
+    multiple of 8 bytes as ``safetensors`` pads it (so the data starts aligned); and each tensor's bytes
+    ``[begin, end)`` in the object (end exclusive, the header included). What :func:`parse_header` reads back."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    at = 0
+    offsets: list[tuple[int, int]] = []
+    for name, dtype, shape in tensors:
+        if name == "__metadata__" or name in header:
+            raise CheckpointFormatError(f"tensor name {name!r} cannot be stored twice or as the header's metadata")
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        offsets.append((at, at + nbytes))
+        at += nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointFormatError(
+            f"a safetensors header of {len(raw)} bytes ({len(tensors)} tensors); readers accept at most "
+            f"{MAX_HEADER_BYTES}: use a smaller max_shard_size"
+        )
+    start = PREFIX_BYTES + len(raw)
+    return len(raw).to_bytes(PREFIX_BYTES, "little") + raw, [(start + b, start + e) for b, e in offsets]
+
+
+def build_index(weight_map: Mapping[str, str], total_size: int, export_id: str | None = None) -> bytes:
+    """``model.safetensors.index.json`` bytes as ``save_pretrained`` writes them: ``metadata.total_size``
+    (the tensors' bytes) and ``weight_map`` (tensor name → shard file), sorted by name; ``export_id``, if given,
+    as ``metadata[EXPORT_KEY]``."""
+    metadata: dict[str, Any] = {"total_size": total_size}
+    if export_id is not None:
+        metadata[EXPORT_KEY] = export_id
+    body = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+    return (json.dumps(body, indent=2, ensure_ascii=False) + "\n").encode()
+
+
+#: Key of the id of a dcp_s3 export, in the index's ``metadata`` and every shard's ``__metadata__``: shard
+#: names are fixed by the format, so an export racing to the same prefix could replace a shard after this
+#: export's index was committed; a reader that finds a shard of another id refuses the export.
+EXPORT_KEY = "dcp_s3_export_id"
+
+
+def index_export_id(raw: bytes | bytearray | memoryview, where: str) -> str | None:
+    """The export id the index ``raw`` (already accepted by :func:`parse_index`) records, if any."""
+    metadata = _load_json(raw, where, "the index").get("metadata")
+    value = metadata.get(EXPORT_KEY) if isinstance(metadata, dict) else None
+    if value is not None and not isinstance(value, str):
+        raise CheckpointFormatError(f"{where}: metadata.{EXPORT_KEY} must be a string")
+    return value
+
+
+def check_export_id(shard_metadata: Mapping[str, str], export_id: str | None, where: str, index: str) -> None:
+    """Refuse a shard whose ``__metadata__`` names another export than its index (or none, where the index
+    names one)."""
+    if export_id is not None and shard_metadata.get(EXPORT_KEY) != export_id:
+        raise CheckpointFormatError(
+            f"{where}: belongs to another export than {index} (export id {str(shard_metadata.get(EXPORT_KEY))[:40]!r}"
+            f", index {export_id!r}): an export racing to the same prefix replaced it; export again"
+        )
