@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -441,12 +441,14 @@ def run_child(
     *,
     server_pid: int | None = None,
     prefix: Sequence[str] = (),
+    on_start: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Run one measurement in a fresh ``python -m benchmarks.worker``; returns its result dict.
 
     With ``server_pid``, the child's and the server's CPU are sampled by PID (psutil, every 50 ms) and the
     result gets ``client_cpu_pct`` and ``server_cpu_pct`` over the child's timed call (100% = one core
-    busy). ``prefix`` runs the worker under another command (``perf record ... --``).
+    busy). ``prefix`` runs the worker under another command (``perf record ... --``). ``on_start`` is called with
+    the child's PID as soon as it runs (``benchmarks.ceiling`` attaches its sampler to it).
     """
     child_env = dict(os.environ)
     child_env.update(env)
@@ -462,6 +464,8 @@ def run_child(
         stderr=subprocess.PIPE,
         text=True,
     )
+    if on_start is not None:
+        on_start(proc.pid)
     sampler = CPUSampler(proc.pid, server_pid) if server_pid is not None else None
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

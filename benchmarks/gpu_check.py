@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from benchmarks.gpu_copy_probe import RowsRequest, h2d_breakdown
+from benchmarks.gpu_check_h2d import RowsRequest, h2d_breakdown
 from benchmarks.gpu_fw_common import s3_target
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3.errors import DcpS3Error
@@ -568,7 +568,7 @@ def markdown(results: dict[str, Any]) -> str:
     breakdown = results.get("h2d_breakdown", {})
     if breakdown:
         lines += [
-            "### Host→device in pieces (benchmarks/gpu_copy_probe.py)",
+            "### Host→device in pieces (benchmarks/gpu_check_h2d.py)",
             "",
             "| way | GB/s | of torch's pinned copy_ | host CPU per piece (us) |",
             "|---|---:|---:|---|",

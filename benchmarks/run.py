@@ -15,7 +15,7 @@ boto3, aiobotocore and the Rust CRT. Medians of ``--reps`` go into a markdown ta
 and ``results/run.json``.
 
 The server is the JuiceFS S3 gateway on tmpfs by default (``benchmarks.servers``; the fastest
-real server here, ``benchmarks.server_throughput``). Every row also says which side was busier:
+real server here, ``benchmarks.server_throughput`` at 679e524). Every row also says which side was busier:
 the child's and the server's CPU, sampled by PID over the timed call. ``--warm`` rows run after a
 tiny save and load in the same process (a training job's later checkpoints); ``--https`` rows come
 in pairs, HTTP and HTTPS on ``--https-server`` (SeaweedFS on tmpfs, a throw-away ``trustme`` CA).
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--contestants",
         default=",".join(DEFAULT_CONTESTANTS),
-        help=f"comma-separated, from {', '.join(CONTESTANTS)} (and dcp_s3 variants, see memory.py)",
+        help=f"comma-separated, from {', '.join(CONTESTANTS)} (and dcp_s3 variants: dcp_s3:opt=v,...)",
     )
     ap.add_argument(
         "--warm",

@@ -27,7 +27,7 @@ x ranks/8 replicas: rank r holds shard r % 8). Every figure is computed with the
   coordinator reuses the cached global plan and metadata. Timed at every rank count
   (real ``create_global_plan`` call, no extrapolation).
 * the end of the save (write results gathered for ``finish``, ``.metadata`` encoded, the
-  metadata broadcast to every rank): ``benchmarks.scale_finish``.
+  metadata broadcast to every rank): ``benchmarks.scale_finish`` (retired; at commit 679e524).
 * HSDP load bytes from S3: before, every replica reads its shard: replicas x stored; after
   (``S3StorageReader(replica_group=...)``), the stored bytes once (the real-process test
   measures <= 1.1x including coalescing gaps).
@@ -400,7 +400,7 @@ def report(model: ModelShape, ranks_list: list[int], args: argparse.Namespace) -
         "gathered plans + create_global_plan + pickling the global plans for the scatter: what the coordinator "
         "does serially before any rank writes. Repeated-save planning before = the first-save work, which the "
         "default planner redoes; after = plan caching, timed at every rank count. The end of the save (write "
-        "results gathered, .metadata encoded, metadata broadcast): benchmarks.scale_finish."
+        "results gathered, .metadata encoded, metadata broadcast): benchmarks.scale_finish, at commit 679e524."
     )
     return text, records
 

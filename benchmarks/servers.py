@@ -13,7 +13,7 @@ Kinds (``KINDS``):
   ``If-None-Match`` and serves one bucket (its volume); no HTTPS here.
 * ``moto``: moto's server (validates nothing; ranged GETs re-read whole objects).
 
-Which one is the benchmark server, and why: ``benchmarks.server_throughput`` and ``benchmarks/README.md``.
+Which one is the benchmark server, and why: ``benchmarks/README.md`` (``benchmarks.server_throughput``, retired: commit 679e524).
 """
 
 from __future__ import annotations

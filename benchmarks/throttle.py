@@ -437,7 +437,14 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--sim"]:  # the simulation of jobs sharing a prefix: benchmarks.throttle_sim's options follow
+        from benchmarks import throttle_sim
+
+        del sys.argv[1]
+        throttle_sim.main()
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sim", action="store_true", help="first argument: run benchmarks.throttle_sim with the rest")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="controller")
     ap.add_argument("--endpoint")

@@ -126,7 +126,7 @@ def _warm_up(contestant: Any, target: Target, sd: dict[str, Any]) -> None:
 
 def _perf(command: str) -> None:
     """Tell a ``perf record --control fifo:CTL,ACK -D -1`` that runs this process to start or stop sampling
-    (``benchmarks.stages``: only the timed call is profiled); nothing without ``DCP_S3_BENCH_PERF_CTL``."""
+    (the retired ``benchmarks.stages``, commit 679e524: only the timed call is profiled); nothing without ``DCP_S3_BENCH_PERF_CTL``."""
     ctl = os.environ.get("DCP_S3_BENCH_PERF_CTL")
     if not ctl:
         return

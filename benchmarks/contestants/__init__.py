@@ -82,7 +82,7 @@ def _backend(
 
 # -- dcp_s3 -------------------------------------------------------------------------------------
 def _dcp_s3_client(opts: dict[str, Any]) -> Any:
-    """``rate_control=0|1``: ``ClientConfig(rate_control=...)`` (benchmarks.throttle_overhead); unset: the default."""
+    """``rate_control=0|1``: ``ClientConfig(rate_control=...)`` (the retired benchmarks.throttle_overhead, commit 679e524); unset: the default."""
     from dcp_s3 import ClientConfig
 
     return ClientConfig(rate_control=bool(opts["rate_control"])) if "rate_control" in opts else None
