@@ -18,7 +18,10 @@ from dcp_s3.admin.streaming import DEFAULT_CHUNK_BYTES, StreamingSavePlanner
 from dcp_s3.checkpointer.steps import Part
 from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError, DcpS3Error
 from dcp_s3.layout import METADATA_KEY
+from dcp_s3.objstore.config import TransferConfig
+from dcp_s3.objstore.uri import s3_location
 from dcp_s3.storage._hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
+from dcp_s3.storage._hf_writer import S3HuggingFaceStorageWriter
 from dcp_s3.store import Store, open_object, open_store
 
 __all__ = ["ConvertReport", "convert_checkpoint"]
@@ -63,49 +66,69 @@ def convert_checkpoint(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Progress | None = None,
 ) -> ConvertReport:
-    """Convert one DCP checkpoint to a single file of full tensors, or a DCP checkpoint or a Hugging Face
-    safetensors export to an uncompressed DCP checkpoint.
+    """Convert a checkpoint: to a single file of full tensors, to an uncompressed DCP checkpoint, or to a Hugging
+    Face safetensors export.
 
-    ``fmt``: ``"torch"`` (a ``torch.save`` file of the nested state dict), ``"safetensors"``
-    (flat dotted names, tensors only; needs the ``safetensors`` package) or ``"dcp"`` (a new
-    checkpoint at ``out`` written with the default writer, stock ``.metadata``). Default: from ``out``'s suffix
-    (``.safetensors``), else ``torch``. ``uri`` is a DCP checkpoint, a step with exactly one ``*_model`` part
-    (that part is converted), or for ``"dcp"`` a prefix holding a Hugging Face export
-    (``model.safetensors.index.json`` and its shards, or ``model.safetensors``). ``"torch"`` and
-    ``"safetensors"`` load everything into this process's memory; ``"dcp"`` streams: each tensor is copied in
-    chunks of whole rows of at most ``chunk_bytes`` (32 MiB), read only when written (memory bounded by the chunk and the transfer
-    settings, not by the largest tensor), every byte checked as the source's reader checks it; ``progress(done,
-    total)`` is told the tensor bytes copied.
-    ``src_options``/``dst_options`` are the storage options of ``uri`` and ``out``. An existing ``out`` (a file,
-    or for ``"dcp"`` any object under it) is refused with ``CheckpointExistsError`` before anything is read,
-    unless ``overwrite``.
+    ``fmt``: ``"torch"`` (a ``torch.save`` file of the nested state dict), ``"safetensors"`` (``out`` ending in
+    ``.safetensors``: one file of flat dotted names, tensors only, needs the ``safetensors`` package; any other
+    ``out``: an export prefix — ``model-0000i-of-0000N.safetensors`` shards and ``model.safetensors.index.json``,
+    written by ``S3HuggingFaceStorageWriter``) or ``"dcp"`` (a new checkpoint at ``out``, stock ``.metadata``).
+    Default: from ``out``'s suffix (``.safetensors``), else ``torch``. ``uri`` is a DCP checkpoint, a step with
+    exactly one ``*_model`` part (that part is converted), or, for an export or ``"dcp"``, a prefix holding a Hugging
+    Face export (its index and shards, or ``model.safetensors``).
+
+    The single files load everything into this process's memory. ``"dcp"`` and an export stream: each tensor is
+    copied in chunks of whole rows of at most ``chunk_bytes`` (32 MiB), each read only when written, so memory is
+    bounded by the chunk and the transfer settings, not by the largest tensor; every byte is checked as the source's
+    reader checks it; ``progress(done, total)`` is told the tensor bytes copied. ``src_options``/``dst_options`` are
+    the storage options of ``uri`` and ``out``. An existing ``out`` (a file, or any object under a prefix) is
+    refused with ``CheckpointExistsError`` before anything is read, unless ``overwrite``.
     """
+    src_options, dst_options = dict(src_options or {}), dict(dst_options or {})
     fmt = fmt or ("safetensors" if out.endswith(".safetensors") else "torch")
     if fmt not in ("torch", "safetensors", "dcp"):
         raise DcpS3Error(f"unknown format {fmt!r}; expected torch, safetensors or dcp")
-    if fmt == "safetensors":
-        try:
-            import safetensors.torch as st
-        except ImportError:
-            raise DcpS3Error("--format safetensors needs the safetensors package (pip install safetensors)") from None
-    if fmt == "dcp":
-        dst_dir = open_store(out, **(dst_options or {}))
-        present = dst_dir.list_objects()
-        if present and not overwrite:
-            raise CheckpointExistsError(
-                f"{dst_dir.url()} already holds {len(present)} objects (e.g. {dst_dir.url(present[0].name)}); "
-                "pass overwrite=True (--force) to write over them"
-            )
-    else:
-        dst_store, name = open_object(out, **(dst_options or {}))
-        if not overwrite and dst_store.size(name) is not None:
-            raise CheckpointExistsError(
-                f"{dst_store.url(name)} already exists; pass overwrite=True (--force) to replace it"
-            )
-    if fmt == "dcp" and _is_hf_export(uri, src_options or {}):
-        reader = open_store(uri, **(src_options or {})).reader("", S3HuggingFaceStorageReader)
-        return _stream(reader, dst_dir, out, overwrite, chunk_bytes, progress)
-    store, steps = resolve(uri, **(src_options or {}))
+    export = fmt == "safetensors" and not out.endswith(".safetensors")
+    if fmt == "dcp" or export:
+        # The chunks are this copy's own memory: parts sent straight from them may be up to max_direct_part_size
+        # (64 MiB) each, and the writer keeps max_concurrency + 1 parts in flight; parts of part_size bound it.
+        if s3_location(out) is not None:
+            transfer = dst_options.get("transfer") or TransferConfig()
+            dst_options.setdefault("max_direct_part_size", dst_options.get("part_size", transfer.part_size))
+        dst_dir = open_store(out, **dst_options)
+        _refuse_objects_under(dst_dir, overwrite)
+        reader = _source_reader(uri, src_options)
+        if export:
+            writer: Any = S3HuggingFaceStorageWriter(out, overwrite=overwrite, **dst_options)
+        else:
+            writer = dst_dir.writer("", overwrite=overwrite)
+            writer.metadata_format = "dcp"  # stock .metadata: a downloaded copy loads with torch's FileSystemReader
+        planner = StreamingSavePlanner(reader, chunk_bytes, progress, tensors_only=export)
+        _save(writer, planner)
+        return ConvertReport(str(reader.checkpoint_id), out, fmt, planner.tensors, planner.nbytes, planner.skipped)
+    return _to_one_file(uri, out, fmt, overwrite, src_options, dst_options)
+
+
+def _refuse_objects_under(dst_dir: Store, overwrite: bool) -> None:
+    present = dst_dir.list_objects()
+    if present and not overwrite:
+        raise CheckpointExistsError(
+            f"{dst_dir.url()} already holds {len(present)} objects (e.g. {dst_dir.url(present[0].name)}); "
+            "pass overwrite=True (--force) to write over them"
+        )
+
+
+def _source_reader(uri: str, options: dict[str, Any]) -> Any:
+    """The reader of what ``uri`` holds: a Hugging Face export, or one committed DCP checkpoint (a step's one
+    ``*_model`` part)."""
+    if _is_hf_export(uri, options):
+        return open_store(uri, **options).reader("", S3HuggingFaceStorageReader)
+    store, part = _dcp_part(uri, options)
+    return store.reader(part.name)
+
+
+def _dcp_part(uri: str, options: dict[str, Any]) -> tuple[Store, Part]:
+    store, steps = resolve(uri, **options)
     step = _single(store, steps, uri)
     parts = [p for k, p in step.parts.items() if step.kind == "dcp" or k.endswith("_model")]
     if len(parts) != 1:
@@ -114,8 +137,24 @@ def convert_checkpoint(
     part = parts[0]
     if not part.committed:
         raise CheckpointNotFoundError(f"{store.url(part.name)} is incomplete: {METADATA_KEY} is missing")
-    if fmt == "dcp":
-        return _stream(store.reader(part.name), dst_dir, out, overwrite, chunk_bytes, progress)
+    return store, part
+
+
+def _to_one_file(
+    uri: str, out: str, fmt: str, overwrite: bool, src_options: dict[str, Any], dst_options: dict[str, Any]
+) -> ConvertReport:
+    """A ``torch.save`` or a single safetensors file of the full tensors, made in this process's memory."""
+    if fmt == "safetensors":
+        try:
+            import safetensors.torch as st
+        except ImportError:
+            raise DcpS3Error("--format safetensors needs the safetensors package (pip install safetensors)") from None
+    dst_store, name = open_object(out, **dst_options)
+    if not overwrite and dst_store.size(name) is not None:
+        raise CheckpointExistsError(
+            f"{dst_store.url(name)} already exists; pass overwrite=True (--force) to replace it"
+        )
+    store, part = _dcp_part(uri, src_options)
     state = _load_full(store, part)
     tensors = [(k, v) for k, v in _flatten(state) if isinstance(v, torch.Tensor)]
     nbytes = sum(v.numel() * v.element_size() for _, v in tensors)
@@ -140,13 +179,8 @@ def _is_hf_export(uri: str, options: dict[str, Any]) -> bool:
         store.close()
 
 
-def _stream(
-    reader: Any, dst_dir: Store, out: str, overwrite: bool, chunk_bytes: int, progress: Progress | None
-) -> ConvertReport:
-    """Copy what ``reader`` holds into a new DCP checkpoint at ``dst_dir``, chunk by chunk."""
-    planner = StreamingSavePlanner(reader, chunk_bytes, progress)
-    writer = dst_dir.writer("", overwrite=overwrite)
-    writer.metadata_format = "dcp"  # stock .metadata: a downloaded copy loads with torch's FileSystemReader
+def _save(writer: Any, planner: StreamingSavePlanner) -> None:
+    """One ``dcp.save`` in this process; a failure raises the ``DcpS3Error`` it met, not torch's wrapper."""
     try:
         dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
     except BaseException as exc:  # torch's CheckpointException (a BaseException): raise the error it carries
@@ -154,4 +188,3 @@ def _stream(
         if causes:
             raise causes[0] from exc
         raise
-    return ConvertReport(str(reader.checkpoint_id), out, "dcp", planner.tensors, planner.nbytes)

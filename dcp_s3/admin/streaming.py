@@ -123,13 +123,15 @@ class StreamingSavePlanner(SavePlanner):
     """Save what ``reader`` holds, chunk by chunk as the writer asks (see the module's docstring). Give it to
     ``dcp.save({}, storage_writer=..., planner=StreamingSavePlanner(reader), no_dist=True)``: the state dict is
     ignored. ``tensors``/``nbytes`` count what was planned; ``progress(done, total)`` is called with the tensor bytes
-    read so far after each chunk."""
+    read so far after each chunk; ``tensors_only`` leaves the non-tensor entries out (:attr:`skipped`)."""
 
     def __init__(
         self,
         reader: StorageReader,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         progress: Callable[[int, int], None] | None = None,
+        *,
+        tensors_only: bool = False,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes={chunk_bytes}: expected a positive number of bytes")
@@ -138,6 +140,9 @@ class StreamingSavePlanner(SavePlanner):
         self._source = _Source(reader, metadata, threading.Lock())
         self.chunk_bytes = chunk_bytes
         self._progress, self._done, self._done_lock = progress, 0, threading.Lock()
+        entries = metadata.state_dict_metadata
+        #: Non-tensor entries left out (``tensors_only``: a safetensors export holds tensors only).
+        self.skipped = [k for k, md in entries.items() if isinstance(md, BytesStorageMetadata)] if tensors_only else []
         self.tensors = sum(isinstance(md, TensorStorageMetadata) for md in metadata.state_dict_metadata.values())
         self.nbytes = sum(
             math.prod(md.size) * torch.empty((), dtype=md.properties.dtype).element_size()
@@ -151,6 +156,8 @@ class StreamingSavePlanner(SavePlanner):
     def create_local_plan(self) -> SavePlan:
         items = []
         for fqn, md in self._source.metadata.state_dict_metadata.items():
+            if fqn in self.skipped:
+                continue
             if isinstance(md, BytesStorageMetadata):
                 items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
                 continue

@@ -161,7 +161,6 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
         writer = self._session.object_store.open_writer(
             key, pool=pool, executor=self._session.executor, expected_size=pieces.size
         )
-        keep = []  # tensors whose memory the writer sends from, alive until it closes
         results = []
         try:
             for chunk in pieces.order:
@@ -173,8 +172,7 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
                     raise ConfigError(f"{chunk[0]!r}: not a dense tensor ({type(tensor).__name__})")
                 tensor = compact(tensor)
                 start = writer.tell()
-                if tensor.device.type == "cpu":
-                    keep.append(tensor)
+                if tensor.device.type == "cpu":  # sent from its memory: each view keeps it alive until its part is sent
                     for view in payload_chunks(tensor):
                         writer.write_stable(view)
                 else:
@@ -194,7 +192,6 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
             writer.abort()
             raise
         finally:
-            keep.clear()
             pool.clear()
         return results
 

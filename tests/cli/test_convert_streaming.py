@@ -114,6 +114,34 @@ def test_a_torn_export_and_a_flipped_bit_are_refused_and_nothing_is_committed(
     assert "copy/.metadata" not in keys
 
 
+def test_a_dcp_checkpoint_converts_to_a_hugging_face_export_streamed(
+    bucket: str, s3_env: LocalS3Server, tmp_path: Path
+) -> None:
+    """``--format safetensors`` to a prefix: a compressed DCP checkpoint -> shards and their index written by
+    ``S3HuggingFaceStorageWriter`` from chunks read as written; the export loads with the released ``safetensors``
+    (downloaded) and dcp_s3's reader bit-exact; the non-tensor entry is left out and said."""
+    from safetensors import safe_open
+
+    tensors = _export()
+    state = {**tensors, "extra": {"epoch": 3}}
+    dcp.save(state, storage_writer=S3StorageWriter(f"s3://{bucket}/ck", compression="zstd"), no_dist=True)
+    report = convert_checkpoint(f"s3://{bucket}/ck", f"s3://{bucket}/hf", fmt="safetensors", chunk_bytes=8 << 10)
+    assert report.skipped == ["extra.epoch"] and report.tensors == len(tensors)
+    from dcp_s3 import S3HuggingFaceStorageReader
+
+    loaded = _load(f"s3://{bucket}/hf", tensors, S3HuggingFaceStorageReader(f"s3://{bucket}/hf"))
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    client = s3_env.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="hf/")["Contents"]]
+    assert "hf/model.safetensors.index.json" in keys
+    (shard,) = [k for k in keys if k.endswith(".safetensors")]
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(client.get_object(Bucket=bucket, Key=shard)["Body"].read())
+    with safe_open(str(path), "pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.0.mlp.weight"), tensors["model.layers.0.mlp.weight"])
+
+
 def test_chunks_are_whole_rows_of_at_most_the_chunk_size() -> None:
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
