@@ -188,9 +188,10 @@ class Settings:
         **overrides: Any,
     ) -> Any:
         """``options`` (a ``Settings``, a mapping of keywords, or None: the defaults) with ``overrides``
-        merged over it, once. ``side``/``refuse``: a storage class's name and the keywords it refuses
-        (the other side's), as ``ConfigError`` naming them."""
-        wrong = sorted(k for k in refuse & overrides.keys() if overrides[k] is not None)
+        merged over it, once (an override given as None changes nothing). ``side``/``refuse``: a storage
+        class's name and the keywords it refuses (the other side's), as ``ConfigError`` naming them."""
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        wrong = sorted(refuse & overrides.keys())
         if wrong:  # before S3StorageWriter/S3StorageReader shared Settings, Python refused these (TypeError)
             raise ConfigError(f"{side} takes no option(s) {wrong}")
         if isinstance(options, Settings):

@@ -11,8 +11,8 @@ import pytest
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
 from dcp_s3.objstore.config import ClientConfig, TransferConfig
 from dcp_s3.objstore.uri import parse_s3_uri
-from dcp_s3.store import open_store
 from dcp_s3.storage.options import Settings
+from dcp_s3.store import open_store
 
 
 def test_parse_s3_uri() -> None:

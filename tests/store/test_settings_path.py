@@ -152,6 +152,11 @@ def test_overrides_merge_once_whole_part_first_then_fields() -> None:
     assert store.session.client_config.max_pool_connections == 64
     assert store.writer("x")._session.client_config.max_pool_connections == 64
     assert store.reader("x")._session.transfer == over.transfer
+    # An override left at None changes nothing: the options' overwrite=False holds (a Store passes overwrite=None).
+    kept = StorageOptions(overwrite=False)
+    assert S3StorageWriter("s3://bkt/x", options=kept, overwrite=None).overwrite is False
+    assert kept.writer("s3://bkt/x").overwrite is False and kept.writer("s3://bkt/x", overwrite=True).overwrite
+    assert StorageOptions.of(kept, overwrite=None) == kept
 
 
 def test_a_transfer_setting_reaches_every_path_by_its_field_alone(
@@ -165,6 +170,8 @@ def test_a_transfer_setting_reaches_every_path_by_its_field_alone(
     assert open_store(tmp_path, coalesce_gap=gap).session.transfer.coalesce_gap == gap
     ckpt = Checkpointer(tmp_path / "run", coalesce_gap=gap)
     assert ckpt.store.session.transfer.coalesce_gap == gap
+    ckpt = Checkpointer(tmp_path / "run", options=StorageOptions(coalesce_gap=gap), max_concurrency=2)
+    assert (ckpt.store.session.transfer.coalesce_gap, ckpt.store.session.transfer.max_concurrency) == (gap, 2)
     with pytest.raises(ConfigError, match="coalesce_gap"):
         StorageOptions(coalesce_gap=-1)
     # And it works end to end: a load with it reads back what was saved.
