@@ -106,10 +106,10 @@ class Checkpointer:
         keep_last_local: with ``local_root``, local steps kept per rank (never one being promoted).
         promotion_attempts: tries of each promotion request.
         promotion_timeout: how long rank 0 waits for the other ranks' uploads of a step.
-        storage_options: ``S3StorageWriter``/``S3StorageReader`` keywords (``credential_path``,
+        storage_options: storage options (:mod:`dcp_s3.storage.options`: ``credential_path``,
             ``endpoint_url``, ``region``, ``profile``, ``part_size``, ``max_concurrency``,
-            ``key_prefixes``...), given to every writer/reader of every part; rejected for local
-            directories.
+            ``key_prefixes``..., or ``options=`` a :class:`dcp_s3.StorageOptions`, the keywords merged over
+            it), given to every writer/reader of every part; the S3 ones are rejected for local directories.
 
     Rank roles: every rank calls ``save``/``load``; rank 0 alone lists, writes the marker and
     deletes, and tells the other ranks what it found (so all agree on the step to load and on

@@ -247,6 +247,14 @@ class ClientConfig:
         if self.credential_path is not None and not os.path.isfile(self.credential_path):
             raise ConfigError(f"credential file {self.credential_path!r} does not exist")
 
+    def __repr__(self) -> str:
+        # request_args may hold KMS key ids and encryption contexts: counted, never shown.
+        shown = (
+            f"{f}=<{len(self.request_args)} keys>" if f == "request_args" else f"{f}={getattr(self, f)!r}"
+            for f in self.__dataclass_fields__
+        )
+        return f"ClientConfig({', '.join(shown)})"
+
     def override(self, **changes: Any) -> ClientConfig:
         """A copy with the given fields replaced; ``None`` values are ignored."""
         given = {k: v for k, v in changes.items() if v is not None}
@@ -357,18 +365,6 @@ class _ClientPool:
 
 
 _CLIENTS = _ClientPool()
-
-
-def client_config(client: ClientConfig | None, pool: int, **fields: Any) -> ClientConfig:
-    """``client`` (default ``ClientConfig()``) with the non-None ``fields`` replaced and a pool of >= ``pool``.
-
-    How ``S3StorageWriter``/``S3StorageReader`` combine ``client=`` with their credential arguments.
-    """
-    if client is None:
-        client = ClientConfig()
-    elif not isinstance(client, ClientConfig):
-        raise ConfigError(f"client={client!r} must be a dcp_s3.ClientConfig")
-    return client.override(**fields, max_pool_connections=max(pool, client.max_pool_connections))
 
 
 def _log_failed_attempt(

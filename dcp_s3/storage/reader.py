@@ -16,10 +16,9 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -32,11 +31,10 @@ from dcp_s3.layout import METADATA_KEY
 from dcp_s3.metadata.compact_chunks import ChunkLookup
 from dcp_s3.metadata.formats import load_metadata
 from dcp_s3.objstore.base import RangeRead
-from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.planners.sharing import broadcast_bytes, metadata_source
 from dcp_s3.storage.item_reads import ItemReads
 from dcp_s3.storage.job_progress import following_job, job_counts
-from dcp_s3.storage.options import check_allow_unsafe_byte_items, check_replica_group, check_share_metadata
+from dcp_s3.storage.options import WRITER_FIELDS, Settings, pooled
 from dcp_s3.storage.replicated import read_replicated
 from dcp_s3.storage.request_report import Meter, RankFigures, own_rank, summary
 from dcp_s3.storage.session import Location, Session
@@ -51,13 +49,15 @@ class S3StorageReader(Location, StorageReader):
     """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs, or
     from a local directory (ranged ``preadv`` into the destination, through the local object store).
 
-    Takes the same location, credential and ``client`` arguments as ``S3StorageWriter``.
-    ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
+    Takes ``path``, ``options`` and keywords as ``S3StorageWriter`` does (any storage option but the
+    writer's own, which are refused: :mod:`dcp_s3.storage.options`), the client and transfer ones
+    included. ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
     (larger reads are split), which also bounds staging memory per request, except GETs read
     straight into a CPU tensor (no staging; a compressed item's frames decoded into it one by one
     from a reused buffer), which may reach ``max_direct_range_size`` (64 MiB: fewer GETs, less CPU
     per byte; the larger of the two is used); ``max_whole_read``
-    (``TransferConfig.max_whole_read``, 4 GiB) the largest ``.metadata`` read.
+    (``TransferConfig.max_whole_read``, 4 GiB) the largest ``.metadata`` read. The reader's own
+    settings (``ReaderSettings``):
 
     ``share_metadata`` (default True): inside ``dcp.load`` on several ranks, ``.metadata``
     is read by the load's coordinator and broadcast over the load's own process group
@@ -79,44 +79,15 @@ class S3StorageReader(Location, StorageReader):
     """
 
     def __init__(
-        self,
-        path: str | os.PathLike[str] | None = None,
-        *,
-        credential_path: str | None = None,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        profile: str | None = None,
-        request_args: Mapping[str, Any] | None = None,
-        max_concurrency: int | None = None,
-        max_range_size: int | None = None,
-        max_direct_range_size: int | None = None,
-        transfer: TransferConfig | None = None,
-        share_metadata: bool | dist.ProcessGroup = True,
-        replica_group: dist.ProcessGroup | None = None,
-        client: ClientConfig | None = None,
-        allow_unsafe_byte_items: bool = False,
-        max_whole_read: int | None = None,
+        self, path: str | os.PathLike[str] | None = None, *, options: Settings | None = None, **keywords: Any
     ) -> None:
         super().__init__()
-        self.allow_unsafe_byte_items = check_allow_unsafe_byte_items(allow_unsafe_byte_items)
-        self.share_metadata = check_share_metadata(share_metadata)
-        self.replica_group = check_replica_group(replica_group)
-        transfer = (transfer or TransferConfig()).override(
-            max_concurrency=max_concurrency,
-            max_range_size=max_range_size,
-            max_direct_range_size=max_direct_range_size,
-            max_whole_read=max_whole_read,
-        )
-        client = client_config(
-            client,
-            transfer.max_concurrency + 2,
-            credential_path=credential_path,
-            endpoint_url=endpoint_url,
-            region=region,
-            profile=profile,
-            request_args=request_args,
-        )
-        self._session = Session(path, client, transfer)
+        settings = Settings.of(options, side="S3StorageReader", refuse=WRITER_FIELDS, **keywords)
+        self.allow_unsafe_byte_items = settings.reading.allow_unsafe_byte_items
+        self.share_metadata = settings.reading.share_metadata
+        self.replica_group = settings.reading.replica_group
+        transfer = settings.transfer
+        self._session = Session(path, pooled(settings.client, transfer.max_concurrency + 2), transfer)
         self._codec = Codec(threads=transfer.decode_threads)  # decodes compressed checkpoints
         # Pinned staging of reads into CUDA tensors (made at the first one, kept until close).
         self._stagings = Stagings(*load_pinned_bound(transfer.max_range_size, transfer.max_concurrency))

@@ -25,7 +25,7 @@ import os
 import threading
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,22 +42,20 @@ from dcp_s3.layout import (
     FORMAT_TAG,
     METADATA_KEY,
     PROBE_PREFIX,
-    check_key_prefixes,
     data_object_name,
     new_token,
     rank_prefix,
     referenced_objects,
 )
 from dcp_s3.metadata.compact_write import dump_compact
-from dcp_s3.metadata.formats import compact_wanted, dump_metadata, load_metadata, metadata_format_option
+from dcp_s3.metadata.formats import compact_wanted, dump_metadata, load_metadata
 from dcp_s3.objstore.base import wait_all
 from dcp_s3.objstore.buffers import BufferPool
-from dcp_s3.objstore.config import ClientConfig, TransferConfig, client_config
 from dcp_s3.packed.results import PackedResults
 from dcp_s3.storage.data_objects import planned_size, split_items, write_item
 from dcp_s3.storage.job_progress import JobCount, following_job, forget_counts, job_counts
 from dcp_s3.storage.metadata_commit import commit_once, commit_replacing, delete_quietly, exists_error
-from dcp_s3.storage.options import check_compression
+from dcp_s3.storage.options import READER_FIELDS, Settings, pooled
 from dcp_s3.storage.request_report import Meter, RankFigures, RankResults, own_rank, split_results, summary
 from dcp_s3.storage.session import Location, Session
 from dcp_s3.storage.staging import Stagings, save_pinned_bound
@@ -83,101 +81,65 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
 
     Args:
         path: ``s3://bucket/key`` or a local directory (or pass ``checkpoint_id=`` to ``dcp.save``).
-        credential_path: JSON file of boto3 client arguments (``aws_access_key_id``,
-            ``aws_secret_access_key``, ``aws_session_token``, ``endpoint_url``, ``region_name``).
-            Without it the standard boto3 chain applies (env, profile, instance role).
-        endpoint_url: S3 endpoint (MinIO, SeaweedFS, Ceph...).
-        region: the client's region.
-        profile: boto3 profile.
-        request_args: options sent with every request that takes them (``ServerSideEncryption``,
-            ``SSEKMSKeyId``, ``StorageClass``, ``ExpectedBucketOwner``, ``RequestPayer``...).
-        overwrite: replace a checkpoint already at ``path`` (default, as torch's ``FileSystemWriter``),
-            atomically: until the new ``.metadata`` lands the old checkpoint loads unchanged, and a
-            failed or killed save leaves it intact. ``False``: refuse with ``CheckpointExistsError``
-            ("Checkpoint already exists ..."), enforced by a conditional PUT of ``.metadata``.
-        require_conditional_writes: with ``overwrite=False`` on a server that ignores
-            ``If-None-Match`` (tested once per bucket and process), refuse to save with
-            ``ServerCapabilityError`` (default). ``False``: fall back to a HEAD just before the
-            commit, with a warning — a save racing to the same path can then be replaced.
-        client: every client setting in one ``ClientConfig`` (timeouts, retry attempts...); the
-            five arguments above override its fields.
-        part_size: multipart part size; part buffers of a save hold at most
-            ``(max_concurrency + files_per_rank) * fit_part_size(part_size, largest object)`` bytes
-            (see docs/configuration.md, "Memory").
-        max_direct_part_size: largest part sent straight from tensor memory (no copy, no buffer),
-            overriding ``transfer.max_direct_part_size`` (64 MiB; objects keep at least as many parts as
-            upload places, and the larger of it and ``part_size`` is used).
-        max_concurrency: parallel part uploads per process.
-        files_per_rank: data objects per rank, each serialized by its own thread.
-        transfer: full engine settings; the four arguments above override its fields.
-        max_whole_read: largest ``.metadata`` read whole (the one an overwrite replaces), overriding
-            ``transfer.max_whole_read`` (4 GiB).
-        compression: ``"zstd"`` stores tensors as byte-grouped, frame-indexed zstd
-            (smaller, decoded in parallel, readable by range); ``None`` (default) keeps
-            torch's uncompressed format. Readers need no option.
-        compression_level: zstd level (1 is best for checkpoints: fast, and as small).
-        compression_threads: threads compressing frames in parallel with the upload.
-        key_prefixes: spread the data objects over this many key prefixes inside the
-            checkpoint: rank r writes ``p-<h>/__<r>_<n>.distcp``, ``<h>`` being ``r % key_prefixes``
-            in hex, digits reversed (see ``dcp_s3.layout.rank_prefix``). S3 serves ~3,500 PUT/s
-            and ~5,500 GET/s per partition of a bucket's key range; with every object under one
-            prefix, saves of more than ~250 ranks exceed that. 16 or 256 is typical for such
-            jobs. 1 (default): torch's flat layout. Readers need no option.
+        options: a :class:`dcp_s3.StorageOptions` (or a mapping of its keywords); ``keywords`` are merged
+            over it, once (:mod:`dcp_s3.storage.options`).
+        keywords: any storage option but the reader's (which are refused, ``ConfigError``), each checked
+            now (a bad one is a ``ConfigError`` naming it). The writer's own (``WriterSettings``):
+
+            - ``overwrite``: replace a checkpoint already at ``path`` (default, as torch's
+              ``FileSystemWriter``), atomically: until the new ``.metadata`` lands the old checkpoint loads
+              unchanged, and a failed or killed save leaves it intact. ``False``: refuse with
+              ``CheckpointExistsError`` ("Checkpoint already exists ..."), enforced by a conditional PUT of
+              ``.metadata``.
+            - ``require_conditional_writes``: with ``overwrite=False`` on a server that ignores
+              ``If-None-Match`` (tested once per bucket and process), refuse to save with
+              ``ServerCapabilityError`` (default). ``False``: fall back to a HEAD just before the commit,
+              with a warning — a save racing to the same path can then be replaced.
+            - ``compression``: ``"zstd"`` stores tensors as byte-grouped, frame-indexed zstd (smaller,
+              decoded in parallel, readable by range); ``None`` (default) keeps torch's uncompressed
+              format. Readers need no option. ``compression_level``: zstd level (1 is best for
+              checkpoints: fast, and as small); ``compression_threads``: threads compressing frames in
+              parallel with the upload.
+            - ``key_prefixes``: spread the data objects over this many key prefixes inside the
+              checkpoint: rank r writes ``p-<h>/__<r>_<n>.distcp``, ``<h>`` being ``r % key_prefixes`` in
+              hex, digits reversed (see ``dcp_s3.layout.rank_prefix``). S3 serves ~3,500 PUT/s and ~5,500
+              GET/s per partition of a bucket's key range; with every object under one prefix, saves of
+              more than ~250 ranks exceed that. 16 or 256 is typical for such jobs. 1 (default): torch's
+              flat layout. Readers need no option.
+            - ``metadata_format``: ``"auto"`` (default), ``"pickle"`` or ``"compact"``.
+
+            The client's (``client=`` a ``ClientConfig``, or its fields): ``credential_path`` (JSON file
+            of boto3 client arguments; without it the standard boto3 chain applies), ``endpoint_url``,
+            ``region``, ``profile``, ``request_args`` (sent with every request that takes them:
+            ``ServerSideEncryption``, ``SSEKMSKeyId``, ``StorageClass``...), timeouts and retries. The
+            transfer's (``transfer=`` a ``TransferConfig``, or its fields): ``part_size`` (part buffers of
+            a save hold at most ``(max_concurrency + files_per_rank) * fit_part_size(part_size, largest
+            object)`` bytes, see docs/configuration.md, "Memory"), ``max_direct_part_size`` (largest part
+            sent straight from tensor memory), ``max_concurrency`` (parallel part uploads per process),
+            ``files_per_rank`` (data objects per rank, each serialized by its own thread),
+            ``max_whole_read`` (largest ``.metadata`` read whole: the one an overwrite replaces).
     """
 
     def __init__(
-        self,
-        path: str | os.PathLike[str] | None = None,
-        *,
-        credential_path: str | None = None,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        profile: str | None = None,
-        request_args: Mapping[str, Any] | None = None,
-        overwrite: bool = True,
-        require_conditional_writes: bool = True,
-        part_size: int | None = None,
-        max_direct_part_size: int | None = None,
-        max_concurrency: int | None = None,
-        files_per_rank: int | None = None,
-        transfer: TransferConfig | None = None,
-        client: ClientConfig | None = None,
-        max_whole_read: int | None = None,
-        compression: str | None = None,
-        compression_level: int = 1,
-        compression_threads: int = 2,
-        key_prefixes: int = 1,
-        metadata_format: str = "auto",
+        self, path: str | os.PathLike[str] | None = None, *, options: Settings | None = None, **keywords: Any
     ) -> None:
         StorageWriter.__init__(self)
-        self.metadata_format = metadata_format_option(metadata_format)  # metadata.formats.dump_metadata
+        settings = Settings.of(options, side="S3StorageWriter", refuse=READER_FIELDS, **keywords)
+        writing, transfer = settings.writing, settings.transfer
+        self.metadata_format = writing.metadata_format  # metadata.formats.dump_metadata
         BlockingAsyncStager.__init__(self)
-        transfer = (transfer or TransferConfig()).override(
-            part_size=part_size,
-            max_direct_part_size=max_direct_part_size,
-            max_concurrency=max_concurrency,
-            files_per_rank=files_per_rank,
-            max_whole_read=max_whole_read,
-        )
-        client = client_config(
-            client,
-            transfer.max_concurrency + transfer.files_per_rank + 2,
-            credential_path=credential_path,
-            endpoint_url=endpoint_url,
-            region=region,
-            profile=profile,
-            request_args=request_args,
-        )
+        client = pooled(settings.client, transfer.max_concurrency + transfer.files_per_rank + 2)
         self._session = Session(path, client, transfer)
         # Pinned staging of CUDA tensors (made at the first one, kept across saves until close).
         self._stagings = Stagings(*save_pinned_bound(transfer.part_size, transfer.files_per_rank))
-        codec = check_compression(compression, compression_level, compression_threads)
-        self._codec = None if codec is None else Codec(level=codec[0], threads=codec[1])
-        self.overwrite = overwrite
-        self.require_conditional_writes = require_conditional_writes
+        self._codec = (
+            Codec(level=writing.compression_level, threads=writing.compression_threads) if writing.compression else None
+        )
+        self.overwrite = writing.overwrite
+        self.require_conditional_writes = writing.require_conditional_writes
         # Coordinator: whether the commit may rely on If-None-Match (see prepare_global_plan).
         self._conditional_commit = True
-        self.key_prefixes = check_key_prefixes(key_prefixes)
+        self.key_prefixes = writing.key_prefixes
         self.save_id = str(uuid.uuid4())
         self.rank: int | None = None
         self.is_coordinator = False

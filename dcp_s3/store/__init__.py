@@ -2,9 +2,10 @@
 
 :mod:`~dcp_s3.store.base` is :class:`Store` (objects under a root, and DCP writers/readers for
 its sub-locations); :mod:`~dcp_s3.store.s3` and :mod:`~dcp_s3.store.local` are its two backends;
-:mod:`~dcp_s3.store.options` parses storage options, once; :mod:`~dcp_s3.store.opening` is
+:mod:`~dcp_s3.store.opening` is
 :func:`open_store` and :func:`open_object`, which pick the backend for a location;
-:mod:`~dcp_s3.store.storage_options` is :class:`StorageOptions`, one set of options for writers and readers.
+:mod:`~dcp_s3.store.storage_options` is :class:`StorageOptions`, one set of options for writers and readers
+(the options are declared in :mod:`dcp_s3.storage.options`).
 """
 
 from dcp_s3.store.base import Entry, Store, Upload

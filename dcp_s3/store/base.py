@@ -10,18 +10,18 @@ sub-location. :class:`Store` does all of it over the object-store interface
 The backends add only what really differs: :class:`dcp_s3.store.s3.S3Store` (server-side
 copy between buckets of one server) and :class:`dcp_s3.store.local.LocalStore` (paths,
 symbolic-link policy); :func:`dcp_s3.store.opening.open_store` picks one for a location, and
-:func:`dcp_s3.store.options.parse_storage_options` parses the storage options of both.
+:class:`dcp_s3.storage.options.Settings` holds the storage options of both.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError
 from dcp_s3.objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead
 from dcp_s3.objstore.buffers import BufferPool
+from dcp_s3.storage.options import Settings
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.storage.session import Session
 from dcp_s3.storage.writer import S3StorageWriter
@@ -52,8 +52,8 @@ class Store:
 
     ``session`` carries the object store (created lazily, so a store pickles), its I/O pool
     (``TransferConfig``) and, on S3, every client setting; ``prefix`` is the root's key in the
-    object store's container. ``writer_options``/``reader_options`` are passed to the
-    DCP writer/reader it makes.
+    object store's container. ``options`` (a :class:`~dcp_s3.storage.options.Settings`) are the
+    DCP writer's/reader's it makes.
     """
 
     def __init__(
@@ -62,14 +62,12 @@ class Store:
         prefix: str,
         root: str,
         *,
-        writer_options: dict[str, Any] | None = None,
-        reader_options: dict[str, Any] | None = None,
+        options: Settings | None = None,
     ) -> None:
         self.session = session
         self.prefix = prefix
         self.root = root
-        self._writer_options = writer_options or {}
-        self._reader_options = reader_options or {}
+        self.options = Settings.of(options)
         transfer = session.transfer
         # Part buffers of uploads, shared by concurrent uploads: their memory bound.
         self._buffers = BufferPool(transfer.max_concurrency + 2, transfer.part_size)
@@ -155,15 +153,12 @@ class Store:
 
     def writer(self, name: str, *, overwrite: bool | None = None) -> S3StorageWriter:
         """A DCP storage writer for the checkpoint at ``name`` (``overwrite``: the writer's, if given)."""
-        options = dict(self._writer_options)
-        if overwrite is not None:
-            options["overwrite"] = overwrite
-        return S3StorageWriter(self.url(name), **options)
+        return S3StorageWriter(self.url(name), options=self.options, overwrite=overwrite)
 
     def reader(self, name: str, kind: type[S3StorageReader] = S3StorageReader) -> S3StorageReader:
         """A DCP storage reader for the checkpoint at ``name`` (``kind``: ``S3StorageReader`` or a subclass taking
         its arguments, e.g. ``S3HuggingFaceStorageReader``)."""
-        return kind(self.url(name), **self._reader_options)
+        return kind(self.url(name), options=self.options)
 
     def uploads(self, prefix: str = "") -> list[Upload]:
         """Unfinished multipart uploads under ``prefix`` (always empty on disk)."""

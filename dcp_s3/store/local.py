@@ -7,11 +7,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from dcp_s3.objstore.base import check_relative_name
+from dcp_s3.storage.options import Settings
 from dcp_s3.storage.reader import S3StorageReader
 from dcp_s3.storage.session import LocalDir, Session
 from dcp_s3.storage.writer import S3StorageWriter
 from dcp_s3.store.base import Store
-from dcp_s3.store.options import parse_storage_options
 
 __all__ = ["LocalStore"]
 
@@ -34,15 +34,22 @@ class LocalStore(Store):
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], *, follow_symlinks: bool = False, below: str = "", **options: Any
+        self,
+        root: str | os.PathLike[str],
+        *,
+        follow_symlinks: bool = False,
+        below: str = "",
+        options: Settings | None = None,
+        **keywords: Any,
     ) -> None:
         root = os.path.abspath(os.fspath(root))
-        parsed = parse_storage_options(options, local=root)  # only LOCAL_OPTIONS; a bad one is refused now
+        settings = Settings.of(options, **keywords)  # a bad option is refused now
+        settings.check_local(root)  # and one that means nothing on disk (S3's: client, parts)
         self.follow_symlinks = follow_symlinks
-        session = Session(None, parsed.client, parsed.transfer)
+        session = Session(None, settings.client, settings.transfer)
         session.location = LocalDir(root, follow_symlinks=follow_symlinks)
         prefix = check_relative_name(below, root) if below else ""
-        super().__init__(session, prefix, root, writer_options=parsed.writer, reader_options=parsed.reader)
+        super().__init__(session, prefix, root, options=settings)
 
     def path(self, name: str) -> str:
         return self.url(name)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from dcp_s3.objstore.uri import S3Uri
+from dcp_s3.storage.options import Settings, pooled
 from dcp_s3.storage.session import Session
 from dcp_s3.store.base import Store
-from dcp_s3.store.options import parse_storage_options
 
 __all__ = ["S3Store"]
 
@@ -16,18 +16,19 @@ class S3Store(Store):
     """Objects under ``s3://bucket/prefix``.
 
     One ``Session`` carries every request: the client settings (``ClientConfig``, built from
-    the storage options exactly as the writer/reader build theirs, so ``request_args``, timeouts
+    the storage options as the writer builds its own, so ``request_args``, timeouts
     and retries reach every request), the object store and the I/O pool (``TransferConfig``).
     """
 
-    def __init__(self, uri: S3Uri, **options: Any) -> None:
+    def __init__(self, uri: S3Uri, *, options: Settings | None = None, **keywords: Any) -> None:
         self.uri = uri
-        parsed = parse_storage_options(options)  # a bad option is refused now, not at the first save
-        session = Session(None, parsed.client, parsed.transfer)
+        settings = Settings.of(options, **keywords)  # a bad option is refused now, not at the first save
+        transfer = settings.transfer
+        # The writer's pool size, so that the store and its writers share one client.
+        client = pooled(settings.client, transfer.max_concurrency + transfer.files_per_rank + 2)
+        session = Session(None, client, transfer)
         session.location = uri
-        super().__init__(
-            session, uri.key, str(uri).rstrip("/"), writer_options=parsed.writer, reader_options=parsed.reader
-        )
+        super().__init__(session, uri.key, str(uri).rstrip("/"), options=settings)
 
     def same_server(self, other: Store) -> bool:
         """Whether ``other`` is an S3 store reaching the same endpoint with the same credentials (so a

@@ -11,8 +11,8 @@ import pytest
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
 from dcp_s3.objstore.config import ClientConfig, TransferConfig
 from dcp_s3.objstore.uri import parse_s3_uri
+from dcp_s3.storage.options import Settings
 from dcp_s3.store import open_store
-from dcp_s3.store.options import parse_storage_options
 
 
 def test_parse_s3_uri() -> None:
@@ -128,26 +128,22 @@ def test_decode_threads_are_a_small_bounded_setting() -> None:
 def test_storage_options_are_checked_when_a_store_opens(
     tmp_path: Path, options: dict[str, object], message: str
 ) -> None:
-    """One parser (store.options) for both backends: a bad option is a ConfigError naming it, before any save."""
+    """One parser (storage.options) for both backends: a bad option is a ConfigError naming it, before any save."""
     for location in ("s3://bucket/run", str(tmp_path)):
         with pytest.raises(ConfigError, match=message):
             open_store(location, **options)
 
 
 def test_storage_options_split_without_a_writer_or_reader() -> None:
-    parsed = parse_storage_options(
-        {
-            "part_size": 8 << 20,
-            "share_metadata": False,
-            "connect_timeout": 5.0,
-            "compression": "zstd",
-            "endpoint_url": "http://127.0.0.1:1",
-        }
+    settings = Settings(
+        part_size=8 << 20,
+        share_metadata=False,
+        connect_timeout=5.0,
+        compression="zstd",
+        endpoint_url="http://127.0.0.1:1",
     )
-    assert parsed.transfer.part_size == 8 << 20 and parsed.client.connect_timeout == 5.0
-    assert parsed.client.endpoint_url == "http://127.0.0.1:1"
-    assert "share_metadata" in parsed.reader and "share_metadata" not in parsed.writer
-    assert "compression" in parsed.writer and "compression" not in parsed.reader
-    assert parsed.writer["client"] is parsed.reader["client"]
+    assert settings.transfer.part_size == 8 << 20 and settings.client.connect_timeout == 5.0
+    assert settings.client.endpoint_url == "http://127.0.0.1:1"
+    assert settings.reading.share_metadata is False and settings.writing.compression == "zstd"
     with pytest.raises(ConfigError, match="s3:// locations only"):
-        parse_storage_options({"part_size": 8 << 20}, local="/tmp/x")
+        Settings(part_size=8 << 20).check_local("/tmp/x")

@@ -19,8 +19,8 @@ def test_writer_and_reader_each_get_their_own_options(bucket: str, s3_env: Local
         max_concurrency=3,
         retry_attempts=2,
     )
-    # Neither class accepts all of these: given to S3StorageReader directly, part_size is refused.
-    with pytest.raises(TypeError):
+    # Neither class takes all of these as its own: given to S3StorageReader directly, compression is refused.
+    with pytest.raises(ConfigError, match="compression"):
         S3StorageReader(f"s3://{bucket}/c", **options.as_dict())
     writer = options.writer(f"s3://{bucket}/c")
     assert isinstance(writer, S3StorageWriter)
