@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ from dcp_s3.storage._hf_export_plan import ExportPlan, RankPieces, plan_export
 from dcp_s3.storage._hf_reader import INDEX_NAME
 from dcp_s3.storage._safetensors_header import EXPORT_KEY, build_index
 from dcp_s3.storage.metadata_commit import delete_quietly, exists_error
+from dcp_s3.storage.options import READER_FIELDS, Settings
 from dcp_s3.storage.tensor_bytes import compact, payload_chunks, streamable
 from dcp_s3.storage.writer import S3StorageWriter
 
@@ -67,8 +68,6 @@ log = logging.getLogger(__name__)
 STAGING_PREFIX = ".dcp_s3-hf-staging."
 #: ``save_pretrained``'s default ``max_shard_size`` ("5GB").
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
-# Options of S3StorageWriter that mean nothing for an export (its format is fixed).
-_FIXED = {"compression": None, "key_prefixes": 1, "metadata_format": "auto", "files_per_rank": None}
 
 
 class S3HuggingFaceStorageWriter(S3StorageWriter):
@@ -98,14 +97,25 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
         self,
         path: str | os.PathLike[str] | None = None,
         *,
-        overwrite: bool = False,
         max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-        **options: Any,
+        options: Settings | Mapping[str, Any] | None = None,
+        **keywords: Any,
     ) -> None:
-        for name, fixed in _FIXED.items():
-            if options.get(name, fixed) != fixed:
-                raise ConfigError(f"{name}={options[name]!r}: a Hugging Face export's format is fixed")
-        super().__init__(path, overwrite=overwrite, **options)
+        given = {**(options.as_dict() if isinstance(options, Settings) else dict(options or {})), **keywords}
+        # An export is never replaced unless asked (S3StorageWriter's own default replaces).
+        settings = Settings.of(options, side="S3HuggingFaceStorageWriter", refuse=READER_FIELDS, **keywords)
+        if "overwrite" not in given:
+            settings = Settings.of(settings, overwrite=False)
+        fixed = {
+            "compression": settings.writing.compression is None,
+            "key_prefixes": settings.writing.key_prefixes == 1,
+            "metadata_format": settings.writing.metadata_format == "auto",
+            "files_per_rank": settings.transfer.files_per_rank == 1,
+        }
+        for name, ok in fixed.items():
+            if not ok:
+                raise ConfigError(f"{name}={given.get(name)!r}: a Hugging Face export's format is fixed")
+        super().__init__(path, options=settings)
         self.max_shard_size = int_option("max_shard_size", max_shard_size, 1)
         self._export: ExportPlan | None = None  # the coordinator's, from planning to finish
         self._export_id = ""  # recorded in the index and every shard (EXPORT_KEY)
