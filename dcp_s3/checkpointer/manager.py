@@ -230,7 +230,7 @@ class Checkpointer:
 
         groups = [self._ranks.group_for(f"{key}_{kind}") for key, kind, _, _ in parts]  # before any part starts
         futures = []
-        for (key, kind, state, planner), group in zip(parts, groups):
+        for (key, kind, state, planner), group in zip(parts, groups, strict=True):
             writer, url = self._io.writer(store, generation_name(step, key, kind, token), key, kind)
             futures.append(
                 async_save(

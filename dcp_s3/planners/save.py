@@ -63,7 +63,7 @@ def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = Fals
 
     kept = kept_positions(keys, size_of, save_to_lowest_rank)
     out = []
-    for plan, mine in zip(all_plans, kept):
+    for plan, mine in zip(all_plans, kept, strict=True):
         if mine is not None:
             items = plan.items
             plan = dataclasses.replace(
@@ -200,7 +200,7 @@ def _packed_global_plan(plan: SavePlan, md: dict[str, Any], chunk_lists: dict[st
     shard = _TYPE_CODES[WriteItemType.SHARD]
     fqns, ndim = packed.fqns, packed.ndim.tolist()
     props = [packed.props[p] for p in packed.prop_of.tolist()]
-    sizes = [torch.Size(row[:d]) for row, d in zip(packed.size_of.tolist(), ndim)]
+    sizes = [torch.Size(row[:d]) for row, d in zip(packed.size_of.tolist(), ndim, strict=True)]
     local: list[list[Any] | None] = [None] * len(fqns)  # this plan's tensor -> its chunk list
     hints: list[int] = []
     new_extras: list[tuple[int, WriteItem]] = []

@@ -151,7 +151,7 @@ def vector_global_plan(
             chunks: Sequence[ChunkStorageMetadata] = RuleChunks(shape, dim, len(rows))
         else:
             chunks = listed = []
-            for o, s in zip(map(tuple, offs.tolist()), map(tuple, lens.tolist())):
+            for o, s in zip(map(tuple, offs.tolist()), map(tuple, lens.tolist()), strict=True):
                 offsets, sizes_ = known.get(o), known.get(s)
                 if offsets is None:
                     offsets = known[o] = size_type(o)
@@ -166,12 +166,12 @@ def vector_global_plan(
     byte_rows = np.flatnonzero(kept & (key < 0))
     byte_ids, first = np.unique(-1 - key[byte_rows], return_index=True)
     names = list(byte_keys)
-    for b, i in zip(byte_ids.tolist(), first.tolist()):
+    for b, i in zip(byte_ids.tolist(), first.tolist(), strict=True):
         entries.append((int(byte_rows[i]), names[b], BytesStorageMetadata()))
     md = {fqn: value for _, fqn, value in sorted(entries, key=lambda e: e[0])}
 
     new_plans = []
-    for rank, (plan, pk) in enumerate(zip(all_plans, packs)):
+    for rank, (plan, pk) in enumerate(zip(all_plans, packs, strict=True)):
         if pk is None:
             new_plans.append(plan)
             continue
@@ -221,7 +221,7 @@ def _table(
     (global size x element size), row-major strides (0 past its dimensions); None if too large."""
     ids, row_bytes = [], []
     strides = np.zeros(pk.size_of.shape, np.int64)
-    for f, (fqn, shape, dims) in enumerate(zip(pk.fqns, pk.size_of.tolist(), pk.ndim.tolist())):
+    for f, (fqn, shape, dims) in enumerate(zip(pk.fqns, pk.size_of.tolist(), pk.ndim.tolist(), strict=True)):
         g = gid.get(fqn)
         if g is None:
             g = gid[fqn] = len(sizes)

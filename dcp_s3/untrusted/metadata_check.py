@@ -139,7 +139,7 @@ def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[str, int]:
             raise CheckpointFormatError(f"{where}: chunk {i} is {describe(chunk)}")
         offsets = _shape(_field(chunk, "offsets", where), f"{where}: chunk {i} offsets", len(size))
         sizes = _shape(_field(chunk, "sizes", where), f"{where}: chunk {i} sizes", len(size))
-        if any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+        if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
             raise CheckpointFormatError(
                 f"{where}: chunk {i} (offsets {list(offsets)}, sizes {list(sizes)}) lies outside the tensor's {list(size)}"
             )
@@ -163,7 +163,7 @@ def _pairwise(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> str |
         return f"its chunks cover {total} of its {numel} elements" if total < numel else "its chunks overlap"
     for i, (oi, si) in enumerate(boxes):
         for oj, sj in boxes[:i]:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(oi, si, oj, sj)):
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oi, si, oj, sj, strict=True)):
                 return "its chunks overlap"
     return None
 

@@ -115,7 +115,7 @@ def _run(cmd: list[str], timeout: float = 120, **kwargs: Any) -> str:
 def _wait(what: str, ready: Callable[[], bool], server: Server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for proc, log in zip(server.processes, server.logs):
+        for proc, log in zip(server.processes, server.logs, strict=True):
             if proc.poll() is not None:
                 with open(log, errors="replace") as f:
                     tail = f.read()[-600:]

@@ -151,7 +151,7 @@ def _assert_equal(a: Any, b: Any, where: str = "") -> None:
             _assert_equal(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, list):
         assert isinstance(b, list) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"

@@ -179,7 +179,7 @@ def _run(tmp: Path, fn: Callable[..., Any], *args: Any) -> dict[int, tuple[str, 
     deadline = time.monotonic() + HANG_GUARD_S
     try:
         while len(results) < WORLD:
-            for r, (p, out) in enumerate(zip(procs, outs)):
+            for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
                 if r in results:
                     continue
                 if out.exists():

@@ -203,7 +203,8 @@ def test_checkpointer_load_refuses_poisoned_optimizer_state(bucket: str, s3_env:
     assert any(isinstance(c, CheckpointFormatError) and "posix.system" in str(c) for c in root_causes(info.value))
     assert not marker.exists()
     # storage_options reach the reader: the opt-in lets the payload through.
-    with pytest.raises(BaseException):  # param_groups is then os.system's return value
+    # param_groups is then os.system's return value: torch trips on it where it first looks (no one error type).
+    with pytest.raises(BaseException):  # noqa: B017 -- the marker file below is what this asserts
         Checkpointer(f"s3://{bucket}/run", allow_unsafe_byte_items=True).load({"m": model}, {"m": optim})
     assert marker.exists()
 
