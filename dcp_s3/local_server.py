@@ -97,7 +97,7 @@ class LocalS3Server:
     @classmethod
     def start(
         cls, kind: str = "seaweedfs", *, timeout: float = 60.0, tls: tuple[str, str, str] | None = None
-    ) -> "LocalS3Server":
+    ) -> LocalS3Server:
         """Start a server of ``kind`` ("seaweedfs" or "moto") and wait until it answers.
 
         ``tls``: ``(certificate chain, private key, CA bundle)`` PEM files: the server then speaks S3 over
@@ -223,7 +223,7 @@ class LocalS3Server:
                 self.process.wait(timeout=10)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalS3Server":
+    def __enter__(self) -> LocalS3Server:
         return self
 
     def __exit__(self, *exc: object) -> None:

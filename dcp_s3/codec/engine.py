@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -32,7 +32,7 @@ from dcp_s3.errors import CheckpointFormatError, ConfigError, InvalidTypeError
 
 __all__ = ["Codec", "Chunk"]
 
-Chunk = Union[bytes, bytearray, memoryview, np.ndarray]
+Chunk = bytes | bytearray | memoryview | np.ndarray
 
 
 class Codec:

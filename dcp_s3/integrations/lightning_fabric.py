@@ -13,8 +13,8 @@ restored in place, as Fabric's other strategies do, instead of being replaced by
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict

@@ -28,8 +28,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import defaultdict
+from collections.abc import Callable
 from operator import attrgetter
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
