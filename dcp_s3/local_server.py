@@ -9,6 +9,7 @@ loopback; the server is stopped by PID (its whole process group).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -216,10 +217,8 @@ class LocalS3Server:
                 os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout=10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 self.process.wait(timeout=10)
         shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -40,6 +40,7 @@ down after ``lifetime_s`` even if the test forgets to.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import socket
@@ -402,10 +403,8 @@ class FaultProxy:
             return True
         if fault == "truncate" and len(body) >= 2:
             client.sendall(_response_head(status_line, headers, len(body)) + body[: len(body) // 2])
-            try:  # a clean FIN: the client sees the body end early
+            with contextlib.suppress(OSError):  # a clean FIN: the client sees the body end early
                 client.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             return False
         client.sendall(_response_head(status_line, headers, len(body)) + body)
         return not any(k.lower() == "connection" and v.lower() == "close" for k, v in headers)

@@ -125,7 +125,7 @@ def _placement(spot: Any, shard: list[int], fqn: str, where: str) -> tuple[torch
         and isinstance(offsets, (list, tuple))
         and len(size) == len(offsets) == len(shard)
         and all(type(x) is int for x in (*size, *offsets))
-        and all(0 <= o and o + n <= g for o, n, g in zip(offsets, shard, size, strict=True))
+        and all(o >= 0 and o + n <= g for o, n, g in zip(offsets, shard, size, strict=True))
     )
     if not ok:
         raise CheckpointFormatError(

@@ -26,6 +26,7 @@ case started. Results travel through files (a shared queue could be left locked 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -191,10 +192,8 @@ def _run(tmp: Path, fn: Callable[..., Any], *args: Any) -> dict[int, tuple[str, 
             time.sleep(0.05)
     finally:
         for p in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.join(timeout=30)
     return results
 
