@@ -9,6 +9,7 @@ loopback; the server is stopped by PID (its whole process group).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -97,7 +98,7 @@ class LocalS3Server:
     @classmethod
     def start(
         cls, kind: str = "seaweedfs", *, timeout: float = 60.0, tls: tuple[str, str, str] | None = None
-    ) -> "LocalS3Server":
+    ) -> LocalS3Server:
         """Start a server of ``kind`` ("seaweedfs" or "moto") and wait until it answers.
 
         ``tls``: ``(certificate chain, private key, CA bundle)`` PEM files: the server then speaks S3 over
@@ -216,14 +217,12 @@ class LocalS3Server:
                 os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout=10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 self.process.wait(timeout=10)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalS3Server":
+    def __enter__(self) -> LocalS3Server:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -40,6 +40,7 @@ down after ``lifetime_s`` even if the test forgets to.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import socket
@@ -153,7 +154,7 @@ class _Request:
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    server: "_Server"
+    server: _Server
 
     def handle(self) -> None:
         proxy = self.server.proxy
@@ -231,7 +232,7 @@ def _read_exact(reader, n: int) -> bytes:  # type: ignore[no-untyped-def]
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
-    proxy: "FaultProxy"
+    proxy: FaultProxy
 
 
 class FaultProxy:
@@ -287,7 +288,7 @@ class FaultProxy:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         server = _Server(("127.0.0.1", 0), _Handler)
         server.proxy = self
         self._server = server
@@ -311,7 +312,7 @@ class FaultProxy:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -402,10 +403,8 @@ class FaultProxy:
             return True
         if fault == "truncate" and len(body) >= 2:
             client.sendall(_response_head(status_line, headers, len(body)) + body[: len(body) // 2])
-            try:  # a clean FIN: the client sees the body end early
+            with contextlib.suppress(OSError):  # a clean FIN: the client sees the body end early
                 client.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
             return False
         client.sendall(_response_head(status_line, headers, len(body)) + body)
         return not any(k.lower() == "connection" and v.lower() == "close" for k, v in headers)

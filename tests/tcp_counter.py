@@ -3,6 +3,7 @@ so each connection it counts is one TLS handshake of the client."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from typing import Any
@@ -61,7 +62,5 @@ class ConnectionCounter:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass

@@ -53,9 +53,12 @@ def builtin_raises(path: Path) -> list[tuple[int, str]]:
             inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
             if isinstance(child, ast.Raise) and child.exc is not None:
                 exc = child.exc.func if isinstance(child.exc, ast.Call) else child.exc
-                if isinstance(exc, ast.Name) and exc.id in BUILTIN_EXCEPTIONS:
-                    if (exc.id, function) not in DUNDER_PROTOCOL:
-                        found.append((child.lineno, exc.id))
+                if (
+                    isinstance(exc, ast.Name)
+                    and exc.id in BUILTIN_EXCEPTIONS
+                    and (exc.id, function) not in DUNDER_PROTOCOL
+                ):
+                    found.append((child.lineno, exc.id))
             visit(child, inner)
 
     visit(tree, "")

@@ -117,7 +117,7 @@ def test_async_checkpointer_in_one_process(bucket: str) -> None:
         assert torch.equal(tensor, model2.state_dict()[name]), name
     momentum = [s["momentum_buffer"] for s in optim.state_dict()["state"].values()]
     momentum2 = [s["momentum_buffer"] for s in optim2.state_dict()["state"].values()]
-    assert len(momentum) == 2 and all(torch.equal(a, b) for a, b in zip(momentum, momentum2))
+    assert len(momentum) == 2 and all(torch.equal(a, b) for a, b in zip(momentum, momentum2, strict=True))
 
 
 def test_compression_on_a_torch_without_transform_descriptors(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -212,10 +212,25 @@ def _chunk(metadata: Metadata, index: MetadataIndex) -> tuple[TensorStorageMetad
 
 
 def _check_blob(blob: bytes, index: MetadataIndex, info: Any, metadata: Metadata) -> str | None:
-    """Why ``blob`` is not the item the metadata describes, or None."""
+    """Why ``blob`` is not the item the metadata describes, or None: in turn its archive, its checksums, the
+    readers' rules for byte items and, for a tensor, what it loads as."""
     md = metadata.state_dict_metadata.get(index.fqn)
     if md is None:
         return "not described in the metadata"
+    error = _archive_problem(blob, info) or _checksum_problem(blob, index, info, md, metadata)
+    if error:
+        return error
+    # Checked without running it: a byte item the readers would refuse is a problem too.
+    problem = byte_item_problem(blob)
+    if problem is not None:
+        return _short(f"refused on load: {problem}")
+    if isinstance(md, BytesStorageMetadata):
+        return None
+    return _tensor_problem(blob, index, metadata)
+
+
+def _archive_problem(blob: bytes, info: Any) -> str | None:
+    """Why ``blob`` is not a sound torch.save archive (a record that does not read back), or None."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(blob))
         records = archive.infolist()
@@ -233,22 +248,24 @@ def _check_blob(blob: bytes, index: MetadataIndex, info: Any, metadata: Metadata
                     pass
         except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as exc:
             return f"record {record.filename} is damaged ({exc})"
+    return None
+
+
+def _checksum_problem(blob: bytes, index: MetadataIndex, info: Any, md: Any, metadata: Metadata) -> str | None:
+    """The stored checksum's complaint: over a tensor's payload, or over a byte item's whole blob."""
     payload_offset = getattr(info, "payload_offset", None)
     if isinstance(md, TensorStorageMetadata) and payload_offset is not None:
         _, sizes = _chunk(metadata, index)
         if sizes is not None:
             nbytes = math.prod(sizes) * element_size(md.properties.dtype)
-            error = checksum_error(info, memoryview(blob)[payload_offset : payload_offset + nbytes])
-            if error:
-                return error
-    elif isinstance(md, BytesStorageMetadata) and (error := checksum_error(info, blob)):
-        return error
-    # Checked without running it: a byte item the readers would refuse is a problem too.
-    problem = byte_item_problem(blob)
-    if problem is not None:
-        return _short(f"refused on load: {problem}")
-    if isinstance(md, BytesStorageMetadata):
-        return None
+            return checksum_error(info, memoryview(blob)[payload_offset : payload_offset + nbytes])
+    elif isinstance(md, BytesStorageMetadata):
+        return checksum_error(info, blob)
+    return None
+
+
+def _tensor_problem(blob: bytes, index: MetadataIndex, metadata: Metadata) -> str | None:
+    """Why ``blob`` does not load (weights only) as the chunk of the shape and dtype the metadata says, or None."""
     try:
         tensor = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except Exception as exc:

@@ -51,7 +51,7 @@ def from_view(state: Any, view: Any) -> Any:
     if isinstance(state, dict) and isinstance(view, dict):
         return {k: from_view(state[k], v) if k in state else v for k, v in view.items()}
     if isinstance(state, list) and isinstance(view, list) and len(state) == len(view):
-        return [from_view(a, b) for a, b in zip(state, view)]
+        return [from_view(a, b) for a, b in zip(state, view, strict=True)]
     return view
 
 
@@ -100,13 +100,16 @@ def globalize(md: Metadata, layout: Any, where: str) -> Metadata:
         size, offsets = _placement(spot, list(entry.size), fqn, where)
         shift[fqn] = offsets
         chunks = [
-            ChunkStorageMetadata(torch.Size([o + s for o, s in zip(c.offsets, offsets)]), c.sizes) for c in entry.chunks
+            ChunkStorageMetadata(torch.Size([o + s for o, s in zip(c.offsets, offsets, strict=True)]), c.sizes)
+            for c in entry.chunks
         ]
         state[fqn] = TensorStorageMetadata(entry.properties, size, chunks)
     storage = {}
     for index, info in md.storage_data.items():
         if index.fqn in shift and index.offset is not None:
-            index = MetadataIndex(index.fqn, torch.Size([o + s for o, s in zip(index.offset, shift[index.fqn])]))
+            index = MetadataIndex(
+                index.fqn, torch.Size([o + s for o, s in zip(index.offset, shift[index.fqn], strict=True)])
+            )
         storage[index] = info
     out = Metadata(state_dict_metadata=state, planner_data=md.planner_data, storage_data=storage, storage_meta=None)
     out.version = getattr(md, "version", None)
@@ -122,7 +125,7 @@ def _placement(spot: Any, shard: list[int], fqn: str, where: str) -> tuple[torch
         and isinstance(offsets, (list, tuple))
         and len(size) == len(offsets) == len(shard)
         and all(type(x) is int for x in (*size, *offsets))
-        and all(0 <= o and o + n <= g for o, n, g in zip(offsets, shard, size))
+        and all(o >= 0 and o + n <= g for o, n, g in zip(offsets, shard, size, strict=True))
     )
     if not ok:
         raise CheckpointFormatError(

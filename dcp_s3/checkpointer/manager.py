@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -83,6 +83,23 @@ class AsyncSave:
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
         return f"AsyncSave({self.path!r}, {state})"
+
+
+#: One part of a save: (model key, "model" or "optim", its state dict, the planner that saves it).
+_Part = tuple[str, str, dict[str, Any], Any]
+
+
+def _parts(
+    model_dict: Mapping[str, nn.Module], optimizer_dict: Mapping[str, torch.optim.Optimizer] | None
+) -> list[_Part]:
+    """The parts of a save: each model's trainable state, then its optimizer's state if it has one."""
+    parts: list[_Part] = []
+    for key, model in model_dict.items():
+        parts.append((key, "model", get_model_state_dict(model), TrainableOnlySavePlanner(model)))
+        if optimizer_dict is not None and key in optimizer_dict:
+            osd = get_optimizer_state_dict(model, optimizer_dict[key])
+            parts.append((key, "optim", osd, DefaultSavePlanner()))
+    return parts
 
 
 class Checkpointer:
@@ -194,12 +211,7 @@ class Checkpointer:
         if self._tiers is None and tier is not None:
             raise ConfigError(f"tier={tier!r} needs local_root")
         store, step = self._io.locate(path, iteration)
-        parts: list[tuple[str, str, dict[str, Any], Any]] = []
-        for key, model in model_dict.items():
-            parts.append((key, "model", get_model_state_dict(model), TrainableOnlySavePlanner(model)))
-            if optimizer_dict is not None and key in optimizer_dict:
-                osd = get_optimizer_state_dict(model, optimizer_dict[key])
-                parts.append((key, "optim", osd, DefaultSavePlanner()))
+        parts = _parts(model_dict, optimizer_dict)
         suffixes = [f"{key}_{kind}" for key, kind, _, _ in parts]
         content: dict[str, Any] = {
             "format": MARKER_FORMAT,
@@ -218,19 +230,34 @@ class Checkpointer:
         token, first = self._ranks.run_on_rank0(lambda: (new_token(), store.size(step + MARKER_SUFFIX) is None))
         content[PART_DIRS] = {s: marker_entry(s, token) for s in suffixes}
         marker = torch_save_bytes(content)
-        location = store.url(step)
-        if not self.async_save:
-            t0 = time.perf_counter()
-            for key, kind, state, planner in parts:
-                writer, url = self._io.writer(store, generation_name(step, key, kind, token), key, kind)
-                dcp.save(state, checkpoint_id=url, storage_writer=writer, planner=planner, no_dist=not distributed())
-            self._ranks.run_on_rank0(lambda: self._commit(store, step, marker, token, suffixes, first))
-            log.info("saved step %s in %.1fs", location, time.perf_counter() - t0)
-            return location
 
+        def commit() -> None:
+            self._commit(store, step, marker, token, suffixes, first)
+
+        if not self.async_save:
+            return self._save_now(store, step, token, parts, commit)
+        return self._save_in_background(store, step, token, parts, commit)
+
+    def _save_now(self, store: Store, step: str, token: str, parts: list[_Part], commit: Callable[[], None]) -> str:
+        """Save every part in this thread, then commit the step (rank 0); returns its location."""
+        location = store.url(step)
+        t0 = time.perf_counter()
+        for key, kind, state, planner in parts:
+            writer, url = self._io.writer(store, generation_name(step, key, kind, token), key, kind)
+            dcp.save(state, checkpoint_id=url, storage_writer=writer, planner=planner, no_dist=not distributed())
+        self._ranks.run_on_rank0(commit)
+        log.info("saved step %s in %.1fs", location, time.perf_counter() - t0)
+        return location
+
+    def _save_in_background(
+        self, store: Store, step: str, token: str, parts: list[_Part], commit: Callable[[], None]
+    ) -> AsyncSave:
+        """Start every part's asynchronous save (each on its own process group) and, on the background thread,
+        wait for them and commit the step (rank 0); returns the handle of the pending save."""
+        location = store.url(step)
         groups = [self._ranks.group_for(f"{key}_{kind}") for key, kind, _, _ in parts]  # before any part starts
         futures = []
-        for (key, kind, state, planner), group in zip(parts, groups):
+        for (key, kind, state, planner), group in zip(parts, groups, strict=True):
             writer, url = self._io.writer(store, generation_name(step, key, kind, token), key, kind)
             futures.append(
                 async_save(
@@ -248,7 +275,7 @@ class Checkpointer:
             for fut in futures:
                 fut.result()
             if rank0:  # every part's .metadata is committed once the coordinator's futures resolve
-                self._commit(store, step, marker, token, suffixes, first)
+                commit()
             return location
 
         if self._finisher is None:

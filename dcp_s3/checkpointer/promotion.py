@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -78,11 +79,15 @@ def upload_rank(local: Store, s3: Store, parts: Sequence[tuple[str, str, Any]], 
         md = load_metadata(meta, local.url(f"{local_dir}/{METADATA_KEY}"))
         for name in sorted(referenced_objects(md)):
             src, dst = f"{local_dir}/{name}", f"{s3_dir}/{name}"
-            retry(lambda: local.stream_to(src, s3, dst), f"upload of {local.url(src)} to {s3.url(dst)}", attempts)
+            retry(partial(local.stream_to, src, s3, dst), f"upload of {local.url(src)} to {s3.url(dst)}", attempts)
             sent += local.size(src) or 0
         body = torch_save_bytes(layout)
-        retry(lambda: s3.write(layout_name(s3_dir, rank), body), f"layout of rank {rank} to {s3.url(s3_dir)}", attempts)
-        retry(lambda: s3.write(report_name(s3_dir, rank), meta), f"report of rank {rank} to {s3.url(s3_dir)}", attempts)
+        retry(
+            partial(s3.write, layout_name(s3_dir, rank), body), f"layout of rank {rank} to {s3.url(s3_dir)}", attempts
+        )
+        retry(
+            partial(s3.write, report_name(s3_dir, rank), meta), f"report of rank {rank} to {s3.url(s3_dir)}", attempts
+        )
     return sent
 
 
@@ -163,7 +168,7 @@ def commit_promoted(
             ]
         )
         body = dump_metadata(merged, "dcp")
-        retry(lambda: s3.write(f"{s3_dir}/{METADATA_KEY}", body), f"commit of {s3.url(s3_dir)}", attempts)
+        retry(partial(s3.write, f"{s3_dir}/{METADATA_KEY}", body), f"commit of {s3.url(s3_dir)}", attempts)
     retry(lambda: commit_step(s3, step, marker, token, suffixes), f"marker of {s3.url(step)}", attempts)
     for _, s3_dir in parts:
         try:

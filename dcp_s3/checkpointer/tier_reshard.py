@@ -140,7 +140,7 @@ def copies_problem(by_rank: Mapping[int, Copy | str], refused: Mapping[int, str]
         return "; ".join(f"rank {r}: {c}" for r, c in sorted(bad.items()))
     copies = [c for _, c in sorted(by_rank.items()) if isinstance(c, Copy)]
     entries = [c.marker[LOCAL_ENTRY] for c in copies]
-    misplaced = [c.rank for c, e in zip(copies, entries) if e["rank"] != c.rank]
+    misplaced = [c.rank for c, e in zip(copies, entries, strict=True) if e["rank"] != c.rank]
     if misplaced:
         return f"the copies in the directories of ranks {misplaced} were saved by other ranks"
     worlds = {e["world_size"] for e in entries}
@@ -258,7 +258,7 @@ def _tiles(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> bool:
     signs: dict[str, int] = {}
 
     def add(low: list[int], high: list[int], step: int) -> None:
-        for corner in itertools.product(*(((a, 1), (b, -1)) for a, b in zip(low, high))):
+        for corner in itertools.product(*(((a, 1), (b, -1)) for a, b in zip(low, high, strict=True))):
             key = ",".join(str(c) for c, _ in corner)  # a str: tuples of ints can be chosen to collide in hash
             signs[key] = signs.get(key, 0) + step * math.prod(sign for _, sign in corner)
 

@@ -282,8 +282,7 @@ class Tiers:
     def status(self) -> list[dict[str, Any]]:
         self.flush_warnings()
         with self._lock:
-            rows = [asdict(s) | {"lag": s.lag} for s in sorted(self._status.values(), key=lambda s: s.iteration)]
-        return rows
+            return [asdict(s) | {"lag": s.lag} for s in sorted(self._status.values(), key=lambda s: s.iteration)]
 
     # -- retention ---------------------------------------------------------------------------------------
     def _protected(self) -> set[str]:

@@ -80,7 +80,7 @@ def restore(obj: Any, state: Any, what: str) -> None:
     elif isinstance(obj, (list, tuple)):
         if not isinstance(state, (list, tuple)) or len(state) != len(obj):
             raise CheckpointFormatError(f"the checkpoint's {what} state does not match: expected {len(obj)} entries")
-        for i, (value, sub) in enumerate(zip(obj, state)):
+        for i, (value, sub) in enumerate(zip(obj, state, strict=True)):
             restore(value, sub, f"{what}[{i}]")
     else:
         raise InvalidTypeError(f"{what}: cannot restore a {type(obj).__name__}: it has no load_state_dict()")

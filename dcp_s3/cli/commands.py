@@ -76,8 +76,44 @@ An existing OUT is never replaced unless --force.""",
 
 # -- parser --------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dcp-s3`` command line: the options every command takes, those of the commands that reach a store,
+    and each command (in three groups: those that read, those that change, those that run locally)."""
     base = argparse.ArgumentParser(add_help=False)  # what every command takes
     base.add_argument("-v", "--verbose", action="store_true", help="log what is being done")
+    common = _store_options(base)
+
+    parser = argparse.ArgumentParser(
+        prog="dcp-s3",
+        description="Look after DCP checkpoints on S3 and on local disk.",
+        epilog="run 'dcp-s3 COMMAND --help' for a command's options and examples",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], int], help: str, description: str, *, store: bool = True
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            parents=[common if store else base],
+            help=help,
+            description=description,
+            epilog=EXAMPLES.get(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.set_defaults(func=fn)
+        return p
+
+    _reading_commands(add)
+    _changing_commands(add)
+    _local_commands(add)
+    return parser
+
+
+_Add = Callable[..., argparse.ArgumentParser]
+
+
+def _store_options(base: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A parent parser of the options of the commands that reach a store (S3 client settings, read limits)."""
     common = argparse.ArgumentParser(add_help=False, parents=[base])  # commands that reach a store
     s3 = common.add_argument_group("S3 options (default: the standard AWS_* environment / profile chain)")
     s3.add_argument("--endpoint-url", help="S3 endpoint (MinIO, SeaweedFS, Ceph, R2...)")
@@ -139,28 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest .metadata or step marker read into memory (default 4 GiB); a larger one "
         "is refused before it is read",
     )
+    return common
 
-    parser = argparse.ArgumentParser(
-        prog="dcp-s3",
-        description="Look after DCP checkpoints on S3 and on local disk.",
-        epilog="run 'dcp-s3 COMMAND --help' for a command's options and examples",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(
-        name: str, fn: Callable[[argparse.Namespace], int], help: str, description: str, *, store: bool = True
-    ) -> argparse.ArgumentParser:
-        p = sub.add_parser(
-            name,
-            parents=[common if store else base],
-            help=help,
-            description=description,
-            epilog=EXAMPLES.get(name),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        p.set_defaults(func=fn)
-        return p
-
+def _reading_commands(add: _Add) -> None:
+    """ls, inspect, verify: they read a store and change nothing."""
     p = add(
         "ls",
         cmd_ls,
@@ -197,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("uri", help="a step, a DCP checkpoint or a prefix of several")
 
+
+def _changing_commands(add: _Add) -> None:
+    """gc, cp, rm, convert: they write or remove checkpoints."""
     p = add(
         "gc",
         cmd_gc,
@@ -274,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="load non-tensor values that weights-only loading refuses (they can run code: trusted checkpoints only)",
     )
 
+
+def _local_commands(add: _Add) -> None:
+    """demo, server: they run a local S3 server."""
     add(
         "demo",
         cmd_demo,
@@ -293,7 +318,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kind", choices=("seaweedfs", "moto"), help="default: seaweedfs if installed, else moto")
     p.add_argument("--bucket", default="checkpoints", help="the bucket to create (default: checkpoints)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -32,7 +32,7 @@ from dcp_s3.errors import CheckpointFormatError, ConfigError, InvalidTypeError
 
 __all__ = ["Codec", "Chunk"]
 
-Chunk = Union[bytes, bytearray, memoryview, np.ndarray]
+Chunk = bytes | bytearray | memoryview | np.ndarray
 
 
 class Codec:
@@ -130,79 +130,23 @@ class Codec:
         """
         if element_size < 1:
             raise ConfigError(f"encode: element_size must be positive, got {element_size}")
-        es = element_size
-        grouping = GROUP_FLOAT if floating and es in UINT else GROUP_NONE
-        fs = self.frame_size_for(es)
-        ends: list[int] = []
-        raw_mask = 0
-        raw_length = 0
-        # (future, assembly buffer to recycle once the frame is emitted, or None)
-        inflight: deque[tuple[Future[tuple[bytes | memoryview, bool]], bytearray | None]] = deque()
-        spare: list[bytearray] = []  # assembly buffers for frames that span chunks
-        pool = self._executor()
-
-        def emit_one() -> None:
-            nonlocal raw_mask
-            fut, owned = inflight.popleft()
-            payload, raw = fut.result()
-            if raw:
-                raw_mask |= 1 << len(ends)
-            ends.append((ends[-1] if ends else 0) + len(payload))
-            sink(payload)
-            if owned is not None:
-                spare.append(owned)
-
-        def submit(frame: memoryview, owned: bytearray | None = None) -> None:
-            nonlocal raw_length
-            while len(inflight) >= self.max_in_flight:
-                emit_one()
-            raw_length += len(frame)
-            inflight.append((pool.submit(self._encode_frame, frame, es, grouping), owned))
-
+        grouping = GROUP_FLOAT if floating and element_size in UINT else GROUP_NONE
+        fs = self.frame_size_for(element_size)
+        frames = _Frames(self, element_size, grouping, sink)
         try:
             single = as_bytes_view(data)
             if single is not None:
                 for pos in range(0, len(single), fs):
-                    submit(single[pos : pos + fs])
+                    frames.submit(single[pos : pos + fs])
             else:
-                partial, fill = None, 0
-                for chunk in data:  # type: ignore[union-attr,unused-ignore]
-                    view = as_bytes_view(chunk)
-                    if view is None:
-                        raise InvalidTypeError(
-                            f"encode: data must be buffers, got a chunk of type {type(chunk).__name__}"
-                        )
-                    pos = 0
-                    if partial is not None:
-                        pos = min(fs - fill, len(view))
-                        partial[fill : fill + pos] = view[:pos]
-                        fill += pos
-                        if fill == fs:
-                            submit(memoryview(partial), partial)
-                            partial, fill = None, 0
-                    referenced = len(view) - pos >= fs
-                    while len(view) - pos >= fs:
-                        submit(view[pos : pos + fs])
-                        pos += fs
-                    if pos < len(view):  # copy the start of a frame that spans chunks
-                        partial = spare.pop() if spare else bytearray(fs)
-                        fill = len(view) - pos
-                        partial[:fill] = view[pos:]
-                    if referenced and not stable_chunks:  # the producer may reuse the chunk once we ask for the next
-                        while inflight:
-                            emit_one()
-                if partial is not None:
-                    submit(memoryview(partial)[:fill], partial)
-            while inflight:
-                emit_one()
+                frames.cut(data, fs, stable_chunks)  # type: ignore[arg-type,unused-ignore]
+            frames.drain()
         except BaseException:
-            for fut, _ in inflight:
-                fut.cancel()
-            for fut, _ in inflight:
-                if not fut.cancelled():
-                    fut.exception()  # wait; the error being raised wins
+            frames.cancel()
             raise
-        return FrameIndex(CODEC_NAME, self.version, es, grouping, raw_length, fs, tuple(ends), raw_mask)
+        return FrameIndex(
+            CODEC_NAME, self.version, element_size, grouping, frames.raw_length, fs, tuple(frames.ends), frames.raw_mask
+        )
 
     def _encode_frame(self, frame: memoryview, es: int, grouping: int) -> tuple[bytes | memoryview, bool]:
         """The stored bytes of one frame and whether they are the raw bytes (runs on the pool)."""
@@ -274,6 +218,78 @@ class Codec:
                 if not fut.cancelled():
                     fut.exception()
             raise
+
+
+class _Frames:
+    """The frames of one :meth:`Codec.encode` call: submitted to the pool in order, at most ``max_in_flight``
+    at once, and passed to ``sink`` in order as they finish; the frame index's ends and raw bits as they go."""
+
+    def __init__(self, codec: Codec, es: int, grouping: int, sink: Callable[[bytes | memoryview], object]) -> None:
+        self.codec, self.es, self.grouping, self.sink = codec, es, grouping, sink
+        self.pool = codec._executor()
+        self.ends: list[int] = []
+        self.raw_mask = 0
+        self.raw_length = 0
+        # (future, assembly buffer to recycle once the frame is emitted, or None)
+        self.inflight: deque[tuple[Future[tuple[bytes | memoryview, bool]], bytearray | None]] = deque()
+        self.spare: list[bytearray] = []  # assembly buffers for frames that span chunks
+
+    def emit_one(self) -> None:
+        fut, owned = self.inflight.popleft()
+        payload, raw = fut.result()
+        if raw:
+            self.raw_mask |= 1 << len(self.ends)
+        self.ends.append((self.ends[-1] if self.ends else 0) + len(payload))
+        self.sink(payload)
+        if owned is not None:
+            self.spare.append(owned)
+
+    def submit(self, frame: memoryview, owned: bytearray | None = None) -> None:
+        while len(self.inflight) >= self.codec.max_in_flight:
+            self.emit_one()
+        self.raw_length += len(frame)
+        self.inflight.append((self.pool.submit(self.codec._encode_frame, frame, self.es, self.grouping), owned))
+
+    def drain(self) -> None:
+        while self.inflight:
+            self.emit_one()
+
+    def cancel(self) -> None:
+        """Cancel the frames not started and wait for the running ones (the error being raised wins)."""
+        for fut, _ in self.inflight:
+            fut.cancel()
+        for fut, _ in self.inflight:
+            if not fut.cancelled():
+                fut.exception()
+
+    def cut(self, data: Iterable[Chunk], fs: int, stable_chunks: bool) -> None:
+        """Submit the frames of ``fs`` bytes of the concatenation of the buffers ``data`` yields: a frame within
+        one buffer by reference, one spanning buffers copied (assembled) first."""
+        partial, fill = None, 0
+        for chunk in data:
+            view = as_bytes_view(chunk)
+            if view is None:
+                raise InvalidTypeError(f"encode: data must be buffers, got a chunk of type {type(chunk).__name__}")
+            pos = 0
+            if partial is not None:
+                pos = min(fs - fill, len(view))
+                partial[fill : fill + pos] = view[:pos]
+                fill += pos
+                if fill == fs:
+                    self.submit(memoryview(partial), partial)
+                    partial, fill = None, 0
+            referenced = len(view) - pos >= fs
+            while len(view) - pos >= fs:
+                self.submit(view[pos : pos + fs])
+                pos += fs
+            if pos < len(view):  # copy the start of a frame that spans chunks
+                partial = self.spare.pop() if self.spare else bytearray(fs)
+                fill = len(view) - pos
+                partial[:fill] = view[pos:]
+            if referenced and not stable_chunks:  # the producer may reuse the chunk once we ask for the next
+                self.drain()
+        if partial is not None:
+            self.submit(memoryview(partial)[:fill], partial)
 
 
 def as_bytes_view(obj: Any) -> memoryview | None:

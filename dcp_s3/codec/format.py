@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import copyreg
 import importlib
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from types import MappingProxyType, ModuleType
@@ -146,7 +147,7 @@ class FrameIndex:
         if any(type(e) is not int for e in self.ends):
             raise CheckpointFormatError("bad frame index: a stored offset is not an integer")
         if (
-            any(b < a for a, b in zip((0,) + self.ends, self.ends))
+            any(b < a for a, b in itertools.pairwise((0, *self.ends)))
             or self.raw_frames < 0
             or self.raw_frames >> len(self.ends)
         ):
@@ -167,7 +168,7 @@ class FrameIndex:
             raise CheckpointFormatError(
                 f"cannot read the frame index of codec {codec!r} version {version}: this dcp_s3 reads {supported()}"
             )
-        for name, value in zip(_FIELDS, state):
+        for name, value in zip(_FIELDS, state, strict=True):
             object.__setattr__(self, name, value)
         self._validate()
 

@@ -123,7 +123,10 @@ class FrameTable:
         renumber = np.array([used.index(c) if c in used else -1 for c in self.codecs] or [0], np.int64)
         rows = self.rows[order]
         rows[:, 0] = renumber[rows[:, 0]]
-        parts = [_ragged(values, lens, order) for values, lens in zip((self.ends, self.crcs, self.raw), self._spans())]
+        parts = [
+            _ragged(values, lens, order)
+            for values, lens in zip((self.ends, self.crcs, self.raw), self._spans(), strict=True)
+        ]
         return FrameTable(used, rows, *parts)
 
     def framed(self) -> list[Framed]:

@@ -120,9 +120,10 @@ def save_fsdp_model(
     dirs = _local_dirs(local_dirs, storage_options)
     location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_model", dirs)
     if location is None:
-        return _ORIGINAL["save_fsdp_model"](
+        _ORIGINAL["save_fsdp_model"](
             fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only=adapter_only, use_dcp=use_dcp
         )
+        return
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     state_dict = _fsdp_utils._get_model_state_dict(model, adapter_only=adapter_only, sd_options=sd_options)
     writer = storage_options.writer(f"{location}/{FSDP_MODEL_NAME}_{model_index}")
@@ -180,9 +181,10 @@ def save_fsdp_optimizer(
     dirs = _local_dirs(local_dirs, storage_options)
     location = _routed(fsdp_plugin, output_dir, use_dcp, "save_fsdp_optimizer", dirs)
     if location is None:
-        return _ORIGINAL["save_fsdp_optimizer"](
+        _ORIGINAL["save_fsdp_optimizer"](
             fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp=use_dcp
         )
+        return
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     optim_state = get_optimizer_state_dict(model, optimizer, options=sd_options)
     writer = storage_options.writer(f"{location}/{OPTIMIZER_NAME}_{optimizer_index}")
@@ -208,7 +210,7 @@ def load_fsdp_optimizer(
     storage_options = StorageOptions.of(options)
     location = _routed(fsdp_plugin, input_dir, use_dcp, "load_fsdp_optimizer", _local_dirs(local_dirs, storage_options))
     if location is None:
-        return _ORIGINAL["load_fsdp_optimizer"](
+        _ORIGINAL["load_fsdp_optimizer"](
             fsdp_plugin,
             accelerator,
             optimizer,
@@ -218,6 +220,7 @@ def load_fsdp_optimizer(
             adapter_only=adapter_only,
             use_dcp=use_dcp,
         )
+        return
     accelerator.wait_for_everyone()
     sd_options = _fsdp_utils._prepare_sd_options(fsdp_plugin)
     optim_state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=sd_options)}

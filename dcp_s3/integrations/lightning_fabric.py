@@ -13,8 +13,8 @@ restored in place, as Fabric's other strategies do, instead of being replaced by
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -79,7 +79,8 @@ class S3FabricStrategy(ModelParallelStrategy):
         path = self.broadcast(path)  # rank 0's path, as Lightning does, before anything makes a Path of it
         location = s3_location(path)
         if location is None:
-            return super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+            return
         if storage_options is not None:
             raise ConfigError(
                 f"save_checkpoint({location}, storage_options=...): give the storage options to "

@@ -65,7 +65,8 @@ class S3TrainerStrategy(ModelParallelStrategy):
         filepath = self.broadcast(filepath)  # rank 0's path, before Lightning makes a Path of it
         location = s3_location(filepath)
         if location is None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
         if storage_options is not None:
             raise ConfigError(
                 f"save_checkpoint(..., {location}, storage_options=...): give the storage options to "
@@ -108,7 +109,8 @@ class S3TrainerStrategy(ModelParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         location = s3_location(filepath)
         if location is None:
-            return super().remove_checkpoint(filepath)
+            super().remove_checkpoint(filepath)
+            return
         if not self.is_global_zero:
             return
         owner = next((o for o in self.ownerships if o.name_of(location) is not None), None)

@@ -176,8 +176,7 @@ def s3_recipe(recipe: R) -> R:
         return recipe
     name = f"S3{recipe.__name__}"
     doc = f"NeMo's {recipe.__module__}.{recipe.__qualname__} saving to and resuming from s3:// through dcp_s3."
-    made = type(name, (S3Recipe, recipe), {"__module__": __name__, "__qualname__": name, "__doc__": doc})
-    return made  # type: ignore[return-value]
+    return type(name, (S3Recipe, recipe), {"__module__": __name__, "__qualname__": name, "__doc__": doc})  # type: ignore[return-value]
 
 
 def __getattr__(name: str) -> Any:

@@ -104,7 +104,7 @@ class RuleChunks(Sequence[ChunkStorageMetadata]):
         size, dim, d = list(self.size), self.dim, self.size[self.dim]
         lo = np.minimum(np.arange(self.n, dtype=np.int64) * self._step, d)
         new, out = object.__new__, []
-        for start, rows in zip(lo.tolist(), (np.minimum(lo + self._step, d) - lo).tolist()):
+        for start, rows in zip(lo.tolist(), (np.minimum(lo + self._step, d) - lo).tolist(), strict=True):
             offsets, sizes = (0,) * dim + (start,) + (0,) * (len(size) - dim - 1), (*size[:dim], rows, *size[dim + 1 :])
             a, b = known.get(offsets), known.get(sizes)
             if a is None:

@@ -120,6 +120,37 @@ def load_compact(data: bytes, where: str) -> Metadata:
     those found later, when a storage entry is built, name ``where`` themselves.
     """
     data = data if type(data) is bytes else bytes(data)
+    header, arrays = _header(data)
+    entries = _Entries(arrays, header)
+    for i, e in enumerate(_get(header, "entries", list, "header")):
+        entries.add(e, i)
+    entries.check_all_used()
+    described = entries.start_pos + sum(len(e.chunks) for e in entries.entries if e.chunks is not None)
+    if described > EXPANSION_FLOOR + EXPANSION_PER_BYTE * len(data):
+        raise _bad(f"{described} chunks and storage entries from {len(data)} bytes: refusing to expand that far")
+    storage = None
+    if "storage" in header:
+        storage = CompactStorage(
+            data, entries.entries, _get(header, "storage", dict, "header"), arrays, where, storage_of
+        )
+    elif entries.start_pos:
+        raise _bad("entries are stored but the storage section is missing")
+    storage_meta = _storage_meta(header.get("storage_meta"))
+    version = header.get("metadata_version")
+    if version is not None and type(version) is not str:
+        raise _bad(f"metadata version is {describe(version)}")
+    metadata = Metadata(
+        state_dict_metadata=entries.state,
+        planner_data=untag(header.get("planner_data")),
+        storage_data=storage,
+        storage_meta=storage_meta,
+    )
+    metadata.version = version
+    return metadata
+
+
+def _header(data: bytes) -> tuple[dict[str, Any], ArraysReader]:
+    """The JSON header of a compact ``.metadata`` (its magic, length, format and version checked), and its arrays."""
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
         raise _bad("bad magic or truncated header")
     (head_len,) = struct.unpack_from("<Q", data, len(MAGIC))
@@ -134,25 +165,37 @@ def load_compact(data: bytes, where: str) -> Metadata:
         raise _bad("header does not describe dcp_s3 compact metadata")
     if header.get("version") != FORMAT_VERSION:
         raise _bad(f"format version {describe(header.get('version'))}: this dcp_s3 reads version {FORMAT_VERSION}")
-    arrays = ArraysReader(data, start + head_len + (-head_len % 8), header.get("arrays"))
-    explicit = [arrays.get(header.get("chunk_offsets")), arrays.get(header.get("chunk_sizes"))]
-    if len(explicit[0]) != len(explicit[1]):
-        raise _bad("chunk offset and size arrays differ in length")
-    stored_all = arrays.get(header.get("stored_chunks"))
-    pos, stored_pos, start_pos = [0], 0, 0
-    state: dict[str, Any] = {}
-    entries: list[_Entry] = []
-    for i, e in enumerate(_get(header, "entries", list, "header")):
+    return header, ArraysReader(data, start + head_len + (-head_len % 8), header.get("arrays"))
+
+
+class _Entries:
+    """The header's entries, read in order: each one's metadata (``state``) and its span of storage entries
+    (``entries``), taking its chunks and stored chunk numbers from the shared arrays as it goes."""
+
+    def __init__(self, arrays: ArraysReader, header: dict[str, Any]) -> None:
+        self.explicit = [arrays.get(header.get("chunk_offsets")), arrays.get(header.get("chunk_sizes"))]
+        if len(self.explicit[0]) != len(self.explicit[1]):
+            raise _bad("chunk offset and size arrays differ in length")
+        self.stored_all = arrays.get(header.get("stored_chunks"))
+        self.pos, self.stored_pos, self.start_pos = [0], 0, 0
+        self.state: dict[str, Any] = {}
+        self.entries: list[_Entry] = []
+
+    def add(self, e: Any, i: int) -> None:
         fqn = _get(e, "fqn", str, f"entry {i}")
         what = f"tensor {fqn[:200]}"
-        if fqn in state:
+        if fqn in self.state:
             raise _bad(f"{what} appears twice")
         if "bytes" in e:
-            state[fqn] = BytesStorageMetadata()
+            self.state[fqn] = BytesStorageMetadata()
             count = _int(_get(e, "bytes", int, what), f"{what}: stored count", 0, 1)
-            entries.append(_Entry(fqn, start_pos, count, None, None, 0))
-            start_pos += count
-            continue
+            self.entries.append(_Entry(fqn, self.start_pos, count, None, None, 0))
+        else:
+            count = self._tensor(e, fqn, what)
+        self.start_pos += count
+
+    def _tensor(self, e: Any, fqn: str, what: str) -> int:
+        """Read a tensor's entry; returns how many of its chunks are stored."""
         size_list = _get(e, "size", list, what)
         if len(size_list) > MAX_NDIM:
             raise _bad(f"{what}: {len(size_list)} dimensions")
@@ -162,53 +205,40 @@ def load_compact(data: bytes, where: str) -> Metadata:
             elem = element_size(props.dtype)
         except TypeError:
             raise _bad(f"{what}: dtype {props.dtype} has no element size") from None
-        chunks = _chunks(e, size, elem, explicit, pos, what)
-        state[fqn] = TensorStorageMetadata(properties=props, size=size, chunks=chunks)  # type: ignore[arg-type]
+        chunks = _chunks(e, size, elem, self.explicit, self.pos, what)
+        self.state[fqn] = TensorStorageMetadata(properties=props, size=size, chunks=chunks)  # type: ignore[arg-type]
         stored_spec = _get(e, "stored", (str, int), what)
         stored = None
         if stored_spec == "all":
             count = len(chunks)
         else:
             count = _int(stored_spec, f"{what}: stored count", 0, len(chunks))
-            stored = stored_all[stored_pos : stored_pos + count]
-            stored_pos += count
+            stored = self.stored_all[self.stored_pos : self.stored_pos + count]
+            self.stored_pos += count
             if (
                 len(stored) != count
                 or (count and int(stored[-1]) >= len(chunks))
                 or (count > 1 and bool((np.diff(stored.astype(np.int64)) <= 0).any()))
             ):
                 raise _bad(f"{what}: its stored chunk numbers are out of range or not increasing")
-        entries.append(_Entry(fqn, start_pos, count, chunks, stored, elem))
-        start_pos += count
-    if pos[0] != len(explicit[0]) or stored_pos != len(stored_all):
-        raise _bad("the chunk arrays hold more values than the entries use")
-    described = start_pos + sum(len(e.chunks) for e in entries if e.chunks is not None)
-    if described > EXPANSION_FLOOR + EXPANSION_PER_BYTE * len(data):
-        raise _bad(f"{described} chunks and storage entries from {len(data)} bytes: refusing to expand that far")
-    storage = None
-    if "storage" in header:
-        storage = CompactStorage(data, entries, _get(header, "storage", dict, "header"), arrays, where, storage_of)
-    elif start_pos:
-        raise _bad("entries are stored but the storage section is missing")
-    meta = header.get("storage_meta")
-    storage_meta = None
-    if meta is not None:
-        storage_meta = StorageMeta()
-        for name in ("checkpoint_id", "save_id", "load_id", "modules"):
-            setattr(storage_meta, name, untag(_get(meta, name, (str, dict, type(None)), "storage_meta")))
-        if type(storage_meta.modules) is not list or any(type(m) is not str for m in storage_meta.modules):
-            raise _bad("storage_meta modules is not a list of strings")
-    version = header.get("metadata_version")
-    if version is not None and type(version) is not str:
-        raise _bad(f"metadata version is {describe(version)}")
-    metadata = Metadata(
-        state_dict_metadata=state,
-        planner_data=untag(header.get("planner_data")),
-        storage_data=storage,
-        storage_meta=storage_meta,
-    )
-    metadata.version = version
-    return metadata
+        self.entries.append(_Entry(fqn, self.start_pos, count, chunks, stored, elem))
+        return count
+
+    def check_all_used(self) -> None:
+        if self.pos[0] != len(self.explicit[0]) or self.stored_pos != len(self.stored_all):
+            raise _bad("the chunk arrays hold more values than the entries use")
+
+
+def _storage_meta(meta: Any) -> StorageMeta | None:
+    """The header's ``storage_meta`` (None when absent), its fields checked."""
+    if meta is None:
+        return None
+    storage_meta = StorageMeta()
+    for name in ("checkpoint_id", "save_id", "load_id", "modules"):
+        setattr(storage_meta, name, untag(_get(meta, name, (str, dict, type(None)), "storage_meta")))
+    if type(storage_meta.modules) is not list or any(type(m) is not str for m in storage_meta.modules):
+        raise _bad("storage_meta modules is not a list of strings")
+    return storage_meta
 
 
 def materialize(metadata: Metadata) -> Metadata:

@@ -192,7 +192,7 @@ class _Rows:
             _opt(block),
             len(block_crcs),
         )
-        for name, value in zip(_ROW, values):
+        for name, value in zip(_ROW, values, strict=True):
             if type(value) is not int or not -1 <= value < _LIMIT:
                 raise _unsupported(f"storage entry {index.fqn!r}: {name} {value!r}")
         self.single.extend((e, c, seq, frame, *values))
@@ -300,7 +300,7 @@ class _Rows:
         cols[:, 4] = np.where(local < 0, -1, transforms[per_row([r[4] for r in ranks]) + np.maximum(local, 0)])
         cols[:, 5:] = fields[:, 5:]
         seq[:] = per_row([r[1] for r in ranks]) + np.arange(len(fields)) - np.repeat(starts, lens)
-        for (pk, base, *_, frame_base), at in zip(ranks, starts.tolist()):
+        for (pk, base, *_, frame_base), at in zip(ranks, starts.tolist(), strict=True):
             if pk.extras:  # its rows are not its first results: their positions
                 seq[at : at + len(pk.ids)] = base + pk.row_positions()
             if pk.frames is not None:
@@ -313,7 +313,7 @@ class _Rows:
         if not self.packs:
             return rows
         packed = self._packed_rows()
-        return packed if not len(single) else tuple(np.concatenate(pair) for pair in zip(packed, rows))  # type: ignore[return-value]
+        return packed if not len(single) else tuple(np.concatenate(pair) for pair in zip(packed, rows, strict=True))  # type: ignore[return-value]
 
     def section(self, arrays: ArraysBuilder, with_columns: bool) -> dict[str, Any] | None:
         """The storage section of the header (None without columns); fills ``stored`` in each
@@ -321,7 +321,7 @@ class _Rows:
         entry, chunk, seq, frame, cols = self._rows()
         order = self.entries.ordered(self.entries.keys(entry, chunk), seq)
         e, c, frame = entry[order], chunk[order], frame[order]
-        values = dict(zip(_ROW, cols[order].T))
+        values = dict(zip(_ROW, cols[order].T, strict=True))
         objects = _by_name(values["object"], list(self.objects))
         transforms = _by_name(values["transform"], list(self.transforms))
         framed = frame >= 0
@@ -330,7 +330,7 @@ class _Rows:
         counts = np.bincount(e, minlength=len(self.entries.fqns))
         bounds = np.concatenate(([0], np.cumsum(counts)))
         stored: list[np.ndarray] = []
-        for i, (header, spec) in enumerate(zip(self.entries.headers, self.entries.spec)):
+        for i, (header, spec) in enumerate(zip(self.entries.headers, self.entries.spec, strict=True)):
             if spec[0] == 0:
                 header["bytes"] = int(counts[i])
             elif counts[i] == spec[3]:  # every chunk (numbers are unique and below the count)

@@ -331,7 +331,7 @@ class ObjectStore(ABC):
         """The container for messages (an S3 store adds its endpoint)."""
         return self.url()
 
-    def plan_requests(self, ranks: int, prefixes: int) -> None:
+    def plan_requests(self, ranks: int, prefixes: int) -> None:  # noqa: B027 -- an optional hook, a no-op by default
         """A job of ``ranks`` ranks spreading its keys over ``prefixes`` prefixes is about to send its
         requests: a store that paces them (S3) starts this process at its share of the budget."""
 

@@ -22,6 +22,7 @@ a :class:`~dcp_s3.errors.DcpS3Error` subclass of the same builtin naming the pat
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Iterator, Sequence
@@ -392,10 +393,8 @@ class FileWriter(ObjectWriter):
                 self._dfd = -1
 
     def _abort(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._file.close()
-        except OSError:
-            pass
         if self._dfd >= 0:
             unlink_quietly(self._tmp, self._dfd)
             os.close(self._dfd)

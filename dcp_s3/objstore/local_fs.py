@@ -11,6 +11,7 @@ opened, never resolved through the link. :func:`os_errors` turns every ``OSError
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -77,10 +78,8 @@ def new_temp(dfd: int) -> tuple[int, str]:
 
 
 def unlink_quietly(name: str, dfd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(name, dir_fd=dfd)
-    except OSError:
-        pass
 
 
 class Dirs:
@@ -147,10 +146,8 @@ class Dirs:
                 except FileNotFoundError:
                     if not create:
                         raise CheckpointNotFoundError(f"{self._path(key)} does not exist") from None
-                    try:
+                    with contextlib.suppress(FileExistsError):  # made by a concurrent writer
                         os.mkdir(name, dir_fd=fd)
-                    except FileExistsError:  # made by a concurrent writer
-                        pass
                     nfd = os.open(name, flags, dir_fd=fd)  # a link swapped in meanwhile fails here
                 except NotADirectoryError:  # O_NOFOLLOW | O_DIRECTORY on a link: ENOTDIR, as on a file
                     sub = "/".join(dirs[: i + 1])

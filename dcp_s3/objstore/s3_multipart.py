@@ -287,7 +287,7 @@ class MultipartWriter(ObjectWriter):
         """Cancel queued parts and abort the multipart upload."""
         for fut in self._parts:
             fut.cancel()
-        for fut, part in zip(self._parts, self._queued):
+        for fut, part in zip(self._parts, self._queued, strict=True):
             if fut.cancelled():  # never ran: its place (and buffer) is still taken
                 self._release(part)
             else:

@@ -220,7 +220,7 @@ class PackedItems(PackedSequence[WriteItem]):
         names = [self.fqns[i] for i in self.ids.tolist()]
         offs = self.offsets.tolist()
         dims = self.ndim[self.ids].tolist()
-        out: list[Key] = [(n, tuple(o[:d])) for n, o, d in zip(names, offs, dims)]
+        out: list[Key] = [(n, tuple(o[:d])) for n, o, d in zip(names, offs, dims, strict=True)]
         for pos, item in self.extras:
             out.insert(pos, (item.index.fqn, item.index.offset))
         return out
@@ -237,10 +237,15 @@ class PackedItems(PackedSequence[WriteItem]):
             return self._items
         new = object.__new__
         props = [self.props[p] for p in self.prop_of.tolist()]
-        sizes = [torch.Size(row[:d]) for row, d in zip(self.size_of.tolist(), self.ndim.tolist())]
+        sizes = [torch.Size(row[:d]) for row, d in zip(self.size_of.tolist(), self.ndim.tolist(), strict=True)]
         out: list[WriteItem] = []
         for fid, kind, off, size, hint in zip(
-            self.ids.tolist(), self.types.tolist(), self.offsets.tolist(), self.sizes.tolist(), self.hints.tolist()
+            self.ids.tolist(),
+            self.types.tolist(),
+            self.offsets.tolist(),
+            self.sizes.tolist(),
+            self.hints.tolist(),
+            strict=True,
         ):
             dims = len(sizes[fid])
             offsets = torch.Size(off[:dims])

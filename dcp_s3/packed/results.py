@@ -150,11 +150,15 @@ class PackedResults(PackedSequence[WriteResult]):
         if self._results is not None:
             return self._results
         fqns = self.fqns()
-        frames = dict(zip(self.frames[0].tolist(), self.frames[1].framed())) if self.frames is not None else {}
+        frames = (
+            dict(zip(self.frames[0].tolist(), self.frames[1].framed(), strict=True)) if self.frames is not None else {}
+        )
         out: list[WriteResult] = []
         block_crcs = self.blocks.tolist()
         at = 0
-        for row, (fid, off, values) in enumerate(zip(self.ids.tolist(), self.offsets.tolist(), self.fields.tolist())):
+        for row, (fid, off, values) in enumerate(
+            zip(self.ids.tolist(), self.offsets.tolist(), self.fields.tolist(), strict=True)
+        ):
             obj, offset, length, size, t, payload, crc, hint, block, nblocks = values
             index, crcs = frames.get(row, (None, None))
             info = ItemLocation(

@@ -87,7 +87,7 @@ def _read_item(
 ) -> ReadItem | None:
     """The read of ``saved``'s overlap with ``mine``, or None (torch's overlap rule and region)."""
     storage_offsets, dest_offsets, lengths = [], [], []
-    for so, ss, lo, ls in zip(saved.offsets, saved.sizes, mine.offsets, mine.sizes):
+    for so, ss, lo, ls in zip(saved.offsets, saved.sizes, mine.offsets, mine.sizes, strict=True):
         if so >= lo + ls or lo >= so + ss:  # torch's rule: a box empty in one dim may still "overlap"
             return None
         start, end = max(so, lo), min(so + ss, lo + ls)

@@ -28,8 +28,9 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import defaultdict
+from collections.abc import Callable
 from operator import attrgetter
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ def dedup_save_plans(all_plans: list[SavePlan], save_to_lowest_rank: bool = Fals
 
     kept = kept_positions(keys, size_of, save_to_lowest_rank)
     out = []
-    for plan, mine in zip(all_plans, kept):
+    for plan, mine in zip(all_plans, kept, strict=True):
         if mine is not None:
             items = plan.items
             plan = dataclasses.replace(
@@ -82,21 +83,43 @@ def kept_positions(
     groups: dict[tuple[Key, ...], list[int]] = {}
     for rank, listed in enumerate(keys):
         groups.setdefault(listed, []).append(rank)
-    if len(groups) == len(keys):
-        seen: set[Key] = set()
-        total = 0
-        for listed in groups:
-            seen.update(listed)
-            total += len(listed)
-        if len(seen) == total:
-            return [None] * len(keys)  # no index planned twice: FSDP without empty shards
+    if len(groups) == len(keys) and _all_distinct(groups):
+        return [None] * len(keys)  # no index planned twice: FSDP without empty shards
     group_keys = list(groups)
     group_ranks = list(groups.values())
-    # holders: index -> [group, its position there, group, position, ...] in order of first appearance
-    # (groups are in order of their first rank, so this is torch's order: by rank, then by position)
+    holders, fqn_bytes, doubled = _holders(group_keys, group_ranks, size_of)
+    kept = _assign(holders, group_ranks, fqn_bytes, save_to_lowest_rank)
+    out: list[list[int] | None] = [None] * len(keys)
+    for g, listed in enumerate(group_keys):
+        for rank in group_ranks[g]:
+            mine = kept.get(rank, [])
+            if g in doubled:  # rare: keep every copy of a kept index, as torch does
+                names = {listed[p] for p in mine}
+                out[rank] = [p for p, k in enumerate(listed) if k in names]
+            elif len(mine) != len(listed):
+                out[rank] = sorted(mine)
+    return out
+
+
+def _all_distinct(groups: dict[tuple[Key, ...], list[int]]) -> bool:
+    """Whether no index is listed twice, in one group's list or in two."""
+    seen: set[Key] = set()
+    total = 0
+    for listed in groups:
+        seen.update(listed)
+        total += len(listed)
+    return len(seen) == total
+
+
+def _holders(
+    group_keys: list[tuple[Key, ...]], group_ranks: list[list[int]], size_of: Callable[[int, int], int]
+) -> tuple[dict[Key, list[int]], dict[str, int], set[int]]:
+    """holders: index -> [group, its position there, group, position, ...] in order of first appearance
+    (groups are in order of their first rank, so this is torch's order: by rank, then by position); each
+    fqn's item size (its first item's); the groups whose plans list an index twice (kept or dropped together)."""
     holders: dict[Key, list[int]] = {}
     fqn_bytes: dict[str, int] = {}
-    doubled: set[int] = set()  # groups whose plans list an index twice (kept or dropped together)
+    doubled: set[int] = set()
     for g, listed in enumerate(group_keys):
         for pos, key in enumerate(listed):
             found = holders.get(key)
@@ -108,6 +131,14 @@ def kept_positions(
                 found += (g, pos)
             else:
                 doubled.add(g)
+    return holders, fqn_bytes, doubled
+
+
+def _assign(
+    holders: dict[Key, list[int]], group_ranks: list[list[int]], fqn_bytes: dict[str, int], save_to_lowest_rank: bool
+) -> dict[int, list[int]]:
+    """rank -> the positions in its plan it keeps: each index to its lowest rank, or to the holding rank with
+    the fewest bytes planned so far (torch's greedy balance)."""
     heaps = [[(0, r) for r in ranks] for ranks in group_ranks]  # (planned bytes, rank): already heaps
     kept: dict[int, list[int]] = defaultdict(list)  # rank -> positions in its plan
     for key, found in holders.items():
@@ -127,16 +158,7 @@ def kept_positions(
         else:
             heapq.heapreplace(heap, (planned + fqn_bytes[key[0]], rank))
         kept[rank].append(pos)
-    out: list[list[int] | None] = [None] * len(keys)
-    for g, listed in enumerate(group_keys):
-        for rank in group_ranks[g]:
-            mine = kept.get(rank, [])
-            if g in doubled:  # rare: keep every copy of a kept index, as torch does
-                names = {listed[p] for p in mine}
-                out[rank] = [p for p, k in enumerate(listed) if k in names]
-            elif len(mine) != len(listed):
-                out[rank] = sorted(mine)
-    return out
+    return kept
 
 
 def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -200,7 +222,7 @@ def _packed_global_plan(plan: SavePlan, md: dict[str, Any], chunk_lists: dict[st
     shard = _TYPE_CODES[WriteItemType.SHARD]
     fqns, ndim = packed.fqns, packed.ndim.tolist()
     props = [packed.props[p] for p in packed.prop_of.tolist()]
-    sizes = [torch.Size(row[:d]) for row, d in zip(packed.size_of.tolist(), ndim)]
+    sizes = [torch.Size(row[:d]) for row, d in zip(packed.size_of.tolist(), ndim, strict=True)]
     local: list[list[Any] | None] = [None] * len(fqns)  # this plan's tensor -> its chunk list
     hints: list[int] = []
     new_extras: list[tuple[int, WriteItem]] = []

@@ -192,9 +192,9 @@ def _problems(key: str, size: tuple[int, ...], chunks: list[ChunkStorageMetadata
     errors = []
     volume = 0
     for chunk in chunks:
-        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size)) or len(
-            chunk.offsets
-        ) != len(size):
+        if not len(chunk.offsets) == len(chunk.sizes) == len(size) or any(
+            o < 0 or s < 0 or o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, size, strict=True)
+        ):
             errors.append(f"key:{key} has out of bounds chunk: tensor-size:{torch.Size(size)} chunk: {chunk}")
         volume += math.prod(chunk.sizes)
     errors.extend(_overlaps(key, size, chunks))
@@ -226,4 +226,6 @@ def _overlaps(key: str, size: tuple[int, ...], chunks: list[ChunkStorageMetadata
 
 
 def _share_element(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+    return all(
+        ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+    )

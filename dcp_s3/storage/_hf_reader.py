@@ -104,7 +104,7 @@ class S3HuggingFaceStorageReader(S3StorageReader):
         files, weight_map, export_id = self._files()
         store = self._session.object_store
         infos = list(self._session.executor.map(store.head, [self._session.key(f) for f in files]))
-        for name, info in zip(files, infos):
+        for name, info in zip(files, infos, strict=True):
             if info is None:
                 raise CheckpointNotFoundError(
                     f"{self._session.url(name)} is missing: {self._index_url()} names it (an incomplete export)"
@@ -112,7 +112,7 @@ class S3HuggingFaceStorageReader(S3StorageReader):
         headers = self._read_headers(files, [info.size for info in infos if info is not None])
         seen: dict[str, str] = {}
         rows: list[list[Any]] = []
-        for name, info, raw in zip(files, infos, headers):
+        for name, info, raw in zip(files, infos, headers, strict=True):
             where = self._session.url(name)
             entries, extra = parse_header(raw, info.size if info is not None else 0, where)
             check_whole_tensors(extra, where)
@@ -171,17 +171,25 @@ class S3HuggingFaceStorageReader(S3StorageReader):
 
     def _read_headers(self, files: list[str], sizes: list[int]) -> list[bytearray]:
         """Each shard's header bytes (after the length prefix): one ranged GET each, two for long headers."""
-        firsts = self._read([(f, 0, min(size, PREFIX_BYTES + FIRST_READ)) for f, size in zip(files, sizes)])
-        lengths = [header_length(b, size, self._session.url(f)) for f, b, size in zip(files, firsts, sizes)]
+        firsts = self._read(
+            [(f, 0, min(size, PREFIX_BYTES + FIRST_READ)) for f, size in zip(files, sizes, strict=True)]
+        )
+        lengths = [
+            header_length(b, size, self._session.url(f)) for f, b, size in zip(files, firsts, sizes, strict=True)
+        ]
         if sum(lengths) > MAX_TOTAL_HEADER_BYTES:
             raise CheckpointFormatError(
                 f"{self._index_url()}: its shards' headers take {sum(lengths)} bytes together; at most "
                 f"{MAX_TOTAL_HEADER_BYTES} are accepted"
             )
-        rest = [(f, len(b), PREFIX_BYTES + n) for f, b, n in zip(files, firsts, lengths) if PREFIX_BYTES + n > len(b)]
+        rest = [
+            (f, len(b), PREFIX_BYTES + n)
+            for f, b, n in zip(files, firsts, lengths, strict=True)
+            if PREFIX_BYTES + n > len(b)
+        ]
         more = iter(self._read(rest))
         out = []
-        for f, b, n in zip(files, firsts, lengths):
+        for b, n in zip(firsts, lengths, strict=True):
             if PREFIX_BYTES + n > len(b):
                 b = b + next(more)
             out.append(b[PREFIX_BYTES : PREFIX_BYTES + n])
@@ -192,7 +200,7 @@ class S3HuggingFaceStorageReader(S3StorageReader):
         bufs = [bytearray(hi - lo) for _, lo, hi in spans]
         reads = [
             RangeRead(self._session.key(name), lo, hi, _opener(buf))
-            for (name, lo, hi), buf in zip(spans, bufs)
+            for (name, lo, hi), buf in zip(spans, bufs, strict=True)
             if hi > lo
         ]
         transfer = self._session.transfer

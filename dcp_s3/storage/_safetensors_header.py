@@ -17,6 +17,7 @@ their span exactly ``dtype size x prod(shape)``, and no two tensors' spans overl
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -152,7 +153,7 @@ def parse_header(
     for name, spec in header.items():
         entries.append(_entry(name, spec, data_start, data_size, where))
     entries.sort(key=lambda e: (e.begin, e.end))
-    for prev, cur in zip(entries, entries[1:]):
+    for prev, cur in itertools.pairwise(entries):
         if cur.begin < prev.end:
             raise CheckpointFormatError(
                 f"{where}: tensors {prev.name!r} and {cur.name!r} overlap (bytes {prev.begin}-{prev.end} "

@@ -14,6 +14,7 @@ the reads it gathers.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -225,7 +226,7 @@ class ItemReads:
             raise CheckpointFormatError(f"{self.checkpoint_id}: no chunk metadata for {req.storage_index}")
         sizes, dtype = found
         if len(req.lengths) != len(sizes) or any(
-            o < 0 or n < 0 or o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, sizes)
+            o < 0 or n < 0 or o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, sizes, strict=True)
         ):
             raise CheckpointFormatError(
                 f"{fqn}: the plan reads {list(req.lengths)} at {list(req.storage_offsets)} of a stored chunk of {list(sizes)}"
@@ -269,7 +270,7 @@ class ItemReads:
             # GETs are as large as raw ones, and each frame is decoded and checked while it is still in cache.
             step = max(max_bytes, transfer.max_direct_range_size) if frames is None else frames.frame_size
             cuts = [start, *range(start - start % step + step, start + len(view), step), start + len(view)]
-            for lo, hi in zip(cuts, cuts[1:]):
+            for lo, hi in itertools.pairwise(cuts):
                 opener = _slice_opener(view, lo - start, hi - start)
                 self._add_read(reads, key, info, lo, hi, opener, direct=True, ledger=ledger)
             return ledger

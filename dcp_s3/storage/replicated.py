@@ -108,7 +108,7 @@ def read_replicated(
             "the members of a replica group must load the same tensors with the same shapes, dtypes and shards"
         )
     owners = _owners(entries, size)
-    mine = [e for e, o in zip(entries, owners) if o == me]
+    mine = [e for e, o in zip(entries, owners, strict=True) if o == me]
     try:
         read_all(LoadPlan([e.req for e in mine]), cast(LoadPlanner, _Capture({id(e.req): e for e in mine})))
     except Exception as exc:
@@ -250,7 +250,7 @@ def _exchange(value: bytes, error: Exception | None, group: dist.ProcessGroup, r
     dist.all_gather_object(reports, (value, None if error is None else error_payload(error)), group=group)
     if error is not None:
         raise error
-    for rank, (_, report) in zip(ranks, reports):
+    for rank, (_, report) in zip(ranks, reports, strict=True):
         if report is not None:
             try:
                 exc = pickle.loads(report)  # pickled by a rank of this job

@@ -125,9 +125,13 @@ class Session:
         location = parse_location(path)
         with self._lock:
             old = self.location
-            if isinstance(location, LocalDir) and isinstance(old, LocalDir) and old.anchor is not None:
-                if _below(location.path, old.anchor):  # e.g. a reused writer retargeted to the next step
-                    location = dataclasses.replace(location, anchor=old.anchor)
+            if (
+                isinstance(location, LocalDir)
+                and isinstance(old, LocalDir)
+                and old.anchor is not None
+                and _below(location.path, old.anchor)  # e.g. a reused writer retargeted to the next step
+            ):
+                location = dataclasses.replace(location, anchor=old.anchor)
             if _container(location) != _container(self.location):
                 self._object_store = None
             self.location = location

@@ -12,6 +12,7 @@ bytes directly into the destination tensor.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -173,7 +174,7 @@ def _save_frame(tensor: torch.Tensor) -> tuple[bytes, bytes]:
         torch.save(tensor, cast(IO[bytes], recorder))
     writes = sorted(recorder.writes)
     # torch.save writes its records in order and seeks once, over the storage bytes.
-    gaps = [(pos + len(data), nxt) for (pos, data), (nxt, _) in zip(writes, writes[1:]) if pos + len(data) != nxt]
+    gaps = [(pos + len(data), nxt) for (pos, data), (nxt, _) in itertools.pairwise(writes) if pos + len(data) != nxt]
     if not gaps and tensor.nbytes == 0:
         return b"".join(d for _, d in writes), b""
     if len(gaps) != 1 or gaps[0][1] - gaps[0][0] != tensor.nbytes:

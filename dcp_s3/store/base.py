@@ -121,7 +121,7 @@ class Store:
         bufs = [bytearray(end - start) for start, end in ranges]
         reads = [
             RangeRead(self.key(name), start, end, _opener(buf))
-            for (start, end), buf in zip(ranges, bufs)
+            for (start, end), buf in zip(ranges, bufs, strict=True)
             if end > start
         ]
         transfer = self.session.transfer

@@ -11,6 +11,7 @@ backend: same results, same error classes. dcp_s3's own subclasses: ``tests/test
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 from collections.abc import Callable, Iterator
@@ -101,7 +102,7 @@ class ObjectStoreConformance:
         cuts = [0, 100, 5000, MiB, 2 * MiB + 3, len(data)]
         reads = [
             RangeRead(key, lo, hi, _into(out, lo, hi), (lambda lo=lo: done.append(lo)))  # type: ignore[misc]
-            for lo, hi in zip(cuts, cuts[1:])
+            for lo, hi in itertools.pairwise(cuts)
         ]
         objstore.read_ranges(reads, executor=pool, max_gap=64, max_size=MiB)
         assert out == data and sorted(done) == cuts[:-1]
@@ -122,11 +123,12 @@ class ObjectStoreConformance:
             return lambda view: pieces[lo].append(bytes(view))  # a copy: the bytes had arrived by then
 
         reads = [
-            RangeRead(key, lo, hi, _into(out, lo, hi), direct=True, received=keep(lo)) for lo, hi in zip(cuts, cuts[1:])
+            RangeRead(key, lo, hi, _into(out, lo, hi), direct=True, received=keep(lo))
+            for lo, hi in itertools.pairwise(cuts)
         ]
         objstore.read_ranges(reads, executor=pool, max_gap=64, max_size=MiB, max_direct_size=8 * MiB)
         assert out == data
-        for lo, hi in zip(cuts, cuts[1:]):
+        for lo, hi in itertools.pairwise(cuts):
             assert b"".join(pieces[lo]) == data[lo:hi], (lo, [len(p) for p in pieces[lo]])
 
     def test_reading_past_the_end_is_a_format_error(

@@ -263,7 +263,7 @@ class StoreConformance:
         for k, v in want.state_dict().items():
             assert torch.equal(model.state_dict()[k], v), k
         assert sched.state_dict()["last_epoch"] == want_sched.state_dict()["last_epoch"]
-        for p, q in zip(model.parameters(), want.parameters()):
+        for p, q in zip(model.parameters(), want.parameters(), strict=True):
             assert torch.equal(optim.state[p]["exp_avg"], trained[400][1].state[q]["exp_avg"])
 
         # Re-saving the newest step (a job that resumed at 400 saves at 400 again) replaces it all or nothing:

@@ -139,7 +139,7 @@ def _tensor(fqn: str, md: TensorStorageMetadata, walk: _Walk) -> dict[str, int]:
             raise CheckpointFormatError(f"{where}: chunk {i} is {describe(chunk)}")
         offsets = _shape(_field(chunk, "offsets", where), f"{where}: chunk {i} offsets", len(size))
         sizes = _shape(_field(chunk, "sizes", where), f"{where}: chunk {i} sizes", len(size))
-        if any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+        if any(o + n > d for o, n, d in zip(offsets, sizes, size, strict=True)):
             raise CheckpointFormatError(
                 f"{where}: chunk {i} (offsets {list(offsets)}, sizes {list(sizes)}) lies outside the tensor's {list(size)}"
             )
@@ -163,7 +163,7 @@ def _pairwise(size: torch.Size, chunks: Sequence[ChunkStorageMetadata]) -> str |
         return f"its chunks cover {total} of its {numel} elements" if total < numel else "its chunks overlap"
     for i, (oi, si) in enumerate(boxes):
         for oj, sj in boxes[:i]:
-            if all(a < b + m and b < a + n for a, n, b, m in zip(oi, si, oj, sj)):
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oi, si, oj, sj, strict=True)):
                 return "its chunks overlap"
     return None
 
@@ -358,33 +358,9 @@ def check_metadata(metadata: object, budget: int) -> Metadata:
     if type(state) is not dict or type(storage) is not dict:
         raise CheckpointFormatError("metadata has no state_dict_metadata or storage_data dict")
     walk.spend(len(state) + len(storage))
-    chunks: dict[str, dict[str, int] | None] = {}
-    for fqn, md in state.items():
-        if type(fqn) is not str:
-            raise CheckpointFormatError(f"metadata key {describe(fqn)} is not a string")
-        if type(md) is TensorStorageMetadata:
-            chunks[fqn] = _tensor(fqn, md, walk)
-        elif type(md) is BytesStorageMetadata:
-            chunks[fqn] = None
-        else:
-            raise CheckpointFormatError(f"{_name(fqn)}: entry is {describe(md)}")
+    chunks = _entries(state, walk)
     for index, info in storage.items():
-        if type(index) is not MetadataIndex or not isinstance(info, _StorageInfo):
-            raise CheckpointFormatError(f"storage data maps {describe(index)} to {describe(info)}")
-        walk.spend(4 + (len(index.offset) if index.offset is not None else 0))
-        if index.index is not None:
-            _int(index.index, f"storage entry {_name(index.fqn)}: index")
-        if index.fqn not in chunks:
-            raise CheckpointFormatError(f"storage entry {_name(index.fqn)}: not described in the metadata")
-        tensor = chunks[index.fqn]
-        nbytes = None
-        if tensor is not None:
-            nbytes = tensor.get(offsets_key(index.offset)) if index.offset is not None else None
-            if nbytes is None:
-                raise CheckpointFormatError(
-                    f"storage entry {_name(index.fqn)}: no chunk of the tensor at offset {describe(index.offset)}"
-                )
-        _location(index, info, nbytes, walk)
+        _storage_entry(index, info, chunks, walk)
     storage_meta = getattr(metadata, "storage_meta", None)
     if storage_meta is not None and type(storage_meta) is not StorageMeta:
         raise CheckpointFormatError(f"storage_meta is {describe(storage_meta)}")
@@ -397,3 +373,38 @@ def check_metadata(metadata: object, budget: int) -> Metadata:
         if type(md) is TensorStorageMetadata:
             _tiling(fqn, md)
     return metadata
+
+
+def _entries(state: dict[Any, Any], walk: _Walk) -> dict[str, dict[str, int] | None]:
+    """The state dict entries checked: per fqn, its chunks' byte sizes by offsets (None: a byte item)."""
+    chunks: dict[str, dict[str, int] | None] = {}
+    for fqn, md in state.items():
+        if type(fqn) is not str:
+            raise CheckpointFormatError(f"metadata key {describe(fqn)} is not a string")
+        if type(md) is TensorStorageMetadata:
+            chunks[fqn] = _tensor(fqn, md, walk)
+        elif type(md) is BytesStorageMetadata:
+            chunks[fqn] = None
+        else:
+            raise CheckpointFormatError(f"{_name(fqn)}: entry is {describe(md)}")
+    return chunks
+
+
+def _storage_entry(index: object, info: object, chunks: dict[str, dict[str, int] | None], walk: _Walk) -> None:
+    """A storage entry checked: its key, the item it stores (a described tensor chunk or byte item) and where."""
+    if type(index) is not MetadataIndex or not isinstance(info, _StorageInfo):
+        raise CheckpointFormatError(f"storage data maps {describe(index)} to {describe(info)}")
+    walk.spend(4 + (len(index.offset) if index.offset is not None else 0))
+    if index.index is not None:
+        _int(index.index, f"storage entry {_name(index.fqn)}: index")
+    if index.fqn not in chunks:
+        raise CheckpointFormatError(f"storage entry {_name(index.fqn)}: not described in the metadata")
+    tensor = chunks[index.fqn]
+    nbytes = None
+    if tensor is not None:
+        nbytes = tensor.get(offsets_key(index.offset)) if index.offset is not None else None
+        if nbytes is None:
+            raise CheckpointFormatError(
+                f"storage entry {_name(index.fqn)}: no chunk of the tensor at offset {describe(index.offset)}"
+            )
+    _location(index, info, nbytes, walk)

@@ -308,13 +308,13 @@ class _Unpickler(pickle._Unpickler):
     def load_setitems(self) -> None:
         items = self.pop_mark()
         keys = items[::2]
-        self._target(_MAPPINGS, keys).update(zip(keys, items[1::2]))
+        self._target(_MAPPINGS, keys).update(zip(keys, items[1::2], strict=True))
 
     def load_dict(self) -> None:
         items = self.pop_mark()
         for key in items[::2]:
             self.check_key(key)
-        self.append(dict(zip(items[::2], items[1::2])))
+        self.append(dict(zip(items[::2], items[1::2], strict=True)))
 
     def load_additems(self) -> None:
         items = self.pop_mark()

@@ -218,9 +218,12 @@ class _Checker:
         # Weights-only loading sets a plain tensor's state with set_(*state); torch.load's
         # Tensor.__setstate__ does the same only for a 4-tuple (else it sets hooks).
         name = inst.callee.name
-        if (inst.callee.obj is torch.Tensor or name.startswith(REBUILD_PREFIX)) and "parameter" not in name:
-            if not (isinstance(state, Node) and state.kind == "tuple" and len(state.items) == 4):
-                raise Refused(f"it would set the state of the result of {name} other than with set_")
+        if (
+            (inst.callee.obj is torch.Tensor or name.startswith(REBUILD_PREFIX))
+            and "parameter" not in name
+            and not (isinstance(state, Node) and state.kind == "tuple" and len(state.items) == 4)
+        ):
+            raise Refused(f"it would set the state of the result of {name} other than with set_")
         check_state(inst, state)
         self.charge(state)
         inst.items.append(state)

@@ -100,7 +100,7 @@ def test_the_cover_check_agrees_with_counting_every_element() -> None:
         cuts = [sorted({0, d, *(rng.randint(0, d) for _ in range(2))}) for d in size]
         boxes = [
             ([c[0] for c in cell], [c[1] - c[0] for c in cell])
-            for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts])
+            for cell in itertools.product(*[list(itertools.pairwise(c)) for c in cuts])
         ]
         for _ in range(rng.randint(0, 2)):  # damage: move, grow or drop one shard (kept inside the tensor)
             i = rng.randrange(len(boxes))
@@ -112,7 +112,7 @@ def test_the_cover_check_agrees_with_counting_every_element() -> None:
             boxes[i] = (o, s)
         count = torch.zeros(size, dtype=torch.int32)
         for o, s in boxes:
-            count[tuple(slice(a, a + n) for a, n in zip(o, s))] += 1
+            count[tuple(slice(a, a + n) for a, n in zip(o, s, strict=True))] += 1
         exact = bool((count == 1).all())
         try:
             _check_cover("w", _chunks(size, boxes), "root")

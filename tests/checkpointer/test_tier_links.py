@@ -60,9 +60,11 @@ def test_a_save_refuses_a_linked_rank_dir(tmp_path: Path) -> None:
     os.symlink(target, local / "rank00000")
     before = tree(target)
     model, optim, _ = build(seed=0, shard=False)
-    with Checkpointer(str(tmp_path / "root"), local_root=local, keep_last_local=1) as ckpt:
-        with pytest.raises(CheckpointFormatError, match=re.escape(str(local / "rank00000")) + ".* symbolic link"):
-            ckpt.save({"m": model}, {"m": optim}, iteration=20, tier="local")
+    with (
+        Checkpointer(str(tmp_path / "root"), local_root=local, keep_last_local=1) as ckpt,
+        pytest.raises(CheckpointFormatError, match=re.escape(str(local / "rank00000")) + ".* symbolic link"),
+    ):
+        ckpt.save({"m": model}, {"m": optim}, iteration=20, tier="local")
     assert tree(target) == before  # nothing written there, nothing deleted (keep_last_local=1)
 
 

@@ -145,7 +145,7 @@ def test_round_trip_random_bytes_any_length(codec: Codec, data: bytes, es: int, 
 def test_chunked_input_matches_single_buffer(codec: Codec, data: st.DataObject, dtype: torch.dtype, n: int) -> None:
     raw = tensor_bytes(weights(n, dtype) if dtype.is_floating_point else torch.arange(n, dtype=dtype))
     cuts = sorted(data.draw(st.lists(st.integers(0, len(raw)), max_size=12)))
-    chunks = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)])]
+    chunks = [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
     es, floating = grouping_for_dtype(dtype)
     want = encode(codec, raw, es, floating)
     assert encode(codec, iter(chunks), es, floating) == want
@@ -408,7 +408,7 @@ def test_bad_settings() -> None:
         Codec(threads=0)
     with pytest.raises(ValueError):
         Codec(frame_size=0)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):
         Codec(level=1000)
     with pytest.raises(ValueError):
         Codec().encode(b"x", 0, False, print)

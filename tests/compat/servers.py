@@ -7,6 +7,7 @@ command that installs it. Data lives in a temporary directory removed by ``stop(
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -115,7 +116,7 @@ def _run(cmd: list[str], timeout: float = 120, **kwargs: Any) -> str:
 def _wait(what: str, ready: Callable[[], bool], server: Server, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for proc, log in zip(server.processes, server.logs):
+        for proc, log in zip(server.processes, server.logs, strict=True):
             if proc.poll() is not None:
                 with open(log, errors="replace") as f:
                     tail = f.read()[-600:]
@@ -138,10 +139,8 @@ def _http_ready(endpoint: str) -> Callable[[], bool]:
     """Ready once the endpoint answers HTTP at all (before any user or key exists)."""
 
     def ready() -> bool:
-        try:
+        with contextlib.suppress(urllib.error.HTTPError):  # an S3 error document is an answer
             urllib.request.urlopen(endpoint, timeout=2).close()
-        except urllib.error.HTTPError:
-            pass  # an S3 error document is an answer
         return True
 
     return ready

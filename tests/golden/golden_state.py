@@ -188,7 +188,7 @@ def assert_same(got: Any, want: Any, where: str = "state") -> None:
             assert_same(got[k], want[k], f"{where}.{k}")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same(g, w, f"{where}[{i}]")
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"

@@ -234,9 +234,8 @@ def test_calls_that_name_their_storage_keep_it(seaweed: Any, bucket: str, tmp_pa
 
 
 def test_options_as_a_mapping_are_checked_when_the_route_starts() -> None:
-    with pytest.raises(DcpS3Error, match="no_such_option"):
-        with dcp_route.s3_route({"no_such_option": 1}):
-            pass
+    with pytest.raises(DcpS3Error, match="no_such_option"), dcp_route.s3_route({"no_such_option": 1}):
+        pass
     _assert_torch_hooks()
 
 

@@ -304,7 +304,7 @@ def test_torchtitan_purge_counts_and_deletes_only_committed_steps(seaweed: Any, 
     assert {f"step-4/{METADATA_KEY}", f"step-6/{METADATA_KEY}", "step-8/__0_0.distcp", "step-10/__0_0.distcp"} <= names
     assert _names(f"s3://{bucket}/run-old/step-1") == sibling
     resumed = _unpacked(run_ranks(titan_job, 2, run, str(dump), str(tmp), [], timeout=180))
-    for before, after in zip(trained, resumed):
+    for before, after in zip(trained, resumed, strict=True):
         assert after["loaded"] is True
         assert (
             _diff(

@@ -151,7 +151,7 @@ def _assert_equal(a: Any, b: Any, where: str = "") -> None:
             _assert_equal(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, list):
         assert isinstance(b, list) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
@@ -402,9 +402,12 @@ def test_metadata_declaring_more_than_its_stored_bytes_allow_is_refused_before_a
     dcp.save(state, storage_writer=StorageOptions(compression="zstd").writer(location))
     del state
     assert sum(f.stat().st_size for f in Path(location).iterdir()) < 1 << 20  # what an attacker ships
-    with memory_cap(1 << 30), PeakRss().watch() as rss:
-        with pytest.raises((CheckpointFormatError, CheckpointException)) as caught:
-            load_sharded(location, "model", module, {}, StorageOptions())
+    with (
+        memory_cap(1 << 30),
+        PeakRss().watch() as rss,
+        pytest.raises((CheckpointFormatError, CheckpointException)) as caught,
+    ):
+        load_sharded(location, "model", module, {}, StorageOptions())
     assert rss.growth < 128 << 20, rss.growth
     why = [str(c) for c in root_causes(caught.value) if isinstance(c, CheckpointFormatError)]
     assert any(f"{META_KEY} declares {declared} bytes stored in" in w and "64 times" in w for w in why), why

@@ -26,15 +26,17 @@ case started. Results travel through files (a shared queue could be left locked 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -179,7 +181,7 @@ def _run(tmp: Path, fn: Callable[..., Any], *args: Any) -> dict[int, tuple[str, 
     deadline = time.monotonic() + HANG_GUARD_S
     try:
         while len(results) < WORLD:
-            for r, (p, out) in enumerate(zip(procs, outs)):
+            for r, (p, out) in enumerate(zip(procs, outs, strict=True)):
                 if r in results:
                     continue
                 if out.exists():
@@ -190,10 +192,8 @@ def _run(tmp: Path, fn: Callable[..., Any], *args: Any) -> dict[int, tuple[str, 
             time.sleep(0.05)
     finally:
         for p in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.join(timeout=30)
     return results
 

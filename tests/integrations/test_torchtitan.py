@@ -282,7 +282,7 @@ def _diff(a: Any, b: Any, where: str = "") -> list[str]:
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
             return [f"{where} length"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{where}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _diff(x, y, f"{where}[{i}]")]
     return [] if a == b else [f"{where}: {a!r} != {b!r}"[:300]]
 
 
@@ -333,7 +333,7 @@ def test_train_resume_reshard_and_purge_through_dcp_s3(
 
     run["endpoint_url"] = seaweed.endpoint_url
     second = _unpacked(run_ranks(_resume, 2, run, str(dump), str(tmp), timeout=180))
-    for before, after in zip(first, second):
+    for before, after in zip(first, second, strict=True):
         assert after["loaded"] is True
         assert _diff(before["at_6"], after["at_6"]) == []  # model, optimizer, lr scheduler, dataloader, step
         assert _diff(before["batch_7"], after["batch_7"]) == []  # the data stream goes on where it was

@@ -67,7 +67,7 @@ def trainer_job(rank: int, world_size: int, workdir: str, run_dir: str, s3_root:
             saved[step] = _state(model, optimizer)
             if rank == 0:  # Trainer: `if self.args.should_save:` state json, then the rotation
                 with open(os.path.join(output_dir, "trainer_state.json"), "w") as f:
-                    f.write('{"global_step": %d}' % step)
+                    f.write(f'{{"global_step": {step}}}')
                 trainer.rotate_checkpoints(output_dir=run_dir, save_total_limit=2, use_mtime=True)
                 store = StorageOptions().store(s3_root)
                 in_bucket[step] = sorted({e.name.split("/")[0] for e in store.list_objects()})

@@ -87,7 +87,7 @@ def hand_built() -> Metadata:
         )
         pos += length + 7
 
-    for i, c in enumerate(state["w"].chunks):
+    for c in state["w"].chunks:
         put("w", c.offsets, 12 * c.sizes[0] * 4, index=0)
     for c in state["tiny"].chunks[:3]:  # duplicate offsets (the empty chunks) map to the first of them
         put("tiny", c.offsets, c.sizes[0] * 10, index=None)

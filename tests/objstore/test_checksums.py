@@ -5,6 +5,7 @@ item and part checksums as hashing the item's and the part's bytes on their own 
 from __future__ import annotations
 
 import base64
+import itertools
 import sys
 import threading
 from typing import Any
@@ -32,7 +33,7 @@ MiB = 1 << 20
 def test_combine_matches_the_crc_of_the_whole(data: bytes, cuts: list[int]) -> None:
     points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
     combined = 0
-    for lo, hi in zip(points, points[1:]):
+    for lo, hi in itertools.pairwise(points):
         combined = crc32c_combine(combined, crc32c(data[lo:hi]), hi - lo)
     assert combined == crc32c(data)
 

@@ -120,7 +120,7 @@ def test_checkpointer_resave_does_not_delete_through_a_linked_directory(tmp_path
     assert same(load(other), SECRET)
     fresh = Net()
     assert ckpt.load({"net": fresh}) == 7
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), net.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), net.state_dict().values(), strict=True))
 
 
 def test_writer_does_not_create_prefix_directories_through_a_link(tmp_path: Path) -> None:

@@ -144,7 +144,8 @@ def test_parts_of_borrowed_memory_grow_to_the_direct_part_size_while_copies_stay
     assert pool.peak_bytes <= 2 * PART  # one buffer per place, of part_size
     starts = [0, sizes[0], sizes[0] + sizes[1]]
     assert [h.get("x-amz-checksum-crc32c") for h in sent.headers] == [
-        base64.b64encode(crc32c(data[a : a + n]).to_bytes(4, "big")).decode() for a, n in zip(starts, sizes)
+        base64.b64encode(crc32c(data[a : a + n]).to_bytes(4, "big")).decode()
+        for a, n in zip(starts, sizes, strict=True)
     ]
 
 

@@ -224,5 +224,5 @@ def test_checkpointer_loads_compact_metadata_through_the_scalable_planner(tmp_pa
     assert torch.equal(fresh[0].weight, frozen)  # frozen: neither saved nor overwritten
     for name in ("0.bias", "1.weight", "1.bias"):
         assert torch.equal(fresh.state_dict()[name], model.state_dict()[name]), name
-    for mine, theirs in zip(fresh_optim.state.values(), optim.state.values()):
+    for mine, theirs in zip(fresh_optim.state.values(), optim.state.values(), strict=True):
         assert all(torch.equal(mine[k], theirs[k]) for k in ("exp_avg", "exp_avg_sq"))

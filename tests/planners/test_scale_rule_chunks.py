@@ -63,7 +63,7 @@ def grid(size: tuple[int, int], a: int, b: int) -> list[Box]:
 def rows(size: tuple[int, ...], cuts: list[int]) -> list[Box]:
     """Dim-0 slabs between ``cuts`` (0 and size[0] implied)."""
     edges = [0, *cuts, size[0]]
-    return [([lo, *[0] * (len(size) - 1)], [hi - lo, *size[1:]]) for lo, hi in zip(edges, edges[1:])]
+    return [([lo, *[0] * (len(size) - 1)], [hi - lo, *size[1:]]) for lo, hi in itertools.pairwise(edges)]
 
 
 def plans_of(tensors: dict[str, tuple[tuple[int, ...], list[Box]]], ranks: int) -> list[SavePlan]:

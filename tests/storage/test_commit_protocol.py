@@ -331,7 +331,7 @@ def test_resumes_steps_whose_marker_has_no_format(bucket: str) -> None:
     for k, v in m.state_dict().items():
         assert torch.equal(m2.state_dict()[k], v), k
     assert sched2.state_dict()["last_epoch"] == sched.state_dict()["last_epoch"] == 1
-    for p, p2 in zip(m.parameters(), m2.parameters()):
+    for p, p2 in zip(m.parameters(), m2.parameters(), strict=True):
         assert torch.equal(optim.state[p]["exp_avg"], optim2.state[p2]["exp_avg"])
     # A marker that is neither kind is still refused.
     save_object({"something": 1}, f"{root}/0000600.pth")

@@ -207,7 +207,7 @@ def test_checkpointer_resume_and_tier_promotion(https: LocalS3Server, tls_bucket
     resumed = Checkpointer(root, verify=https.ca_bundle)  # S3 only: another node, no local copy
     assert resumed.load({"m": fresh}, {"m": fresh_optim}) == 5
     resumed.close()
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True))
 
 
 def test_the_route_takes_the_ca(https: LocalS3Server, tls_bucket: str) -> None:

@@ -7,6 +7,7 @@ then load, copy, verify, corrupt and delete (copies of) what it wrote.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import uuid
@@ -70,7 +71,7 @@ def test_rank_prefix_names() -> None:
 @pytest.mark.parametrize("n", [2, 3, 16, 17, 100, 256, 4096])
 def test_consecutive_ranks_differ_right_after_p(n: int) -> None:
     first = [rank_prefix(r, n)[2] for r in range(n)]
-    assert all(a != b for a, b in zip(first, first[1:])), first
+    assert all(a != b for a, b in itertools.pairwise(first)), first
     dirs = {rank_prefix(r, n).split("/")[0] for r in range(2 * n)}
     assert len(dirs) == n and all(is_key_prefix_dir(d) for d in dirs)
     assert all(check_object_name(rank_prefix(r, n) + "0.distcp") for r in range(n))

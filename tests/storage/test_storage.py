@@ -72,7 +72,7 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, list):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, path

@@ -512,7 +512,7 @@ def botocore_debug() -> Iterator[io.StringIO]:
         lg.setLevel(logging.DEBUG)
         lg.addHandler(handler)
     yield stream
-    for lg, level in zip(loggers, levels):
+    for lg, level in zip(loggers, levels, strict=True):
         lg.removeHandler(handler)
         lg.setLevel(level)
 

@@ -67,7 +67,7 @@ class ObjectWriteStream(io.RawIOBase):
 
     def __del__(self) -> None:  # an abandoned stream never publishes a partial object
         if not self._done:
-            try:
+            try:  # noqa: SIM105 -- not contextlib.suppress: at interpreter shutdown that global may be gone
                 self._writer.abort()
             except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
                 pass
