@@ -8,6 +8,7 @@ parent owns the S3 server and reads its request/byte counters around each child.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -568,10 +569,8 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    try:
+    with contextlib.suppress(OSError):
         info["loadavg_at_start"] = os.getloadavg()
-    except OSError:
-        pass
     try:
         import torch
 

@@ -163,12 +163,11 @@ def torch_copy_rates(device: torch.device, nbytes: int) -> dict[str, float]:
     pin = device.type == "cuda"
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
     pageable = torch.empty(nbytes, dtype=torch.uint8)
-    out = {
+    return {
         "torch_pinned_d2h": nbytes / _best(lambda: host.copy_(src, non_blocking=True), device) / 1e9,
         "torch_pinned_h2d": nbytes / _best(lambda: src.copy_(host, non_blocking=True), device) / 1e9,
         "torch_pageable_d2h": nbytes / _best(lambda: pageable.copy_(src), device) / 1e9,
     }
-    return out
 
 
 def dcp_s3_copy_rates(device: torch.device, nbytes: int, transfer: TransferConfig) -> dict[str, float]:
@@ -436,7 +435,7 @@ def default_stager(sd: dict[str, torch.Tensor], root: Path, device: torch.device
         stager = DefaultStager(StagingOptions(True, True, True, True))
         writer = S3StorageWriter(root / "stager")
 
-        def run() -> dict[str, float]:
+        def run(writer: Any = writer, stager: Any = stager, kind: Any = kind) -> dict[str, float]:
             t0 = time.perf_counter()
             resp = dcp.async_save(sd, storage_writer=writer, async_stager=stager, async_checkpointer_type=kind)
             returned = time.perf_counter() - t0
@@ -587,7 +586,7 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for name, m in results.get("save_load", {}).items():
 
-        def f(key: str, fmt: str = "{:.2f}") -> str:
+        def f(key: str, fmt: str = "{:.2f}", m: dict[str, Any] = m) -> str:
             return fmt.format(m[key]) if isinstance(m.get(key), (int, float)) else ""
 
         extra = m.get("bit_exact", m.get("result", ""))

@@ -137,7 +137,7 @@ def same_state(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 

@@ -467,7 +467,7 @@ def _plot(summary: dict[str, Any], workload: common.Workload, path: Path, server
     colors = [
         "#d62728" if n.startswith("dcp_s3") else "#7f7f7f" if n in (CEILING, REFERENCE) else "#1f77b4" for n in names
     ]
-    for ax, (title, fn) in zip(axes.flat, panels):
+    for ax, (title, fn) in zip(axes.flat, panels, strict=True):
         if fn is None:
             xs = range(len(names))
             save = [_get(summary, n, "save", "peak_rss_growth_mib") or 0 for n in names]
@@ -478,7 +478,7 @@ def _plot(summary: dict[str, Any], workload: common.Workload, path: Path, server
         else:
             values = [fn(n) for n in names]
             bars = ax.bar(range(len(names)), [v or 0 for v in values], color=colors)
-            for bar, v in zip(bars, values):
+            for bar, v in zip(bars, values, strict=True):
                 if v is not None:
                     ax.annotate(
                         f"{v:.3g}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7

@@ -18,6 +18,7 @@ Which one is the benchmark server, and why: ``benchmarks/README.md`` (``benchmar
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -83,10 +84,8 @@ class BenchServer:
                 os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout=10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 self.process.wait(timeout=10)
         shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -149,7 +149,7 @@ def load(sd: dict[str, Any], bucket: str, prefix: str) -> None:
         while got < n:
             chunk = body.read(min(1 << 20, n - got))
             if not chunk:
-                raise IOError(f"short read of {key}")
+                raise OSError(f"short read of {key}")
             view[got : got + len(chunk)] = chunk
             got += len(chunk)
 

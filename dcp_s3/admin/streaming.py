@@ -94,7 +94,7 @@ class _Into(LoadPlanner):
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         assert self.dest is not None
         view = self.dest
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
             view = view.narrow(dim, start, length)
         return view
 

@@ -13,6 +13,7 @@ memory bounded by ``chunk`` plus the upload's own part buffers, never by the obj
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -74,7 +75,7 @@ def plan_parts(pieces: Sequence[Piece], min_part: int, max_copy: int = COPY_PART
         if n >= min_part:  # nothing pending here
             count = max(1, min(-(-n // max_copy), n // min_part))  # even parts, each in [min_part, max_copy]
             cuts = [piece.start + i * n // count for i in range(count + 1)]
-            parts.extend(ComposePart((Span(piece.key, a, b),), copy=True) for a, b in zip(cuts, cuts[1:]))
+            parts.extend(ComposePart((Span(piece.key, a, b),), copy=True) for a, b in itertools.pairwise(cuts))
         else:
             pending.append(piece)
             size = n

@@ -378,8 +378,7 @@ def _log_failed_attempt(
     """Log, at debug, each failed attempt botocore may retry; the URL names bucket and key, never secrets."""
     status = response[0].status_code if response else None
     if caught_exception is None and (status is None or status < 500) and status != 429:
-        return None  # returning None leaves the retry decision to botocore
+        return  # no value: the retry decision stays botocore's
     cause = caught_exception if caught_exception is not None else f"HTTP {status}"
     url = str(request_dict.get("url", "")).split("?", 1)[0]
     log.debug("%s %s: attempt %d failed (%s)", operation.name, url, attempts, cause)
-    return None

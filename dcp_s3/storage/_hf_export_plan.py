@@ -146,9 +146,9 @@ def plan_export(
             [(t.name, t.dtype, t.shape) for t in members], {"format": "pt", **(metadata or {})}
         )
         headers.append(header)
-        ends.append([(end, t.name) for t, (_, end) in zip(members, spans)])
+        ends.append([(end, t.name) for t, (_, end) in zip(members, spans, strict=True)])
         name = shard_name(f, len(files))
-        for t, (begin, _) in zip(members, spans):
+        for t, (begin, _) in zip(members, spans, strict=True):
             out.weight_map[t.name] = name
             out.total_size += t.nbytes
             esize = DTYPE_SIZES[t.dtype]
@@ -166,10 +166,10 @@ def plan_export(
     _check_tiling(runs, headers, ends, files)
     # Each rank's chunks into its piece object, in the order of their first byte in the export.
     firsts: dict[int, dict[ChunkKey, int]] = {}
-    for f, at, _, rank, key, within in runs:
+    for _, _, _, rank, key, _ in runs:
         firsts.setdefault(rank, {}).setdefault(key, len(firsts[rank]))
     chunk_bytes: dict[ChunkKey, int] = {}
-    for _, _, n, rank, key, _ in runs:
+    for _, _, n, _, key, _ in runs:
         chunk_bytes[key] = chunk_bytes.get(key, 0) + n
     where: dict[tuple[int, ChunkKey], int] = {}
     for rank in range(len(plans)):

@@ -138,7 +138,9 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
         self._export = plan_export(
             plans, self.max_shard_size, STAGING_PREFIX + self._export_id, {EXPORT_KEY: self._export_id}
         )
-        return [dataclasses.replace(p, storage_data=pieces) for p, pieces in zip(plans, self._export.ranks)]
+        return [
+            dataclasses.replace(p, storage_data=pieces) for p, pieces in zip(plans, self._export.ranks, strict=True)
+        ]
 
     def _check_conditional_writes(self) -> bool:
         store = self._session.object_store

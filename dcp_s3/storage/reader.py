@@ -211,7 +211,7 @@ class S3StorageReader(Location, StorageReader):
         counts = job_counts(len(plans))
         return [
             plan if plan.storage_data is not None else dataclasses.replace(plan, storage_data=count)
-            for plan, count in zip(plans, counts)
+            for plan, count in zip(plans, counts, strict=True)
         ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

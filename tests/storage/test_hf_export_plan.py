@@ -29,7 +29,7 @@ def _item(name: str, full: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[
 
 def _chunk(full: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
     out = full
-    for d, (o, s) in enumerate(zip(offsets, sizes)):
+    for d, (o, s) in enumerate(zip(offsets, sizes, strict=True)):
         out = out.narrow(d, o, s)
     return out.contiguous()
 

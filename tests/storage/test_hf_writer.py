@@ -19,6 +19,7 @@ from dist_utils import run_ranks
 from fault_proxy import FaultProxy, Rule
 from hostile import root_causes
 from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_s3 import (
     CheckpointExistsError,
@@ -26,7 +27,9 @@ from dcp_s3 import (
     ConfigError,
     S3HuggingFaceStorageReader,
     S3HuggingFaceStorageWriter,
+    S3TransferError,
 )
+from dcp_s3._torch_compat import checkpoint_failures
 from dcp_s3.local_server import LocalS3Server
 
 MiB = 1 << 20
@@ -68,7 +71,7 @@ def _check_export(s3: LocalS3Server, bucket: str, prefix: str, tmp: Path, want: 
     got = {}
     for file in sorted(set(index["weight_map"].values())):
         with safe_open(os.fspath(tmp / file), framework="pt") as f:
-            for k in f.keys():
+            for k in f.keys():  # noqa: SIM118 (safe_open is no dict: keys() is its API)
                 got[k] = f.get_tensor(k)
     _assert_bit_exact(got, want)
     out = {k: torch.zeros_like(v) for k, v in want.items()}
@@ -194,8 +197,9 @@ def test_failed_save_leaves_no_index_and_is_refused(moto_server: LocalS3Server, 
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         uri = f"s3://{bucket}/torn"
         writer = S3HuggingFaceStorageWriter(uri, max_shard_size=1 * MiB)
-        with pytest.raises(BaseException):
+        with pytest.raises(CheckpointException) as info:
             dcp.save(_tensors(), storage_writer=writer, no_dist=True)
+        assert any(isinstance(c, S3TransferError) for c in checkpoint_failures(info.value))
         assert proxy.injected("500") >= 1
         keys = [o["Key"] for o in moto_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
         assert "torn/model-00001-of-00002.safetensors" in keys
@@ -212,7 +216,7 @@ def test_local_directory_export(tmp_path: Path) -> None:
     dcp.save(want, storage_writer=S3HuggingFaceStorageWriter(os.fspath(tmp_path / "ex")), no_dist=True)
     got = {}
     with safe_open(os.fspath(tmp_path / "ex" / "model-00001-of-00001.safetensors"), framework="pt") as f:
-        for k in f.keys():
+        for k in f.keys():  # noqa: SIM118 (safe_open is no dict: keys() is its API)
             got[k] = f.get_tensor(k)
     _assert_bit_exact(got, want)
     assert sorted(os.listdir(tmp_path / "ex")) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]

@@ -53,7 +53,7 @@ def test_each_setting_is_declared_once() -> None:
     fields = [f.name for part in PARTS for f in dataclasses.fields(part)]
     twice = sorted({n for n in fields if fields.count(n) > 1})
     assert not twice, f"settings declared by two parts: {twice}"
-    assert KEYWORDS == {*fields, "client", "transfer"}
+    assert {*fields, "client", "transfer"} == KEYWORDS
     part_names = {p.__name__ for p in PARTS}
     again = []
     for module, tree in _sources():
@@ -71,8 +71,8 @@ def test_each_setting_is_declared_once() -> None:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args
                 positional = args.posonlyargs + args.args
-                defaults = list(zip(positional[len(positional) - len(args.defaults) :], args.defaults))
-                defaults += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+                defaults = list(zip(positional[len(positional) - len(args.defaults) :], args.defaults, strict=True))
+                defaults += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None]
                 again += [
                     f"{module}:{node.lineno} {node.name}({a.arg}=...)"
                     for a, d in defaults
