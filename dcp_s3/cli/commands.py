@@ -70,6 +70,8 @@ server and removes what it stored.""",
   dcp-s3 convert s3://bucket/run1/0001000 model.pt                # full tensors, torch.save
   dcp-s3 convert s3://bucket/run1/0001000 model.safetensors       # needs the safetensors package
   dcp-s3 convert s3://bucket/run1/0001000.model_model s3://bucket/plain/0001000 --format dcp
+  dcp-s3 convert s3://bucket/run1/0001000 s3://bucket/export/llama --format safetensors   # an HF export, streamed
+  dcp-s3 convert s3://bucket/models/llama s3://bucket/ckpt/llama --format dcp             # HF export -> DCP
 An existing OUT is never replaced unless --force.""",
 }
 
@@ -278,12 +280,14 @@ def _changing_commands(add: _Add) -> None:
     p = add(
         "convert",
         cmd_convert,
-        "convert to one torch.save/safetensors file or plain DCP",
-        "Load a checkpoint into this process as full (unsharded) tensors and write it as one torch.save file, "
-        "a safetensors file (if the safetensors package is installed) or a new uncompressed DCP checkpoint.",
+        "convert to one torch.save/safetensors file, plain DCP or a Hugging Face export",
+        "Write a checkpoint as one torch.save file or one safetensors file (loaded whole into this process), or "
+        "stream it, chunk by chunk, into a new uncompressed DCP checkpoint (--format dcp) or a Hugging Face "
+        "safetensors export (--format safetensors with an OUT not ending in .safetensors). A Hugging Face export "
+        "(its model.safetensors.index.json and shards) is a source too, for the streamed formats.",
     )
-    p.add_argument("uri", help="a DCP checkpoint, or a step with one *_model part")
-    p.add_argument("out", help="output file, or for --format dcp a checkpoint location")
+    p.add_argument("uri", help="a DCP checkpoint, a step with one *_model part, or a Hugging Face export prefix")
+    p.add_argument("out", help="output file, or a checkpoint / export location (--format dcp, or safetensors)")
     p.add_argument(
         "--format",
         choices=("torch", "safetensors", "dcp"),
