@@ -32,6 +32,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from dcp_s3 import commit
 from dcp_s3.checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV
 from dcp_s3.checkpointer.steps import (
     MARKER_SUFFIX,
@@ -91,6 +92,7 @@ def part_dirs_of(marker: Any, step: str, where: str) -> dict[str, str] | None:
             f"{where}: {PART_DIRS!r} names the parts {sorted(map(str, dirs))!r}, the marker lists {sorted(parts)!r}"
         )
     out: dict[str, str] = {}
+    tokens: dict[str, str | None] = {}
     for suffix, name in dirs.items():
         if not PART_SUFFIX_RE.fullmatch(suffix):
             raise CheckpointFormatError(f"{where}: {suffix!r} is not a part name (<key>_model or <key>_optim)")
@@ -102,6 +104,8 @@ def part_dirs_of(marker: Any, step: str, where: str) -> dict[str, str] | None:
                 f"({suffix!r} or {suffix!r}.<16 hex digits>)"
             )
         out[suffix] = f"{step}.{name}"
+        tokens[suffix] = token
+    commit.check_one_save(tokens, set(list(tokens.values())[:1]), f"{where}: {PART_DIRS}")  # one save's directories
     return out
 
 
@@ -157,15 +161,8 @@ def load_marker_bytes(data: bytes, where: str) -> Any:
 def read_marker(store: Store, step: str) -> tuple[bytes, Any] | None:
     """(bytes, loaded value) of ``<step>.pth``, or None if there is none."""
     name = step + MARKER_SUFFIX
-    if store.size(name) is None:
-        return None
-    try:
-        data = store.read(name)
-    except DcpS3Error:
-        if store.size(name) is None:  # deleted between the HEAD and the GET
-            return None
-        raise
-    return data, load_marker_bytes(data, store.url(name))
+    data = commit.read_marker(store.object_store, store.key(name))  # None also when deleted while read
+    return None if data is None else (data, load_marker_bytes(data, store.url(name)))
 
 
 def settle(store: Store, steps: Iterable[Step]) -> list[Step]:
@@ -220,12 +217,8 @@ def delete_dirs(store: Store, dirs: Iterable[str]) -> int:
     names: list[str] = []
     for directory in dirs:
         names += [e.name for e in store.list_objects(directory + "/") if is_checkpoint_object(directory, e.name)]
-    metadata = [n for n in names if n.rpartition("/")[2] == METADATA_KEY]
-    if metadata:
-        store.delete(metadata)
-    rest = [n for n in names if n.rpartition("/")[2] != METADATA_KEY]
-    if rest:
-        store.delete(rest)
+    first = [store.key(n) for n in names if n.rpartition("/")[2] == METADATA_KEY]
+    commit.retire(store.object_store, first, [store.key(n) for n in names if n.rpartition("/")[2] != METADATA_KEY])
     return len(names)
 
 
@@ -270,21 +263,15 @@ def commit_step(
 
 
 def _commit_first(store: Store, step: str, marker: bytes, token: str | None, suffixes: list[str]) -> None:
-    name = step + MARKER_SUFFIX
-    try:
-        store.write(name, marker, overwrite=False)
+    taken = commit.publish(store.object_store, store.key(step + MARKER_SUFFIX), marker)
+    if taken is None:  # ours (also when a retried PUT found its own first attempt's bytes)
         return
-    except CheckpointExistsError:
-        pass
     lost = (
         f"step {store.url(step)} was committed by another save while this first save of it ran (two jobs "
         "saving the same step): the step is the other save, every part of it; this save is not stored"
     )
-    try:
-        if store.read(name) == marker:  # our own write, refused on a retry of it
-            return
-    except (DcpS3Error, OSError) as exc:  # which save holds the step is unknown: delete nothing
-        raise CheckpointExistsError(f"{lost} (its marker could not be read back: {exc})") from None
+    if taken.unreadable is not None:  # which save holds the step is unknown: delete nothing
+        raise CheckpointExistsError(f"{lost} (its marker could not be read back: {taken.unreadable})")
     mine = [f"{step}.{marker_entry(s, token)}" for s in suffixes] if token is not None else []
     try:  # named by this save's token alone: never by the marker that won
         delete_dirs(store, mine)

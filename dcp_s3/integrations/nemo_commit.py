@@ -3,10 +3,10 @@ proven by its save token, and the retention of committed checkpoints by ownershi
 
 A NeMo AutoModel checkpoint ``<checkpoint_dir>/<name>/`` on S3 holds one save: every object of it below
 ``<name>/save.<token>/`` (NeMo's own layout there: ``model/``, ``optim/``, ``rng/...``), and the commit
-``<name>/dcp_s3_commit.json``, written last by rank 0 with a PUT that never replaces another (:class:`Commit`:
-the token, the DCP parts, each small file with its size). Loads read the commit once (rank 0, shared) and read
-everything below the one save it names; a stored commit is untrusted input, checked field by field
-(:meth:`Commit.parse`) before any name in it is used.
+``<name>/dcp_s3_commit.json``, written last by rank 0 with a PUT that never replaces another
+(:func:`dcp_s3.commit.publish`; :class:`Commit`: the token, the DCP parts, each small file with its size). Loads
+read the commit once (rank 0, shared) and read everything below the one save it names; a stored commit is untrusted
+input, checked field by field (:meth:`Commit.parse`) before any name in it is used.
 
 A save's DCP parts may be uploaded asynchronously (NeMo's ``is_async``): their upload futures are recorded with the
 save (:meth:`Saves.add_upload`), and :meth:`Saves.commit` waits for them on every rank, with a deadline, before it
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dcp_s3 import commit as marker
 from dcp_s3.checkpointer.ownership import Ownership, refuse
 from dcp_s3.checkpointer.ownership import committed as parts_committed
 from dcp_s3.checkpointer.ranks import Ranks, distributed, world_size
@@ -38,7 +39,7 @@ from dcp_s3.errors import (
     ConfigError,
     S3TransferError,
 )
-from dcp_s3.layout import METADATA_KEY, is_token, new_token
+from dcp_s3.layout import METADATA_KEY, new_token
 from dcp_s3.store.base import Store
 from dcp_s3.store.storage_options import StorageOptions
 
@@ -71,11 +72,6 @@ MAX_FILE_BYTES = 1 << 30
 COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
-def _clean_rel(rel: object) -> bool:
-    """Whether ``rel`` is a relative name of clean components (no ``.``/``..``, no empty part)."""
-    return isinstance(rel, str) and 0 < len(rel) <= 512 and all(COMPONENT.fullmatch(c) for c in rel.split("/"))
-
-
 @dataclass(frozen=True)
 class Commit:
     """A committed save as its commit names it: token, DCP parts, small files (relative name -> size)."""
@@ -92,21 +88,17 @@ class Commit:
     @classmethod
     def parse(cls, data: bytes, where: str) -> Commit:
         """The commit stored at ``where``, checked field by field; ``CheckpointFormatError`` naming the field."""
-        try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-            raise CheckpointFormatError(f"{where}: not a JSON document ({type(exc).__name__})") from None
-        if not isinstance(doc, dict) or set(doc) != {"format", "save", "parts", "files"}:
-            raise CheckpointFormatError(f"{where}: expected the keys format, save, parts, files")
+        doc = marker.load_json(data, where, ("format", "save", "parts", "files"))
         if doc["format"] != FORMAT:
             raise CheckpointFormatError(f"{where}: format {str(doc['format'])[:40]!r} is not {FORMAT!r}")
-        token, parts, files = doc["save"], doc["parts"], doc["files"]
-        if not is_token(token):
-            raise CheckpointFormatError(f"{where}: save is not a save token (16 hex digits)")
+        token, parts, files = marker.check_token(doc["save"], f"{where}: save"), doc["parts"], doc["files"]
         if not isinstance(parts, list) or not all(isinstance(p, str) and COMPONENT.fullmatch(p) for p in parts):
             raise CheckpointFormatError(f"{where}: parts is not a list of names of one path component")
         if not isinstance(files, dict) or not all(
-            _clean_rel(k) and isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_FILE_BYTES
+            marker.is_clean_name(k, component=COMPONENT)
+            and isinstance(v, int)
+            and not isinstance(v, bool)
+            and 0 <= v <= MAX_FILE_BYTES
             for k, v in files.items()
         ):
             raise CheckpointFormatError(
@@ -240,7 +232,8 @@ class Saves:
             missing = [p for p in parts if store.size(f"{SAVE_DIR}{token}/{p}/{METADATA_KEY}") is None]
             if missing:
                 raise CheckpointNotFoundError(f"{ckpt}: DCP parts {missing} of save {token} are not committed")
-            store.write(COMMIT, commit.to_json(), overwrite=False)
+            if marker.publish(store.object_store, store.key(COMMIT), commit.to_json()):
+                raise CheckpointExistsError(f"{ckpt}: another save committed this checkpoint ({COMMIT}) meanwhile")
 
         self.ranks.run_on_rank0(write)
         del self.pending[ckpt]
@@ -252,12 +245,8 @@ class Saves:
 
     def read_commit(self, store: Store, where: str) -> Commit | None:
         """The commit of the checkpoint ``store`` is rooted at, checked; None when there is none."""
-        size = store.size(COMMIT)
-        if size is None:
-            return None
-        if size > MAX_COMMIT_BYTES:
-            raise CheckpointFormatError(f"{where}/{COMMIT}: {size} bytes, more than a commit's {MAX_COMMIT_BYTES}")
-        return Commit.parse(store.read(COMMIT), f"{where}/{COMMIT}")
+        data = marker.read_marker(store.object_store, store.key(COMMIT), max_bytes=MAX_COMMIT_BYTES)
+        return None if data is None else Commit.parse(data, f"{where}/{COMMIT}")
 
     def committed(self, ckpt: str) -> Commit:
         """The commit of ``ckpt``, read by rank 0 on the first call for it and shared (a collective then);
@@ -339,8 +328,7 @@ class Saves:
             location = f"{self.root}/{name}"
             if self.ownership().deletable(store, location, parts) is None:
                 continue
-            store.delete([f"{name}/{COMMIT}"])
-            store.delete([entry.name for entry in store.list_objects(f"{name}/")])
+            marker.retire(store.object_store, [store.key(f"{name}/{COMMIT}")], prefix=store.key(f"{name}/"))
             self.commits.pop(location, None)
             logger.info("pruned old NeMo checkpoint %s", location)
 

@@ -11,9 +11,9 @@ is untouched and loads bit-exact.
   own objects, so the result is one save's data, never a mix. Which objects the replaced checkpoint used is read
   from its ``.metadata`` and narrowed by :func:`dcp_s3.layout.replaceable_objects`; an unreadable one is
   replaced and its objects are left, not guessed.
-- ``overwrite=False`` (:func:`commit_once`): a conditional PUT (``If-None-Match: *``) where the server enforces
-  it, else a HEAD first (best effort, warned at planning); a save that finds a checkpoint committed meanwhile
-  deletes its own objects and raises ``CheckpointExistsError``.
+- ``overwrite=False`` (:func:`commit_once`): :func:`dcp_s3.commit.publish`, a conditional PUT
+  (``If-None-Match: *``) where the server enforces it, else a HEAD first (best effort, warned at planning); a
+  save that finds a checkpoint committed meanwhile deletes its own objects and raises ``CheckpointExistsError``.
 
 Deletes here are best effort: a failure is a ``RuntimeWarning`` naming how many objects were left for ``gc``.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import warnings
 
+from dcp_s3.commit import publish
 from dcp_s3.errors import (
     BucketNotFoundError,
     CheckpointExistsError,
@@ -60,21 +61,16 @@ def commit_replacing(session: Session, checkpoint_id: str, body: bytes, ours: se
 def commit_once(session: Session, checkpoint_id: str, body: bytes, ours: set[str], conditional: bool) -> None:
     """``overwrite=False``: PUT ``body`` as ``.metadata`` only if no checkpoint is there (``conditional``: by
     ``If-None-Match``, else by a HEAD first); else delete ``ours`` (this save's objects) and raise."""
-    object_store = session.object_store
-    key = session.key(METADATA_KEY)
-    if not conditional and object_store.head(key) is not None:  # best effort (warned)
-        delete_quietly(session, checkpoint_id, sorted(ours), "objects of a save that was not committed")
-        raise exists_error(checkpoint_id, "another save committed it while this one was being written")
-    try:
-        object_store.put(key, body, if_none_match=conditional)
-    except CheckpointExistsError as exc:
-        # A retried PUT whose first attempt did land finds its own bytes (they hold this save's id).
-        if object_store.get(key) == body:
-            return
-        delete_quietly(session, checkpoint_id, sorted(ours), "objects of a save that was not committed")
-        raise exists_error(
-            checkpoint_id, "another save committed it while this one was being written; this save was not committed"
-        ) from exc
+    # Not conditional: a HEAD first, best effort (warned). A retried PUT whose first attempt did land finds
+    # its own bytes (they hold this save's id): published.
+    taken = publish(session.object_store, session.key(METADATA_KEY), body, conditional=conditional)
+    if taken is None:
+        return
+    if taken.unreadable is not None:  # which save holds the path is unknown: delete nothing
+        raise taken.unreadable
+    delete_quietly(session, checkpoint_id, sorted(ours), "objects of a save that was not committed")
+    advice = "another save committed it while this one was being written"
+    raise exists_error(checkpoint_id, f"{advice}; this save was not committed" if conditional else advice)
 
 
 def delete_quietly(session: Session, checkpoint_id: str, names: list[str], what: str) -> None:

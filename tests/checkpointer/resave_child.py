@@ -18,7 +18,7 @@ kills it). The phases are points of the real save, in this process, on any store
 - ``optim``: the same in the optimizer part (the model part is committed);
 - ``marker``: just before the marker ``<step>.pth`` is written (every part committed);
 - ``marker-written``: just after the marker is written (nothing deleted yet);
-- ``cleanup``: before the second deletion request of the old parts (their ``.metadata`` gone);
+- ``cleanup``: between the deletion of the old parts' ``.metadata`` and of their other objects;
 - ``none``: run through.
 """
 
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dcp_s3 import commit
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.checkpointer import manager as checkpointer
 from dcp_s3.store import base as store
@@ -103,7 +104,7 @@ def hold_at(phase: str, held: str, release: str) -> None:
     elif phase == "optim":
         checkpointer.DefaultSavePlanner = holding(checkpointer.DefaultSavePlanner)  # type: ignore[misc]
     elif phase in ("marker", "marker-written"):
-        write = store.Store.write
+        write, publish = store.Store.write, commit.publish
 
         def held_write(self: Any, name: str, data: bytes, **kwargs: Any) -> None:
             if name.endswith(".pth") and phase == "marker":
@@ -112,19 +113,28 @@ def hold_at(phase: str, held: str, release: str) -> None:
             if name.endswith(".pth") and phase == "marker-written":
                 wait()
 
-        store.Store.write = held_write  # type: ignore[method-assign]
-    elif phase == "cleanup":
-        delete = store.Store.delete
-        calls = [0]
-
-        def held_delete(self: Any, names: Any) -> None:
-            names = list(names)
-            calls[0] += 1
-            if calls[0] == 2:
+        def held_publish(objects: Any, key: str, body: bytes, **kwargs: Any) -> Any:  # a first save's marker
+            if key.endswith(".pth") and phase == "marker":
                 wait()
-            delete(self, names)
+            taken = publish(objects, key, body, **kwargs)
+            if key.endswith(".pth") and phase == "marker-written":
+                wait()
+            return taken
 
-        store.Store.delete = held_delete  # type: ignore[method-assign]
+        store.Store.write = held_write  # type: ignore[method-assign]
+        commit.publish = held_publish
+    elif phase == "cleanup":
+        retire, calls = commit.retire, [0]
+
+        def held_retire(objects: Any, markers: Any, rest: Any = (), **kwargs: Any) -> int:
+            calls[0] += 1
+            if calls[0] > 1:
+                return retire(objects, markers, rest, **kwargs)
+            retire(objects, markers)  # the replaced parts' .metadata are gone, the rest not yet
+            wait()
+            return retire(objects, [], rest, **kwargs)
+
+        commit.retire = held_retire
     elif phase != "none":
         raise SystemExit(f"unknown phase {phase!r}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,26 @@ def test_marker_naming_other_directories_is_refused_and_nothing_outside_is_delet
     }
     assert Checkpointer(run).load({"m": build(3)[0]}, path=str(run / "0000001")) == 1
     assert Checkpointer(run).load({"m": build(3)[0]}) == 2
+
+
+def test_a_marker_naming_the_directories_of_two_saves_is_refused(tmp_path: Path) -> None:
+    """One save per load: a marker whose ``part_dirs`` mix two saves' generation directories (each one complete,
+    each named well) is refused, never loaded as one step."""
+    run = tmp_path / "run"
+    model, optim, _ = first_state()
+    ckpt = Checkpointer(run)
+    ckpt.save({"m": model}, {"m": optim}, iteration=1)
+    ckpt.save({"m": model}, {"m": optim}, iteration=1)  # re-saved: generation directories
+    marker = torch.load(run / "0000001.pth", weights_only=True)
+    other = "m_model.0123456789abcdef"  # a complete copy: another save's model part
+    shutil.copytree(run / f"0000001.{marker['part_dirs']['m_model']}", run / f"0000001.{other}")
+    marker["part_dirs"]["m_model"] = other
+    buf = io.BytesIO()
+    torch.save(marker, buf)
+    (run / "0000001.pth").write_bytes(buf.getvalue())
+    with pytest.raises(CheckpointFormatError, match="part_dirs.*belongs to no save"):
+        Checkpointer(run).load({"m": build(3)[0]}, path=str(run / "0000001"))
+    assert latest_checkpoint(run) is None
 
 
 # -- ls: a failed read is unreadable, whatever its message ------------------------------------------------

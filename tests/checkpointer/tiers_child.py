@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dcp_s3 import commit
 from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.checkpointer import manager as checkpointer
 from dcp_s3.store import base as store
@@ -56,11 +57,10 @@ def hold_at(phase: str, held: str, release: str) -> None:
 
         checkpointer.TrainableOnlySavePlanner = Holding  # type: ignore[misc]
         return
-    write, stream_to = store.Store.write, store.Store.stream_to
+    write, stream_to, publish = store.Store.write, store.Store.stream_to, commit.publish
     calls = {"write": 0, "stream": 0}
 
-    def held_write(self: Any, name: str, data: bytes, **kwargs: Any) -> None:
-        s3 = self.root.startswith("s3://")
+    def hold(s3: bool, name: str) -> None:
         if phase == "local-marker" and not s3 and name.endswith(".pth"):
             wait()
         if phase == "report" and s3 and "__rankmeta_" in name:
@@ -69,7 +69,15 @@ def hold_at(phase: str, held: str, release: str) -> None:
             wait()
         if phase == "s3-marker" and s3 and name.endswith(".pth"):
             wait()
+
+    def held_write(self: Any, name: str, data: bytes, **kwargs: Any) -> None:
+        hold(self.root.startswith("s3://"), name)
         write(self, name, data, **kwargs)
+
+    def held_publish(objects: Any, key: str, body: bytes, **kwargs: Any) -> Any:  # a first save's marker
+        if key.endswith(".pth"):
+            hold(objects.url(key).startswith("s3://"), key)
+        return publish(objects, key, body, **kwargs)
 
     def held_stream(self: Any, *args: Any) -> None:
         calls["stream"] += 1
@@ -79,6 +87,7 @@ def hold_at(phase: str, held: str, release: str) -> None:
 
     store.Store.write = held_write  # type: ignore[method-assign]
     store.Store.stream_to = held_stream  # type: ignore[method-assign]
+    commit.publish = held_publish
 
 
 def main(argv: list[str]) -> int:

@@ -45,9 +45,9 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from dcp_s3 import commit as dcp_commit
 from dcp_s3.integrations import nemo_automodel, nemo_commit
 from dcp_s3.integrations.nemo_recipe import s3_recipe
-from dcp_s3.store import base as store
 from tests.dist_utils import full
 
 
@@ -194,20 +194,20 @@ def hold_at(phase: str, held: str, release: str) -> None:
 
         nemo_automodel.S3Checkpointer.save_config = held_save_config  # type: ignore[method-assign]
     elif phase == "before-commit":
-        write, commit = store.Store.write, nemo_commit.Saves.commit
+        publish, commit = dcp_commit.publish, nemo_commit.Saves.commit
 
         def held_commit(self: Any, ckpt: str) -> None:
             if step4(ckpt) and dist.get_rank() != 0:
                 wait()
             commit(self, ckpt)
 
-        def held_write(self: Any, name: str, data: bytes, **kwargs: Any) -> None:
-            if name == nemo_commit.COMMIT and b'"parts"' in data and str(self.root).endswith("_step_4"):
+        def held_publish(objects: Any, key: str, body: bytes, **kwargs: Any) -> Any:
+            if key.endswith("_step_4/" + nemo_commit.COMMIT) and b'"parts"' in body:
                 wait()
-            write(self, name, data, **kwargs)
+            return publish(objects, key, body, **kwargs)
 
         nemo_commit.Saves.commit = held_commit  # type: ignore[method-assign]
-        store.Store.write = held_write  # type: ignore[method-assign]
+        dcp_commit.publish = held_publish  # the one conditional write of every commit (dcp_s3.commit)
     elif phase != "none":
         raise SystemExit(f"unknown phase {phase!r}")
 

@@ -21,6 +21,8 @@ directory never moves. Its objects are written, from the start, below the *final
   taken from stored text), and the object's size and ETag must equal the manifest's. Every file of
   one load comes from one save, or the read is refused.
 
+Claims and the marker are published, read back and deleted by :mod:`dcp_s3.commit`, the one commit primitive.
+
 A save killed after a rank claimed its place leaves that claim and its writer's files. The job restarted
 (a new attempt) claims places of its own and commits only its own writers' files: a dead attempt's
 claims and files are never read, combined or deleted by inference. They stay below ``<name>/``, so
@@ -35,11 +37,11 @@ writer when it saves the name again (:mod:`.writers`), so a writer's files are a
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dcp_s3 import commit as marker
 from dcp_s3.checkpointer.names import number
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
 from dcp_s3.objstore.base import check_relative_name
@@ -65,8 +67,6 @@ MARKER = ".dcp_s3-commit"
 #: The directory of staged objects and claims, directly in the checkpoint's directory.
 STAGED = ".dcp_s3-staged"
 FORMAT = "dcp_s3.torch_checkpointing/1"
-
-_WRITER = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +114,7 @@ def new_writer() -> str:
 
 def check_id(value: object) -> str:
     """``value`` if it is a writer, attempt or save id as dcp_s3 makes them (32 lowercase hex digits)."""
-    if not isinstance(value, str) or not _WRITER.fullmatch(value):
-        raise CheckpointFormatError(f"id {value!r}: expected 32 lowercase hex digits")
-    return value
+    return marker.check_token(value, "id", digits=32)
 
 
 def claim(store: Store, name: str, rank: int, writer: str, attempt: str) -> bool:
@@ -127,16 +125,14 @@ def claim(store: Store, name: str, rank: int, writer: str, attempt: str) -> bool
     _refuse_committed(store, name)
     place = _claim_name(name, rank, attempt)
     body = _claim_body(rank, writer)
-    try:
-        store.write(place, body, overwrite=False)
+    if marker.publish(store.object_store, store.key(place), body) is None:
         return True
-    except CheckpointExistsError:
-        pass
     try:
         held = _writer_of(store.read(place), store.url(place))
     except CheckpointNotFoundError:  # removed between the two requests: that save committed (or was removed)
-        store.write(place, body, overwrite=False)
-        return True
+        if marker.publish(store.object_store, store.key(place), body) is None:
+            return True
+        raise CheckpointExistsError(f"{store.url(place)} already exists") from None
     if held != writer:
         raise CheckpointExistsError(
             f"rank {rank} cannot save {store.url(name)}: {store.url(place)} belongs to writer {held}, a save of "
@@ -235,12 +231,10 @@ def commit(
         "writers": {str(r): w for r, w in writers.items()},
         "files": {rel: [e.writer, e.size, e.etag] for rel, e in files.items()},
     }
-    try:
-        store.write(f"{name}/{MARKER}", json.dumps(body, sort_keys=True).encode(), overwrite=False)
-    except CheckpointExistsError:
+    if marker.publish(store.object_store, store.key(f"{name}/{MARKER}"), json.dumps(body, sort_keys=True).encode()):
         raise CheckpointExistsError(
             f"refusing to commit onto {store.url(name)}: a checkpoint is committed there already"
-        ) from None
+        )
     store.delete([_claim_name(name, r, attempt) for r in writers])
     return manifest
 
@@ -248,31 +242,28 @@ def commit(
 def read_manifest(store: Store, name: str) -> Manifest | None:
     """The commit marker of ``name``, validated (it is untrusted input), or None if ``name`` is not committed."""
     where = store.url(f"{name}/{MARKER}")
-    try:
-        raw = store.read(f"{name}/{MARKER}")
-    except CheckpointNotFoundError:
+    raw = marker.read_marker(store.object_store, store.key(f"{name}/{MARKER}"), head=False)  # one GET, as before
+    if raw is None:
         return None
     try:
-        body = json.loads(raw)
+        body = marker.load_json(raw, where)
         if body.get("format") != FORMAT:
             raise CheckpointFormatError(f"format {body.get('format')!r}")
-        writers = {int(r): _checked_writer(w) for r, w in body["writers"].items()}
-        files = {}
+        writers = {int(r): check_id(w) for r, w in body["writers"].items()}
+        files, owners = {}, {}
         for rel, (writer, size, etag) in body["files"].items():
-            if writer not in writers.values() or not isinstance(size, int) or size < 0 or not isinstance(etag, str):
+            if not isinstance(size, int) or size < 0 or not isinstance(etag, str):
                 raise CheckpointFormatError(f"entry {rel!r}")
+            owners[rel] = writer
             files[check_relative_name(rel, where)] = FileEntry(writer, size, etag)
-        return Manifest(_checked_writer(body["save_token"]), writers, files)
+        marker.check_one_save(owners, writers.values(), where)
+        return Manifest(check_id(body["save_token"]), writers, files)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointFormatError(f"{where} is not a commit marker dcp_s3 writes: {exc}") from exc
 
 
-def _checked_writer(value: object) -> str:
-    return check_id(value)
-
-
 def _writer_of(raw: bytes, where: str) -> str:
     try:
-        return _checked_writer(json.loads(raw)["writer"])
+        return check_id(marker.load_json(raw, where)["writer"])
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointFormatError(f"{where} is not a claim dcp_s3 writes: {exc}") from exc

@@ -6,7 +6,8 @@ keeps the newest few. Both come here, and here every deletion asks :mod:`dcp_s3.
 only a checkpoint under the storage's configured ``root`` whose name its ``checkpoint_names`` pattern matches
 in full, and which is committed (its ``.dcp_s3-commit`` marker exists as the store says when it deletes). A
 stage that never committed, a plain directory, another scheme's name, the root: refused, nothing deleted.
-A checkpoint goes marker first (it is then no checkpoint), then every object under its name.
+A checkpoint goes marker first (it is then no checkpoint), then every object under its name
+(:func:`dcp_s3.commit.retire`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 
 from dcp_s3.checkpointer.names import DIGITS, scheme
 from dcp_s3.checkpointer.ownership import Ownership
+from dcp_s3.commit import retire
 from dcp_s3.errors import ConfigError, DeletionRefusedError
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER
 from dcp_s3.store.base import Store
@@ -34,8 +36,7 @@ def delete_checkpoint(store: Store, root: str, names: str, name: str) -> None:
             f"not deleting {store.url(name) if name else root}: only committed checkpoints named by "
             f"checkpoint_names={names!r} under {root} are deleted"
         )
-    store.delete([f"{name}/{MARKER}"])
-    store.delete([entry.name for entry in store.list_objects(name + "/")])
+    retire(store.object_store, [store.key(f"{name}/{MARKER}")], prefix=store.key(name + "/"))
 
 
 def committed_checkpoints(store: Store, root: str, names: str, folder: str) -> list[str]:
