@@ -22,7 +22,7 @@ ALLOWED = {
         "the capability probe: a throwaway object under PROBE_PREFIX, never a marker, deleted at once"
     ),
     ("store/base.py", "Store.write"): "Store.write itself: forwards its caller's overwrite as if_none_match",
-    ("admin/convert.py", "convert_checkpoint"): (
+    ("admin/convert.py", "_to_one_file"): (
         "dcp-s3 convert's one output file (.safetensors/.pt, no marker) honours the user's --force; no commit"
     ),
     ("testing/objstore_conformance.py", "ObjectStoreConformance.test_conditional_put_refuses_an_existing_key"): (

@@ -47,7 +47,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_s3.errors import CheckpointExistsError, ConfigError, ServerCapabilityError
+from dcp_s3.commit import publish
+from dcp_s3.errors import ConfigError, ServerCapabilityError
 from dcp_s3.layout import PROBE_PREFIX, new_token
 from dcp_s3.objstore.buffers import BufferPool
 from dcp_s3.objstore.compose import compose
@@ -233,15 +234,11 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
         log.info("exported %s: %d tensors in %d files", self.checkpoint_id, len(export.weight_map), len(export.files))
 
     def _commit(self, body: bytes) -> None:
-        store = self._session.object_store
-        key = self._session.key(INDEX_NAME)
-        if not self._conditional_commit and store.head(key) is not None:
-            raise exists_error(self.checkpoint_id, "another export committed it while this one was being written")
-        try:
-            store.put(key, body, if_none_match=self._conditional_commit)
-        except CheckpointExistsError as exc:
-            if store.get(key) == body:  # a retried PUT whose first attempt landed
-                return
+        """Publish the index, the commit (:func:`dcp_s3.commit.publish`): refused if another export holds it."""
+        taken = publish(
+            self._session.object_store, self._session.key(INDEX_NAME), body, conditional=self._conditional_commit
+        )
+        if taken is not None:
             raise exists_error(
                 self.checkpoint_id, "another export committed it while this one was being written; not committed"
-            ) from exc
+            )
