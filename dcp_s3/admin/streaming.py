@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import StorageReader
 
+from dcp_s3.errors import ConfigError
 from dcp_s3.planners.save import global_save_plan
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "StreamingSavePlanner", "chunk_rows"]
@@ -76,17 +77,18 @@ class _Into(LoadPlanner):
     def __init__(self, dest: torch.Tensor | None) -> None:
         self.dest, self.data = dest, b""
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:  # pragma: no cover - not called by hand
-        raise AssertionError("not used")
+    # The planning steps of a dcp.load: none here (the reads are planned by StreamingSavePlanner).
+    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
-    def create_local_plan(self) -> LoadPlan:  # pragma: no cover
-        raise AssertionError("not used")
+    def create_local_plan(self) -> LoadPlan:
+        return LoadPlan([])
 
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:  # pragma: no cover
-        raise AssertionError("not used")
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
 
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:  # pragma: no cover
-        raise AssertionError("not used")
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         self.data = value.read()
@@ -134,7 +136,7 @@ class StreamingSavePlanner(SavePlanner):
         tensors_only: bool = False,
     ) -> None:
         if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes={chunk_bytes}: expected a positive number of bytes")
+            raise ConfigError(f"chunk_bytes={chunk_bytes}: expected a positive number of bytes")
         metadata = reader.read_metadata()
         reader.set_up_storage_reader(metadata, True)
         self._source = _Source(reader, metadata, threading.Lock())

@@ -81,12 +81,13 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
     ``max_concurrency``, ``require_conditional_writes``...) with the same meaning, and:
 
     Args:
-        overwrite: replace an export already at ``path``. Default ``False``: refuse with
-            ``CheckpointExistsError`` (checked when the save is planned, and again by the conditional PUT of
-            the index). ``True``: the old index is deleted before anything is written, so the old export
-            stops loading as the save starts, and a failed save leaves the prefix incomplete (refused).
         max_shard_size: bytes of tensors per shard file (default 5 GB, as ``save_pretrained``); a larger
             tensor is a shard of its own.
+        options: a ``StorageOptions`` (or mapping) of these keywords, as for ``S3StorageWriter``.
+        **keywords: ``S3StorageWriter``'s. ``overwrite`` differs: replace an export already at ``path``; default
+            ``False`` here: refuse with ``CheckpointExistsError`` (checked when the save is planned, and again by
+            the conditional PUT of the index). ``True``: the old index is deleted before anything is written, so
+            the old export stops loading as the save starts, and a failed save leaves the prefix incomplete.
 
     The state dict must hold tensors only (DTensors, sharded or replicated, and plain tensors), each of a
     dtype safetensors names. Chunks split across inner dimensions (``Shard(1)``) are exported but cut into
