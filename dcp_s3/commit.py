@@ -34,7 +34,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
+from dcp_s3.errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpS3Error,
+)
 from dcp_s3.layout import is_token
 from dcp_s3.objstore.base import ObjectStore
 
@@ -163,7 +169,10 @@ def retire(store: ObjectStore, markers: Iterable[str], rest: Iterable[str] = (),
     """Delete the markers ``markers`` (keys), then the keys ``rest`` and — with ``prefix`` — every object whose key
     starts with it (listed once the markers are gone). The caller's ownership rule decided that the checkpoint may
     go; the markers go first, so what is left of a deletion that failed half-way is never taken for a checkpoint.
-    Returns the number of objects deleted after the markers."""
+    Returns the number of objects deleted after the markers. A ``prefix`` must end with ``/``: ``step_1`` would also
+    reach ``step_10``'s objects (``ConfigError``, nothing deleted)."""
+    if prefix is not None and not prefix.endswith("/"):
+        raise ConfigError(f"retire(prefix={prefix!r}): a directory's prefix ends with '/' (else it reaches siblings)")
     markers = list(markers)
     if markers:
         store.delete(markers)

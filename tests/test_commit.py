@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dcp_s3 import commit
-from dcp_s3.errors import CheckpointFormatError
+from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.layout import new_token
 from dcp_s3.store.base import Store
 from dcp_s3.store.opening import open_store
@@ -66,6 +66,15 @@ def test_retire_deletes_the_marker_first_then_everything_below(store: Store) -> 
     assert n == 2
     assert recording.deletes == [[store.key("ck/.marker")], [store.key("ck/save.a/x"), store.key("ck/save.b/y")]]
     assert [e.name for e in store.list_objects("")] == ["other/z"]
+
+
+def test_retire_refuses_a_prefix_that_would_reach_a_sibling(store: Store) -> None:
+    """``step_1`` as a prefix would also take ``step_10``: refused before anything is deleted."""
+    for name in ("step_1/.marker", "step_1/a", "step_10/.marker", "step_10/a"):
+        store.write(name, b"1")
+    with pytest.raises(ConfigError, match="step_1"):
+        commit.retire(store.object_store, [store.key("step_1/.marker")], prefix=store.key("step_1"))
+    assert len(store.list_objects("")) == 4
 
 
 def test_a_stored_marker_is_checked_as_untrusted_input() -> None:
