@@ -32,9 +32,9 @@ from dcp_s3.errors import (
 )
 
 if TYPE_CHECKING:
-    from dcp_s3.checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
-    from dcp_s3.objstore import ClientConfig, TransferConfig
-    from dcp_s3.planners import (
+    from dcp_s3._checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
+    from dcp_s3._objstore import ClientConfig, TransferConfig
+    from dcp_s3._planners import (
         MetaRankLoadPlanner,
         ScalableLoadPlanner,
         ScalableSavePlanner,
@@ -42,37 +42,37 @@ if TYPE_CHECKING:
         TrainableOnlySavePlanner,
         frozen_parameter_fqns,
     )
-    from dcp_s3.storage import (
+    from dcp_s3._storage import (
         S3HuggingFaceStorageReader,
         S3HuggingFaceStorageWriter,
         S3StorageReader,
         S3StorageWriter,
     )
-    from dcp_s3.store import StorageOptions
+    from dcp_s3._store import StorageOptions
 
 __version__ = "0.3.0"
 
-# Imported on first use, so that ``import dcp_s3.objstore.base`` (the torch-free object stores) does not load
+# Imported on first use, so that ``import dcp_s3._objstore.base`` (the torch-free object stores) does not load
 # torch and DCP, and ``import dcp_s3`` stays cheap.
 _LAZY = {
-    "S3StorageWriter": "storage",
-    "S3StorageReader": "storage",
-    "S3HuggingFaceStorageReader": "storage",
-    "S3HuggingFaceStorageWriter": "storage",
-    "StorageOptions": "store",
-    "Checkpointer": "checkpointer",
-    "AsyncSave": "checkpointer",
-    "latest_checkpoint": "checkpointer",
-    "save_object": "checkpointer",
-    "load_object": "checkpointer",
-    "TrainableOnlySavePlanner": "planners",
-    "TrainableOnlyLoadPlanner": "planners",
-    "MetaRankLoadPlanner": "planners",
-    "frozen_parameter_fqns": "planners",
-    "ScalableSavePlanner": "planners",
-    "ScalableLoadPlanner": "planners",
-    "TransferConfig": "objstore",
-    "ClientConfig": "objstore",
+    "S3StorageWriter": "_storage",
+    "S3StorageReader": "_storage",
+    "S3HuggingFaceStorageReader": "_storage",
+    "S3HuggingFaceStorageWriter": "_storage",
+    "StorageOptions": "_store",
+    "Checkpointer": "_checkpointer",
+    "AsyncSave": "_checkpointer",
+    "latest_checkpoint": "_checkpointer",
+    "save_object": "_checkpointer",
+    "load_object": "_checkpointer",
+    "TrainableOnlySavePlanner": "_planners",
+    "TrainableOnlyLoadPlanner": "_planners",
+    "MetaRankLoadPlanner": "_planners",
+    "frozen_parameter_fqns": "_planners",
+    "ScalableSavePlanner": "_planners",
+    "ScalableLoadPlanner": "_planners",
+    "TransferConfig": "_objstore",
+    "ClientConfig": "_objstore",
 }
 
 
