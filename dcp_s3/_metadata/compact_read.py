@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_s3._metadata.compact import DTYPES, FORMAT_VERSION, LAYOUTS, MAGIC, MEMORY_FORMATS
 from dcp_s3._metadata.compact_chunks import ExplicitChunks, RuleChunks
-from dcp_s3._metadata.compact_storage import ArraysReader, CompactStorage, _bad, _Entry, _get, _int, untag
+from dcp_s3._metadata.compact_columns import ArraysReader, _bad, _get, _int, untag
+from dcp_s3._metadata.compact_storage import CompactStorage, _Entry
 from dcp_s3._torch_compat import element_size
 from dcp_s3._untrusted.metadata_check import MAX_OFFSET, tiling_problem
 from dcp_s3._untrusted.metadata_pickle import MAX_NDIM, describe
