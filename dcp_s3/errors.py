@@ -78,7 +78,7 @@ class TorchCompatibilityError(DcpS3Error, RuntimeError):
 
 
 class LocalServerError(DcpS3Error, RuntimeError):
-    """A local test server (:mod:`dcp_s3._local_server`) is not installed or did not start."""
+    """A local test server (:class:`dcp_s3.testing.LocalS3Server`) is not installed or did not start."""
 
 
 class S3ThrottledError(S3TransferError):
@@ -86,5 +86,5 @@ class S3ThrottledError(S3TransferError):
 
 
 class DeletionRefusedError(DcpS3Error, PermissionError):
-    """dcp_s3 refused to delete a location it does not own as a committed checkpoint (see
-    :mod:`dcp_s3._checkpointer.ownership`); nothing was deleted."""
+    """dcp_s3 refused to delete a location it does not own as a committed checkpoint (docs/security.md,
+    "What dcp_s3 deletes"); nothing was deleted."""

@@ -4,17 +4,17 @@ Every function takes a location (``s3://bucket/prefix`` or a local path) and sto
 options (``credential_path``, ``endpoint_url``, ``region``, ``profile``, ...; copy and convert
 take ``src_options``/``dst_options``), and returns plain dataclasses; printing is the CLI's job.
 A location may be a run directory holding several steps, one step of
-:class:`~dcp_s3._checkpointer.manager.Checkpointer` (``.../0000100``, meaning ``0000100.pth`` and the
+:class:`~dcp_s3.Checkpointer` (``.../0000100``, meaning ``0000100.pth`` and the
 ``0000100.*_model|_optim`` checkpoints), or one plain DCP checkpoint directory.
 
-This module gathers them; each lives in its own: :mod:`~dcp_s3.admin._listing` (ls, inspect),
-:mod:`~dcp_s3.admin._verify`, :mod:`~dcp_s3.admin._copying` (cp), :mod:`~dcp_s3.admin._cleanup` (gc, rm),
-:mod:`~dcp_s3.admin._convert`, :mod:`~dcp_s3.admin._local_tier` (ls of a tiered Checkpointer's local root);
-:mod:`~dcp_s3.admin._locations` says what a location denotes.
+This module gathers them; each lives in its own internal module (``_listing``: ls, inspect; ``_verify``;
+``_copying``: cp; ``_cleanup``: gc, rm; ``_convert``; ``_local_tier``: ls of a tiered Checkpointer's local root;
+``_locations``: what a location denotes). :func:`request_stats` reports this process's paced S3 requests.
 """
 
 from __future__ import annotations
 
+from dcp_s3._objstore.rate_hooks import request_stats
 from dcp_s3.admin._cleanup import Garbage, Removal, collect_garbage, find_garbage, remove_checkpoint
 from dcp_s3.admin._convert import ConvertReport, convert_checkpoint
 from dcp_s3.admin._copying import CopyReport, copy_checkpoint
@@ -46,4 +46,5 @@ __all__ = [
     "list_local_tier",
     "is_local_tier_root",
     "refused_rank_dirs",
+    "request_stats",
 ]
