@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed.checkpoint as dcp
 
-    import dcp_s3._storage.writer as writer_module
+    import dcp_s3._dcp.writer as writer_module
     from dcp_s3 import S3StorageReader, S3StorageWriter
     from dcp_s3._codec import Codec
 

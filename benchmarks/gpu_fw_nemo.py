@@ -44,7 +44,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from benchmarks.gpu_fw_common import Record, Target, init_group, s3_target, same_state
-from dcp_s3._store import open_store
+from dcp_s3._dcp import open_store
 from dcp_s3.errors import ConfigError
 from dcp_s3.integrations.nemo_automodel import COMMIT, S3Checkpointer, S3CheckpointingConfig
 

@@ -33,6 +33,13 @@ from dcp_s3.errors import (
 
 if TYPE_CHECKING:
     from dcp_s3._checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
+    from dcp_s3._dcp import (
+        S3HuggingFaceStorageReader,
+        S3HuggingFaceStorageWriter,
+        S3StorageReader,
+        S3StorageWriter,
+        StorageOptions,
+    )
     from dcp_s3._objstore import ClientConfig, TransferConfig
     from dcp_s3._planners import (
         MetaRankLoadPlanner,
@@ -42,24 +49,17 @@ if TYPE_CHECKING:
         TrainableOnlySavePlanner,
         frozen_parameter_fqns,
     )
-    from dcp_s3._storage import (
-        S3HuggingFaceStorageReader,
-        S3HuggingFaceStorageWriter,
-        S3StorageReader,
-        S3StorageWriter,
-    )
-    from dcp_s3._store import StorageOptions
 
 __version__ = "0.3.0"
 
 # Imported on first use, so that ``import dcp_s3._objstore.base`` (the torch-free object stores) does not load
 # torch and DCP, and ``import dcp_s3`` stays cheap.
 _LAZY = {
-    "S3StorageWriter": "_storage",
-    "S3StorageReader": "_storage",
-    "S3HuggingFaceStorageReader": "_storage",
-    "S3HuggingFaceStorageWriter": "_storage",
-    "StorageOptions": "_store",
+    "S3StorageWriter": "_dcp",
+    "S3StorageReader": "_dcp",
+    "S3HuggingFaceStorageReader": "_dcp",
+    "S3HuggingFaceStorageWriter": "_dcp",
+    "StorageOptions": "_dcp",
     "Checkpointer": "_checkpointer",
     "AsyncSave": "_checkpointer",
     "latest_checkpoint": "_checkpointer",

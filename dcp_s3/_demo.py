@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from dcp_s3._dcp.reader import S3StorageReader
+from dcp_s3._dcp.writer import S3StorageWriter
 from dcp_s3._local_server import LocalS3Server
-from dcp_s3._storage.reader import S3StorageReader
-from dcp_s3._storage.writer import S3StorageWriter
 
 __all__ = ["main"]
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from dcp_s3 import _commit as commit
+from dcp_s3._dcp.store import Store
+from dcp_s3._dcp.store_opening import open_store
 from dcp_s3._layout import new_token
-from dcp_s3._store.base import Store
-from dcp_s3._store.opening import open_store
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 
 

@@ -21,7 +21,7 @@ ALLOWED = {
     ("_objstore/s3.py", "S3ObjectStore.conditional_writes_supported"): (
         "the capability probe: a throwaway object under PROBE_PREFIX, never a marker, deleted at once"
     ),
-    ("_store/base.py", "Store.write"): "Store.write itself: forwards its caller's overwrite as if_none_match",
+    ("_dcp/store.py", "Store.write"): "Store.write itself: forwards its caller's overwrite as if_none_match",
     ("admin/_convert.py", "_to_one_file"): (
         "dcp-s3 convert's one output file (.safetensors/.pt, no marker) honours the user's --force; no commit"
     ),

@@ -69,8 +69,8 @@ def test_documented_paths_hold_their_names(module: str) -> None:
 
 def test_public_classes_are_the_subpackages_ones() -> None:
     from dcp_s3._checkpointer import Checkpointer
+    from dcp_s3._dcp import S3StorageReader, S3StorageWriter
     from dcp_s3._objstore import ClientConfig
-    from dcp_s3._storage import S3StorageReader, S3StorageWriter
 
     assert (dcp_s3.S3StorageWriter, dcp_s3.S3StorageReader) == (S3StorageWriter, S3StorageReader)
     assert (dcp_s3.Checkpointer, dcp_s3.ClientConfig) == (Checkpointer, ClientConfig)

@@ -31,13 +31,13 @@ DRAWS = {"new_token", "new_writer"}
 
 #: (module, function) that draws a token -> the boundary it stands for. Each is a framework's call or dcp_s3's own.
 BEGINS = {
-    ("_storage/writer.py", "S3StorageWriter._write_all"): "DCP's StorageWriter.write_data (dcp.save)",
-    ("_storage/writer.py", "S3StorageWriter.prepare_global_plan"): "not a save: the conditional-write probe's key",
-    ("_storage/job_progress.py", "job_counts"): "not a save: a progress counter's key",
-    ("_storage/_hf_writer.py", "S3HuggingFaceStorageWriter.prepare_global_plan"): (
+    ("_dcp/writer.py", "S3StorageWriter._write_all"): "DCP's StorageWriter.write_data (dcp.save)",
+    ("_dcp/writer.py", "S3StorageWriter.prepare_global_plan"): "not a save: the conditional-write probe's key",
+    ("_dcp/job_progress.py", "job_counts"): "not a save: a progress counter's key",
+    ("_dcp/hf_writer.py", "S3HuggingFaceStorageWriter.prepare_global_plan"): (
         "DCP's StorageWriter.prepare_global_plan (dcp.save): the export's id and staging prefix"
     ),
-    ("_storage/_hf_writer.py", "S3HuggingFaceStorageWriter._check_conditional_writes"): (
+    ("_dcp/hf_writer.py", "S3HuggingFaceStorageWriter._check_conditional_writes"): (
         "not a save: the conditional-write probe's key"
     ),
     ("_checkpointer/manager.py", "Checkpointer.save"): "Checkpointer.save",

@@ -44,8 +44,8 @@ from dcp_s3._checkpointer.steps import (
     part_name,
     root_steps,
 )
+from dcp_s3._dcp.store import Store
 from dcp_s3._layout import METADATA_KEY, is_token
-from dcp_s3._store.base import Store
 from dcp_s3._untrusted.torch_files import torch_load
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 

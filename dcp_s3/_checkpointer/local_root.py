@@ -26,8 +26,8 @@ import os
 import re
 import stat
 
-from dcp_s3._store import Store
-from dcp_s3._store.local import LocalStore
+from dcp_s3._dcp import Store
+from dcp_s3._dcp.store_local import LocalStore
 
 __all__ = ["RANK_DIR_RE", "rank_dir", "rank_dir_problem", "rank_dirs", "rank_store"]
 

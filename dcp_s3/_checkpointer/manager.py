@@ -51,9 +51,9 @@ from dcp_s3._checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX
 from dcp_s3._checkpointer.tier_load import tiered_load
 from dcp_s3._checkpointer.tiers import Tiers
 from dcp_s3._checkpointer.training_state import check_dicts, restore, state_of, warn
+from dcp_s3._dcp import Store, open_store
 from dcp_s3._layout import new_token
 from dcp_s3._planners.trainable import TrainableOnlySavePlanner
-from dcp_s3._store import Store, open_store
 from dcp_s3._torch_compat import async_save
 from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 from dcp_s3.errors import ConfigError, DcpS3Error
@@ -123,7 +123,7 @@ class Checkpointer:
         keep_last_local: with ``local_root``, local steps kept per rank (never one being promoted).
         promotion_attempts: tries of each promotion request.
         promotion_timeout: how long rank 0 waits for the other ranks' uploads of a step.
-        storage_options: storage options (:mod:`dcp_s3._storage.options`: ``credential_path``,
+        storage_options: storage options (:mod:`dcp_s3._dcp.options`: ``credential_path``,
             ``endpoint_url``, ``region``, ``profile``, ``part_size``, ``max_concurrency``,
             ``key_prefixes``..., or ``options=`` a :class:`dcp_s3.StorageOptions`, the keywords merged over
             it), given to every writer/reader of every part; the S3 ones are rejected for local directories.

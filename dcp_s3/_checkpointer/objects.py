@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from dcp_s3._checkpointer.generations import find_complete
-from dcp_s3._store import open_object, open_store
+from dcp_s3._dcp import open_object, open_store
 from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = ["save_object", "load_object", "latest_checkpoint"]

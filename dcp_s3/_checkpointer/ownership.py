@@ -52,8 +52,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dcp_s3._checkpointer.names import CHECKPOINTER_STEPS
+from dcp_s3._dcp.store import Store
 from dcp_s3._layout import METADATA_KEY
-from dcp_s3._store.base import Store
 
 __all__ = ["Ownership", "CHECKPOINTER_STEPS", "committed", "refuse"]
 

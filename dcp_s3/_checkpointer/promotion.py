@@ -7,7 +7,7 @@ turns the per-rank checkpoints into one ordinary step on S3, in the layout every
 named by the marker's ``part_dirs``, :mod:`dcp_s3._checkpointer.generations`):
 
 1. every rank streams the data objects its local ``.metadata`` references to the part directory on S3
-   (:meth:`dcp_s3._store.base.Store.stream_to`: ranged reads, bounded memory) and then writes its local
+   (:meth:`dcp_s3._dcp.store.Store.stream_to`: ranged reads, bounded memory) and then writes its local
    ``.metadata`` there as ``__rankmeta_<rank>.distcp`` — its report that it is done;
 2. rank 0 waits (polling S3, bounded by ``timeout``) for every rank's report, merges the per-rank
    metadata into one (:func:`merge_metadata`: the union of the chunks, one copy of replicated items),
@@ -34,10 +34,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from dcp_s3._checkpointer.generations import commit_step
 from dcp_s3._checkpointer.local_layout import globalize
+from dcp_s3._dcp.store import Store
 from dcp_s3._layout import METADATA_KEY, referenced_objects
 from dcp_s3._metadata.compact_read import materialize
 from dcp_s3._metadata.formats import dump_metadata, load_metadata
-from dcp_s3._store.base import Store
 from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 from dcp_s3.errors import DcpS3Error, S3TransferError
 

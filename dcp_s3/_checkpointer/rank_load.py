@@ -28,11 +28,11 @@ from torch.distributed.checkpoint.state_dict import (
 from dcp_s3._checkpointer.local_layout import from_view, layout_mismatch, layout_of, local_view
 from dcp_s3._checkpointer.markers import LAYOUT
 from dcp_s3._checkpointer.training_state import on_meta, warn
+from dcp_s3._dcp import Store
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._metadata.formats import load_metadata
 from dcp_s3._planners.optim_match import OptimizerLoadPlanner
 from dcp_s3._planners.trainable import TrainableOnlyLoadPlanner, TrainableOnlySavePlanner
-from dcp_s3._store import Store
 from dcp_s3._torch_compat import checkpoint_failures
 from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
 

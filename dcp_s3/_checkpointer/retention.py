@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dcp_s3._checkpointer.generations import find_complete
 from dcp_s3._checkpointer.ownership import CHECKPOINTER_STEPS, Ownership
 from dcp_s3._checkpointer.steps import MARKER_SUFFIX, Step, is_checkpoint_object, scan
+from dcp_s3._dcp.store import Entry, Store
 from dcp_s3._layout import METADATA_KEY
-from dcp_s3._store.base import Entry, Store
 
 __all__ = ["split_step", "deletion_order", "delete_ordered", "delete_step", "retain_last"]
 

@@ -31,8 +31,8 @@ from typing import Any
 
 from dcp_s3._checkpointer.generations import load_marker_bytes, part_dirs_of
 from dcp_s3._checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, PART_SUFFIX_RE
+from dcp_s3._dcp.store import Store
 from dcp_s3._layout import METADATA_KEY
-from dcp_s3._store.base import Store
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError
 
 __all__ = ["StoredSave", "save_token", "stored_save"]

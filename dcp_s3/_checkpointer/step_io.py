@@ -32,9 +32,9 @@ from dcp_s3._checkpointer.names import CHECKPOINTER_STEPS
 from dcp_s3._checkpointer.ranks import distributed
 from dcp_s3._checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
 from dcp_s3._checkpointer.training_state import on_meta, warn
+from dcp_s3._dcp import Store, open_object, open_store
 from dcp_s3._planners.optim_match import OptimizerLoadPlanner
 from dcp_s3._planners.trainable import TrainableOnlyLoadPlanner
-from dcp_s3._store import Store, open_object, open_store
 from dcp_s3._untrusted.torch_files import torch_load
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 

@@ -34,8 +34,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dcp_s3._checkpointer.names import CHECKPOINTER_STEPS, number
+from dcp_s3._dcp.store import Entry, Store
 from dcp_s3._layout import DATA_SUFFIX, METADATA_KEY, is_key_prefix_dir
-from dcp_s3._store.base import Entry, Store
 
 __all__ = [
     "MARKER_SUFFIX",

@@ -42,7 +42,7 @@ from dcp_s3._checkpointer.steps import MARKER_SUFFIX, root_steps
 from dcp_s3._checkpointer.tier_reshard import Shared, check_shared, load_merged, shared_copies
 from dcp_s3._checkpointer.tiers import Tiers, save_of
 from dcp_s3._checkpointer.training_state import warn
-from dcp_s3._store import Store
+from dcp_s3._dcp import Store
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 
 __all__ = ["tiered_load"]

@@ -43,10 +43,10 @@ from dcp_s3._checkpointer.markers import LAYOUT, LOCAL_ENTRY
 from dcp_s3._checkpointer.promotion import merge_metadata
 from dcp_s3._checkpointer.step_io import load_model, load_optim
 from dcp_s3._checkpointer.tiers import local_copy, save_of
+from dcp_s3._dcp import Store
+from dcp_s3._dcp.reader import S3StorageReader
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._metadata.formats import dump_metadata, load_metadata
-from dcp_s3._storage.reader import S3StorageReader
-from dcp_s3._store import Store
 from dcp_s3._untrusted.metadata_check import tiling_problem
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 

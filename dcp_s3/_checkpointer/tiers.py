@@ -63,8 +63,8 @@ from dcp_s3._checkpointer.ranks import Ranks, rank, world_size
 from dcp_s3._checkpointer.retention import delete_step, retain_last
 from dcp_s3._checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX, scan
 from dcp_s3._checkpointer.training_state import warn
+from dcp_s3._dcp import Store
 from dcp_s3._layout import new_token
-from dcp_s3._store import Store
 from dcp_s3._untrusted.torch_files import torch_save_bytes
 from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
 

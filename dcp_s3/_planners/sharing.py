@@ -6,7 +6,7 @@ Two uses, both in ``S3StorageReader``:
   (``share_metadata``), instead of every rank GETting and holding the same object;
 * replicas (HSDP replicate groups, or every rank loading the whole model) each read a
   share of their common plan and broadcast it to the others (``replica_group``, see
-  ``dcp_s3._storage.replicated``).
+  ``dcp_s3._dcp.replicated``).
 
 A broadcast on a group that not every rank of the job enters hangs. torch's
 ``StorageReader.read_metadata`` is not told which group ``dcp.load`` runs on, so

@@ -30,8 +30,8 @@ from typing import Any
 from dcp_s3._checkpointer.generations import settle
 from dcp_s3._checkpointer.retention import delete_ordered, deletion_order, split_step
 from dcp_s3._checkpointer.steps import PROBE_PATTERN, Part, Step, is_checkpoint_key, is_checkpoint_object, scan
+from dcp_s3._dcp import Entry, Store, Upload, open_store
 from dcp_s3._layout import DATA_SUFFIX, METADATA_KEY
-from dcp_s3._store import Entry, Store, Upload, open_store
 from dcp_s3.admin._locations import is_root, read_metadata, resolve
 from dcp_s3.errors import DcpS3Error
 

@@ -12,12 +12,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3._checkpointer.steps import Part
+from dcp_s3._dcp import Store, open_object, open_store
+from dcp_s3._dcp.hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
+from dcp_s3._dcp.hf_writer import S3HuggingFaceStorageWriter
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._objstore.config import TransferConfig
 from dcp_s3._objstore.uri import s3_location
-from dcp_s3._storage._hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
-from dcp_s3._storage._hf_writer import S3HuggingFaceStorageWriter
-from dcp_s3._store import Store, open_object, open_store
 from dcp_s3._torch_compat import _EmptyStateDictLoadPlanner, _load_state_dict, checkpoint_failures
 from dcp_s3.admin._locations import Progress, resolve
 from dcp_s3.admin._locations import single as _single

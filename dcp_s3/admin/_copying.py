@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_s3._checkpointer.steps import MARKER_SUFFIX
+from dcp_s3._dcp import Entry, Store, open_object, open_store
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._objstore.base import check_relative_name
-from dcp_s3._store import Entry, Store, open_object, open_store
 from dcp_s3.admin._locations import Progress, resolve
 from dcp_s3.admin._locations import is_root as _is_root
 from dcp_s3.errors import CheckpointExistsError, DcpS3Error

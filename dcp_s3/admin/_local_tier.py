@@ -28,8 +28,8 @@ from dcp_s3._checkpointer.markers import LOCAL_ENTRY
 from dcp_s3._checkpointer.steps import MARKER_SUFFIX, root_steps
 from dcp_s3._checkpointer.tier_reshard import Copy, copies_problem, scan_copies
 from dcp_s3._checkpointer.tiers import save_of
+from dcp_s3._dcp import Store, open_store
 from dcp_s3._objstore.uri import s3_location
-from dcp_s3._store import Store, open_store
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, DcpS3Error
 
 __all__ = ["LocalStep", "is_local_tier_root", "list_local_tier", "refused_rank_dirs"]

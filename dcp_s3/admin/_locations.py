@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from dcp_s3._checkpointer.generations import settle
 from dcp_s3._checkpointer.names import number
 from dcp_s3._checkpointer.steps import MARKER_SUFFIX, PART_SUFFIX_RE, Part, Step, scan
+from dcp_s3._dcp import Store, open_object, open_store
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._metadata.formats import load_metadata
 from dcp_s3._objstore.uri import parse_s3_uri, s3_location
-from dcp_s3._store import Store, open_object, open_store
 from dcp_s3.errors import CheckpointNotFoundError, DcpS3Error
 
 __all__ = ["Progress", "resolve", "is_root", "read_metadata", "single"]

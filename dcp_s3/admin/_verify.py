@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from dcp_s3._checkpointer.generations import part_dirs_of
 from dcp_s3._checkpointer.steps import MARKER_FORMAT, Part, Step
+from dcp_s3._dcp import Store
 from dcp_s3._layout import METADATA_KEY, checksum_error
-from dcp_s3._store import Store
 from dcp_s3._torch_compat import _StorageInfo, element_size
 from dcp_s3._untrusted.byte_items import byte_item_problem
 from dcp_s3.admin._locations import Progress, resolve

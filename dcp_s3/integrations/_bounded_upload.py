@@ -24,7 +24,7 @@ from typing import Any
 
 from torch.futures import Future
 
-from dcp_s3._storage.writer import S3StorageWriter
+from dcp_s3._dcp.writer import S3StorageWriter
 from dcp_s3.errors import S3TransferError
 
 __all__ = ["bounded"]

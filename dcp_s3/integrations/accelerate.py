@@ -45,7 +45,7 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import StateDictType
 
-from dcp_s3._store.storage_options import StorageOptions
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3.errors import ConfigError, DcpS3Error
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations._patching import ContextPatch, Handler, Site

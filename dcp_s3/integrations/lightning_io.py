@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._layout import METADATA_KEY
-from dcp_s3._store.storage_options import StorageOptions
 from dcp_s3._untrusted.foreign_items import BYTE_ITEM_FLOOR, BYTE_ITEM_RATIO, byte_item_limit
 from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 from dcp_s3.admin._cleanup import remove_checkpoint

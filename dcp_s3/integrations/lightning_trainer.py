@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from dcp_s3._checkpointer.ownership import Ownership, refuse
-from dcp_s3._store.storage_options import StorageOptions
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.lightning_io import (

@@ -76,7 +76,7 @@ from megatron.core.dist_checkpointing.validation import (
 )
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from dcp_s3._store.storage_options import StorageOptions
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._untrusted.torch_files import torch_save_bytes
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.integrations._locations import s3_location

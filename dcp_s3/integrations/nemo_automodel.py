@@ -89,7 +89,7 @@ from nemo_automodel.components.checkpoint.utils import find_latest_checkpoint
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_s3._checkpointer.ranks import world_size
-from dcp_s3._store.storage_options import StorageOptions
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._torch_compat import default_stager
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, S3TransferError
 from dcp_s3.integrations._bounded_upload import bounded

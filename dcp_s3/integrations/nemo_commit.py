@@ -32,9 +32,9 @@ from dcp_s3 import _commit as marker
 from dcp_s3._checkpointer.ownership import Ownership, refuse
 from dcp_s3._checkpointer.ownership import committed as parts_committed
 from dcp_s3._checkpointer.ranks import Ranks, distributed, world_size
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._dcp.store import Store
 from dcp_s3._layout import METADATA_KEY, new_token
-from dcp_s3._store.base import Store
-from dcp_s3._store.storage_options import StorageOptions
 from dcp_s3.errors import (
     CheckpointExistsError,
     CheckpointFormatError,

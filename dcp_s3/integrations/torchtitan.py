@@ -59,10 +59,10 @@ from torchtitan.tools.utils import GarbageCollection
 
 from dcp_s3._checkpointer.ownership import Ownership
 from dcp_s3._checkpointer.ranks import Ranks
+from dcp_s3._dcp.hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._dcp.store import Store
 from dcp_s3._layout import METADATA_KEY
-from dcp_s3._storage._hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
-from dcp_s3._store.base import Store
-from dcp_s3._store.storage_options import StorageOptions
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError
 from dcp_s3.integrations._locations import s3_location
 

@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from dcp_s3._checkpointer.ownership import Ownership
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._objstore.uri import parse_s3_uri
-from dcp_s3._store.storage_options import StorageOptions
 from dcp_s3.admin._cleanup import remove_checkpoint
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
 from dcp_s3.integrations._locations import s3_location

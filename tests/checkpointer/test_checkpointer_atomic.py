@@ -24,8 +24,8 @@ from dcp_s3._checkpointer import Checkpointer, latest_checkpoint
 from dcp_s3._checkpointer.generations import find_complete
 from dcp_s3._checkpointer.retention import retain_last
 from dcp_s3._cli import commands as cli
+from dcp_s3._dcp import open_store
 from dcp_s3._local_server import LocalS3Server
-from dcp_s3._store import open_store
 from dcp_s3.admin._cleanup import collect_garbage, find_garbage
 from dcp_s3.admin._listing import list_steps
 from dcp_s3.admin._verify import verify_checkpoint
@@ -365,7 +365,7 @@ def test_resave_on_2_fsdp2_ranks(tmp_path: Path, async_save: bool) -> None:
 def test_finding_steps_reads_markers_newest_first_and_copies_keep_their_meaning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_s3._store import base as store_module
+    from dcp_s3._dcp import base as store_module
     from dcp_s3.admin import copy_checkpoint
 
     run = tmp_path / "run"

@@ -25,9 +25,9 @@ from test_checkpointer import build, same, snapshot, train, trainable
 
 from dcp_s3._checkpointer import Checkpointer
 from dcp_s3._checkpointer.generations import find_complete
+from dcp_s3._dcp import open_store
 from dcp_s3._local_server import LocalS3Server
 from dcp_s3._metadata.formats import load_metadata
-from dcp_s3._store import open_store
 
 pytestmark = [pytest.mark.multiproc]
 

@@ -22,7 +22,7 @@ from test_checkpointer_atomic import same
 
 from dcp_s3._checkpointer import Checkpointer
 from dcp_s3._checkpointer.generations import find_complete
-from dcp_s3._store import open_store
+from dcp_s3._dcp import open_store
 from dcp_s3.admin._cleanup import collect_garbage, find_garbage
 from tests.checkpointer.resave_child import build, first_state, snapshot, train_a_bit
 

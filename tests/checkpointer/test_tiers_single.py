@@ -13,8 +13,8 @@ from test_checkpointer import build, train
 
 from dcp_s3._checkpointer import Checkpointer
 from dcp_s3._checkpointer.generations import find_complete
+from dcp_s3._dcp import Store, open_store
 from dcp_s3._local_server import LocalS3Server
-from dcp_s3._store import Store, open_store
 from dcp_s3.errors import ConfigError
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

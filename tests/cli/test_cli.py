@@ -23,8 +23,8 @@ from dcp_s3._checkpointer import Checkpointer
 from dcp_s3._checkpointer.generations import find_complete
 from dcp_s3._cli import commands as cli
 from dcp_s3._cli.text import human_size, parse_duration
+from dcp_s3._dcp import open_store
 from dcp_s3._local_server import LocalS3Server
-from dcp_s3._store import open_store
 from tests.objects import data_key
 
 

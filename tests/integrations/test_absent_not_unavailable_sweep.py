@@ -18,9 +18,9 @@ from fault_proxy import FaultProxy, Rule
 
 from dcp_s3 import ClientConfig, S3TransferError
 from dcp_s3._checkpointer import latest_checkpoint
+from dcp_s3._dcp import open_store
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._local_server import LocalS3Server
-from dcp_s3._store import open_store
-from dcp_s3._store.storage_options import StorageOptions
 from dcp_s3.integrations import lightning_io, nemo_commit
 from dcp_s3.integrations.trainer_dirs import LocalDirs
 

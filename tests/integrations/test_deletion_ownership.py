@@ -27,8 +27,8 @@ from torch import nn
 from dcp_s3 import StorageOptions
 from dcp_s3._checkpointer import Checkpointer
 from dcp_s3._checkpointer.ownership import CHECKPOINTER_STEPS, Ownership
+from dcp_s3._dcp import open_store
 from dcp_s3._layout import METADATA_KEY
-from dcp_s3._store import open_store
 
 
 def _plain(name: str) -> str:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from dcp_s3._dcp import open_store
+from dcp_s3._dcp.options import Settings
 from dcp_s3._objstore.config import ClientConfig, TransferConfig
 from dcp_s3._objstore.uri import parse_s3_uri
-from dcp_s3._storage.options import Settings
-from dcp_s3._store import open_store
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
 
 

@@ -27,10 +27,10 @@ import dcp_s3
 from dcp_s3 import S3StorageReader, S3StorageWriter, TransferConfig
 from dcp_s3 import _cli as cli
 from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._dcp import open_store
+from dcp_s3._dcp.session import LocalDir, parse_location
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._local_server import LocalS3Server
-from dcp_s3._storage.session import LocalDir, parse_location
-from dcp_s3._store import open_store
 from dcp_s3.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -165,7 +165,7 @@ CHILD = textwrap.dedent(
     import torch.distributed.checkpoint as dcp
     import dcp_s3
     from dcp_s3 import S3StorageReader, S3StorageWriter, _cli as cli
-    import dcp_s3.admin, dcp_s3._store.local, dcp_s3._store.s3, dcp_s3._checkpointer  # noqa: F401  (before setuid)
+    import dcp_s3.admin, dcp_s3._dcp.store_local, dcp_s3._dcp.store_s3, dcp_s3._checkpointer  # noqa: F401  (before setuid)
 
     what, target = sys.argv[1], sys.argv[2]
     state = {"w": torch.zeros(3, 4), "b": torch.zeros(5)}
@@ -194,7 +194,7 @@ CHILD = textwrap.dedent(
             elif what == "cp":
                 result["code"] = cli.main(["cp", target, os.environ["CHILD_CP_TO"]])
             elif what == "store-write":
-                dcp_s3._store.local.LocalStore(target).write("x.pth", b"data")
+                dcp_s3._dcp.store_local.LocalStore(target).write("x.pth", b"data")
             else:
                 result["code"] = cli.main([what, target] + (["--yes", "--older-than", "0s"] if what == "gc" else []))
     except BaseException as exc:  # MemoryError and DCP's CheckpointException included

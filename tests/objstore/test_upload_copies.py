@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from crc32c import crc32c
 
-import dcp_s3._storage.writer as writer_module
+import dcp_s3._dcp.writer as writer_module
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3._local_server import LocalS3Server
 from dcp_s3._objstore.buffers import MIN_PART_SIZE, BufferPool

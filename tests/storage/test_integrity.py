@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3 import _layout as layout
+from dcp_s3._dcp.block_checks import BlockLedger
 from dcp_s3._local_server import LocalS3Server
-from dcp_s3._storage.block_checks import BlockLedger
 from dcp_s3.errors import CheckpointFormatError
 from tests.objects import data_key, hooked
 

@@ -30,10 +30,10 @@ from dcp_s3 import S3StorageReader, S3StorageWriter
 from dcp_s3 import _cli as cli
 from dcp_s3._checkpointer import Checkpointer, latest_checkpoint
 from dcp_s3._checkpointer.steps import scan
+from dcp_s3._dcp import Entry
 from dcp_s3._layout import is_key_prefix_dir, rank_prefix
 from dcp_s3._local_server import LocalS3Server
 from dcp_s3._objstore.base import relative_name_problem
-from dcp_s3._store import Entry
 from dcp_s3._untrusted.metadata_check import check_object_name
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from tests.objects import data_key, object_keys, untokened
@@ -94,7 +94,7 @@ def test_metadata_object_names_follow_the_shared_rules_and_more(bad: Any) -> Non
 def test_bad_key_prefixes_are_config_errors(bad: Any) -> None:
     with pytest.raises(ConfigError, match=f"key_prefixes={bad!r}"):
         rank_prefix(0, bad)
-    if bad is None:  # a storage option given as None means its default (dcp_s3._storage.options)
+    if bad is None:  # a storage option given as None means its default (dcp_s3._dcp.options)
         assert S3StorageWriter("s3://bucket/ckpt", key_prefixes=bad).key_prefixes == 1
         return
     with pytest.raises(ConfigError, match=f"key_prefixes={bad!r}"):

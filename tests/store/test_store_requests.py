@@ -22,10 +22,10 @@ from dcp_s3._checkpointer.retention import retain_last
 from dcp_s3._checkpointer.steps import complete_steps, scan
 from dcp_s3._cli import commands as cli
 from dcp_s3._cli.text import parse_request_arg
+from dcp_s3._dcp import open_store
 from dcp_s3._local_server import LocalS3Server
 from dcp_s3._objstore import config, s3_multipart
 from dcp_s3._objstore import s3 as objstore_s3
-from dcp_s3._store import open_store
 from dcp_s3.errors import CheckpointNotFoundError
 
 MiB = 1 << 20

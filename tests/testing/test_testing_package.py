@@ -35,7 +35,7 @@ def test_no_module_but_dcp_s3_testing_imports_pytest() -> None:
         """
         import sys
         from pathlib import Path
-        import dcp_s3, dcp_s3._storage, dcp_s3._checkpointer, dcp_s3.admin
+        import dcp_s3, dcp_s3._dcp, dcp_s3._checkpointer, dcp_s3.admin
         assert "pytest" not in sys.modules and "_pytest" not in sys.modules, "the public modules load pytest"
         top = Path(dcp_s3.__file__).parent
         for path in sorted(top.rglob("*.py")):  # not pkgutil.walk_packages: it imports dcp_s3.testing to descend

@@ -59,7 +59,7 @@ _CHILD = textwrap.dedent(
     import json, resource, sys, time
     import psutil, torch
     from bomb_child import blank_load
-    import dcp_s3._storage.reader, dcp_s3._untrusted.foreign_items, dcp_s3._untrusted.weights_only  # noqa: F401  (mapped before the limit)
+    import dcp_s3._dcp.reader, dcp_s3._untrusted.foreign_items, dcp_s3._untrusted.weights_only  # noqa: F401  (mapped before the limit)
     limit = psutil.Process().memory_info().vms + int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     start = psutil.Process().memory_info().rss

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 from dcp_s3 import _commit as marker
 from dcp_s3._checkpointer.names import number
+from dcp_s3._dcp.store import Store
 from dcp_s3._objstore.base import check_relative_name
-from dcp_s3._store.base import Store
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
 
 __all__ = [

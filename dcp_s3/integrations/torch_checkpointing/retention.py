@@ -17,7 +17,7 @@ import re
 from dcp_s3._checkpointer.names import DIGITS, scheme
 from dcp_s3._checkpointer.ownership import Ownership
 from dcp_s3._commit import retire
-from dcp_s3._store.base import Store
+from dcp_s3._dcp.store import Store
 from dcp_s3.errors import ConfigError, DeletionRefusedError
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER
 

@@ -11,7 +11,7 @@ Chosen where a ``CheckpointManager`` is configured (tested with torch-checkpoint
     ))
     manager.save("s3://bucket/run1/step_100", {"model": model.state_dict()})  # or "step_100": relative to the root
 
-:class:`S3Storage` implements torch_checkpointing's ``Storage`` over a :class:`dcp_s3._store.base.Store`
+:class:`S3Storage` implements torch_checkpointing's ``Storage`` over a :class:`dcp_s3._dcp.store.Store`
 (the object store, client settings and I/O pool every dcp_s3 tool uses). What it owns, and why:
 
 - **The commit.** torch_checkpointing writes a save under ``<parent>/tmp_<name>`` and rank 0 renames that
@@ -55,9 +55,9 @@ from torch_checkpointing.checkpoint_writer import CallbackArgs
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
 from dcp_s3._checkpointer.names import scheme
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._dcp.store import Store
 from dcp_s3._objstore.buffers import BufferPool
-from dcp_s3._store.base import Store
-from dcp_s3._store.storage_options import StorageOptions
 from dcp_s3.errors import (
     CheckpointExistsError,
     CheckpointFormatError,

@@ -21,8 +21,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from dcp_s3._dcp.store import Store
 from dcp_s3._objstore.base import ObjectWriter, RangeRead
-from dcp_s3._store.base import Store
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 
 __all__ = ["ObjectWriteStream", "ObjectReadStream"]

@@ -24,9 +24,9 @@ import logging
 import warnings
 
 from dcp_s3._commit import publish
+from dcp_s3._dcp.session import Session
 from dcp_s3._layout import METADATA_KEY, replaceable_objects
 from dcp_s3._metadata.formats import load_metadata
-from dcp_s3._storage.session import Session
 from dcp_s3.errors import (
     BucketNotFoundError,
     CheckpointExistsError,

@@ -1,7 +1,7 @@
 """One set of storage options for both sides of a checkpoint: :class:`StorageOptions`.
 
 The options themselves (each declared once, with its default and its check) and how keywords merge
-are :mod:`dcp_s3._storage.options`; this class adds what needs a store: writers, readers and stores
+are :mod:`dcp_s3._dcp.options`; this class adds what needs a store: writers, readers and stores
 for locations.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 
-from dcp_s3._storage.options import Settings
-from dcp_s3._storage.reader import S3StorageReader
-from dcp_s3._storage.writer import S3StorageWriter
-from dcp_s3._store.base import Store
-from dcp_s3._store.opening import open_object, open_store
+from dcp_s3._dcp.options import Settings
+from dcp_s3._dcp.reader import S3StorageReader
+from dcp_s3._dcp.store import Store
+from dcp_s3._dcp.store_opening import open_object, open_store
+from dcp_s3._dcp.writer import S3StorageWriter
 
 __all__ = ["StorageOptions"]
 
@@ -50,6 +50,6 @@ class StorageOptions(Settings):
         return store.reader(name, kind)
 
     def store(self, root: str | os.PathLike[str]) -> Store:
-        """A :class:`~dcp_s3._store.Store` rooted at ``root`` with these options (what the
+        """A :class:`~dcp_s3._dcp.Store` rooted at ``root`` with these options (what the
         ``Checkpointer`` and the command-line tools use: listings, deletes, writers and readers)."""
         return open_store(root, options=self)

@@ -25,7 +25,7 @@ How a storage class takes options (``S3StorageWriter``, ``S3StorageReader``, a n
             session = Session(path, pooled(settings.client, ...), settings.transfer)
             ...  # and settings.writing.compression, settings.writing.overwrite...
 
-:class:`dcp_s3.StorageOptions` (:mod:`dcp_s3._store.storage_options`) is a ``Settings`` that also
+:class:`dcp_s3.StorageOptions` (:mod:`dcp_s3._dcp.storage_options`) is a ``Settings`` that also
 makes writers, readers and stores for locations.
 """
 

@@ -1,4 +1,4 @@
-"""The local-disk side of :class:`dcp_s3._store.base.Store`: paths, and the symbolic-link policy."""
+"""The local-disk side of :class:`dcp_s3._dcp.store.Store`: paths, and the symbolic-link policy."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from dcp_s3._dcp.options import Settings
+from dcp_s3._dcp.reader import S3StorageReader
+from dcp_s3._dcp.session import LocalDir, Session
+from dcp_s3._dcp.store import Store
+from dcp_s3._dcp.writer import S3StorageWriter
 from dcp_s3._objstore.base import check_relative_name
-from dcp_s3._storage.options import Settings
-from dcp_s3._storage.reader import S3StorageReader
-from dcp_s3._storage.session import LocalDir, Session
-from dcp_s3._storage.writer import S3StorageWriter
-from dcp_s3._store.base import Store
 
 __all__ = ["LocalStore"]
 

@@ -7,7 +7,7 @@ Call order (torch DCP) and who does what:
    and ``overwrite=False`` → ``CheckpointExistsError``; present and ``overwrite=True`` → deleted first, so a
    save that then fails leaves an export that is refused as incomplete, never one that mixes two saves'
    shards (shard names are fixed by the format, so the replace cannot be atomic as ``S3StorageWriter``'s
-   is). Then plans every byte (:mod:`dcp_s3._storage._hf_export_plan`): which tensor goes in which shard at
+   is). Then plans every byte (:mod:`dcp_s3._dcp.hf_export_plan`): which tensor goes in which shard at
    which offset, and for each rank, the order of its chunks in its *piece object*, under a staging prefix
    ``.dcp_s3-hf-staging.<token>/`` new to the save.
 2. ``write_data`` (every rank): streams its chunks' raw bytes, in that order, into its piece object (a
@@ -48,17 +48,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_s3._commit import publish
+from dcp_s3._dcp.hf_export_plan import ExportPlan, RankPieces, plan_export
+from dcp_s3._dcp.hf_reader import INDEX_NAME
+from dcp_s3._dcp.metadata_commit import delete_quietly, exists_error
+from dcp_s3._dcp.options import READER_FIELDS, Settings
+from dcp_s3._dcp.safetensors_header import EXPORT_KEY, build_index
+from dcp_s3._dcp.tensor_bytes import compact, payload_chunks, streamable
+from dcp_s3._dcp.writer import S3StorageWriter
 from dcp_s3._layout import PROBE_PREFIX, new_token
 from dcp_s3._objstore.buffers import BufferPool
 from dcp_s3._objstore.compose import compose
 from dcp_s3._objstore.config import int_option
-from dcp_s3._storage._hf_export_plan import ExportPlan, RankPieces, plan_export
-from dcp_s3._storage._hf_reader import INDEX_NAME
-from dcp_s3._storage._safetensors_header import EXPORT_KEY, build_index
-from dcp_s3._storage.metadata_commit import delete_quietly, exists_error
-from dcp_s3._storage.options import READER_FIELDS, Settings
-from dcp_s3._storage.tensor_bytes import compact, payload_chunks, streamable
-from dcp_s3._storage.writer import S3StorageWriter
 from dcp_s3.errors import ConfigError, ServerCapabilityError
 
 __all__ = ["S3HuggingFaceStorageWriter", "STAGING_PREFIX", "DEFAULT_MAX_SHARD_SIZE"]

@@ -5,9 +5,9 @@ frames around them for a compressed item), straight into the destination tensor 
 otherwise into bounded staging that is copied (and cast) into it; items other writers wrote are fetched
 whole and loaded as torch would. Every byte that reaches a tensor is checked, before the planner sees it,
 against a stored checksum covering exactly the bytes hashed: a raw item's blocks, the read widened to whole
-blocks (:mod:`dcp_s3._storage.block_checks`), or a compressed item's frames, each decoded whole; byte items
+blocks (:mod:`dcp_s3._dcp.block_checks`), or a compressed item's frames, each decoded whole; byte items
 are checked whole before anything unpickles them (:mod:`dcp_s3._untrusted.byte_items`). The reader
-(:mod:`dcp_s3._storage.reader`) makes one :class:`ItemReads` per read, with the load's metadata, and runs
+(:mod:`dcp_s3._dcp.reader`) makes one :class:`ItemReads` per read, with the load's metadata, and runs
 the reads it gathers.
 """
 
@@ -27,13 +27,13 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from dcp_s3._codec import DEFAULT_FRAME_SIZE, Codec, FrameIndex, accepts, stored_span, supported
+from dcp_s3._dcp.block_checks import BlockLedger, ledger_for
+from dcp_s3._dcp.session import Session
+from dcp_s3._dcp.staging import Stagings
+from dcp_s3._dcp.tensor_bytes import StagedRows, raw_bytes_view
 from dcp_s3._layout import checksum_error
 from dcp_s3._metadata.compact_chunks import ChunkLookup
 from dcp_s3._objstore.base import RangeRead
-from dcp_s3._storage.block_checks import BlockLedger, ledger_for
-from dcp_s3._storage.session import Session
-from dcp_s3._storage.staging import Stagings
-from dcp_s3._storage.tensor_bytes import StagedRows, raw_bytes_view
 from dcp_s3._torch_compat import element_size, narrow_tensor_by_index
 from dcp_s3._untrusted.byte_items import check_byte_item
 from dcp_s3._untrusted.foreign_items import decode_byte_item, load_tensor_archive

@@ -7,7 +7,7 @@ shards are never found by listing.
 
 Metadata (once per load, on the coordinator, shared as ``S3StorageReader`` shares ``.metadata``): the
 index (at most ``MAX_INDEX_BYTES``), then a HEAD of every shard and a ranged GET of its header (at most
-``MAX_HEADER_BYTES``), checked by :mod:`dcp_s3._storage._safetensors_header`. Each tensor becomes one
+``MAX_HEADER_BYTES``), checked by :mod:`dcp_s3._dcp.safetensors_header`. Each tensor becomes one
 whole-tensor chunk at offset 0 (as torch's ``HuggingFaceStorageReader`` maps it), so torch's
 ``DefaultLoadPlanner`` plans the load, and its storage entry is an ``ItemLocation`` whose payload is the
 tensor's raw bytes: the data reads are then ``S3StorageReader``'s own (``item_reads``) — only the rows a
@@ -30,9 +30,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_s3._layout import ItemLocation
-from dcp_s3._objstore.base import RangeRead
-from dcp_s3._storage._safetensors_header import (
+from dcp_s3._dcp.reader import S3StorageReader
+from dcp_s3._dcp.safetensors_header import (
     MAX_INDEX_BYTES,
     MAX_TOTAL_HEADER_BYTES,
     PREFIX_BYTES,
@@ -44,7 +43,8 @@ from dcp_s3._storage._safetensors_header import (
     parse_header,
     parse_index,
 )
-from dcp_s3._storage.reader import S3StorageReader
+from dcp_s3._layout import ItemLocation
+from dcp_s3._objstore.base import RangeRead
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError
 
 __all__ = ["S3HuggingFaceStorageReader", "INDEX_NAME", "SINGLE_NAME", "TORCH_DTYPES"]

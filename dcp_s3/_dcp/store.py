@@ -7,10 +7,10 @@ sub-location. :class:`Store` does all of it over the object-store interface
 (:class:`dcp_s3._objstore.base.ObjectStore`), the same way on every backend: the writer/reader are
 ``S3StorageWriter``/``S3StorageReader`` on S3 and on disk alike. Names always use ``/``.
 
-The backends add only what really differs: :class:`dcp_s3._store.s3.S3Store` (server-side
-copy between buckets of one server) and :class:`dcp_s3._store.local.LocalStore` (paths,
-symbolic-link policy); :func:`dcp_s3._store.opening.open_store` picks one for a location, and
-:class:`dcp_s3._storage.options.Settings` holds the storage options of both.
+The backends add only what really differs: :class:`dcp_s3._dcp.store_s3.S3Store` (server-side
+copy between buckets of one server) and :class:`dcp_s3._dcp.store_local.LocalStore` (paths,
+symbolic-link policy); :func:`dcp_s3._dcp.store_opening.open_store` picks one for a location, and
+:class:`dcp_s3._dcp.options.Settings` holds the storage options of both.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from dcp_s3._dcp.options import Settings
+from dcp_s3._dcp.reader import S3StorageReader
+from dcp_s3._dcp.session import Session
+from dcp_s3._dcp.writer import S3StorageWriter
 from dcp_s3._objstore.base import ObjectInfo, ObjectStore, PendingUpload, RangeRead
 from dcp_s3._objstore.buffers import BufferPool
-from dcp_s3._storage.options import Settings
-from dcp_s3._storage.reader import S3StorageReader
-from dcp_s3._storage.session import Session
-from dcp_s3._storage.writer import S3StorageWriter
 from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError
 
 __all__ = ["Entry", "Upload", "Store"]
@@ -52,7 +52,7 @@ class Store:
 
     ``session`` carries the object store (created lazily, so a store pickles), its I/O pool
     (``TransferConfig``) and, on S3, every client setting; ``prefix`` is the root's key in the
-    object store's container. ``options`` (a :class:`~dcp_s3._storage.options.Settings`) are the
+    object store's container. ``options`` (a :class:`~dcp_s3._dcp.options.Settings`) are the
     DCP writer's/reader's it makes.
     """
 

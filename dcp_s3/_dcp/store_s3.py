@@ -1,13 +1,13 @@
-"""The S3 side of :class:`dcp_s3._store.base.Store`: its session, and server-side copies."""
+"""The S3 side of :class:`dcp_s3._dcp.store.Store`: its session, and server-side copies."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from dcp_s3._dcp.options import Settings, pooled
+from dcp_s3._dcp.session import Session
+from dcp_s3._dcp.store import Store
 from dcp_s3._objstore.uri import S3Uri
-from dcp_s3._storage.options import Settings, pooled
-from dcp_s3._storage.session import Session
-from dcp_s3._store.base import Store
 
 __all__ = ["S3Store"]
 

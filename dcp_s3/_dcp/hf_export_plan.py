@@ -3,7 +3,7 @@ at which offset, and where each byte of each file comes from.
 
 Input: the ranks' save plans after DCP's planner removed replicated duplicates, so every chunk of every
 tensor is written by one rank. Each file is ``[8-byte length][JSON header][tensors' bytes, packed in order]``
-(:func:`dcp_s3._storage._safetensors_header.build_header`); tensors go into files in the order they first
+(:func:`dcp_s3._dcp.safetensors_header.build_header`); tensors go into files in the order they first
 appear in the plans, a new file starting where the next tensor would pass ``max_shard_size`` (a larger
 tensor alone in its file), as ``save_pretrained`` shards.
 
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
+from dcp_s3._dcp.hf_reader import TORCH_DTYPES
+from dcp_s3._dcp.safetensors_header import DTYPE_SIZES, build_header
 from dcp_s3._objstore.base import Span
-from dcp_s3._storage._hf_reader import TORCH_DTYPES
-from dcp_s3._storage._safetensors_header import DTYPE_SIZES, build_header
 from dcp_s3.errors import ConfigError
 
 __all__ = ["ExportPlan", "RankPieces", "plan_export", "shard_name", "ChunkKey", "MAX_RUNS"]

@@ -21,7 +21,7 @@ from typing import IO, cast
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
-from dcp_s3._storage.staging import DeviceStaging, Event, device_chunks
+from dcp_s3._dcp.staging import DeviceStaging, Event, device_chunks
 from dcp_s3._torch_compat import TORCH_VERSION
 from dcp_s3.errors import TorchCompatibilityError
 

@@ -14,7 +14,7 @@ untouched and loads bit-exact; the PUT replaces the old ``.metadata`` atomically
 then are the old objects deleted. Two saves racing to one path each commit a complete
 ``.metadata`` naming only their own objects, so the result is one save's data, never a
 mix. Objects of a save that failed or was killed are left for ``dcp-s3 gc``. The commit itself is
-:mod:`dcp_s3._storage.metadata_commit`.
+:mod:`dcp_s3._dcp.metadata_commit`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,13 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_s3._codec import Codec
+from dcp_s3._dcp.data_objects import planned_size, split_items, write_item
+from dcp_s3._dcp.job_progress import JobCount, following_job, forget_counts, job_counts
+from dcp_s3._dcp.metadata_commit import commit_once, commit_replacing, delete_quietly, exists_error
+from dcp_s3._dcp.options import READER_FIELDS, Settings, pooled
+from dcp_s3._dcp.request_report import Meter, RankFigures, RankResults, own_rank, split_results, summary
+from dcp_s3._dcp.session import Location, Session
+from dcp_s3._dcp.staging import Stagings, save_pinned_bound
 from dcp_s3._layout import (
     FORMAT_TAG,
     METADATA_KEY,
@@ -50,13 +57,6 @@ from dcp_s3._metadata.formats import compact_wanted, dump_metadata, load_metadat
 from dcp_s3._objstore.base import wait_all
 from dcp_s3._objstore.buffers import BufferPool
 from dcp_s3._packed.results import PackedResults
-from dcp_s3._storage.data_objects import planned_size, split_items, write_item
-from dcp_s3._storage.job_progress import JobCount, following_job, forget_counts, job_counts
-from dcp_s3._storage.metadata_commit import commit_once, commit_replacing, delete_quietly, exists_error
-from dcp_s3._storage.options import READER_FIELDS, Settings, pooled
-from dcp_s3._storage.request_report import Meter, RankFigures, RankResults, own_rank, split_results, summary
-from dcp_s3._storage.session import Location, Session
-from dcp_s3._storage.staging import Stagings, save_pinned_bound
 from dcp_s3._torch_compat import _StoragePrefix
 from dcp_s3.errors import ConfigError, ServerCapabilityError
 
@@ -82,7 +82,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
     Args:
         path: ``s3://bucket/key`` or a local directory (or pass ``checkpoint_id=`` to ``dcp.save``).
         options: a :class:`dcp_s3.StorageOptions` (or a mapping of its keywords); ``keywords`` are merged
-            over it, once (:mod:`dcp_s3._storage.options`).
+            over it, once (:mod:`dcp_s3._dcp.options`).
         keywords: any storage option but the reader's (which are refused, ``ConfigError``), each checked
             now (a bad one is a ``ConfigError`` naming it). The writer's own (``WriterSettings``):
 
@@ -144,7 +144,7 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
         self.rank: int | None = None
         self.is_coordinator = False
         self._meter = Meter()
-        #: After a save: this save's request figures (``dcp_s3._storage.request_report``) by rank —
+        #: After a save: this save's request figures (``dcp_s3._dcp.request_report``) by rank —
         #: every rank's on the coordinator, its own on the others.
         self.request_stats: dict[int, RankFigures] = {}
         self._counts: list[JobCount] = []  # the coordinator's: where this save's ranks count themselves finished

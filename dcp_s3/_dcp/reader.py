@@ -7,7 +7,7 @@ its object — only the bytes the plan needs — coalesces neighbours into range
 GETs and runs them concurrently across and within objects. Tensor bytes land
 directly in the destination tensor when its layout allows; otherwise in a
 bounded staging buffer that is copied (and cast) into it. How one item becomes
-its reads, and is checked once they are in: :mod:`dcp_s3._storage.item_reads`.
+its reads, and is checked once they are in: :mod:`dcp_s3._dcp.item_reads`.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from dcp_s3._codec import Codec
+from dcp_s3._dcp.item_reads import ItemReads
+from dcp_s3._dcp.job_progress import following_job, job_counts
+from dcp_s3._dcp.options import WRITER_FIELDS, Settings, pooled
+from dcp_s3._dcp.replicated import read_replicated
+from dcp_s3._dcp.request_report import Meter, RankFigures, own_rank, summary
+from dcp_s3._dcp.session import Location, Session
+from dcp_s3._dcp.staging import Stagings, load_pinned_bound
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._metadata.compact_chunks import ChunkLookup
 from dcp_s3._metadata.formats import load_metadata
 from dcp_s3._objstore.base import RangeRead
 from dcp_s3._planners.sharing import broadcast_bytes, metadata_source
-from dcp_s3._storage.item_reads import ItemReads
-from dcp_s3._storage.job_progress import following_job, job_counts
-from dcp_s3._storage.options import WRITER_FIELDS, Settings, pooled
-from dcp_s3._storage.replicated import read_replicated
-from dcp_s3._storage.request_report import Meter, RankFigures, own_rank, summary
-from dcp_s3._storage.session import Location, Session
-from dcp_s3._storage.staging import Stagings, load_pinned_bound
 from dcp_s3._torch_compat import placeholder_metadata
 from dcp_s3.errors import BucketNotFoundError, CheckpointNotFoundError, DcpS3Error
 
@@ -50,7 +50,7 @@ class S3StorageReader(Location, StorageReader):
     from a local directory (ranged ``preadv`` into the destination, through the local object store).
 
     Takes ``path``, ``options`` and keywords as ``S3StorageWriter`` does (any storage option but the
-    writer's own, which are refused: :mod:`dcp_s3._storage.options`), the client and transfer ones
+    writer's own, which are refused: :mod:`dcp_s3._dcp.options`), the client and transfer ones
     included. ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
     (larger reads are split), which also bounds staging memory per request, except GETs read
     straight into a CPU tensor (no staging; a compressed item's frames decoded into it one by one
@@ -97,7 +97,7 @@ class S3StorageReader(Location, StorageReader):
         self._metadata_error: DcpS3Error | None = None  # see read_metadata
         self._meter = Meter()
         #: After a load: this rank's request figures for it, ``{rank: figures}`` (each rank its own:
-        #: a load has no step where they could reach one rank; see ``dcp_s3._storage.request_report``).
+        #: a load has no step where they could reach one rank; see ``dcp_s3._dcp.request_report``).
         self.request_stats: dict[int, RankFigures] = {}
 
     def __repr__(self) -> str:

@@ -17,11 +17,11 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_s3._codec import Codec, grouping_for_dtype
+from dcp_s3._dcp.staging import Stagings
+from dcp_s3._dcp.tensor_bytes import compact, payload_chunks, streamable, tensor_blob
 from dcp_s3._layout import BLOCK_SIZE, ItemLocation
 from dcp_s3._objstore.base import ObjectWriter
 from dcp_s3._objstore.checksums import crc32c_combine
-from dcp_s3._storage.staging import Stagings
-from dcp_s3._storage.tensor_bytes import compact, payload_chunks, streamable, tensor_blob
 from dcp_s3._torch_compat import element_size
 from dcp_s3.errors import CheckpointFormatError, DcpS3Error
 

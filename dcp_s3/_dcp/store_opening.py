@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dcp_s3._dcp.options import Settings
+from dcp_s3._dcp.store import Store
+from dcp_s3._dcp.store_local import LocalStore
+from dcp_s3._dcp.store_s3 import S3Store
 from dcp_s3._objstore.uri import parse_s3_uri, s3_location
-from dcp_s3._storage.options import Settings
-from dcp_s3._store.base import Store
-from dcp_s3._store.local import LocalStore
-from dcp_s3._store.s3 import S3Store
 from dcp_s3.errors import InvalidCheckpointIdError
 
 __all__ = ["open_store", "open_object"]
@@ -26,7 +26,7 @@ def open_store(
     :class:`LocalStore`).
 
     ``options`` (a ``StorageOptions``) and ``storage_options`` (its keywords, merged over it: see
-    :mod:`dcp_s3._storage.options`); for local directories only those that mean something there
+    :mod:`dcp_s3._dcp.options`); for local directories only those that mean something there
     (``LOCAL_KEYWORDS``: compression, key prefixes...); the S3 ones are rejected (``ConfigError``)
     there, where they would do nothing. ``follow_symlinks``: a local store lists linked directories
     too (see ``LocalStore``).
