@@ -365,7 +365,7 @@ def test_resave_on_2_fsdp2_ranks(tmp_path: Path, async_save: bool) -> None:
 def test_finding_steps_reads_markers_newest_first_and_copies_keep_their_meaning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_s3._dcp import base as store_module
+    from dcp_s3._dcp import store as store_module
     from dcp_s3.admin import copy_checkpoint
 
     run = tmp_path / "run"
