@@ -47,7 +47,7 @@ from dcp_s3._dcp import Store
 from dcp_s3._dcp.reader import S3StorageReader
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._metadata.formats import dump_metadata, load_metadata
-from dcp_s3._untrusted.metadata_check import tiling_problem
+from dcp_s3._untrusted.tiling import tiling_problem
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, DcpS3Error
 
 __all__ = [
@@ -248,7 +248,7 @@ def _tiles(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> bool:
     of upper coordinates, ``-`` at an odd one), and orthants at distinct points are linearly independent; so
     the boxes' indicators add up to the tensor's iff, at every point, their corners' signs add up to the
     tensor's own corners' signs. Only the dimensions some box splits count (in the others every box spans
-    the tensor). Beyond :data:`_MAX_CORNERS`, :func:`~dcp_s3._untrusted.metadata_check.tiling_problem` decides
+    the tensor). Beyond :data:`_MAX_CORNERS`, :func:`~dcp_s3._untrusted.tiling.tiling_problem` decides
     (n log n for a grid, a bounded sweep otherwise)."""
     split = [k for k in range(len(size)) if any(o[k] or s[k] != size[k] for o, s in boxes)]
     if len(boxes) << len(split) > _MAX_CORNERS:

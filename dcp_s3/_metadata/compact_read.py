@@ -37,8 +37,9 @@ from dcp_s3._metadata.compact_chunks import ExplicitChunks, RuleChunks
 from dcp_s3._metadata.compact_columns import ArraysReader, _bad, _get, _int, untag
 from dcp_s3._metadata.compact_storage import CompactStorage, _Entry
 from dcp_s3._torch_compat import element_size
-from dcp_s3._untrusted.metadata_check import MAX_OFFSET, tiling_problem
+from dcp_s3._untrusted.metadata_check import MAX_OFFSET
 from dcp_s3._untrusted.metadata_pickle import MAX_NDIM, describe
+from dcp_s3._untrusted.tiling import tiling_problem
 
 __all__ = ["load_compact", "materialize"]
 

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: its he
 from dist_utils import free_port  # noqa: E402
 from fault_proxy import FaultProxy, Rule  # noqa: E402
 
-from dcp_s3 import S3StorageReader, S3StorageWriter # noqa: E402
+from dcp_s3 import S3StorageReader, S3StorageWriter  # noqa: E402
 from dcp_s3._local_server import LocalS3Server  # noqa: E402
 from dcp_s3._objstore.config import TransferConfig  # noqa: E402
 from dcp_s3.admin import collect_garbage, find_garbage  # noqa: E402
