@@ -347,14 +347,14 @@ def test_extra_files_are_written_before_the_index(moto_server: LocalS3Server, mo
         ({"other.safetensors": b""}, "other.safetensors"),
         ({"model.safetensors": b""}, "model.safetensors"),
         ({"config.json": 3}, "bytes or str, not int"),
-        ({"big.bin": bytes((16 << 20) + 1)}, "big.bin"),
-        ({f"f{i}.bin": bytes(15 << 20) for i in range(5)}, "in all"),
+        (lambda: {"big.bin": bytes((16 << 20) + 1)}, "big.bin"),  # made when the test runs, not when collected
+        (lambda: dict.fromkeys([f"f{i}.bin" for i in range(5)], bytes(15 << 20)), "in all"),
         (["config.json"], "mapping"),
     ],
 )
 def test_extra_files_are_checked_when_the_writer_is_made(files: Any, match: str) -> None:
     with pytest.raises(ConfigError, match="extra_files") as info:
-        S3HuggingFaceStorageWriter("s3://bkt/x", extra_files=files)
+        S3HuggingFaceStorageWriter("s3://bkt/x", extra_files=files() if callable(files) else files)
     assert match in str(info.value)
 
 
