@@ -29,7 +29,7 @@ fall on the ranks' chunk boundaries, which S3's 5 MiB minimum forbids for small 
 send part *n* of a file without knowing every byte before it. Copying ranges server-side keeps each rank's
 upload a plain streaming write and leaves the coordinator only the small pieces.
 
-What a failure leaves: no index (so readers refuse the prefix as incomplete); the shards already composed;
+What a failure leaves: no index (so readers refuse the prefix as incomplete); the shards already composed (and extra files);
 piece objects of ranks that finished when another rank failed (torch calls no ``finish`` then) under
 ``.dcp_s3-hf-staging.<token>/``, to delete by hand.
 """
