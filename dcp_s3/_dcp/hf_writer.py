@@ -19,7 +19,8 @@ Call order (torch DCP) and who does what:
    5 MiB minimum part and the few MiB at a boundary are read and sent by the coordinator, at most
    ``max_concurrency`` parts of ~5 MiB at once. A server without UploadPartCopy (its ``NotImplemented``
    answer) and a local directory get each shard streamed through the coordinator, ``part_size`` bytes at a
-   time. Then the index is PUT — last, and conditionally (``If-None-Match: *``): the index is the commit.
+   time. Then the ``extra_files`` (``config.json``...), one plain PUT each, and the index — last, and
+   conditionally (``If-None-Match: *``): the index is the commit, so a committed export has its extra files.
    The staging prefix is deleted in every case.
 
 Why this design: the alternatives each break a requirement. Gathering a tensor to one rank bounds memory by
@@ -28,7 +29,7 @@ fall on the ranks' chunk boundaries, which S3's 5 MiB minimum forbids for small 
 send part *n* of a file without knowing every byte before it. Copying ranges server-side keeps each rank's
 upload a plain streaming write and leaves the coordinator only the small pieces.
 
-What a failure leaves: no index (so readers refuse the prefix as incomplete); the shards already composed;
+What a failure leaves: no index (so readers refuse the prefix as incomplete); the shards already composed (and extra files);
 piece objects of ranks that finished when another rank failed (torch calls no ``finish`` then) under
 ``.dcp_s3-hf-staging.<token>/``, to delete by hand.
 """
@@ -47,9 +48,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from dcp_s3._commit import publish
+from dcp_s3._commit import is_clean_name, publish
 from dcp_s3._dcp.hf_export_plan import ExportPlan, RankPieces, plan_export
-from dcp_s3._dcp.hf_reader import INDEX_NAME
+from dcp_s3._dcp.hf_reader import INDEX_NAME, SINGLE_NAME
 from dcp_s3._dcp.metadata_commit import delete_quietly, exists_error
 from dcp_s3._dcp.options import READER_FIELDS, Settings
 from dcp_s3._dcp.safetensors_header import EXPORT_KEY, build_index
@@ -61,7 +62,14 @@ from dcp_s3._objstore.compose import compose
 from dcp_s3._objstore.config import int_option
 from dcp_s3.errors import ConfigError, ServerCapabilityError
 
-__all__ = ["S3HuggingFaceStorageWriter", "STAGING_PREFIX", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = [
+    "S3HuggingFaceStorageWriter",
+    "STAGING_PREFIX",
+    "DEFAULT_MAX_SHARD_SIZE",
+    "MAX_EXTRA_FILE_SIZE",
+    "MAX_EXTRA_FILES_SIZE",
+    "extra_file_bodies",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,41 @@ log = logging.getLogger(__name__)
 STAGING_PREFIX = ".dcp_s3-hf-staging."
 #: ``save_pretrained``'s default ``max_shard_size`` ("5GB").
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+#: Most bytes of one of ``extra_files`` (``config.json`` is a few KiB, a tokenizer's ``tokenizer.json`` a few
+#: MiB), and of all of them together: they are held in memory and pickled with the writer to every rank.
+MAX_EXTRA_FILE_SIZE = 16 << 20
+MAX_EXTRA_FILES_SIZE = 64 << 20
+
+
+def extra_file_bodies(files: Mapping[str, bytes | bytearray | memoryview | str] | None) -> dict[str, bytes]:
+    """``files`` checked, as bytes (a ``str`` UTF-8 encoded): a ``ConfigError`` naming ``extra_files`` and the
+    name at fault for a name that is not a plain file name (ASCII letters, digits, ``_``, ``.``, ``-``; no ``/``,
+    not hidden, at most 255 characters), a name of the export's own (the index, ``model.safetensors``, any
+    ``*.safetensors`` or ``*.safetensors.index.json``), a body that is not bytes or text, or past the bounds."""
+    out: dict[str, bytes] = {}
+    total = 0
+    if files is None:
+        return out
+    if not isinstance(files, Mapping):
+        raise ConfigError(f"extra_files: a mapping of file name to bytes or str, not {type(files).__name__}")
+    for name, body in files.items():
+        if not is_clean_name(name, max_len=255) or "/" in name or name.startswith("."):
+            raise ConfigError(f"extra_files: {str(name)[:80]!r} is not a plain file name (no '/', not hidden, ASCII)")
+        if name in (INDEX_NAME, SINGLE_NAME) or name.endswith((".safetensors", ".safetensors.index.json")):
+            raise ConfigError(f"extra_files: {name!r} is a name of the export's own tensors or index")
+        if isinstance(body, str):
+            data = body.encode("utf-8")
+        elif isinstance(body, (bytes, bytearray, memoryview)):
+            data = bytes(body)
+        else:
+            raise ConfigError(f"extra_files[{name!r}]: bytes or str, not {type(body).__name__}")
+        if len(data) > MAX_EXTRA_FILE_SIZE:
+            raise ConfigError(f"extra_files[{name!r}]: {len(data)} bytes, more than {MAX_EXTRA_FILE_SIZE}")
+        total += len(data)
+        if total > MAX_EXTRA_FILES_SIZE:
+            raise ConfigError(f"extra_files: more than {MAX_EXTRA_FILES_SIZE} bytes in all (at {name!r})")
+        out[name] = data
+    return out
 
 
 class S3HuggingFaceStorageWriter(S3StorageWriter):
@@ -83,6 +126,11 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
     Args:
         max_shard_size: bytes of tensors per shard file (default 5 GB, as ``save_pretrained``); a larger
             tensor is a shard of its own.
+        extra_files: small files to write beside the shards, ``{"config.json": bytes_or_str, ...}`` (what
+            ``from_pretrained`` needs besides the weights): written by the coordinator after the shards and
+            before the index, so a committed export has them. Plain file names only, none of the export's own
+            (the index, ``*.safetensors``); at most 16 MiB each and 64 MiB in all (``ConfigError`` otherwise).
+            Given on every rank alike (only the coordinator's are written).
         options: a ``StorageOptions`` (or mapping) of these keywords, as for ``S3StorageWriter``.
         **keywords: ``S3StorageWriter``'s. ``overwrite`` differs: replace an export already at ``path``; default
             ``False`` here: refuse with ``CheckpointExistsError`` (checked when the save is planned, and again by
@@ -100,6 +148,7 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
         path: str | os.PathLike[str] | None = None,
         *,
         max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+        extra_files: Mapping[str, bytes | bytearray | memoryview | str] | None = None,
         options: Settings | Mapping[str, Any] | None = None,
         **keywords: Any,
     ) -> None:
@@ -119,6 +168,7 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
                 raise ConfigError(f"{name}={given.get(name)!r}: a Hugging Face export's format is fixed")
         super().__init__(path, options=settings)
         self.max_shard_size = int_option("max_shard_size", max_shard_size, 1)
+        self.extra_files = extra_file_bodies(extra_files)
         self._export: ExportPlan | None = None  # the coordinator's, from planning to finish
         self._export_id = ""  # recorded in the index and every shard (EXPORT_KEY)
 
@@ -210,7 +260,8 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
         return results
 
     def _finish(self, metadata: Metadata, results: Sequence[Sequence[WriteResult]]) -> None:
-        """Coordinator only: compose the shards, then PUT the index (the commit); delete the pieces."""
+        """Coordinator only: compose the shards, PUT the extra files, then the index (the commit); delete the
+        pieces."""
         export, self._export = self._export, None
         if export is None:
             raise ConfigError("finish without prepare_global_plan on this writer (the coordinator's)")
@@ -227,6 +278,8 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
                     chunk=transfer.part_size,
                     max_buffered=transfer.max_concurrency,
                 )
+            for name, body in self.extra_files.items():  # before the commit: a committed export has them
+                session.object_store.put(session.key(name), body)
             self._commit(build_index(export.weight_map, export.total_size, self._export_id))
         finally:
             delete_quietly(

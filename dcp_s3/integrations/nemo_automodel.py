@@ -49,9 +49,11 @@ next ``async_save`` waits for it in the training thread. On a host without an
 accelerator the stagers are built with ``StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)``
 (NeMo's ``DefaultStager()`` asserts there); with one, with NeMo's default options.
 
-Not supported on ``s3://`` (a ``ConfigError`` when the config is made): ``model_save_format="safetensors"`` and
-consolidated HF exports (NeMo writes them through its own file-system writer and consolidation), PEFT adapters
-(rank 0 writes them with ``safetensors`` to a file). The ``LATEST``/``LOWEST_VAL`` pointers are not
+Not supported on ``s3://`` (a ``ConfigError`` when the config is made, saying why and what to do,
+:data:`_NOT_ON_S3`): ``model_save_format="safetensors"`` and consolidated HF exports (NeMo 0.7.0 writes them inside
+``save_model`` through its own file-system writer and consolidation: no seam to hand a writer to), PEFT adapters
+(rank 0 writes them with ``safetensors`` to a file). For a Hugging Face export, convert the committed model part
+(:meth:`S3Checkpointer.part_location`) with ``dcp-s3 convert ... --format safetensors``. The ``LATEST``/``LOWEST_VAL`` pointers are not
 kept: the latest checkpoint is the newest committed one (:meth:`S3Checkpointer.latest_checkpoint`). The job's
 checkpoint process group must span every rank.
 
@@ -121,6 +123,26 @@ def _remote_if_s3(path: str) -> contextlib.AbstractContextManager[Any]:
     return _remote_paths.scope(True) if s3_location(path) else contextlib.nullcontext()
 
 
+#: Why each NeMo option that writes through NeMo's own file-system code is refused on ``s3://``, and what to do.
+_NOT_ON_S3 = {
+    "model_save_format": (
+        "NeMo 0.7.0 writes 'safetensors' model parts with its own file-system writer (_HuggingFaceStorageWriter, "
+        "local paths); use model_save_format='torch_save' (DCP through dcp_s3, the default here)"
+    ),
+    "save_consolidated": (
+        "NeMo 0.7.0 writes the consolidated Hugging Face export inside Checkpointer.save_model itself: "
+        "consolidate_safetensors_files_on_every_rank reads and writes local files, and rank 0 copies config and "
+        "tokenizer files with open()/shutil, with no storage writer to hand over; use save_consolidated=false and "
+        "export the committed model part instead: dcp-s3 convert <checkpointer.part_location(path)> "
+        "s3://bucket/hf --format safetensors (dcp_s3.admin.convert_checkpoint in Python), config.json beside it"
+    ),
+    "is_peft": (
+        "NeMo 0.7.0 writes adapter_model.safetensors and its JSON files from rank 0 with open(); "
+        "save PEFT runs to a local checkpoint_dir"
+    ),
+}
+
+
 @dataclass
 class S3CheckpointingConfig(CheckpointingConfig):
     """NeMo's ``CheckpointingConfig`` whose ``build()`` makes an :class:`S3Checkpointer` (module docstring).
@@ -151,13 +173,9 @@ class S3CheckpointingConfig(CheckpointingConfig):
             "save_consolidated": self.save_consolidated != SaveConsolidatedMode.FALSE,
             "is_peft": self.is_peft,
         }
-        bad = [name for name, is_bad in refused.items() if is_bad]
+        bad = [f"{name}: {_NOT_ON_S3[name]}" for name, is_bad in refused.items() if is_bad]
         if bad:
-            raise ConfigError(
-                f"checkpoint_dir={location}: {', '.join(bad)} not supported on s3:// (use model_save_format="
-                "'torch_save', save_consolidated=false, is_peft=False; see "
-                "dcp_s3.integrations.nemo_automodel)"
-            )
+            raise ConfigError(f"checkpoint_dir={location}: not supported on s3:// — " + "; ".join(bad))
 
     def options(self) -> StorageOptions:
         """The storage options: ``storage_options`` with ``endpoint_url``."""
@@ -318,6 +336,17 @@ class S3Checkpointer(RecipeFiles, Checkpointer):
         dcp.load(state_dict, storage_reader=self._s3.part_reader(location, state_name), **self._pg_kwargs())
         state.load_state_dict(state_dict)
         return None
+
+    def part_location(self, path: str, part: str = "model") -> str:
+        """Every rank (rank 0 reads the commit once and shares it): the ``s3://`` location of DCP part ``part``
+        (``model``, ``optim``...) of the committed checkpoint at ``path``, a DCP checkpoint of its own, e.g. for
+        ``dcp-s3 convert LOCATION s3://bucket/hf --format safetensors`` (the model part holds NeMo's state dict
+        under the Hugging Face names NeMo's ``save_model`` gives it). ``CheckpointNotFoundError`` when ``path`` is
+        not committed or its save has no such part."""
+        location = s3_location(path)
+        if location is None:
+            raise ConfigError(f"{path}: not an s3:// checkpoint (a local one's parts are its directories)")
+        return self._s3.part_location(location, part)
 
     def latest_checkpoint(self) -> str | None:
         """Every rank: the newest committed ``epoch_<E>_step_<S>`` under ``checkpoint_dir`` (by step), or None;

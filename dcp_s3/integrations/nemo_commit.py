@@ -262,14 +262,18 @@ class Saves:
             self.commits[ckpt] = self.ranks.run_on_rank0(read)
         return self.commits[ckpt]
 
-    def part_reader(self, ckpt: str, part: str) -> Any:
-        """A DCP reader for DCP part ``part`` of the committed save at ``ckpt``."""
+    def part_location(self, ckpt: str, part: str) -> str:
+        """Where DCP part ``part`` of the committed save at ``ckpt`` is (``<ckpt>/save.<token>/<part>``)."""
         commit = self.committed(ckpt)
         if part not in commit.parts:
             raise CheckpointNotFoundError(
                 f"{ckpt}: its save {commit.token} holds no DCP part {part!r} ({commit.parts})"
             )
-        return self.options.reader(f"{ckpt}/{SAVE_DIR}{commit.token}/{part}")
+        return f"{ckpt}/{SAVE_DIR}{commit.token}/{part}"
+
+    def part_reader(self, ckpt: str, part: str) -> Any:
+        """A DCP reader for DCP part ``part`` of the committed save at ``ckpt``."""
+        return self.options.reader(self.part_location(ckpt, part))
 
     def read_file(self, ckpt: str, rel: str) -> bytes | None:
         """Small file ``rel`` of the committed save at ``ckpt``, or None when its commit lists none; a stored object

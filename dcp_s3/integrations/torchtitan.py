@@ -28,12 +28,24 @@ and deletes steps through s3fs (whose listing cache silently stops ``keep_latest
 
 ``async_mode="async_with_pinned_mem"``: torchtitan's own ``DefaultStager`` (pinned shared memory,
 staging in the background) and torch's upload process, with ``S3StorageWriter`` sent to that process;
-the step commits in it, and the purge counts it once ``upload_completion`` is done. Final saves in
-Hugging Face initial loads (``initial_load_in_hf``) from an ``s3://`` ``initial_load_path`` read the export with
-``dcp_s3.S3HuggingFaceStorageReader`` (each rank only the byte ranges of its shards; an export without its
-``model.safetensors.index.json`` or ``model.safetensors`` is refused as incomplete), through the model's
-``sd_adapter`` as torchtitan does (torchtitan itself refuses a remote one); from a local path they keep torchtitan's
-own code, as do final saves in Hugging Face format (``last_save_in_hf``: local folders only).
+the step commits in it, and the purge counts it once ``upload_completion`` is done.
+
+Hugging Face format on ``s3://`` (torchtitan itself refuses a remote folder for both):
+
+- initial loads (``initial_load_in_hf``) from an ``s3://`` ``initial_load_path`` read the export with
+  ``dcp_s3.S3HuggingFaceStorageReader`` (each rank only the byte ranges of its shards; an export without its
+  ``model.safetensors.index.json`` or ``model.safetensors`` is refused as incomplete), through the model's
+  ``sd_adapter`` as torchtitan does;
+- the final save (``last_save_in_hf``) of an ``s3://`` folder writes the model, through ``sd_adapter.to_hf``
+  and in ``export_dtype`` as torchtitan does, at the place torchtitan would (``<folder>/step-<N>``) with
+  ``dcp_s3.S3HuggingFaceStorageWriter``: consolidated shards from every rank, no local copy, the index written
+  last (the commit), beside ``config.json`` and ``generation_config.json`` copied from the model's
+  ``hf_assets_path`` where it has them. An export already there is refused (``CheckpointExistsError``) unless
+  ``storage_options`` has ``overwrite: True``; the options that choose the DCP format (``compression``,
+  ``key_prefixes``...) do not apply to it. The export is no DCP step: a resume does not load it and the
+  ``keep_latest_k`` purge neither counts nor deletes it.
+
+From a local path (or to a local folder) both keep torchtitan's own code.
 """
 
 from __future__ import annotations
@@ -60,6 +72,7 @@ from torchtitan.tools.utils import GarbageCollection
 from dcp_s3._checkpointer.ownership import Ownership
 from dcp_s3._checkpointer.ranks import Ranks
 from dcp_s3._dcp.hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
+from dcp_s3._dcp.hf_writer import S3HuggingFaceStorageWriter
 from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._dcp.store import Store
 from dcp_s3._layout import METADATA_KEY
@@ -75,6 +88,18 @@ logger = logging.getLogger(__name__)
 
 #: torchtitan's step directories: ``step-<N>`` (``CheckpointManager._create_checkpoint_id``).
 _STEP_DIR = re.compile(r"step-([0-9]+)")  # ASCII digits: dcp_s3._checkpointer.names
+#: What a final Hugging Face export copies from the model's ``hf_assets_path`` (as ``save_pretrained`` writes
+#: them beside the weights; ``from_pretrained`` needs ``config.json``).
+HF_CONFIG_FILES = ("config.json", "generation_config.json")
+#: Storage options that choose the DCP format, which a Hugging Face export fixes: left out of its writer's.
+_DCP_FORMAT_OPTIONS = (
+    "compression",
+    "compression_level",
+    "compression_threads",
+    "key_prefixes",
+    "files_per_rank",
+    "metadata_format",
+)
 
 
 class S3CheckpointManager(CheckpointManager):
@@ -90,9 +115,11 @@ class S3CheckpointManager(CheckpointManager):
         max_concurrency, region, profile, ...); endpoint_url above wins over one given here."""
 
         def __post_init__(self) -> None:
-            # torchtitan refuses an HF initial load from a remote path (fsspec reads whole files, if at all); dcp_s3
-            # reads an s3:// one itself: torchtitan's other checks run with the flag, that one without it.
+            # torchtitan refuses HF loads and saves on a remote path (fsspec reads whole files, if at all);
+            # dcp_s3 reads and writes s3:// ones itself: torchtitan's other checks run with the flags, those
+            # without them.
             hf_on_s3 = self.initial_load_in_hf and s3_location(self.initial_load_path) is not None
+            last_hf_on_s3 = self.last_save_in_hf and s3_location(self.folder) is not None
             if hf_on_s3 and self.initial_load_in_hf_quantized:
                 raise ConfigError(
                     f"checkpoint.initial_load_in_hf_quantized: a quantized export is read by the model's own "
@@ -100,11 +127,15 @@ class S3CheckpointManager(CheckpointManager):
                 )
             if hf_on_s3 and not self.initial_load_model_only:
                 raise ConfigError("checkpoint.initial_load_in_hf requires checkpoint.initial_load_model_only")
+            if last_hf_on_s3 and not self.last_save_model_only:
+                raise ConfigError("checkpoint.last_save_in_hf requires checkpoint.last_save_model_only")
             self.initial_load_in_hf = not hf_on_s3 and self.initial_load_in_hf
+            self.last_save_in_hf = not last_hf_on_s3 and self.last_save_in_hf
             try:
                 CheckpointManager.Config.__post_init__(self)
             finally:
                 self.initial_load_in_hf = hf_on_s3 or self.initial_load_in_hf
+                self.last_save_in_hf = last_hf_on_s3 or self.last_save_in_hf
             self.options()  # ConfigError now, naming the option, not at the first save
 
         def options(self) -> StorageOptions:
@@ -180,10 +211,15 @@ class S3CheckpointManager(CheckpointManager):
         enable_garbage_collection: bool = False,
         to_hf: bool = False,
     ) -> Future[Any] | AsyncSaveResponse | None:
-        if to_hf:  # torchtitan's HF writer, local folders only (its Config refuses a remote one)
+        if to_hf and s3_location(checkpoint_id) is None:  # torchtitan's HF writer (local folders)
             return CheckpointManager.dcp_save(
                 self, state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
+        if to_hf:  # the final save (torchtitan's only to_hf call, synchronous): an export, see the docstring
+            self._save_hf(state_dict, checkpoint_id)
+            if enable_garbage_collection:
+                GarbageCollection.collect("GC collection invoked by checkpointer.")
+            return None
         # No checkpoint_id beside the writer: DCP would reset the writer to it (and on a path, to disk).
         writer = self.storage_options.writer(checkpoint_id)
         result: Future[Any] | AsyncSaveResponse | None = None
@@ -207,6 +243,35 @@ class S3CheckpointManager(CheckpointManager):
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
+
+    def _save_hf(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
+        """Every rank: the model's state under its HF names (``sd_adapter.to_hf``) as a Hugging Face export at
+        ``checkpoint_id``, with the model's HF config files beside it; the index is the commit."""
+        if self.sd_adapter is None:
+            raise ConfigError("checkpoint.last_save_in_hf needs the model's sd_adapter (its HF names)")
+        hf_state_dict = self.sd_adapter.to_hf(state_dict)
+        options = self.storage_options.replace(**dict.fromkeys(_DCP_FORMAT_OPTIONS))
+        writer = S3HuggingFaceStorageWriter(
+            s3_location(checkpoint_id), extra_files=self._hf_config_files(), options=options
+        )
+        logger.info("Exporting the model in Hugging Face format to %s.", checkpoint_id)
+        dcp.save(hf_state_dict, storage_writer=writer)
+
+    def _hf_config_files(self) -> dict[str, bytes]:
+        """The files of :data:`HF_CONFIG_FILES` found in the model's local ``hf_assets_path`` (torchtitan
+        builds no HF config of its own: these are the ones the model's HF assets came with)."""
+        assets = getattr(self.sd_adapter, "hf_assets_path", None)
+        if not assets or s3_location(assets) is not None:
+            return {}
+        files = {}
+        for name in HF_CONFIG_FILES:
+            path = os.path.join(assets, name)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    files[name] = f.read()
+        if "config.json" not in files:
+            logger.warning("No config.json in %s: the export has none (from_pretrained needs one).", assets)
+        return files
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if from_hf and s3_location(checkpoint_id) is None:  # torchtitan's HF reader (local paths)

@@ -429,9 +429,48 @@ def test_config_refuses_what_s3_cannot_hold() -> None:
     ):
         with pytest.raises(ConfigError, match=name):
             S3CheckpointingConfig(checkpoint_dir="s3://bucket/run", **kwargs)
+    with pytest.raises(ConfigError) as info:  # why (NeMo's own code writes it), and what to do instead
+        S3CheckpointingConfig(checkpoint_dir="s3://bucket/run", save_consolidated="final")
+    for said in ("consolidate_safetensors_files_on_every_rank", "save_consolidated=false", "part_location", "convert"):
+        assert said in str(info.value), (said, str(info.value))
     assert S3CheckpointingConfig(checkpoint_dir="s3://bucket/run", is_async=True).is_async
     local = S3CheckpointingConfig(checkpoint_dir="/tmp/run", model_save_format="safetensors")  # NeMo's own rules
     assert local.checkpoint_dir == "/tmp/run"
+
+
+def test_a_committed_model_part_converts_to_a_hugging_face_export(
+    seaweed: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the save_consolidated refusal says to do instead: ``part_location`` names the committed save's model
+    part, and ``convert_checkpoint(..., fmt="safetensors")`` turns it into an export in the bucket that loads
+    bit-exact with the trained weights (``S3HuggingFaceStorageReader``, and ``safe_open`` on a downloaded copy)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    from dcp_s3 import S3HuggingFaceStorageReader
+    from dcp_s3.admin import convert_checkpoint
+    from dcp_s3.errors import CheckpointNotFoundError
+
+    monkeypatch.chdir(tmp_path)
+    t = _single(bucket, seaweed)
+    _train(t)
+    path = _save(t, f"s3://{bucket}/{RUN}", 1)
+    want = {k: v.detach().clone() for k, v in t["model"].state_dict().items()}
+    location = t["ckpt"].part_location(path)
+    with pytest.raises(CheckpointNotFoundError, match="no DCP part"):
+        t["ckpt"].part_location(path, "nothing")
+    t["ckpt"].close()
+    assert location.startswith(f"{path}/save.") and location.endswith("/model")
+    options = {"endpoint_url": seaweed.endpoint_url, "region": seaweed.region}
+    convert_checkpoint(location, f"s3://{bucket}/hf", fmt="safetensors", src_options=options, dst_options=options)
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    reader = S3HuggingFaceStorageReader(f"s3://{bucket}/hf", **options)
+    dcp.load(got, storage_reader=reader, no_dist=True)
+    assert _diff(got, want) == []
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    seaweed.client().download_file(bucket, f"hf/{shard.name}", str(shard))
+    with safe_open(str(shard), framework="pt") as f:
+        assert _diff({k: f.get_tensor(k) for k in f.keys()}, want) == []  # noqa: SIM118 (safe_open's API)
 
 
 def test_an_interrupted_save_is_replaced_never_mixed_in(

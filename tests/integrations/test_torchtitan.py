@@ -420,7 +420,7 @@ HF_NAMES = {
 }
 
 
-def _hf_adapter() -> Any:
+def _hf_adapter(hf_assets_path: str | None = None) -> Any:
     """A state-dict adapter of torchtitan's own protocol (``BaseStateDictAdapter``) for the test model."""
     from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
@@ -438,7 +438,7 @@ def _hf_adapter() -> Any:
         def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> Any:
             raise AssertionError("torchtitan's reader is not used for an s3:// export")
 
-    return Adapter()
+    return Adapter(hf_assets_path=hf_assets_path)
 
 
 def _hf_export() -> dict[str, torch.Tensor]:
@@ -517,6 +517,93 @@ def test_an_initial_load_in_hf_reads_an_s3_export_into_fsdp_shards(
     assert object_keys(client, bucket, f"{RUN}/") == []  # nothing saved
 
 
+def _hf_last_save(
+    rank: int, world: int, run: dict[str, Any], assets: str, seeded: dict[str, Any], dump: str, tmp: str
+) -> bytes:
+    """Train 3 steps (an async DCP save at step 2, the final save at step 3 in HF format), then: a new run
+    starting from the export (``initial_load_in_hf``), and a resume of the first run's folder."""
+    _child_env(tmp)
+    t = _trainer(rank, world, run, dump, sd_adapter=_hf_adapter(assets))
+    out: dict[str, Any] = {"fresh": t["manager"].load()}
+    for step in range(1, 4):
+        _step(t)
+        t["manager"].save(step, last_step=step == 3)
+    out["final"] = full(t["model"].state_dict())
+    t["manager"].close()
+    t = _trainer(rank, world, seeded, dump, sd_adapter=_hf_adapter())
+    out["loaded"] = t["manager"].load()
+    out["model"] = full(t["model"].state_dict())
+    t["manager"].close()
+    t = _trainer(rank, world, run, dump, sd_adapter=_hf_adapter())
+    out["resumed"] = t["manager"].load()
+    out["resumed_step"] = t["state"].step
+    t["manager"].close()
+    return _packed(out)
+
+
+def test_a_last_save_in_hf_exports_to_s3_and_loads_back(
+    seaweed: Any, bucket: str, tmp_path: Path, rank_tmp: Path
+) -> None:
+    """``last_save_in_hf`` on an ``s3://`` folder (torchtitan refuses a remote one): 2 FSDP2 ranks write the final
+    model as a Hugging Face export at ``step-3`` (shards, the index, and the assets' ``config.json`` and
+    ``generation_config.json`` byte for byte; no ``.metadata``, no staging left). It loads bit-exact with
+    ``initial_load_in_hf`` into a new run's FSDP shards and with ``safetensors.safe_open`` from a downloaded copy;
+    a resume of the folder takes step 2 (the last DCP step), not the export. ``compression`` in the storage options
+    applies to the DCP step only."""
+    from safetensors import safe_open
+
+    dump, tmp, assets = tmp_path / "dump", rank_tmp, tmp_path / "assets"
+    dump.mkdir()
+    assets.mkdir()
+    config_json = b'{"architectures": ["TinyForCausalLM"], "hidden_size": 32}\n'
+    (assets / "config.json").write_bytes(config_json)
+    (assets / "generation_config.json").write_bytes(b'{"max_length": 7}\n')
+    (assets / "tokenizer.json").write_bytes(b"{}")  # not copied: the export's config files only
+    common = {"endpoint_url": seaweed.endpoint_url, "storage_options": {"region": seaweed.region}}
+    run = {
+        **common,
+        "folder": f"s3://{bucket}/{RUN}",
+        "interval": 2,
+        "async_mode": "async",
+        "last_save_in_hf": True,
+        "storage_options": {"region": seaweed.region, "compression": "zstd"},
+    }
+    export = f"s3://{bucket}/{RUN}/step-3"
+    seeded = {
+        **common,
+        "folder": f"s3://{bucket}/other",
+        "initial_load_path": export,
+        "initial_load_in_hf": True,
+        "initial_load_model_only": True,
+    }
+    ranks = _unpacked(run_ranks(_hf_last_save, 2, run, str(assets), seeded, str(dump), str(tmp), timeout=240))
+    torch.manual_seed(0)  # the model every run starts from (_trainer)
+    initial = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)).state_dict()
+    final = ranks[0]["final"]
+    assert _diff(final, initial)  # trained: a load of the initial model would not pass below
+    for r in ranks:
+        assert r["fresh"] is False and r["loaded"] is True
+        assert _diff(r["final"], final) == [] and _diff(r["model"], final) == []
+        assert r["resumed"] is True and r["resumed_step"] == 2
+    client = seaweed.client()
+    steps = _steps_in_bucket(client, bucket)
+    assert set(steps) == {"step-2", "step-3"}, steps
+    assert steps["step-3"] == {
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    }, steps
+    prefix = f"{RUN}/step-3/"
+    assert client.get_object(Bucket=bucket, Key=prefix + "config.json")["Body"].read() == config_json
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    client.download_file(bucket, prefix + shard.name, str(shard))
+    with safe_open(str(shard), framework="pt") as f:
+        got = {native: f.get_tensor(hf) for native, hf in HF_NAMES.items()}
+        assert set(f.keys()) == set(HF_NAMES.values())
+    assert _diff(got, final) == []
+
+
 def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
     from torchtitan.components.checkpointer import BaseCheckpointManager
 
@@ -541,6 +628,11 @@ def test_the_config_builds_the_manager_and_refuses_what_cannot_work() -> None:
         S3CheckpointManager.Config(**hf, initial_load_model_only=False)
     with pytest.raises(ConfigError, match="quantized"):
         S3CheckpointManager.Config(**hf, initial_load_model_only=True, initial_load_in_hf_quantized=True)
+    assert S3CheckpointManager.Config(enable=True, folder="s3://b/run", last_save_in_hf=True).last_save_in_hf
+    with pytest.raises(ConfigError, match="last_save_model_only"):
+        S3CheckpointManager.Config(enable=True, folder="s3://b/run", last_save_in_hf=True, last_save_model_only=False)
+    with pytest.raises(ValueError, match="last_save_model_only"):  # torchtitan's own check, on a local folder
+        S3CheckpointManager.Config(enable=True, folder="/tmp/run", last_save_in_hf=True, last_save_model_only=False)
 
 
 @pytest.mark.parametrize("async_mode", ["async", "async_with_pinned_mem"])

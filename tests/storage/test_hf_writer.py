@@ -281,6 +281,92 @@ def test_export_loads_with_transformers_from_pretrained(s3_env: LocalS3Server, b
         assert torch.equal(got[k], v), k
 
 
+def _tiny_llama() -> tuple[Any, Any]:
+    """A 2-layer Llama config and model built here (no network), bf16."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    return config, transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def test_extra_files_make_an_export_from_pretrained_loads(s3_env: LocalS3Server, bucket: str, tmp_path: Path) -> None:
+    """``extra_files={"config.json": ...}``: the downloaded export alone (nothing added locally) loads with
+    ``AutoModelForCausalLM.from_pretrained``, bit-exact; the extra file is there byte for byte."""
+    transformers = pytest.importorskip("transformers")
+    config, model = _tiny_llama()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    body = config.to_json_string()
+    writer = S3HuggingFaceStorageWriter(f"s3://{bucket}/auto", extra_files={"config.json": body, "notes.txt": b"x"})
+    dcp.save(want, storage_writer=writer, no_dist=True)
+    names = _download(s3_env, bucket, "auto", tmp_path)
+    assert names == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "notes.txt"]
+    assert (tmp_path / "config.json").read_text() == body
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert type(loaded) is transformers.LlamaForCausalLM
+    got = loaded.state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
+def test_extra_files_are_written_before_the_index(moto_server: LocalS3Server, monkeypatch: Any) -> None:
+    """The index PUT fails for good: ``config.json`` is already there (written before the commit), the index is
+    not, so an export that is committed always has its extra files."""
+    bucket = moto_server.create_bucket(f"extra-{os.getpid()}-{id(monkeypatch)}")
+    rules = [Rule({"PutObject"}, "500", key_contains="model.safetensors.index.json")]
+    with FaultProxy(moto_server.endpoint_url, rules) as proxy:
+        for name, value in moto_server.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        writer = S3HuggingFaceStorageWriter(f"s3://{bucket}/ex", extra_files={"config.json": "{}"})
+        with pytest.raises(CheckpointException):
+            dcp.save(_tensors(), storage_writer=writer, no_dist=True)
+        assert proxy.injected("500") >= 1
+    keys = [o["Key"] for o in moto_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert "ex/config.json" in keys and "ex/model.safetensors.index.json" not in keys, keys
+
+
+@pytest.mark.parametrize(
+    ("files", "match"),
+    [
+        ({"sub/config.json": "{}"}, "sub/config.json"),
+        ({"../config.json": "{}"}, "config.json"),
+        ({".hidden": "{}"}, ".hidden"),
+        ({"": "{}"}, "''"),
+        ({"conf ig.json": "{}"}, "conf ig.json"),
+        ({"model.safetensors.index.json": "{}"}, "model.safetensors.index.json"),
+        ({"model-00001-of-00001.safetensors": b""}, "model-00001-of-00001.safetensors"),
+        ({"other.safetensors": b""}, "other.safetensors"),
+        ({"model.safetensors": b""}, "model.safetensors"),
+        ({"config.json": 3}, "bytes or str, not int"),
+        (lambda: {"big.bin": bytes((16 << 20) + 1)}, "big.bin"),  # made when the test runs, not when collected
+        (lambda: dict.fromkeys([f"f{i}.bin" for i in range(5)], bytes(15 << 20)), "in all"),
+        (["config.json"], "mapping"),
+    ],
+)
+def test_extra_files_are_checked_when_the_writer_is_made(files: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match="extra_files") as info:
+        S3HuggingFaceStorageWriter("s3://bkt/x", extra_files=files() if callable(files) else files)
+    assert match in str(info.value)
+
+
+def test_extra_files_travel_with_a_pickled_writer(tmp_path: Path) -> None:
+    import pickle
+
+    writer = S3HuggingFaceStorageWriter(os.fspath(tmp_path / "p"), extra_files={"config.json": '{"a": 1}'})
+    copy = pickle.loads(pickle.dumps(writer))
+    dcp.save({"w": torch.ones(2)}, storage_writer=copy, no_dist=True)
+    assert (tmp_path / "p" / "config.json").read_bytes() == b'{"a": 1}'
+
+
 _KILLED_CHILD = """
 import sys, torch, torch.distributed.checkpoint as dcp
 from dcp_s3 import S3HuggingFaceStorageWriter
