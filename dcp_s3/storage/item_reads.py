@@ -33,6 +33,7 @@ from dcp_s3.layout import checksum_error
 from dcp_s3.metadata.compact_chunks import ChunkLookup
 from dcp_s3.objstore.base import RangeRead
 from dcp_s3.storage.block_checks import BlockLedger, ledger_for
+from dcp_s3.storage.column_reads import column_reads, is_column_piece
 from dcp_s3.storage.session import Session
 from dcp_s3.storage.staging import Stagings
 from dcp_s3.storage.tensor_bytes import StagedRows, raw_bytes_view
@@ -274,6 +275,10 @@ class ItemReads:
                 opener = _slice_opener(view, lo - start, hi - start)
                 self._add_read(reads, key, info, lo, hi, opener, direct=True, ledger=ledger)
             return ledger
+        if frames is None and ledger is None and is_column_piece(req.lengths, sizes):
+            base = info.offset + info.payload_offset
+            reads.extend(column_reads(key, base, req, dest, sizes, dtype, transfer))
+            return None
         # Staged: whole rows into a bounded CPU buffer (pinned for a CUDA dest), then narrowed, cast and copied.
         staging = self._stagings.get(dest)
         rows_per_piece = max(1, max_bytes // max(1, row_bytes))
