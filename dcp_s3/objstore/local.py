@@ -28,7 +28,14 @@ import stat
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
+from dcp_s3.errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpS3Error,
+    ObjectReplacedError,
+)
 from dcp_s3.objstore.base import (
     ObjectInfo,
     ObjectStore,
@@ -229,6 +236,10 @@ class LocalObjectStore(ObjectStore):
         path = self.path(key)
         fd, st = self._open_object(key, "read")
         try:
+            if group[0].etag and _etag(st) != group[0].etag:  # the file as opened is not the one planned
+                raise ObjectReplacedError(
+                    f"read {path}: the file was replaced after it was planned (size, mtime or inode changed)"
+                )
             end = group[-1].end
             if st.st_size < end:  # checked before any destination is opened (allocated)
                 raise CheckpointFormatError(
