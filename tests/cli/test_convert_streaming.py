@@ -240,3 +240,27 @@ def test_a_conversion_to_s3_holds_its_chunk_buffers(
         reader = S3HuggingFaceStorageReader(f"s3://{bucket}/out")
     dcp.load(loaded, storage_reader=reader, no_dist=True)
     assert torch.equal(loaded["big"], want)
+
+
+def test_chunk_buffers_are_reused_and_bound_the_chunks_held() -> None:
+    """The pool hands out at most ``count`` buffers at once: a further chunk waits until nothing refers to an
+    earlier one's memory (here: a byte view the writer would borrow), then reuses that buffer; none is made anew."""
+    import threading
+
+    from dcp_s3.admin.chunk_buffers import ChunkBuffers
+
+    pool = ChunkBuffers(2, 1024)
+    a = pool.take(torch.Size([16, 16]), torch.float32)
+    b = pool.take(torch.Size([8]), torch.bfloat16)
+    borrowed = a.reshape(-1).view(torch.uint8).numpy().data  # what a writer keeps until its part is sent
+    pointer = a.data_ptr()
+    del a
+    got: list[torch.Tensor] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take(torch.Size([256]), torch.int32)))
+    waiter.start()
+    waiter.join(timeout=1.0)
+    assert waiter.is_alive() and not got  # both buffers still referred to: it waits
+    del borrowed
+    waiter.join(timeout=60)
+    assert got and got[0].data_ptr() == pointer and pool.made == 2 and pool.peak_bytes == 2 * 1024
+    assert b.dtype == torch.bfloat16 and got[0].shape == (256,)
