@@ -1,4 +1,4 @@
-"""The chunk buffers of a streaming copy (:mod:`dcp_s3.admin.streaming`): at most ``count`` buffers of
+"""The chunk buffers of a streaming copy (:mod:`dcp_s3.admin._streaming`): at most ``count`` buffers of
 ``size`` bytes, each allocated once (on first need) and reused for chunk after chunk.
 
 Why a pool and not a fresh tensor per chunk: a writer sends a chunk's bytes from the chunk's own memory

@@ -1,11 +1,11 @@
-"""``gc`` of the staging prefixes a failed Hugging Face export leaves (:mod:`dcp_s3.storage._hf_writer`).
+"""``gc`` of the staging prefixes a failed Hugging Face export leaves (:mod:`dcp_s3._dcp.hf_writer`).
 
 What it owns, and how it proves it. ``S3HuggingFaceStorageWriter`` uploads each rank's piece object to
 ``<export>/.dcp_s3-hf-staging.<token>/rank-<r>`` (``<token>``: the export id, 16 lowercase ASCII hex digits,
-:func:`dcp_s3.layout.new_token`; ``<r>``: the rank, at least 5 ASCII digits) and deletes the prefix when the
+:func:`dcp_s3._layout.new_token`; ``<r>``: the rank, at least 5 ASCII digits) and deletes the prefix when the
 save ends; a rank killed while writing leaves it. A prefix is the writer's, and may be removed, only if:
 
-- its last component is exactly ``.dcp_s3-hf-staging.`` followed by a token :func:`dcp_s3.layout.is_token`
+- its last component is exactly ``.dcp_s3-hf-staging.`` followed by a token :func:`dcp_s3._layout.is_token`
   accepts (no other spelling: ``x``, upper-case hex, non-ASCII digits, ``..`` are someone else's);
 - every object under it is directly ``rank-<digits>`` (ASCII) — one other object and the whole prefix stays;
 - every object was last written more than ``older_than`` ago, and no multipart upload under it received a part
@@ -21,9 +21,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dcp_s3.layout import is_token
-from dcp_s3.storage._hf_writer import STAGING_PREFIX
-from dcp_s3.store import Entry, Upload
+from dcp_s3._dcp import Entry, Upload
+from dcp_s3._dcp.hf_writer import STAGING_PREFIX
+from dcp_s3._layout import is_token
 
 __all__ = ["StagingGarbage", "find_staging"]
 

@@ -13,10 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3 import S3HuggingFaceStorageReader, S3HuggingFaceStorageWriter
+from dcp_s3._cli import main
+from dcp_s3._layout import new_token
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.admin import collect_garbage, find_garbage
-from dcp_s3.cli import main
-from dcp_s3.layout import new_token
-from dcp_s3.local_server import LocalS3Server
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
