@@ -20,6 +20,7 @@ __all__ = [
     "S3AccessDeniedError",
     "S3TransferError",
     "CheckpointFormatError",
+    "ObjectReplacedError",
     "ServerCapabilityError",
     "InvalidTypeError",
     "TorchCompatibilityError",
@@ -67,6 +68,11 @@ class S3TransferError(DcpS3Error, OSError):
 
 class CheckpointFormatError(DcpS3Error, ValueError):
     """Stored bytes or metadata are not what the checkpoint format requires."""
+
+
+class ObjectReplacedError(CheckpointFormatError):
+    """An object was replaced between the HEAD that planned a load and a read of its bytes (its ETag, or on disk
+    its size and mtime, changed): the bytes would come from another save than the one checked."""
 
 
 class ServerCapabilityError(ConfigError):

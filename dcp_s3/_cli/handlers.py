@@ -176,6 +176,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"{verb} incomplete {'step' if step.kind == 'step' else 'checkpoint'} {url(step.name)} "
             f"({len(mine)} objects, {human_size(sum(o.size for o in mine))})"
         )
+    for prefix in garbage.staging:
+        mine = [o for o in garbage.objects if o.name.startswith(prefix)]
+        _say(
+            f"{verb} staging of a failed Hugging Face export {url(prefix)} "
+            f"({len(mine)} objects, {human_size(sum(o.size for o in mine))})"
+        )
     for entry in garbage.objects:
         _say(f"{verb} {url(entry.name)} ({human_size(entry.size)})")
     for upload in garbage.uploads:

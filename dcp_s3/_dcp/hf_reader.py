@@ -17,6 +17,7 @@ otherwise, coalesced and concurrent, with the same client, retries, deadlines an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -88,6 +89,8 @@ class S3HuggingFaceStorageReader(S3StorageReader):
     """
 
     _metadata_name = INDEX_NAME
+    #: Each shard's key -> its ETag at the planning HEAD (``""``: the server reports none, reads unpinned).
+    _etags: dict[str, str] = {}  # noqa: RUF012 (replaced, never mutated: set per load)
 
     def __repr__(self) -> str:
         return f"S3HuggingFaceStorageReader({str(self._session.location)!r})"
@@ -109,6 +112,9 @@ class S3HuggingFaceStorageReader(S3StorageReader):
                 raise CheckpointNotFoundError(
                     f"{self._session.url(name)} is missing: {self._index_url()} names it (an incomplete export)"
                 )
+        # Every later read of a shard is pinned to the version this HEAD saw (If-Match), its header's first.
+        etags = {self._session.key(f): info.etag for f, info in zip(files, infos, strict=True) if info is not None}
+        self._etags = etags
         headers = self._read_headers(files, [info.size for info in infos if info is not None])
         seen: dict[str, str] = {}
         rows: list[list[Any]] = []
@@ -124,7 +130,9 @@ class S3HuggingFaceStorageReader(S3StorageReader):
                     raise CheckpointFormatError(
                         f"{self._index_url()}: maps {tensor!r} to {file}, whose header has no such tensor"
                     )
-        return json.dumps({"files": files, "tensors": rows}).encode()
+        return json.dumps(
+            {"files": files, "tensors": rows, "etags": [etags[self._session.key(f)] for f in files]}
+        ).encode()
 
     def _check_entries(
         self,
@@ -199,7 +207,7 @@ class S3HuggingFaceStorageReader(S3StorageReader):
         """Bytes ``[lo, hi)`` of each named object, read concurrently through the object store."""
         bufs = [bytearray(hi - lo) for _, lo, hi in spans]
         reads = [
-            RangeRead(self._session.key(name), lo, hi, _opener(buf))
+            RangeRead(self._session.key(name), lo, hi, _opener(buf), etag=self._etags.get(self._session.key(name), ""))
             for (name, lo, hi), buf in zip(spans, bufs, strict=True)
             if hi > lo
         ]
@@ -212,11 +220,19 @@ class S3HuggingFaceStorageReader(S3StorageReader):
         )
         return bufs
 
+    # docstring inherited
+    def _pinned(self, reads: list[RangeRead]) -> list[RangeRead]:
+        etags = self._etags
+        return [r if r.etag or not etags.get(r.key) else dataclasses.replace(r, etag=etags[r.key]) for r in reads]
+
     def _decode_metadata(self, data: bytes) -> Metadata:
         """DCP metadata of the tensors ``_get_metadata`` found: one whole-tensor chunk each."""
         state: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
-        for name, file, dtype, shape, begin, end in json.loads(data)["tensors"]:
+        decoded = json.loads(data)
+        etags = decoded.get("etags") or [""] * len(decoded["files"])
+        self._etags = {self._session.key(f): str(e) for f, e in zip(decoded["files"], etags, strict=True)}
+        for name, file, dtype, shape, begin, end in decoded["tensors"]:
             size = torch.Size(shape)
             zeros = torch.Size([0] * len(shape))
             state[name] = TensorStorageMetadata(

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from dcp_s3._codec import DEFAULT_FRAME_SIZE, Codec, FrameIndex, accepts, stored_span, supported
 from dcp_s3._dcp.block_checks import BlockLedger, ledger_for
+from dcp_s3._dcp.column_reads import column_reads, is_column_piece
 from dcp_s3._dcp.session import Session
 from dcp_s3._dcp.staging import Stagings
 from dcp_s3._dcp.tensor_bytes import StagedRows, raw_bytes_view
@@ -274,6 +275,10 @@ class ItemReads:
                 opener = _slice_opener(view, lo - start, hi - start)
                 self._add_read(reads, key, info, lo, hi, opener, direct=True, ledger=ledger)
             return ledger
+        if frames is None and ledger is None and is_column_piece(req.lengths, sizes):
+            base = info.offset + info.payload_offset
+            reads.extend(column_reads(key, base, req, dest, sizes, dtype, transfer))
+            return None
         # Staged: whole rows into a bounded CPU buffer (pinned for a CUDA dest), then narrowed, cast and copied.
         staging = self._stagings.get(dest)
         rows_per_piece = max(1, max_bytes // max(1, row_bytes))

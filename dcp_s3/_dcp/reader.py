@@ -169,6 +169,10 @@ class S3StorageReader(Location, StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def _pinned(self, reads: list[RangeRead]) -> list[RangeRead]:
+        """``reads`` as sent: a subclass may pin each to the object version it planned (``RangeRead.etag``)."""
+        return reads
+
     @property
     def _coalesce_gap(self) -> int:
         """The largest gap between two reads of an object that one request spans (``TransferConfig.coalesce_gap``)."""
@@ -252,7 +256,7 @@ class S3StorageReader(Location, StorageReader):
         transfer = self._session.transfer
         try:
             self._session.object_store.read_ranges(
-                reads,
+                self._pinned(reads),
                 executor=self._session.executor,
                 max_gap=self._coalesce_gap,
                 max_size=transfer.max_range_size,

@@ -81,6 +81,8 @@ class RangeRead:
     (``read_ranges``' ``max_direct_size``): a backend opens one read of a group at a time.
     ``received``: called with each piece of that buffer as soon as its bytes have arrived, in order, every
     byte once (a checksum taken there reads them while they are still in the CPU's cache).
+    ``etag``: the object's ``ObjectInfo.etag`` when the read was planned; a backend reads only from that version
+    (S3: ``If-Match`` on the GET) and raises ``ObjectReplacedError`` naming the object otherwise. ``""``: any.
     """
 
     key: str
@@ -90,6 +92,7 @@ class RangeRead:
     done: Callable[[], None] | None = None
     direct: bool = False
     received: Callable[[memoryview], None] | None = None
+    etag: str = ""
 
     @property
     def size(self) -> int:

@@ -41,7 +41,14 @@ from dcp_s3._objstore.base import (
 from dcp_s3._objstore.buffers import BufferPool, fit_part_size
 from dcp_s3._objstore.config import DEFAULT_MAX_WHOLE_READ
 from dcp_s3._objstore.local_fs import Dirs, new_temp, os_errors, unlink_quietly
-from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, ConfigError, DcpS3Error
+from dcp_s3.errors import (
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ConfigError,
+    DcpS3Error,
+    ObjectReplacedError,
+)
 
 __all__ = ["LocalObjectStore", "FileWriter"]
 
@@ -229,6 +236,10 @@ class LocalObjectStore(ObjectStore):
         path = self.path(key)
         fd, st = self._open_object(key, "read")
         try:
+            if group[0].etag and _etag(st) != group[0].etag:  # the file as opened is not the one planned
+                raise ObjectReplacedError(
+                    f"read {path}: the file was replaced after it was planned (size, mtime or inode changed)"
+                )
             end = group[-1].end
             if st.st_size < end:  # checked before any destination is opened (allocated)
                 raise CheckpointFormatError(

@@ -15,7 +15,7 @@ from botocore.exceptions import IncompleteReadError
 from dcp_s3._objstore.base import RangeRead, open_destination
 from dcp_s3._objstore.deadline import body_deadline
 from dcp_s3._objstore.s3_requests import BODY_ERRORS, range_header, status_of, translate_error
-from dcp_s3.errors import CheckpointFormatError, S3TransferError
+from dcp_s3.errors import CheckpointFormatError, DcpS3Error, ObjectReplacedError, S3TransferError
 
 __all__ = ["read_group", "BODY_READ_SIZE"]
 
@@ -44,13 +44,20 @@ def read_group(store: S3Reads, group: list[RangeRead]) -> None:
     index = 0  # read in ``group`` that holds ``pos`` (or the gap before it)
     dest: memoryview | None = None
     scratch = bytearray(min(1 << 20, max(1, end - start)))
+    # Every byte from the version planned (RFC 9110 If-Match: 412 when the object's ETag is another).
+    pinned = {"IfMatch": group[0].etag} if group[0].etag else {}
     attempt = 0
     while pos < end:
         try:
             try:
-                resp = store.call("get_object", key, Key=key, Range=range_header(pos, end))
-            except S3TransferError as exc:
-                if status_of(exc.__cause__) != 416:  # Range Not Satisfiable: starts past the end
+                resp = store.call("get_object", key, Key=key, Range=range_header(pos, end), **pinned)
+            except DcpS3Error as exc:
+                if pinned and status_of(exc.__cause__) == 412:  # proof of a replacement, not a transient failure
+                    raise ObjectReplacedError(
+                        f"GET {store.url(key)} bytes {pos}-{end}: the object was replaced after it was planned "
+                        f"(its ETag is no longer {group[0].etag})"
+                    ) from exc
+                if not isinstance(exc, S3TransferError) or status_of(exc.__cause__) != 416:  # starts past the end
                     raise
                 length = 0
             else:

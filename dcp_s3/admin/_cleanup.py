@@ -12,7 +12,8 @@ objects of incomplete steps and checkpoints (never a committed DCP checkpoint: a
 ``.metadata`` stays even when its step has no marker), of directories of a complete step that its marker
 does not name (generations of a killed re-save, see :mod:`dcp_s3._checkpointer.generations`), data objects of
 committed checkpoints that their ``.metadata`` does not reference (left by a crashed or replaced
-save), probes anywhere, and
+save), probes anywhere, the staging prefixes of failed Hugging Face exports (``.dcp_s3-hf-staging.<token>/``,
+only those proved the export writer's: :mod:`dcp_s3.admin._hf_staging`), and
 multipart uploads of checkpoint objects that have received nothing for that long. A step or
 checkpoint with a younger upload in progress is left alone. ``rm`` removes the checkpoint
 objects of the steps it names (``recursive`` at a prefix: every object under it). Both
@@ -32,6 +33,7 @@ from dcp_s3._checkpointer.retention import delete_ordered, deletion_order, split
 from dcp_s3._checkpointer.steps import PROBE_PATTERN, Part, Step, is_checkpoint_key, is_checkpoint_object, scan
 from dcp_s3._dcp import Entry, Store, Upload, open_store
 from dcp_s3._layout import DATA_SUFFIX, METADATA_KEY
+from dcp_s3.admin._hf_staging import find_staging
 from dcp_s3.admin._locations import is_root, read_metadata, resolve
 from dcp_s3.errors import DcpS3Error
 
@@ -71,6 +73,9 @@ class Garbage:
     kept: list[Entry] = field(default_factory=list)
     #: (location, why) of what was not examined or not touched: unreadable ``.metadata``, saves in progress.
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    #: Staging prefixes of failed Hugging Face exports removed (names ending in ``/``); their objects are in
+    #: ``objects``, their stale uploads in ``uploads``.
+    staging: list[str] = field(default_factory=list)
 
     @property
     def bytes(self) -> int:
@@ -125,6 +130,12 @@ def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = No
     garbage.objects.extend(
         e for e in entries if PROBE_PATTERN.fullmatch(_base(e.name)) and e.mtime <= cutoff and e.name not in listed
     )
+    staging = find_staging(entries, stale, busy, cutoff)
+    listed = {o.name for o in garbage.objects}
+    garbage.staging = staging.prefixes
+    garbage.objects.extend(o for o in staging.objects if o.name not in listed)
+    garbage.uploads.extend(staging.uploads)
+    garbage.skipped.extend((store.url(where), why) for where, why in staging.skipped)
     return garbage
 
 

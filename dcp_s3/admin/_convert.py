@@ -15,13 +15,13 @@ from dcp_s3._checkpointer.steps import Part
 from dcp_s3._dcp import Store, open_object, open_store
 from dcp_s3._dcp.hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
 from dcp_s3._dcp.hf_writer import S3HuggingFaceStorageWriter
+from dcp_s3._dcp.options import Settings
 from dcp_s3._layout import METADATA_KEY
-from dcp_s3._objstore.config import TransferConfig
 from dcp_s3._objstore.uri import s3_location
 from dcp_s3._torch_compat import _EmptyStateDictLoadPlanner, _load_state_dict, checkpoint_failures
 from dcp_s3.admin._locations import Progress, resolve
 from dcp_s3.admin._locations import single as _single
-from dcp_s3.admin._streaming import DEFAULT_CHUNK_BYTES, StreamingSavePlanner
+from dcp_s3.admin._streaming import DEFAULT_CHUNK_BYTES, StreamingSavePlanner, chunks_in_flight
 from dcp_s3.errors import CheckpointExistsError, CheckpointNotFoundError, DcpS3Error
 
 __all__ = ["ConvertReport", "convert_checkpoint"]
@@ -93,8 +93,13 @@ def convert_checkpoint(
         # The chunks are this copy's own memory: parts sent straight from them may be up to max_direct_part_size
         # (64 MiB) each, and the writer keeps max_concurrency + 1 parts in flight; parts of part_size bound it.
         if s3_location(out) is not None:
-            transfer = dst_options.get("transfer") or TransferConfig()
-            dst_options.setdefault("max_direct_part_size", dst_options.get("part_size", transfer.part_size))
+            transfer = Settings.of(dst_options).transfer
+            dst_options.setdefault("max_direct_part_size", transfer.part_size)
+        transfer = Settings.of(dst_options).transfer
+        # Chunk buffers, reused: enough to keep max_concurrency parts uploading (S3StorageWriter writes
+        # files_per_rank objects at once, the export writer one).
+        threads = 1 if export else transfer.files_per_rank
+        max_chunks = chunks_in_flight(chunk_bytes, transfer.max_concurrency, transfer.max_direct_part_size, threads)
         dst_dir = open_store(out, **dst_options)
         _refuse_objects_under(dst_dir, overwrite)
         reader = _source_reader(uri, src_options)
@@ -103,7 +108,7 @@ def convert_checkpoint(
         else:
             writer = dst_dir.writer("", overwrite=overwrite)
             writer.metadata_format = "dcp"  # stock .metadata: a downloaded copy loads with torch's FileSystemReader
-        planner = StreamingSavePlanner(reader, chunk_bytes, progress, tensors_only=export)
+        planner = StreamingSavePlanner(reader, chunk_bytes, progress, tensors_only=export, max_chunks=max_chunks)
         _save(writer, planner)
         return ConvertReport(str(reader.checkpoint_id), out, fmt, planner.tensors, planner.nbytes, planner.skipped)
     return _to_one_file(uri, out, fmt, overwrite, src_options, dst_options)

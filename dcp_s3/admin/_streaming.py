@@ -8,9 +8,10 @@ entries from its metadata alone — each tensor split along its first dimension 
 ``chunk_bytes`` (a chunk of a tensor is what a rank of a sharded save writes: the new checkpoint's metadata lists
 the chunks, and every reader reassembles them or reads only the ones it needs) — and reads each chunk from the
 source only when the writer asks for its bytes (``resolve_data``), through the source reader's own ranged reads and
-checks (CRC32C of every block read, the header checks of an export). The writer holds at most one chunk per data
-object it writes at once (``files_per_rank``) besides its part buffers, so the copy's added memory is about
-``files_per_rank × chunk_bytes`` plus the transfer buffers.
+checks (CRC32C of every block read, the header checks of an export). Each chunk is read into one of a pool of
+``max_chunks`` buffers allocated once and reused (:mod:`dcp_s3.admin._chunk_buffers`): the writer sends parts
+straight from a chunk's memory, and a buffer is reused once its parts are sent, so the copy's added memory is at
+most ``max_chunks × chunk_bytes`` plus the writer's part buffers, whatever the allocator keeps of freed memory.
 """
 
 from __future__ import annotations
@@ -45,12 +46,25 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_s3._planners.save import global_save_plan
+from dcp_s3.admin._chunk_buffers import ChunkBuffers
 from dcp_s3.errors import ConfigError
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "StreamingSavePlanner", "chunk_rows"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS", "StreamingSavePlanner", "chunk_rows", "chunks_in_flight"]
 
 #: The largest chunk a copy reads and holds at once (per data object the writer writes at a time).
 DEFAULT_CHUNK_BYTES = 32 << 20
+
+#: Chunk buffers of a copy whose writer's settings are not known (see :func:`chunks_in_flight`).
+DEFAULT_MAX_CHUNKS = 8
+
+
+def chunks_in_flight(chunk_bytes: int, concurrency: int, direct_part_size: int, threads: int) -> int:
+    """How many chunk buffers a copy needs to keep a writer busy: enough bytes for ``concurrency`` parts of up to
+    ``direct_part_size`` bytes (parts borrow the chunks' memory until sent), and never fewer than each of the
+    ``threads`` objects written at once needs to make progress (the chunks its open part spans, one more to read)
+    plus one: parts already sent give their chunks back whatever else happens, so the copy cannot stall."""
+    per_part = -(-direct_part_size // chunk_bytes)
+    return max(threads * (per_part + 1) + 1, -(-concurrency * direct_part_size // chunk_bytes))
 
 
 def chunk_rows(md: TensorStorageMetadata, chunk_bytes: int) -> list[ChunkStorageMetadata]:
@@ -124,7 +138,8 @@ class _Source:
 class StreamingSavePlanner(SavePlanner):
     """Save what ``reader`` holds, chunk by chunk as the writer asks (see the module's docstring). Give it to
     ``dcp.save({}, storage_writer=..., planner=StreamingSavePlanner(reader), no_dist=True)``: the state dict is
-    ignored. ``tensors``/``nbytes`` count what was planned; ``progress(done, total)`` is called with the tensor bytes
+    ignored. ``max_chunks``: chunk buffers (:func:`chunks_in_flight` of the writer's settings; a chunk waits for a
+    buffer the writer has finished with). ``tensors``/``nbytes`` count what was planned; ``progress(done, total)`` is called with the tensor bytes
     read so far after each chunk; ``tensors_only`` leaves the non-tensor entries out (:attr:`skipped`)."""
 
     def __init__(
@@ -134,9 +149,14 @@ class StreamingSavePlanner(SavePlanner):
         progress: Callable[[int, int], None] | None = None,
         *,
         tensors_only: bool = False,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
     ) -> None:
         if chunk_bytes <= 0:
             raise ConfigError(f"chunk_bytes={chunk_bytes}: expected a positive number of bytes")
+        if max_chunks <= 0:
+            raise ConfigError(f"max_chunks={max_chunks}: expected a positive number of chunk buffers")
+        #: The chunks' buffers (``buffers.peak_bytes``: the most they held).
+        self.buffers = ChunkBuffers(max_chunks, chunk_bytes)
         metadata = reader.read_metadata()
         reader.set_up_storage_reader(metadata, True)
         self._source = _Source(reader, metadata, threading.Lock())
@@ -193,7 +213,7 @@ class StreamingSavePlanner(SavePlanner):
             return io.BytesIO(planner.data)
         assert write_item.tensor_data is not None
         chunk = write_item.tensor_data.chunk
-        dest = torch.empty(chunk.sizes, dtype=md.properties.dtype)
+        dest = self.buffers.take(chunk.sizes, md.properties.dtype)
         self._source.read(create_read_items_for_chunk_list(fqn, md, [chunk]), _Into(dest))
         if self._progress is not None:
             with self._done_lock:

@@ -385,3 +385,132 @@ def test_takes_the_readers_options_and_pickles(tmp_path: Path) -> None:
     out = {"w": torch.zeros(3, 5)}
     dcp.load(out, storage_reader=reader, no_dist=True)
     _assert_bit_exact(out, want)
+
+
+# -- 2 ranks, tensor parallel (Shard(1)): only each rank's columns are read ------------------------------------
+def _columns_job(rank: int, world: int, env: dict[str, str], uri: str, urls: list[str]) -> dict[str, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(env)
+    want = load_file(env["HF_TEST_FILE"])
+    mesh = init_device_mesh("cpu", (world,))
+    dtypes = {"w.bf16": torch.float32}  # one cast on the way (bf16 stored, fp32 loaded)
+    state = {
+        k: distribute_tensor(torch.zeros(v.shape, dtype=dtypes.get(k, v.dtype)), mesh, [Shard(1)])
+        for k, v in want.items()
+    }
+    needed = sum(v.to_local().numel() * want[k].element_size() for k, v in state.items())
+    reset(urls[rank])
+    dcp.load(state, storage_reader=S3HuggingFaceStorageReader(uri, endpoint_url=urls[rank]))
+    read = reset(urls[rank])
+    for k, v in state.items():
+        full = v.full_tensor()
+        assert torch.equal(full, want[k].to(full.dtype)), k
+        if full.dtype == want[k].dtype:
+            assert torch.equal(full.view(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), k
+    return {"needed": needed, "read": read.bytes(), "ranged_gets": read.requests("GetObjectRange")}
+
+
+@pytest.mark.multiproc
+def test_column_pieces_read_only_their_columns(seaweed: LocalS3Server, bucket: str, tmp_path: Path) -> None:
+    """2 gloo ranks load ``Shard(1)`` DTensors (tensor parallel): each row's 64 KiB or more of a rank's columns is
+    read alone, not the whole row (2x), so each rank reads at most 1.1x the bytes its pieces need; bit-exact
+    (a 3-d tensor and a bf16 -> fp32 cast included)."""
+    g = torch.Generator().manual_seed(5)
+    want = {
+        "w.f32": torch.randn(24, 32768, generator=g),  # 64 KiB of each row per rank
+        "w.bf16": torch.randn(16, 65536, generator=g).bfloat16(),  # 64 KiB per rank, cast to fp32
+        "w.3d": torch.randn(8, 64, 512, generator=g),  # 64 KiB per rank: 32 of dim 1 x 512
+    }
+    save_file(want, tmp_path / "model.safetensors")
+    _upload(seaweed, bucket, "tp", tmp_path)
+    env = {**seaweed.env(), "HF_TEST_FILE": os.fspath(tmp_path / "model.safetensors")}
+    proxies = [CountingProxy(seaweed.endpoint_url) for _ in range(2)]
+    for p in proxies:
+        p.__enter__()
+    try:
+        figures = run_ranks(_columns_job, 2, env, f"s3://{bucket}/tp", [p.url for p in proxies])
+    finally:
+        for p in proxies:
+            p.__exit__(None, None, None)
+    total = sum(v.numel() * v.element_size() for v in want.values())
+    print("column pieces, bytes per rank:", figures, "model bytes:", total)
+    for fig in figures:
+        assert fig["needed"] == total // 2
+        assert fig["read"] <= 1.1 * fig["needed"], figures
+    assert figures[1]["ranged_gets"] >= 24 + 16 + 8, figures  # one run per row
+
+
+# -- one save per load: a shard replaced between planning and reading is refused ------------------------------
+class _ReplaceAfterPlanning(dcp.DefaultLoadPlanner):
+    """Runs ``replace`` once the reader has read and checked the headers (``read_metadata``, before planning) and
+    before any tensor byte is read: a second writer replacing a shard in between."""
+
+    def __init__(self, replace: Any) -> None:
+        super().__init__()
+        self._replace = replace
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        self._replace()
+        return plan
+
+
+def _two_versions() -> tuple[dict[str, torch.Tensor], bytes, bytes]:
+    """Two saves of the same names, shapes and dtypes (identical headers), other values: only the version tells
+    them apart."""
+    g = torch.Generator().manual_seed(11)
+    first = {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)}
+    second = {k: v + 1 for k, v in first.items()}
+    one, two = save(first), save(second)
+    assert len(one) == len(two) and one[:100] == two[:100]
+    return first, one, two
+
+
+@pytest.mark.parametrize("server", ["moto_server", "seaweed"])
+def test_a_shard_replaced_after_planning_is_refused(
+    server: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``save_pretrained`` export has no dcp_s3 export id: the reader pins every GET of a shard to the ETag of
+    the HEAD that planned it (``If-Match``), so a shard replaced (same header, other values) by a second writer
+    after the headers were checked is refused with ``ObjectReplacedError`` naming it, never loaded as a mix."""
+    from dcp_s3 import ObjectReplacedError
+
+    s3: LocalS3Server = request.getfixturevalue(server)
+    bucket = s3.create_bucket(f"pin-{os.getpid()}-{abs(hash(server)) % 10**6}")
+    first, one, two = _two_versions()
+    _put(s3, bucket, "m/model.safetensors", one)
+    uri = f"s3://{bucket}/m"
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    opts = {"endpoint_url": s3.endpoint_url}
+    state = {k: torch.zeros_like(v) for k, v in first.items()}
+    dcp.load(state, storage_reader=S3HuggingFaceStorageReader(uri, **opts), no_dist=True)  # unchanged: loads
+    _assert_bit_exact(state, first)
+
+    planner = _ReplaceAfterPlanning(lambda: _put(s3, bucket, "m/model.safetensors", two))
+    with pytest.raises(BaseException) as info:
+        dcp.load(state, storage_reader=S3HuggingFaceStorageReader(uri, **opts), planner=planner, no_dist=True)
+    (cause,) = root_causes(info.value)
+    assert isinstance(cause, ObjectReplacedError) and f"{uri}/model.safetensors" in str(cause), cause
+
+
+def test_a_local_shard_replaced_after_planning_is_refused(tmp_path: Path) -> None:
+    """The same on a local directory, where the version is the file's inode, size and mtime."""
+    from dcp_s3 import ObjectReplacedError
+
+    first, one, two = _two_versions()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(one)
+
+    def replace() -> None:
+        (tmp_path / "new").write_bytes(two)
+        os.replace(tmp_path / "new", path)
+
+    state = {k: torch.zeros_like(v) for k, v in first.items()}
+    planner = _ReplaceAfterPlanning(replace)
+    with pytest.raises(BaseException) as info:
+        dcp.load(state, storage_reader=S3HuggingFaceStorageReader(os.fspath(tmp_path)), planner=planner, no_dist=True)
+    (cause,) = root_causes(info.value)
+    assert isinstance(cause, ObjectReplacedError) and "model.safetensors" in str(cause), cause
