@@ -7,7 +7,7 @@ from dcp_s3._checkpointer import Checkpointer, latest_checkpoint, load_object, s
 __all__ = ["Checkpointer", "latest_checkpoint", "load_object", "save_object"]
 
 warnings.warn(
-    "dcp_s3._checkpointer is deprecated: import Checkpointer, latest_checkpoint, load_object and save_object from dcp_s3",
+    "dcp_s3.checkpointer is deprecated: import Checkpointer, latest_checkpoint, load_object and save_object from dcp_s3",
     DeprecationWarning,
     stacklevel=2,
 )

@@ -6,4 +6,4 @@ from dcp_s3._local_server import LocalS3Server
 
 __all__ = ["LocalS3Server"]
 
-warnings.warn("dcp_s3._local_server is deprecated: use dcp_s3.testing.LocalS3Server", DeprecationWarning, stacklevel=2)
+warnings.warn("dcp_s3.local_server is deprecated: use dcp_s3.testing.LocalS3Server", DeprecationWarning, stacklevel=2)

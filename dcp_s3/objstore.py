@@ -8,7 +8,7 @@ from dcp_s3._objstore import ClientConfig, ObjectStore, TransferConfig
 __all__ = ["ClientConfig", "ObjectStore", "TransferConfig"]
 
 warnings.warn(
-    "dcp_s3._objstore is deprecated: use dcp_s3.ClientConfig, dcp_s3.TransferConfig and dcp_s3.testing.ObjectStore",
+    "dcp_s3.objstore is deprecated: use dcp_s3.ClientConfig, dcp_s3.TransferConfig and dcp_s3.testing.ObjectStore",
     DeprecationWarning,
     stacklevel=2,
 )

@@ -33,9 +33,9 @@ DOCUMENTED = {
 
 #: Paths 0.3.0 documented, kept for a release with a DeprecationWarning (the internals moved to ``_`` modules).
 DEPRECATED = {
-    "dcp_s3._local_server": ["LocalS3Server"],
-    "dcp_s3._objstore": ["ObjectStore", "ClientConfig", "TransferConfig"],
-    "dcp_s3._checkpointer": ["Checkpointer", "save_object", "load_object", "latest_checkpoint"],
+    "dcp_s3.local_server": ["LocalS3Server"],
+    "dcp_s3.objstore": ["ObjectStore", "ClientConfig", "TransferConfig"],
+    "dcp_s3.checkpointer": ["Checkpointer", "save_object", "load_object", "latest_checkpoint"],
 }
 
 
