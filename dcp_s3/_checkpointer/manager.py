@@ -65,7 +65,14 @@ log = logging.getLogger(__name__)
 
 # -- the manager ------------------------------------------------------------------------------------
 class AsyncSave:
-    """Handle of an asynchronous save: ``result()`` waits for it and returns the step location."""
+    """Handle of an asynchronous save: ``result()`` waits for it and returns the step location.
+
+    Returned by ``save`` of a ``Checkpointer(..., async_save=True)``, not made by users.
+
+    Args:
+        path: the step's location (``<save_dir>/<step>``), also the ``path`` attribute.
+        future: the save running in the background; its result is ``path``.
+    """
 
     def __init__(self, path: str, future: Future[str]) -> None:
         self.path = path

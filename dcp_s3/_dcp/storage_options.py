@@ -33,6 +33,20 @@ class StorageOptions(Settings):
     transfer parts go to both. On a local path only the options that mean something there are
     accepted (see ``open_store``). ``StorageOptions.of(mapping_or_options, **overrides)`` merges,
     once; ``replace(**changes)`` is a copy with changes; ``as_dict()`` the keywords as given.
+
+    Args:
+        **keywords: any ``S3StorageWriter``/``S3StorageReader`` keyword: the fields of ``ClientConfig``,
+            ``TransferConfig`` and the writer's and reader's settings, or ``client=``/``transfer=`` whole (a
+            keyword given as None is the default).
+
+    Attributes:
+        client: the ``ClientConfig``: ``client=`` with the client keywords merged over it.
+        transfer: the ``TransferConfig``: ``transfer=`` with the transfer keywords merged over it.
+        writing: the writer's own settings (``overwrite``, ``compression``, ``key_prefixes``...).
+        reading: the reader's own settings (``share_metadata``, ``replica_group``, ``allow_unsafe_byte_items``).
+
+    Raises:
+        ConfigError: an unknown keyword, or a value one of the parts refuses.
     """
 
     def writer(self, checkpoint: str | os.PathLike[str], *, overwrite: bool | None = None) -> S3StorageWriter:

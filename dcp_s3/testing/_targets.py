@@ -42,7 +42,13 @@ class Raw(Protocol):
 
 
 class S3Raw:
-    """A bucket prefix through a boto3 client of the test's own."""
+    """A bucket prefix through a boto3 client of the test's own.
+
+    Args:
+        client: a boto3 S3 client that reaches the bucket.
+        bucket: the bucket.
+        prefix: the target's root in it (object names are relative to it).
+    """
 
     def __init__(self, client: Any, bucket: str, prefix: str) -> None:
         self.client, self.bucket, self.prefix = client, bucket, prefix.strip("/") + "/"
@@ -71,7 +77,11 @@ class S3Raw:
 
 
 class LocalRaw:
-    """Files under a directory."""
+    """Files under a directory.
+
+    Args:
+        root: the target's root directory (file names are relative to it).
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -106,6 +116,13 @@ class Target:
     ``options`` are the storage options a user passes to ``Checkpointer`` and the admin
     functions, and to ``S3StorageWriter``/``S3StorageReader`` (the same classes on every backend:
     a local directory goes through the local object store).
+
+    Attributes:
+        name: the target's name (the backend's, for messages).
+        root: the checkpoints' root: ``s3://bucket/prefix`` or a local directory, fresh and empty.
+        raw: access to the objects under ``root`` that bypasses dcp_s3 (`S3Raw`, `LocalRaw` or the
+            backend's own).
+        options: the storage options that reach ``root`` (``endpoint_url``, ``credential_path``, ...).
     """
 
     name: str
