@@ -51,7 +51,16 @@ class StorageOptions(Settings):
 
     def writer(self, checkpoint: str | os.PathLike[str], *, overwrite: bool | None = None) -> S3StorageWriter:
         """An ``S3StorageWriter`` for ``checkpoint`` (``s3://bucket/key`` or a local directory) with
-        these options; ``overwrite`` overrides the option of that name."""
+        these options; ``overwrite`` overrides the option of that name.
+
+        Args:
+            checkpoint: ``s3://bucket/key`` or a local directory.
+            overwrite: replace a checkpoint already there (None: these options' ``overwrite``).
+
+        Raises:
+            InvalidCheckpointIdError: ``checkpoint`` is neither ``s3://bucket/key`` nor a local directory.
+            ConfigError: an S3-only option for a local directory.
+        """
         store, name = open_object(checkpoint, options=self)
         return store.writer(name, overwrite=overwrite)
 
@@ -59,11 +68,28 @@ class StorageOptions(Settings):
         self, checkpoint: str | os.PathLike[str], kind: type[S3StorageReader] = S3StorageReader
     ) -> S3StorageReader:
         """An ``S3StorageReader`` (or ``kind``, a subclass taking its arguments) for ``checkpoint`` with these
-        options."""
+        options.
+
+        Args:
+            checkpoint: ``s3://bucket/key`` or a local directory.
+            kind: the reader class: ``S3StorageReader`` or a subclass (``S3HuggingFaceStorageReader``).
+
+        Raises:
+            InvalidCheckpointIdError: ``checkpoint`` is neither ``s3://bucket/key`` nor a local directory.
+            ConfigError: an S3-only option for a local directory.
+        """
         store, name = open_object(checkpoint, options=self)
         return store.reader(name, kind)
 
     def store(self, root: str | os.PathLike[str]) -> Store:
-        """A :class:`~dcp_s3._dcp.Store` rooted at ``root`` with these options (what the
-        ``Checkpointer`` and the command-line tools use: listings, deletes, writers and readers)."""
+        """A store rooted at ``root`` with these options (what the ``Checkpointer`` and the command-line tools
+        use: listings, deletes, writers and readers).
+
+        Args:
+            root: ``s3://bucket[/prefix]`` or a local directory.
+
+        Raises:
+            InvalidCheckpointIdError: ``root`` is neither an ``s3://`` location nor a local path.
+            ConfigError: an S3-only option for a local directory.
+        """
         return open_store(root, options=self)
