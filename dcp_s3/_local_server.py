@@ -175,7 +175,11 @@ class LocalS3Server:
         return server
 
     def client(self, **config: Any) -> Any:
-        """A boto3 S3 client for this server."""
+        """A boto3 S3 client for this server.
+
+        Args:
+            **config: ``botocore.config.Config`` arguments (``connect_timeout``, ``retries``...).
+        """
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint_url,
@@ -206,6 +210,11 @@ class LocalS3Server:
         }
 
     def create_bucket(self, name: str) -> str:
+        """Create a bucket; returns its name.
+
+        Args:
+            name: the bucket's name.
+        """
         self.client().create_bucket(Bucket=name)
         return name
 

@@ -143,7 +143,11 @@ class TransferConfig:
     max_whole_read: int = DEFAULT_MAX_WHOLE_READ
 
     def override(self, **changes: int | None) -> TransferConfig:
-        """A copy with the given fields replaced; ``None`` values are ignored."""
+        """A copy with the given fields replaced; ``None`` values are ignored.
+
+        Args:
+            **changes: field names and their new values (checked as when made: ``ConfigError``).
+        """
         given: dict[str, int] = {k: v for k, v in changes.items() if v is not None}
         return dataclasses.replace(self, **given) if given else self
 
@@ -280,7 +284,11 @@ class ClientConfig:
         return f"ClientConfig({', '.join(shown)})"
 
     def override(self, **changes: Any) -> ClientConfig:
-        """A copy with the given fields replaced; ``None`` values are ignored."""
+        """A copy with the given fields replaced; ``None`` values are ignored.
+
+        Args:
+            **changes: field names and their new values (checked as when made: ``ConfigError``).
+        """
         given = {k: v for k, v in changes.items() if v is not None}
         return dataclasses.replace(self, **given) if given else self
 

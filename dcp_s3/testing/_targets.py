@@ -28,14 +28,33 @@ class Raw(Protocol):
     """Objects under a target's root, named relative to it with ``/``."""
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
-        """Every object under ``prefix`` and its size."""
+        """Every object under ``prefix`` and its size.
 
-    def read(self, name: str) -> bytes: ...
+        Args:
+            prefix: a name prefix (a plain string prefix, ``""``: every object).
+        """
 
-    def write(self, name: str, data: bytes) -> None: ...
+    def read(self, name: str) -> bytes:
+        """The whole object.
+
+        Args:
+            name: the object's name.
+        """
+
+    def write(self, name: str, data: bytes) -> None:
+        """Create or replace an object.
+
+        Args:
+            name: the object's name.
+            data: its bytes.
+        """
 
     def start_upload(self, name: str) -> str | None:
-        """Start a multipart upload of ``name`` and leave it unfinished (None: the backend has no uploads)."""
+        """Start a multipart upload of ``name`` and leave it unfinished (None: the backend has no uploads).
+
+        Args:
+            name: the object's name.
+        """
 
     def uploads(self) -> list[str] | None:
         """Names with an unfinished multipart upload; None if the server cannot list them."""
@@ -135,11 +154,29 @@ class Target:
         return self.root.startswith("s3://")
 
     def url(self, name: str) -> str:
+        """The location of ``name`` under ``root``.
+
+        Args:
+            name: a checkpoint or object name relative to ``root``.
+        """
         return f"{self.root.rstrip('/')}/{name}"
 
     def writer(self, name: str, *, overwrite: bool = True, part_size: int | None = None, **s3: Any) -> StorageWriter:
-        """The writer dcp_s3 uses at this location."""
+        """The writer dcp_s3 uses at this location.
+
+        Args:
+            name: the checkpoint's name relative to ``root``.
+            overwrite: ``S3StorageWriter``'s ``overwrite``.
+            part_size: ``S3StorageWriter``'s ``part_size`` (None: the default).
+            **s3: more ``S3StorageWriter`` keywords, given with ``options``.
+        """
         return S3StorageWriter(self.url(name), overwrite=overwrite, part_size=part_size, **s3, **self.options)
 
     def reader(self, name: str, *, max_range_size: int | None = None) -> StorageReader:
+        """The reader dcp_s3 uses at this location.
+
+        Args:
+            name: the checkpoint's name relative to ``root``.
+            max_range_size: ``S3StorageReader``'s ``max_range_size`` (None: the default).
+        """
         return S3StorageReader(self.url(name), max_range_size=max_range_size, **self.options)
