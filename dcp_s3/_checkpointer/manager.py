@@ -416,7 +416,8 @@ class Checkpointer:
         Raises:
             CheckpointNotFoundError: ``path`` holds no complete step, or an optimizer checkpoint is missing
                 (without ``allow_missing_optim``).
-            CheckpointFormatError: the marker or a checkpoint cannot be read, or weights-only loading refuses it.
+            CheckpointFormatError: the step's marker cannot be read, or weights-only loading refuses it (errors
+                inside a part's ``dcp.load`` come wrapped in its ``CheckpointException``).
             InvalidTypeError: ``model_dict`` is empty or holds something other than an ``nn.Module``.
             ConfigError: a ``model_dict`` name with ``.`` or ``/``, or ``optimizer_dict`` names not in
                 ``model_dict``.
