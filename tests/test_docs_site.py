@@ -112,13 +112,23 @@ def _undocumented_parameters(obj: object) -> list[str]:
         documented = _documented_names(obj.__doc__, "Args")
     else:
         return []  # a constant or a type alias (``admin.Progress``)
-    params = [p for p in inspect.signature(obj).parameters if not p.startswith("_") and p not in ("self", "cls")]
-    return [p for p in params if p not in documented]
+    signature = inspect.signature(obj)
+    params = [p for p in signature.parameters if not p.startswith("_") and p not in ("self", "cls")]
+    lacking = [p for p in params if p not in documented]
+    returns = signature.return_annotation
+    if (
+        inspect.isroutine(obj)
+        and returns not in ("None", None)
+        and "Returns:" not in inspect.cleandoc(obj.__doc__ or "")
+    ):
+        lacking.append("Returns:")  # a function that returns something says what
+    return lacking
 
 
 def test_public_callables_document_every_parameter() -> None:
     """Issue 51: the API reference has a parameter table for every public function and class (Google style,
-    ``docstring_style: google``): each parameter named in ``Args:``, a dataclass's fields in ``Attributes:``."""
+    ``docstring_style: google``): each parameter named in ``Args:``, a dataclass's fields in ``Attributes:``, and
+    a ``Returns:`` section where a function returns something."""
     missing = {}
     checked = 0
     for module in dcp_s3._PUBLIC_MODULES:
@@ -149,7 +159,7 @@ def test_the_parameter_check_sees_a_missing_parameter() -> None:
             Nothing.
         """
 
-    def undocumented(uri: str, older_than: float) -> None:
+    def undocumented(uri: str, older_than: float) -> int:
         """Do it.
 
         Args:
@@ -160,4 +170,4 @@ def test_the_parameter_check_sees_a_missing_parameter() -> None:
         """
 
     assert _undocumented_parameters(documented) == []
-    assert _undocumented_parameters(undocumented) == ["older_than"]
+    assert _undocumented_parameters(undocumented) == ["older_than", "Returns:"]
