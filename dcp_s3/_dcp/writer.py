@@ -118,6 +118,14 @@ class S3StorageWriter(Location, StorageWriter, BlockingAsyncStager):
             sent straight from tensor memory), ``max_concurrency`` (parallel part uploads per process),
             ``files_per_rank`` (data objects per rank, each serialized by its own thread),
             ``max_whole_read`` (largest ``.metadata`` read whole: the one an overwrite replaces).
+
+    Raises:
+        ConfigError: an unknown option, a refused value, or a reader's option.
+        InvalidCheckpointIdError: ``path`` is neither ``s3://bucket/key`` nor a local directory.
+        CheckpointExistsError: (inside ``dcp.save``, wrapped in its ``CheckpointException``) ``overwrite=False``
+            and a checkpoint is already at ``path``.
+        ServerCapabilityError: (inside ``dcp.save``, wrapped in its ``CheckpointException``) ``overwrite=False``
+            and ``require_conditional_writes`` on a server that ignores ``If-None-Match``.
     """
 
     def __init__(

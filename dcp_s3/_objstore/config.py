@@ -102,43 +102,52 @@ class TransferConfig:
     Part buffers of a save hold at most ``(max_concurrency + files_per_rank) * P`` bytes, ``P`` being
     ``part_size``, or ``buffers.fit_part_size(part_size, size)`` for the largest object when it would
     exceed 10,000 parts (see docs/configuration.md, "Memory").
+
+    Attributes:
+        part_size: bytes per multipart part (5 MiB..5 GiB); enlarged when an object would exceed 10,000 parts.
+        max_direct_part_size: largest part sent straight from the caller's memory (tensor bytes a save does not copy
+            into a part buffer): it holds no buffer, so it may be larger than ``part_size`` (never smaller: the
+            larger of the two is used), while an object still gets as many parts as the save has upload places.
+            Fewer, larger UploadParts cost less CPU per byte (each costs ~4 ms of botocore); one part must still
+            finish within ``ClientConfig.request_deadline``.
+        max_concurrency: parallel part uploads / ranged GETs per process.
+        files_per_rank: data objects each rank writes (each streamed by its own thread).
+        max_range_size: largest ranged GET; bigger reads are split and fetched concurrently. Also the memory bound
+            of a staged read (one buffer of at most this size per request in flight; page-locked for CUDA loads).
+        max_direct_range_size: largest ranged GET read straight into its destination (an uncompressed tensor item
+            into a contiguous CPU tensor of the stored dtype, whole rows): it holds no buffer, so it may be larger
+            than ``max_range_size`` (never smaller: the larger of the two is used). Fewer, larger GETs cost less CPU
+            per byte (each GET costs ~8 ms of botocore); one GET must still finish within
+            ``ClientConfig.request_deadline``.
+        coalesce_gap: neighbouring reads closer than this are merged into one ranged GET.
+        decode_threads: threads per reader decoding compressed items read through staging (CUDA, cast or
+            column-sliced destinations; a frame read straight into a CPU tensor is decoded by the thread that read
+            it). Per process: a node with many ranks runs this many per rank, so the default stays small.
+        max_whole_read: largest object read whole into memory (``.metadata``, step markers, other small objects); a
+            larger one fails with ``CheckpointFormatError`` naming it, its size and this setting, before its bytes
+            are read (a compact ``.metadata`` of 16,384 ranks is ~150 MB, a stock one of 4,096 ranks ~1.4 GB).
+
+    Raises:
+        ConfigError: a field is not an int, is below its minimum, or ``part_size``/``max_direct_part_size`` is
+            outside S3's limits.
     """
 
-    #: Bytes per multipart part (5 MiB..5 GiB); enlarged when an object would exceed 10,000 parts.
     part_size: int = 16 * MiB
-    #: Largest part sent straight from the caller's memory (tensor bytes a save does not copy into a part
-    #: buffer): it holds no buffer, so it may be larger than ``part_size`` (never smaller: the larger of the
-    #: two is used), while an object still gets as many parts as the save has upload places. Fewer,
-    #: larger UploadParts cost less CPU per byte (each costs ~4 ms of botocore); one part must still
-    #: finish within ``ClientConfig.request_deadline``.
     max_direct_part_size: int = 64 * MiB
-    #: Parallel part uploads / ranged GETs per process.
     max_concurrency: int = 8
-    #: Data objects each rank writes (each streamed by its own thread).
     files_per_rank: int = 1
-    #: Largest ranged GET; bigger reads are split and fetched concurrently. Also the memory bound of a
-    #: staged read (one buffer of at most this size per request in flight; page-locked for CUDA loads).
     max_range_size: int = 16 * MiB
-    #: Largest ranged GET read straight into its destination (an uncompressed tensor item into a
-    #: contiguous CPU tensor of the stored dtype, whole rows): it holds no buffer, so it may be larger
-    #: than ``max_range_size`` (never smaller: the larger of the two is used). Fewer, larger GETs cost
-    #: less CPU per byte (each GET costs ~8 ms of botocore); one GET must still finish within
-    #: ``ClientConfig.request_deadline``.
     max_direct_range_size: int = 64 * MiB
-    #: Neighbouring reads closer than this are merged into one ranged GET.
     coalesce_gap: int = 1 * MiB
-    #: Threads per reader decoding compressed items read through staging (CUDA, cast or column-sliced
-    #: destinations; a frame read straight into a CPU tensor is decoded by the thread that read it).
-    #: Per process: a node with many ranks runs this many per rank, so the default stays small.
     decode_threads: int = dataclasses.field(default_factory=lambda: min(4, os.cpu_count() or 1))
-    #: Largest object read whole into memory (``.metadata``, step markers, other small objects);
-    #: a larger one fails with ``CheckpointFormatError`` naming it, its size and this setting,
-    #: before its bytes are read (a compact ``.metadata`` of 16,384 ranks is ~150 MB, a stock one
-    #: of 4,096 ranks ~1.4 GB).
     max_whole_read: int = DEFAULT_MAX_WHOLE_READ
 
     def override(self, **changes: int | None) -> TransferConfig:
-        """A copy with the given fields replaced; ``None`` values are ignored."""
+        """A copy with the given fields replaced; ``None`` values are ignored.
+
+        Args:
+            **changes: field names and their new values (checked as when made: ``ConfigError``).
+        """
         given: dict[str, int] = {k: v for k, v in changes.items() if v is not None}
         return dataclasses.replace(self, **given) if given else self
 
@@ -175,48 +184,67 @@ class ClientConfig:
     Explicit ``endpoint_url``/``region`` win over a credential file's values, which
     win over the standard boto3 chain (``AWS_*`` environment variables incl.
     ``AWS_ENDPOINT_URL``, profiles, instance roles).
+
+    Attributes:
+        credential_path: a JSON file of boto3 client arguments (keys, endpoint, region...); None: the standard boto3
+            chain.
+        endpoint_url: the S3 endpoint (``http://`` or ``https://``); None: AWS, or the credential file's or
+            ``AWS_ENDPOINT_URL``'s.
+        region: the region; None: the credential file's or boto3's.
+        profile: a profile of the AWS config files.
+        connect_timeout: seconds to wait for a TCP connection.
+        read_timeout: seconds a socket read (or write) may wait without progress: waiting for a reply, or for the
+            next bytes of a body. Each attempt of a request that gets no answer takes this long.
+        retry_attempts: attempts per request, first try included: botocore's retries (``retry_mode``, jittered
+            backoff) and dcp_s3's resumption of response bodies cut short.
+        retry_mode: botocore's retry mode: ``"standard"`` or ``"adaptive"``.
+        max_pool_connections: HTTP connections kept per client (writers and readers raise it to their concurrency).
+        request_deadline: seconds one attempt of a request may take, from sending it to the last byte of its answer
+            (a GET's body included; a wait for a rate token not): a server that trickles its answer never lets a
+            read wait ``read_timeout``. Past it the connection is cut and the request fails (``S3TransferError``
+            naming the operation, object and this setting), without a retry. Bounds one part or one whole-object
+            read.
+        rate_control: pace requests per (bucket, key prefix, read/write) and retry throttled ones (SlowDown, 503,
+            429) until ``throttle_deadline`` (docs/many-ranks.md, "Many ranks, one bucket"); False: botocore's
+            retries alone.
+        throttle_deadline: seconds a request may go on being refused as throttled before it fails
+            (``S3ThrottledError``).
+        prefix_write_rate: the per-prefix budget of the whole job, requests per second (S3's published figures);
+            each rank starts at its share of it.
+        prefix_read_rate: as ``prefix_write_rate``, for reads.
+        verify: TLS certificate verification, as boto3's ``verify``: True (the system's CAs, or ``AWS_CA_BUNDLE``),
+            the path of a PEM CA bundle (a private certificate authority), or False (off: a warning says so).
+        client_cert: a client certificate for mutual TLS: the path of a PEM holding certificate and key, or
+            ``(certificate path, key path)``.
+        addressing_style: ``"path"`` (``https://host/bucket/key``), ``"virtual"`` (``https://bucket.host/key``) or
+            ``"auto"`` (botocore's choice); None: path-style for a custom endpoint (what MinIO, SeaweedFS and Ceph
+            want), else auto.
+        request_args: options added to every request that takes them: ``ServerSideEncryption``, ``SSEKMSKeyId``,
+            ``SSEKMSEncryptionContext``, ``BucketKeyEnabled``, ``StorageClass``, ``ExpectedBucketOwner``,
+            ``RequestPayer``.
+
+    Raises:
+        ConfigError: a field of the wrong type or out of range, an ``endpoint_url`` that is not an http(s) URL,
+            or a path (``credential_path``, ``verify``, ``client_cert``) with no file there.
     """
 
     credential_path: str | None = None
     endpoint_url: str | None = None
     region: str | None = None
     profile: str | None = None
-    #: Seconds to wait for a TCP connection.
     connect_timeout: float = 10.0
-    #: Seconds a socket read (or write) may wait without progress: waiting for a reply, or for
-    #: the next bytes of a body. Each attempt of a request that gets no answer takes this long.
     read_timeout: float = 20.0
-    #: Attempts per request, first try included: botocore's retries (``retry_mode``, jittered
-    #: backoff) and dcp_s3's resumption of response bodies cut short.
     retry_attempts: int = 5
     retry_mode: str = "standard"
     max_pool_connections: int = 10
-    #: Seconds one attempt of a request may take, from sending it to the last byte of its answer (a GET's
-    #: body included; a wait for a rate token not): a server that trickles its answer never lets a read wait
-    #: ``read_timeout``. Past it the connection is cut and the request fails (``S3TransferError`` naming the
-    #: operation, object and this setting), without a retry. Bounds one part or one whole-object read.
     request_deadline: float = 600.0
-    #: Pace requests per (bucket, key prefix, read/write) and retry throttled ones (SlowDown, 503, 429)
-    #: until ``throttle_deadline`` (docs/many-ranks.md, "Many ranks, one bucket"); False: botocore's retries alone.
     rate_control: bool = True
-    #: Seconds a request may go on being refused as throttled before it fails (``S3ThrottledError``).
     throttle_deadline: float = 300.0
-    #: The per-prefix budget of the whole job, requests per second (S3's published figures); each rank
-    #: starts at its share of it.
     prefix_write_rate: float = 3500.0
     prefix_read_rate: float = 5500.0
-    #: TLS certificate verification, as boto3's ``verify``: True (the system's CAs, or ``AWS_CA_BUNDLE``), the
-    #: path of a PEM CA bundle (a private certificate authority), or False (off: a warning says so).
     verify: bool | str = True
-    #: A client certificate for mutual TLS: the path of a PEM holding certificate and key, or
-    #: ``(certificate path, key path)``.
     client_cert: str | tuple[str, str] | None = None
-    #: ``"path"`` (``https://host/bucket/key``), ``"virtual"`` (``https://bucket.host/key``) or ``"auto"``
-    #: (botocore's choice); None: path-style for a custom endpoint (what MinIO, SeaweedFS and Ceph want), else auto.
     addressing_style: str | None = None
-    #: Options added to every request that takes them: ``ServerSideEncryption``, ``SSEKMSKeyId``,
-    #: ``SSEKMSEncryptionContext``, ``BucketKeyEnabled``, ``StorageClass``, ``ExpectedBucketOwner``,
-    #: ``RequestPayer``.
     request_args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -256,7 +284,11 @@ class ClientConfig:
         return f"ClientConfig({', '.join(shown)})"
 
     def override(self, **changes: Any) -> ClientConfig:
-        """A copy with the given fields replaced; ``None`` values are ignored."""
+        """A copy with the given fields replaced; ``None`` values are ignored.
+
+        Args:
+            **changes: field names and their new values (checked as when made: ``ConfigError``).
+        """
         given = {k: v for k, v in changes.items() if v is not None}
         return dataclasses.replace(self, **given) if given else self
 

@@ -97,7 +97,13 @@ def _controllers(endpoint: str) -> list[RateController]:
 
 def request_stats() -> dict[str, dict[str, float]]:
     """Per paced key (``"s3://bucket/prefix (write)"``) of this process: attempts, refusals,
-    seconds waited for tokens, current and peak rate."""
+    seconds waited for tokens, current and peak rate.
+
+    Returns:
+        ``{key: {"attempts": ..., "refusals": ..., "wait_s": ..., "rate": ..., "peak_rate": ...}}``, counted
+        since this process began pacing the key (a key left idle is forgotten, then counted again from zero);
+        rates in requests per second. Empty before any paced request.
+    """
     with _LOCK:
         controllers = list(_CONTROLLERS.values())
     out: dict[str, dict[str, float]] = {}

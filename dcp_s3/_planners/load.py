@@ -30,6 +30,10 @@ class ScalableLoadPlanner(DefaultLoadPlanner):
 
     Same arguments and results as ``DefaultLoadPlanner``; fast on metadata that dcp_s3
     wrote in the compact format (``S3StorageWriter(metadata_format="compact"/"auto")``).
+
+    Its constructor is ``DefaultLoadPlanner``'s: ``flatten_state_dict`` (flatten nested state dicts into
+    dotted keys), ``flatten_sharded_tensors`` and ``allow_partial_load`` (keys missing from the checkpoint
+    are skipped instead of failing the load).
     """
 
     def create_local_plan(self) -> LoadPlan:

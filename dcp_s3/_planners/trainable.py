@@ -64,6 +64,15 @@ def frozen_parameter_fqns(module_or_modules: ModuleOrModules) -> frozenset[str]:
     ``{"model": model, ...}`` when the state dict nests each module's state dict
     under that top-level key. Wrapper segments (``_orig_mod`` ...) are removed,
     so keys from ``module.state_dict()`` and from ``get_model_state_dict`` match.
+
+    Args:
+        module_or_modules: an ``nn.Module``, or a mapping of top-level state-dict keys to modules.
+
+    Returns:
+        The frozen parameters' state-dict keys.
+
+    Raises:
+        InvalidTypeError: a value of the mapping is not an ``nn.Module``.
     """
     modules = {"": module_or_modules} if isinstance(module_or_modules, nn.Module) else module_or_modules
     frozen = set()
@@ -107,7 +116,17 @@ class TrainableOnlySavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that leaves out parameters with ``requires_grad=False``.
 
     Every rank must freeze the same parameters; the coordinator checks this and
-    raises ``ValueError`` naming a key on which ranks disagree.
+    raises ``ConfigError`` (a ``ValueError``) naming a key on which ranks disagree.
+
+    Args:
+        module_or_modules: the module(s) whose frozen parameters are left out, as for
+            `frozen_parameter_fqns`.
+        **kwargs: ``DefaultSavePlanner``'s arguments.
+
+    Raises:
+        InvalidTypeError: ``module_or_modules`` maps a key to something other than an ``nn.Module``.
+        ConfigError: (inside ``dcp.save``, on the coordinator; wrapped in its ``CheckpointException``) ranks
+            disagree on which parameters are frozen.
     """
 
     def __init__(self, module_or_modules: ModuleOrModules, **kwargs: Any) -> None:
@@ -188,8 +207,16 @@ class MetaRankLoadPlanner(ScalableLoadPlanner):
     Such a rank takes part in the collectives of ``dcp.load`` (it still reads the
     small ``.metadata``) but allocates and reads nothing: its tensors stay on
     the meta device and its non-tensor entries are left as they are. A rank with
-    only some tensors on the meta device gets a ``ValueError`` naming a meta key.
+    only some tensors on the meta device gets a ``ConfigError`` (a ``ValueError``) naming a meta key.
     Other ranks load exactly like ``DefaultLoadPlanner``.
+
+    Args:
+        **kwargs: ``DefaultLoadPlanner``'s arguments (``flatten_state_dict``, ``flatten_sharded_tensors``,
+            ``allow_partial_load``).
+
+    Raises:
+        ConfigError: (inside ``dcp.load``, wrapped in its ``CheckpointException``) this rank's state dict is partly
+            on the meta device.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -222,6 +249,18 @@ class TrainableOnlyLoadPlanner(MetaRankLoadPlanner):
     they keep their values even when the checkpoint has them. A trainable entry
     missing from the checkpoint raises ``CheckpointFormatError`` naming the key
     (unless ``allow_partial_load=True``).
+
+    Args:
+        module_or_modules: the module(s) whose frozen parameters are neither read nor required, as for
+            `frozen_parameter_fqns`.
+        **kwargs: ``DefaultLoadPlanner``'s arguments, as for `MetaRankLoadPlanner`.
+
+    Raises:
+        InvalidTypeError: ``module_or_modules`` maps a key to something other than an ``nn.Module``.
+        CheckpointFormatError: (inside ``dcp.load``, wrapped in its ``CheckpointException``) a trainable entry is
+            not in the checkpoint and ``allow_partial_load`` is False.
+        ConfigError: (inside ``dcp.load``, wrapped in its ``CheckpointException``) this rank's state dict is partly
+            on the meta device.
     """
 
     def __init__(self, module_or_modules: ModuleOrModules, **kwargs: Any) -> None:

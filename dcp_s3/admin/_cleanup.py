@@ -60,18 +60,23 @@ def _under(step: Step, name: str) -> bool:
 
 @dataclass
 class Garbage:
-    """What ``gc`` would remove, every object and upload named, before anything is removed."""
+    """What ``gc`` would remove, every object and upload named, before anything is removed.
+
+    Attributes:
+        store: the store of the location searched; object and upload names are relative to it.
+        steps: incomplete steps/checkpoints whose checkpoint objects are removed.
+        objects: every object to delete (checkpoint objects only), each with its name, size and time.
+        uploads: multipart uploads of checkpoint objects idle for longer than the bound.
+        kept: objects in those checkpoints' directories that are not checkpoint objects: left alone.
+        skipped: (location, why) of what was not examined or not touched: unreadable ``.metadata``,
+            saves in progress.
+    """
 
     store: Store
-    #: Incomplete steps/checkpoints whose checkpoint objects are removed.
     steps: list[Step]
-    #: Every object to delete (checkpoint objects only).
     objects: list[Entry]
-    #: Multipart uploads of checkpoint objects idle for longer than the bound.
     uploads: list[Upload]
-    #: Objects in those checkpoints' directories that are not checkpoint objects: left alone.
     kept: list[Entry] = field(default_factory=list)
-    #: (location, why) of what was not examined or not touched: unreadable ``.metadata``, saves in progress.
     skipped: list[tuple[str, str]] = field(default_factory=list)
     #: Staging prefixes of failed Hugging Face exports removed (names ending in ``/``); their objects are in
     #: ``objects``, their stale uploads in ``uploads``.
@@ -84,7 +89,23 @@ class Garbage:
 
 def find_garbage(uri: str, *, older_than: float = 3600.0, now: float | None = None, **storage_options: Any) -> Garbage:
     """Checkpoint objects and uploads under ``uri`` that no checkpoint needs, last written more than
-    ``older_than`` seconds ago (the bound protects saves in progress: make it longer than your longest save)."""
+    ``older_than`` seconds ago (the bound protects saves in progress: make it longer than your longest save).
+
+    Nothing is removed: pass the result to `collect_garbage`.
+
+    Args:
+        uri: the location to search: ``s3://bucket/prefix`` or a local directory.
+        older_than: seconds since an object or upload was last written before it may be garbage.
+        now: the time to count ``older_than`` back from (seconds since the epoch); None: now.
+        **storage_options: ``StorageOptions`` keywords (``endpoint_url``, ``region``, ...).
+
+    Returns:
+        What would be removed, and what was left alone and why.
+
+    Raises:
+        InvalidCheckpointIdError: ``uri`` is neither an ``s3://`` location nor a local path.
+        ConfigError: an unknown or refused storage option.
+    """
     store = open_store(uri, **storage_options)
     cutoff = (time.time() if now is None else now) - older_than
     entries = store.list_objects()
@@ -173,7 +194,14 @@ def _unreferenced(store: Store, part: Part, cutoff: float, garbage: Garbage) -> 
 
 
 def collect_garbage(garbage: Garbage) -> tuple[int, int]:
-    """Remove what :func:`find_garbage` found, and nothing else; returns (objects deleted, uploads aborted)."""
+    """Remove what `find_garbage` found, and nothing else (markers and ``.metadata`` first).
+
+    Args:
+        garbage: what `find_garbage` returned.
+
+    Returns:
+        (objects deleted, uploads aborted).
+    """
     delete_ordered(garbage.store, [o.name for o in garbage.objects])
     for upload in garbage.uploads:
         garbage.store.abort(upload)
@@ -183,12 +211,18 @@ def collect_garbage(garbage: Garbage) -> tuple[int, int]:
 # -- rm ------------------------------------------------------------------------------------------------
 @dataclass
 class Removal:
-    """What ``rm`` removes (or would, in a dry run): every object and upload, named."""
+    """What ``rm`` removes (or would, in a dry run): every object and upload, named.
+
+    Attributes:
+        store: the store the names are relative to (``urls`` gives the objects' locations).
+        objects: names of the objects removed, in deletion order (markers and ``.metadata`` first).
+        uploads: the multipart uploads aborted.
+        kept: objects in the removed checkpoints' directories that are not checkpoint objects: left alone.
+    """
 
     store: Store
     objects: list[str]
     uploads: list[Upload]
-    #: Objects in the removed checkpoints' directories that are not checkpoint objects: left alone.
     kept: list[str] = field(default_factory=list)
 
     @property
@@ -203,6 +237,23 @@ def remove_checkpoint(uri: str, *, recursive: bool = False, dry_run: bool = Fals
     in ``kept``), with the multipart uploads of checkpoint objects into it. A location holding
     several checkpoints is refused unless ``recursive``, which removes every object and upload
     under it. ``dry_run``: find and return, delete nothing.
+
+    Args:
+        uri: one step, one part of a step or one DCP checkpoint (or, with ``recursive``, a location holding
+            several): ``s3://bucket/prefix`` or a local path.
+        recursive: allow ``uri`` to hold several checkpoints; when ``uri`` is a directory holding them, every
+            object and upload under it is removed, not only checkpoint objects.
+        dry_run: find and return what would be removed, delete nothing.
+        **storage_options: ``StorageOptions`` keywords.
+
+    Returns:
+        What was removed (or would be).
+
+    Raises:
+        CheckpointNotFoundError: ``uri`` holds no step or checkpoint.
+        DcpS3Error: ``uri`` holds several checkpoints and ``recursive`` is False.
+        InvalidCheckpointIdError: ``uri`` is neither an ``s3://`` location nor a local path.
+        ConfigError: an unknown or refused storage option.
     """
     store, steps = resolve(uri, **storage_options)
     if len(steps) > 1 and not recursive:

@@ -29,6 +29,17 @@ __all__ = ["ConvertReport", "convert_checkpoint"]
 
 @dataclass
 class ConvertReport:
+    """What ``convert_checkpoint`` wrote.
+
+    Attributes:
+        source: the checkpoint converted (the DCP checkpoint's or the export's location).
+        destination: ``out``, as given.
+        format: ``"torch"``, ``"safetensors"`` or ``"dcp"``.
+        tensors: tensors written.
+        bytes: tensor bytes written (for ``"dcp"`` and an export: copied).
+        skipped: keys of the non-tensor entries left out (safetensors holds tensors only); empty otherwise.
+    """
+
     source: str
     destination: str
     format: str
@@ -83,6 +94,28 @@ def convert_checkpoint(
     reader checks it; ``progress(done, total)`` is told the tensor bytes copied. ``src_options``/``dst_options`` are
     the storage options of ``uri`` and ``out``. An existing ``out`` (a file, or any object under a prefix) is
     refused with ``CheckpointExistsError`` before anything is read, unless ``overwrite``.
+
+    Args:
+        uri: the checkpoint to convert: ``s3://bucket/prefix`` or a local path.
+        out: where to write: ``s3://bucket/key`` or a local path (a file or a prefix, by ``fmt``).
+        fmt: ``"torch"``, ``"safetensors"`` or ``"dcp"``; None: from ``out``'s suffix.
+        overwrite: write over an existing ``out``.
+        src_options: ``StorageOptions`` keywords for ``uri``.
+        dst_options: ``StorageOptions`` keywords for ``out``.
+        chunk_bytes: the largest chunk of a tensor held in memory while streaming (``"dcp"`` and an export).
+        progress: called as ``progress(done, total)`` in tensor bytes copied (``"dcp"`` and an export).
+
+    Returns:
+        What was written.
+
+    Raises:
+        CheckpointNotFoundError: ``uri`` holds no checkpoint, or its ``.metadata`` is missing.
+        CheckpointExistsError: ``out`` exists and ``overwrite`` is False.
+        CheckpointFormatError: the source fails a check as it is read.
+        DcpS3Error: an unknown ``fmt``; ``uri`` holds several checkpoints, or a step without exactly one
+            ``*_model`` part; ``"safetensors"`` to a single file without the ``safetensors`` package.
+        InvalidCheckpointIdError: ``uri`` or ``out`` is neither an ``s3://`` location nor a local path.
+        ConfigError: an unknown or refused storage option.
     """
     src_options, dst_options = dict(src_options or {}), dict(dst_options or {})
     fmt = fmt or ("safetensors" if out.endswith(".safetensors") else "torch")

@@ -25,6 +25,16 @@ __all__ = ["CopyReport", "copy_checkpoint"]
 
 @dataclass
 class CopyReport:
+    """What ``copy_checkpoint`` copied.
+
+    Attributes:
+        source: the location copied from, as given.
+        destination: the location copied to, as given.
+        objects: objects copied.
+        bytes: bytes copied.
+        seconds: how long the copy took.
+    """
+
     source: str
     destination: str
     objects: int
@@ -59,6 +69,31 @@ def copy_checkpoint(
     land outside ``dst`` (``..``, ``.`` or empty segments, as in ``ck/../../x``) is refused
     (``CheckpointFormatError`` naming it), and so is a symbolic link that leads out of a local
     source or destination directory unless ``follow_symlinks``.
+
+    Args:
+        src: a run directory (everything under it is copied), one step, one part of a step or one DCP
+            checkpoint: ``s3://bucket/prefix`` or a local path.
+        dst: the copy's location: ``s3://bucket/prefix`` or a local path.
+        workers: objects copied at once.
+        overwrite: replace objects already at the destination names; ``False``: refuse before anything is
+            copied.
+        follow_symlinks: list linked directories of a local source and copy through links that lead out of
+            a local source or destination directory.
+        progress: called as ``progress(done, total)`` in bytes as objects finish.
+        src_options: ``StorageOptions`` keywords for ``src``.
+        dst_options: ``StorageOptions`` keywords for ``dst``.
+
+    Returns:
+        What was copied, and how long it took.
+
+    Raises:
+        CheckpointNotFoundError: ``src`` holds no step or checkpoint.
+        CheckpointExistsError: a destination object exists and ``overwrite`` is False.
+        CheckpointFormatError: a source key would land outside ``dst``.
+        DcpS3Error: a symbolic link leads out of a local directory (without ``follow_symlinks``), or a copy's
+            size differs from its source's.
+        InvalidCheckpointIdError: ``src`` or ``dst`` is neither an ``s3://`` location nor a local path.
+        ConfigError: an unknown or refused storage option.
     """
     t0 = time.perf_counter()
     src_store, steps = resolve(src, follow_symlinks=follow_symlinks, **(src_options or {}))

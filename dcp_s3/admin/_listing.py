@@ -31,20 +31,36 @@ def _tensor_sizes(metadata: Metadata) -> tuple[int, int]:
 
 @dataclass
 class StepSummary:
-    """One row of ``dcp-s3 ls``."""
+    """One row of ``dcp-s3 ls``.
+
+    Attributes:
+        name: the step's or checkpoint's name relative to the listed location (``"."``: the location itself).
+        url: its location (``s3://...`` or a path).
+        kind: ``"step"`` (a ``Checkpointer`` step) or ``"dcp"`` (a plain DCP checkpoint).
+        complete: a step: its marker present and every part committed; a plain checkpoint: its
+            ``.metadata`` present.
+        stored_bytes: bytes of all its objects as stored.
+        logical_bytes: tensor bytes according to its metadata (uncompressed); None if a part is not
+            committed, the metadata could not be read, or a single-file step has none.
+        tensor_stored_bytes: stored bytes of the tensor items (what ``ratio`` compares against).
+        objects: number of its objects.
+        mtime: when its marker was written, else when its newest object was (seconds since the epoch).
+        parts: a step's part names (``"model_model"``, ``"model_optim"``...), sorted.
+        error: why the metadata (or a re-saved step's marker) could not be read, if it could not.
+        unreadable: True if reading failed: decided by the failure, not by its message (which may be empty).
+    """
 
     name: str
     url: str
-    kind: str  # "step" or "dcp"
+    kind: str
     complete: bool
     stored_bytes: int
-    logical_bytes: int | None  # tensor bytes per metadata; None if a part is not committed
-    tensor_stored_bytes: int  # stored bytes of the tensor items (what the ratio compares against)
+    logical_bytes: int | None
+    tensor_stored_bytes: int
     objects: int
     mtime: float
     parts: list[str] = field(default_factory=list)
-    error: str = ""  # why the metadata (or a re-saved step's marker) could not be read, if it could not
-    #: True if reading failed: decided by the failure, not by its message (which may be empty).
+    error: str = ""
     unreadable: bool = False
 
     @property
@@ -56,7 +72,21 @@ class StepSummary:
 
 
 def list_steps(uri: str, **storage_options: Any) -> list[StepSummary]:
-    """The steps and DCP checkpoints under ``uri``, oldest first."""
+    """The steps and DCP checkpoints under ``uri``, oldest first.
+
+    Args:
+        uri: a run directory, one step, one part of a step or one DCP checkpoint: ``s3://bucket/prefix``
+            or a local path.
+        **storage_options: ``StorageOptions`` keywords (``endpoint_url``, ``region``, ...).
+
+    Returns:
+        One summary per step or checkpoint; one whose metadata cannot be read is listed with ``error`` set.
+
+    Raises:
+        CheckpointNotFoundError: ``uri`` holds no step or checkpoint.
+        InvalidCheckpointIdError: ``uri`` is neither an ``s3://`` location nor a local path.
+        ConfigError: an unknown or refused storage option.
+    """
     store, steps = resolve(uri, **storage_options)
     out = []
     for step in steps:
@@ -97,11 +127,23 @@ def list_steps(uri: str, **storage_options: Any) -> list[StepSummary]:
 
 @dataclass
 class TensorInfo:
-    """One entry of a checkpoint's metadata."""
+    """One entry of a checkpoint's metadata.
+
+    Attributes:
+        part: the step's part holding it (``"model_model"``...; ``""`` for a plain DCP checkpoint).
+        fqn: its state-dict key.
+        kind: ``"tensor"`` or ``"bytes"`` (a non-tensor value, stored pickled).
+        shape: the tensor's global shape; None for bytes.
+        dtype: the tensor's dtype without ``torch.`` (``"bfloat16"``); None for bytes.
+        chunks: the stored chunks of the tensor, each ``{"offsets": [...], "sizes": [...]}``; empty for bytes.
+        stored_bytes: bytes stored for it (compressed, if the checkpoint is).
+        logical_bytes: the tensor's bytes uncompressed (elements times element size); for bytes,
+            ``stored_bytes``.
+    """
 
     part: str
     fqn: str
-    kind: str  # "tensor" or "bytes"
+    kind: str
     shape: list[int] | None
     dtype: str | None
     chunks: list[dict[str, list[int]]]
@@ -110,7 +152,22 @@ class TensorInfo:
 
 
 def inspect_checkpoint(uri: str, **storage_options: Any) -> list[TensorInfo]:
-    """Every entry of the checkpoint (every part of a step): shape, dtype, chunks, stored size."""
+    """Every entry of the checkpoint (every part of a step): shape, dtype, chunks, stored size.
+
+    Args:
+        uri: one step, one part of a step or one DCP checkpoint: ``s3://bucket/prefix`` or a local path.
+        **storage_options: ``StorageOptions`` keywords.
+
+    Returns:
+        The entries, part by part, each part's sorted by key.
+
+    Raises:
+        CheckpointNotFoundError: ``uri`` holds no checkpoint, or a part is incomplete (no ``.metadata``).
+        DcpS3Error: ``uri`` holds several steps or checkpoints, or a single-file checkpoint (no DCP metadata).
+        CheckpointFormatError: a ``.metadata`` cannot be read.
+        InvalidCheckpointIdError: ``uri`` is neither an ``s3://`` location nor a local path.
+        ConfigError: an unknown or refused storage option.
+    """
     store, steps = resolve(uri, **storage_options)
     step = _single(store, steps, uri)
     if not step.parts:

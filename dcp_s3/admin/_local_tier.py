@@ -37,30 +37,51 @@ __all__ = ["LocalStep", "is_local_tier_root", "list_local_tier", "refused_rank_d
 
 @dataclass
 class LocalStep:
-    """One row of ``dcp-s3 ls <local_root>``."""
+    """One row of ``dcp-s3 ls <local_root>``.
+
+    Attributes:
+        name: the step's name (``"0000100"``).
+        iteration: the iteration its copies' markers record; None if they disagree or none records one.
+        world_size: of the job that saved it (None: the copies disagree, or none is readable).
+        ranks: rank directories holding a committed, readable copy.
+        complete: copies of every rank of ``world_size``, all of one save.
+        why: why it is not complete (``""`` if it is).
+        problems: rank directory -> why its copy's marker could not be read (unreadable or hostile bytes).
+        committed_at: the newest local marker's modification time among the copies (seconds since the epoch).
+        s3: with an S3 root: ``"complete"`` (this save, promoted), ``"complete, another save"``,
+            ``"complete, save unknown"`` (the local copies are not of one save, or record none),
+            ``"incomplete"``, ``"absent"``, ``"unreadable"``; None without one.
+        s3_committed_at: the S3 marker's LastModified (seconds since the epoch).
+        s3_error: why the S3 marker could not be read (with ``s3="unreadable"``).
+        lag: ``s3_committed_at - committed_at``, for a promotion of this save.
+        save: the save token, if every readable copy is of one save.
+    """
 
     name: str
     iteration: int | None
-    world_size: int | None  # of the job that saved it (None: the copies disagree, or none is readable)
-    ranks: list[int]  # rank directories holding a committed, readable copy
-    complete: bool  # copies of every rank of ``world_size``, all of one save
-    why: str = ""  # why it is not complete
-    #: rank directory -> why its copy's marker could not be read (unreadable or hostile bytes).
+    world_size: int | None
+    ranks: list[int]
+    complete: bool
+    why: str = ""
     problems: dict[int, str] = field(default_factory=dict)
-    committed_at: float | None = None  # the newest local marker's modification time among the copies
-    #: With an S3 root: "complete" (this save, promoted), "complete, another save", "complete, save unknown"
-    #: (the local copies are not of one save, or record none), "incomplete", "absent", "unreadable"; None
-    #: without one.
+    committed_at: float | None = None
     s3: str | None = None
-    s3_committed_at: float | None = None  # the S3 marker's LastModified
+    s3_committed_at: float | None = None
     s3_error: str = ""
-    lag: float | None = None  # s3_committed_at - committed_at, for a promotion of this save
-    save: str | None = None  # the save token, if every readable copy is of one save
+    lag: float | None = None
+    save: str | None = None
 
 
 def is_local_tier_root(uri: str) -> bool:
     """Whether ``uri`` is a local directory holding ``rank<NNNNN>`` entries (a tiered Checkpointer's local root;
-    entries that are not rank directories of ours, such as links, count: they are reported, never read)."""
+    entries that are not rank directories of ours, such as links, count: they are reported, never read).
+
+    Args:
+        uri: a location; an ``s3://`` or other URL is never a local tier root.
+
+    Returns:
+        True if ``uri`` holds at least one ``rank<NNNNN>`` entry.
+    """
     if "://" in uri or s3_location(uri) is not None:
         return False
     ours, refused = rank_dirs(os.path.abspath(uri))
@@ -69,14 +90,35 @@ def is_local_tier_root(uri: str) -> bool:
 
 def refused_rank_dirs(local_root: str) -> dict[int, str]:
     """Why each ``rank<NNNNN>`` entry under ``local_root`` that is not a rank directory of ours (a symbolic
-    link, a file) is not read, by rank (:mod:`dcp_s3._checkpointer.local_root`)."""
+    link, a file) is not read, by rank.
+
+    Args:
+        local_root: a tiered Checkpointer's ``local_root``.
+
+    Returns:
+        ``{rank: why}`` for each refused entry; empty if there is none.
+    """
     return rank_dirs(os.path.abspath(local_root))[1]
 
 
 def list_local_tier(local_root: str, s3: str | None = None, **s3_options: Any) -> list[LocalStep]:
     """Every step under the local root ``local_root``, oldest first; with ``s3`` (the Checkpointer's S3 root
     and its storage options) also its state there (module docstring). Rank entries that are links are not
-    read (:func:`refused_rank_dirs` says why); a step missing their copies says so."""
+    read (`refused_rank_dirs` says why); a step missing their copies says so.
+
+    Args:
+        local_root: a tiered Checkpointer's ``local_root`` (a local directory).
+        s3: the Checkpointer's S3 root (``save_dir``), to report each step's state there; None: local only.
+        **s3_options: ``StorageOptions`` keywords for ``s3``.
+
+    Returns:
+        One row per step, oldest first; a copy that cannot be read is reported on its row, never raised.
+
+    Raises:
+        ConfigError: ``local_root`` is a URL, not a local directory; or an unknown or refused storage option.
+        CheckpointNotFoundError: ``local_root`` holds no ``rank<NNNNN>`` entry.
+        InvalidCheckpointIdError: ``s3`` is neither an ``s3://`` location nor a local path.
+    """
     if "://" in local_root:
         raise ConfigError(f"{local_root}: a local tier root is a local directory")
     root = os.path.abspath(local_root)

@@ -36,6 +36,21 @@ def resolve(uri: str, *, follow_symlinks: bool = False, **storage_options: Any) 
     A re-saved step's parts are the directories its marker names (:func:`dcp_s3._checkpointer.generations.settle`).
 
     ``follow_symlinks``: list linked directories of a local location too.
+
+    Args:
+        uri: a run directory, one step, one part of a step (``<step>.<part>``) or one DCP checkpoint:
+            ``s3://bucket/prefix`` or a local path.
+        follow_symlinks: list linked directories of a local location too.
+        **storage_options: ``StorageOptions`` keywords (``endpoint_url``, ``region``, ...).
+
+    Returns:
+        The store the steps' names are relative to, and the steps and DCP checkpoints found.
+
+    Raises:
+        CheckpointNotFoundError: ``uri`` holds no step or checkpoint (the message suggests the seven-digit
+            step name for ``run1/3000``).
+        InvalidCheckpointIdError: ``uri`` is neither an ``s3://`` location nor a local path.
+        ConfigError: an unknown or refused storage option.
     """
     store = open_store(uri, follow_symlinks=follow_symlinks, **storage_options)
     steps = settle(store, scan(store.list_objects()))

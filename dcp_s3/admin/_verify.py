@@ -41,7 +41,13 @@ _BATCH_BYTES = 64 << 20  # largest batch of item bytes held in memory while veri
 
 @dataclass(frozen=True)
 class Problem:
-    """Something wrong with one object (or one checkpoint, when ``item`` is empty)."""
+    """Something wrong with one object (or one checkpoint, when ``item`` is empty).
+
+    Attributes:
+        url: the object, part or step at fault (``s3://...`` or a path).
+        message: what is wrong.
+        item: the item of the object at fault (its state-dict key and offsets), or ``""``.
+    """
 
     url: str
     message: str
@@ -50,6 +56,16 @@ class Problem:
 
 @dataclass
 class VerifyReport:
+    """What ``verify_checkpoint`` checked and found; ``ok`` if it found no problem.
+
+    Attributes:
+        checkpoints: steps and DCP checkpoints checked.
+        objects: objects checked (step markers and data objects).
+        items: items checked (entries of the metadata's storage data).
+        bytes_read: item bytes read.
+        problems: what is wrong, one entry per problem; empty if all is well.
+    """
+
     checkpoints: int = 0
     objects: int = 0
     items: int = 0
@@ -75,6 +91,20 @@ def verify_checkpoint(uri: str, *, progress: Progress | None = None, **storage_o
     without running it: an item the readers would refuse is a problem) and a tensor item has
     the shape and dtype the metadata says; encoded (compressed) items decode through the
     storage reader.
+
+    Args:
+        uri: a run directory, one step, one part of a step or one DCP checkpoint: ``s3://bucket/prefix``
+            or a local path.
+        progress: called as ``progress(done, total)`` in item bytes as the check reads them.
+        **storage_options: ``StorageOptions`` keywords (``endpoint_url``, ``region``, ...).
+
+    Returns:
+        The counts and the problems found.
+
+    Raises:
+        CheckpointNotFoundError: ``uri`` holds no step or checkpoint.
+        InvalidCheckpointIdError: ``uri`` is neither an ``s3://`` location nor a local path.
+        ConfigError: an unknown or refused storage option.
     """
     store, steps = resolve(uri, **storage_options)
     report = VerifyReport()

@@ -28,21 +28,46 @@ class Raw(Protocol):
     """Objects under a target's root, named relative to it with ``/``."""
 
     def sizes(self, prefix: str = "") -> dict[str, int]:
-        """Every object under ``prefix`` and its size."""
+        """Every object under ``prefix`` and its size.
 
-    def read(self, name: str) -> bytes: ...
+        Args:
+            prefix: a name prefix (a plain string prefix, ``""``: every object).
+        """
 
-    def write(self, name: str, data: bytes) -> None: ...
+    def read(self, name: str) -> bytes:
+        """The whole object.
+
+        Args:
+            name: the object's name.
+        """
+
+    def write(self, name: str, data: bytes) -> None:
+        """Create or replace an object.
+
+        Args:
+            name: the object's name.
+            data: its bytes.
+        """
 
     def start_upload(self, name: str) -> str | None:
-        """Start a multipart upload of ``name`` and leave it unfinished (None: the backend has no uploads)."""
+        """Start a multipart upload of ``name`` and leave it unfinished (None: the backend has no uploads).
+
+        Args:
+            name: the object's name.
+        """
 
     def uploads(self) -> list[str] | None:
         """Names with an unfinished multipart upload; None if the server cannot list them."""
 
 
 class S3Raw:
-    """A bucket prefix through a boto3 client of the test's own."""
+    """A bucket prefix through a boto3 client of the test's own.
+
+    Args:
+        client: a boto3 S3 client that reaches the bucket.
+        bucket: the bucket.
+        prefix: the target's root in it (object names are relative to it).
+    """
 
     def __init__(self, client: Any, bucket: str, prefix: str) -> None:
         self.client, self.bucket, self.prefix = client, bucket, prefix.strip("/") + "/"
@@ -71,7 +96,11 @@ class S3Raw:
 
 
 class LocalRaw:
-    """Files under a directory."""
+    """Files under a directory.
+
+    Args:
+        root: the target's root directory (file names are relative to it).
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -106,6 +135,13 @@ class Target:
     ``options`` are the storage options a user passes to ``Checkpointer`` and the admin
     functions, and to ``S3StorageWriter``/``S3StorageReader`` (the same classes on every backend:
     a local directory goes through the local object store).
+
+    Attributes:
+        name: the target's name (the backend's, for messages).
+        root: the checkpoints' root: ``s3://bucket/prefix`` or a local directory, fresh and empty.
+        raw: access to the objects under ``root`` that bypasses dcp_s3 (`S3Raw`, `LocalRaw` or the
+            backend's own).
+        options: the storage options that reach ``root`` (``endpoint_url``, ``credential_path``, ...).
     """
 
     name: str
@@ -118,11 +154,29 @@ class Target:
         return self.root.startswith("s3://")
 
     def url(self, name: str) -> str:
+        """The location of ``name`` under ``root``.
+
+        Args:
+            name: a checkpoint or object name relative to ``root``.
+        """
         return f"{self.root.rstrip('/')}/{name}"
 
     def writer(self, name: str, *, overwrite: bool = True, part_size: int | None = None, **s3: Any) -> StorageWriter:
-        """The writer dcp_s3 uses at this location."""
+        """The writer dcp_s3 uses at this location.
+
+        Args:
+            name: the checkpoint's name relative to ``root``.
+            overwrite: ``S3StorageWriter``'s ``overwrite``.
+            part_size: ``S3StorageWriter``'s ``part_size`` (None: the default).
+            **s3: more ``S3StorageWriter`` keywords, given with ``options``.
+        """
         return S3StorageWriter(self.url(name), overwrite=overwrite, part_size=part_size, **s3, **self.options)
 
     def reader(self, name: str, *, max_range_size: int | None = None) -> StorageReader:
+        """The reader dcp_s3 uses at this location.
+
+        Args:
+            name: the checkpoint's name relative to ``root``.
+            max_range_size: ``S3StorageReader``'s ``max_range_size`` (None: the default).
+        """
         return S3StorageReader(self.url(name), max_range_size=max_range_size, **self.options)
