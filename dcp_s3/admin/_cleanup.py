@@ -69,7 +69,9 @@ class Garbage:
         uploads: multipart uploads of checkpoint objects idle for longer than the bound.
         kept: objects in those checkpoints' directories that are not checkpoint objects: left alone.
         skipped: (location, why) of what was not examined or not touched: unreadable ``.metadata``,
-            saves in progress.
+            saves in progress, export staging prefixes dcp_s3 does not own or that are too young.
+        staging: staging prefixes of failed Hugging Face exports to remove (names ending in ``/``); their
+            objects are in ``objects``, their stale uploads in ``uploads``.
     """
 
     store: Store
@@ -78,8 +80,6 @@ class Garbage:
     uploads: list[Upload]
     kept: list[Entry] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
-    #: Staging prefixes of failed Hugging Face exports removed (names ending in ``/``); their objects are in
-    #: ``objects``, their stale uploads in ``uploads``.
     staging: list[str] = field(default_factory=list)
 
     @property
