@@ -66,7 +66,7 @@ def _boto3() -> Any:
 def _timed_writer(**kwargs: Any) -> Any:
     """dcp_s3's export writer, with the time of its phases recorded in PHASES (write_data per rank; compose of
     each shard, index, on the coordinator)."""
-    import dcp_s3.storage._hf_writer as hfw
+    import dcp_s3._dcp.hf_writer as hfw
     from dcp_s3 import S3HuggingFaceStorageWriter
 
     real_compose = hfw.compose
@@ -109,7 +109,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.checkpoint.default_planner  # noqa: F401
 
     import dcp_s3  # noqa: F401
-    import dcp_s3.storage._hf_writer  # noqa: F401
+    import dcp_s3._dcp.hf_writer  # noqa: F401
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
