@@ -39,8 +39,10 @@ def compose_by_copy(
     extra: Mapping[str, str],
 ) -> bool:
     """Create ``key`` from ``parts`` by one multipart upload (``extra``: UploadPartCopy's source options);
-    ``fill`` runs on this thread, at most ``max_buffered`` sent parts held at once. False if the server has
-    no UploadPartCopy (nothing is left behind)."""
+    at most ``max_buffered`` sent parts held at once, each filled (``fill``) and sent by one of as many
+    threads of this call's own, so the reads behind sent parts run concurrently, as the copies do (``fill``'s
+    reads go to ``executor``; a fill never waits on a thread of its own pool). False if the server has no
+    UploadPartCopy (nothing is left behind)."""
     upload_id = store.call("create_multipart_upload", key, Key=key)["UploadId"]
     slots = threading.BoundedSemaphore(max(1, max_buffered))
     failed = threading.Event()
@@ -67,8 +69,10 @@ def compose_by_copy(
             raise
         return {"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]}
 
-    def send(number: int, body: memoryview) -> dict[str, Any]:
+    def fill_and_send(number: int, part: ComposePart) -> dict[str, Any]:
         try:
+            body = memoryview(bytearray(part.size))
+            fill(part, body)
             with BufferReader.of([body], send_block=True) as stream:
                 resp = store.call(
                     "upload_part",
@@ -87,6 +91,7 @@ def compose_by_copy(
         if fut.exception() is not None:
             failed.set()
 
+    senders = ThreadPoolExecutor(max(1, max_buffered), thread_name_prefix="dcp-s3-compose-send")
     try:
         for number, part in enumerate(parts, 1):
             if failed.is_set():
@@ -94,11 +99,12 @@ def compose_by_copy(
             if part.copy:
                 fut = executor.submit(copy, number, part)
             else:
-                slots.acquire()
+                slots.acquire()  # released by fill_and_send: at most max_buffered bodies exist
+                if failed.is_set():
+                    slots.release()
+                    break
                 try:
-                    body = memoryview(bytearray(part.size))
-                    fill(part, body)
-                    fut = executor.submit(send, number, body)
+                    fut = senders.submit(fill_and_send, number, part)
                 except BaseException:
                     slots.release()
                     raise
@@ -120,6 +126,8 @@ def compose_by_copy(
         _settle(futures)
         abort_quietly(store, key, upload_id, "multipart upload")
         raise
+    finally:
+        senders.shutdown(wait=True, cancel_futures=True)
     return True
 
 
