@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 
 from dcp_s3.admin.cleanup import remove_checkpoint
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
+from dcp_s3.integrations import _committed as lookup
 from dcp_s3.layout import METADATA_KEY
 from dcp_s3.store.storage_options import StorageOptions
 from dcp_s3.untrusted.foreign_items import BYTE_ITEM_FLOOR, BYTE_ITEM_RATIO, byte_item_limit
@@ -164,11 +165,10 @@ def checkpoint_exists(location: str, options: StorageOptions) -> bool:
 
 
 def list_checkpoints(directory: str, options: StorageOptions) -> list[str]:
-    """The committed checkpoints directly under ``directory``, as locations, sorted."""
+    """The committed checkpoints directly under ``directory``, as locations, sorted
+    (:func:`dcp_s3.integrations._committed.committed`)."""
     store = options.store(directory)
-    _, subdirs = store.list_dir("")
-    names = (d.rstrip("/") for d in subdirs)
-    return sorted(f"{directory}/{n}" for n in names if store.size(f"{n}/{METADATA_KEY}") is not None)
+    return [f"{directory}/{n}" for n in lookup.committed(store, lookup.ANY_NAME, order=str)]
 
 
 def delete_checkpoint(location: str, options: StorageOptions) -> None:
