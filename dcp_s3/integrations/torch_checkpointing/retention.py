@@ -20,7 +20,7 @@ from dcp_s3.integrations import _committed as lookup
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER
 from dcp_s3.store.base import Store
 
-__all__ = ["ownership", "delete_checkpoint", "committed_checkpoints", "doomed"]
+__all__ = ["ownership", "delete_checkpoint", "committed_checkpoints", "latest_checkpoint", "doomed"]
 
 
 def ownership(store: Store, root: str, names: str) -> Ownership:
@@ -42,6 +42,11 @@ def committed_checkpoints(store: Store, root: str, names: str, folder: str) -> l
     """The owned, committed checkpoints directly in ``folder`` (relative to the root), oldest first by the
     numbers in their names (``step_10`` after ``step_9``): :func:`dcp_s3.integrations._committed.committed`."""
     return lookup.committed(store, ownership(store, root, names), folder)
+
+
+def latest_checkpoint(store: Store, root: str, names: str, folder: str) -> str | None:
+    """The newest of :func:`committed_checkpoints` (asked newest first), or None."""
+    return lookup.latest(store, ownership(store, root, names), folder)
 
 
 def doomed(committed: list[str], count: int) -> list[str]:
