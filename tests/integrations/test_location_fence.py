@@ -11,12 +11,15 @@ Anything else asks :func:`dcp_s3.integrations._locations.s3_location`.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 INTEGRATIONS = Path(__file__).resolve().parents[2] / "dcp_s3" / "integrations"
 KIT = "_locations.py"
 _TEXT_METHODS = {"startswith", "endswith", "removeprefix", "partition", "split", "find", "index", "replace"}
-_CORE_PARSERS = {"dcp_s3.objstore.uri"}  # the core's module of S3 URIs: imported by the kit only
+#: The core's module of S3 URIs (``dcp_s3.objstore.uri``, ``dcp_s3._objstore.uri`` once internals are ``_``-named):
+#: imported by the kit only.
+_CORE_PARSERS = re.compile(r"dcp_s3\._?objstore\.uri")
 
 
 def _scheme_text(node: ast.AST) -> bool:
@@ -35,7 +38,7 @@ def scheme_parsing(source: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.Compare):
             hit = any(_scheme_text(x) for x in (node.left, *node.comparators))
         elif isinstance(node, ast.ImportFrom):
-            hit = node.module in _CORE_PARSERS
+            hit = _CORE_PARSERS.fullmatch(node.module or "") is not None
         if hit:
             found.append((node.lineno, ast.unparse(node)[:100]))
     return found
@@ -59,6 +62,7 @@ def test_the_scan_sees_each_spelling() -> None:
         'p == "s3://"',
         '"s3:" in p',
         "from dcp_s3.objstore.uri import parse_s3_uri",
+        "from dcp_s3._objstore.uri import s3_location",
     ]
     for code in spellings:
         assert scheme_parsing(code), code
