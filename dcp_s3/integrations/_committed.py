@@ -2,8 +2,8 @@
 
 Every integration that resumes or retains (torchtitan's step folder, NeMo's ``epoch_<E>_step_<S>``, Lightning's
 ``*.ckpt``, torch_checkpointing's ``checkpoint_names``) asks the same question of the store: which directories
-directly in a folder carry a name of its scheme (:mod:`dcp_s3.checkpointer.ownership`; ASCII digits only,
-:mod:`dcp_s3.checkpointer.names`) and hold their commit marker (``.metadata`` unless told). The answer comes from
+directly in a folder carry a name of its scheme (:mod:`dcp_s3._checkpointer.ownership`; ASCII digits only,
+:mod:`dcp_s3._checkpointer.names`) and hold their commit marker (``.metadata`` unless told). The answer comes from
 one listing and one HEAD per name, newest first for :func:`latest` (it stops at the first committed one).
 
 Absent only on proof: a name counts as not committed when its marker is a 404, or when ``accept`` (the caller's
@@ -18,10 +18,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from dcp_s3.checkpointer.names import DIGITS
-from dcp_s3.checkpointer.ownership import Ownership
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.store.base import Store
+from dcp_s3._checkpointer.names import DIGITS
+from dcp_s3._checkpointer.ownership import Ownership
+from dcp_s3._dcp.store import Store
+from dcp_s3._layout import METADATA_KEY
 
 __all__ = ["ANY_NAME", "step_order", "listed", "committed", "latest"]
 

@@ -7,7 +7,7 @@ another). Here the side state travels *inside* the same DCP checkpoint: rank 0 a
 state dict as one more item under a reserved key (:func:`carry`), so the checkpoint's ``.metadata`` commits
 tensors and side state at once, and every rank reads it back from the one save it loads (:func:`as_dict`
 checks what came back). Each side object is a ``torch.save`` archive, read with dcp_s3's checks of untrusted
-archives (:mod:`dcp_s3.untrusted`): as a byte item (``io.BytesIO``: Megatron), or as one ``uint8`` tensor
+archives (:mod:`dcp_s3._untrusted`): as a byte item (``io.BytesIO``: Megatron), or as one ``uint8`` tensor
 (Lightning's stored format, sized before it is allocated by the rule of byte items).
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 from dcp_s3.errors import CheckpointFormatError, ConfigError
-from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = ["carry", "as_dict"]
 

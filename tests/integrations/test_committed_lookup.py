@@ -12,10 +12,10 @@ import pytest
 from fault_proxy import FaultProxy, Rule
 
 from dcp_s3 import ClientConfig, S3TransferError
-from dcp_s3.checkpointer.ownership import Ownership
+from dcp_s3._checkpointer.ownership import Ownership
+from dcp_s3._dcp import open_store
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.integrations import _committed as lookup
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.store import open_store
 
 STEPS = re.compile(r"step_[0-9]+")
 FAST = ClientConfig(retry_attempts=2, read_timeout=2.0, connect_timeout=2.0)

@@ -17,7 +17,7 @@ from pathlib import Path
 INTEGRATIONS = Path(__file__).resolve().parents[2] / "dcp_s3" / "integrations"
 KIT = "_locations.py"
 _TEXT_METHODS = {"startswith", "endswith", "removeprefix", "partition", "split", "find", "index", "replace"}
-#: The core's module of S3 URIs (``dcp_s3.objstore.uri``, ``dcp_s3._objstore.uri`` once internals are ``_``-named):
+#: The core's module of S3 URIs (``dcp_s3._objstore.uri``, ``dcp_s3._objstore.uri`` once internals are ``_``-named):
 #: imported by the kit only.
 _CORE_PARSERS = re.compile(r"dcp_s3\._?objstore\.uri")
 
@@ -61,7 +61,7 @@ def test_the_scan_sees_each_spelling() -> None:
         'p.removeprefix("s3://")',
         'p == "s3://"',
         '"s3:" in p',
-        "from dcp_s3.objstore.uri import parse_s3_uri",
+        "from dcp_s3._objstore.uri import parse_s3_uri",
         "from dcp_s3._objstore.uri import s3_location",
     ]
     for code in spellings:

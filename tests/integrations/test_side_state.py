@@ -11,9 +11,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3 import CheckpointFormatError, ConfigError
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.integrations._side_state import as_dict, carry
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.store.storage_options import StorageOptions
 
 
 def test_rank_zero_carries_the_side_state_inside_one_commit(s3_env: LocalS3Server, bucket: str) -> None:
