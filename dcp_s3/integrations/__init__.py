@@ -23,6 +23,11 @@ framework (an optional dependency, never one of dcp_s3's) when the user imports 
   ``torch_dist`` format, sync and async) with dcp_s3's writer and reader, Megatron's common state inside the
   same commit (its write and commit steps in :mod:`dcp_s3.integrations.megatron_async`).
 
+What every integration shares is the kit, private modules of this package: ``_locations`` (is a path an
+``s3://`` location, pathlib's ``s3:/`` fold included), ``_patching`` (scoped replacement of a framework's function),
+``_committed`` (which checkpoints are committed, which is the latest), ``_side_state`` (a framework's non-tensor
+state inside the DCP commit) and ``_bounded_upload``; the commit itself is :mod:`dcp_s3._commit`.
+
 Every integration takes its storage settings as ``options`` (a :class:`dcp_s3.StorageOptions` or a
 mapping of its keywords), one set for saving and loading.
 """

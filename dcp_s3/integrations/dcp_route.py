@@ -42,9 +42,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from dcp_s3._dcp.storage_options import StorageOptions
-from dcp_s3._objstore.uri import s3_location
 from dcp_s3._torch_compat import async_save_sites, get_storage_setup, set_storage_setup, storage_setup_sites
 from dcp_s3.errors import ConfigError
+from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations._patching import ContextPatch, Site
 
 __all__ = ["enable", "disable", "s3_route", "active_options", "is_routed"]
@@ -60,7 +60,7 @@ def is_routed(checkpoint_id: object) -> bool:
     """Whether the route takes ``checkpoint_id`` (an ``s3://`` id, or pathlib's fold of one) when it is on; an S3
     look-alike string (``s3:/b/k``, ``S3://b/k``) raises ``InvalidCheckpointIdError`` rather than reach torch's
     local writer."""
-    return s3_location(checkpoint_id) is not None
+    return s3_location(checkpoint_id, folded=False) is not None
 
 
 def active_options() -> StorageOptions | None:

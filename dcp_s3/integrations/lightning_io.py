@@ -38,9 +38,11 @@ from torch.optim import Optimizer
 from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._untrusted.foreign_items import BYTE_ITEM_FLOOR, BYTE_ITEM_RATIO, byte_item_limit
-from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
+from dcp_s3._untrusted.torch_files import torch_load
 from dcp_s3.admin._cleanup import remove_checkpoint
-from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
+from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError
+from dcp_s3.integrations import _committed as lookup
+from dcp_s3.integrations._side_state import as_dict, carry
 
 __all__ = [
     "META_KEY",
@@ -61,20 +63,12 @@ MAX_META_BYTES = 1 << 30
 META_KEY = "lightning.meta.pt"
 
 
-def _meta_tensor(metadata: Mapping[str, Any]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(torch_save_bytes(dict(metadata))), dtype=torch.uint8)
-
-
 def save_sharded(
     tensor_state: dict[str, Any], metadata: Mapping[str, Any], location: str, options: StorageOptions, *, rank: int
 ) -> None:
     """Save ``tensor_state`` (model and optimizer state dicts) and rank 0's ``metadata`` as one DCP
     checkpoint at ``location``; every rank calls it (a collective)."""
-    if META_KEY in tensor_state:
-        raise ConfigError(f"state key {META_KEY!r} is reserved for Lightning's metadata in {location}")
-    state = dict(tensor_state)
-    if rank == 0:
-        state[META_KEY] = _meta_tensor(metadata)
+    state = carry(dict(tensor_state), {META_KEY: dict(metadata)}, location, rank=rank, as_tensor=True)
     dcp.save(state, storage_writer=options.writer(location))
     logger.debug("saved Lightning checkpoint %s (metadata inside)", location)
 
@@ -125,12 +119,10 @@ class _MetaLoadPlanner(DefaultLoadPlanner):
 
 
 def _decode_meta(data: torch.Tensor, location: str, options: StorageOptions, weights_only: bool | None) -> dict:
-    meta = torch_load(
-        data.numpy().tobytes(), f"{location} ({META_KEY})", weights_only=not _trusted(options, weights_only)
+    trusted = _trusted(options, weights_only)
+    return as_dict(
+        torch_load(data.numpy().tobytes(), f"{location} ({META_KEY})", weights_only=not trusted), location, META_KEY
     )
-    if not isinstance(meta, dict):
-        raise CheckpointFormatError(f"{location} ({META_KEY}): expected a dict, found {type(meta).__name__}")
-    return meta
 
 
 def load_sharded(
@@ -164,11 +156,10 @@ def checkpoint_exists(location: str, options: StorageOptions) -> bool:
 
 
 def list_checkpoints(directory: str, options: StorageOptions) -> list[str]:
-    """The committed checkpoints directly under ``directory``, as locations, sorted."""
+    """The committed checkpoints directly under ``directory``, as locations, sorted
+    (:func:`dcp_s3.integrations._committed.committed`)."""
     store = options.store(directory)
-    _, subdirs = store.list_dir("")
-    names = (d.rstrip("/") for d in subdirs)
-    return sorted(f"{directory}/{n}" for n in names if store.size(f"{n}/{METADATA_KEY}") is not None)
+    return [f"{directory}/{n}" for n in lookup.committed(store, lookup.ANY_NAME, order=str)]
 
 
 def delete_checkpoint(location: str, options: StorageOptions) -> None:

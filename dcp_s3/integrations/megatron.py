@@ -77,9 +77,9 @@ from megatron.core.dist_checkpointing.validation import (
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from dcp_s3._dcp.storage_options import StorageOptions
-from dcp_s3._untrusted.torch_files import torch_save_bytes
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.integrations._locations import s3_location
+from dcp_s3.integrations._side_state import as_dict, carry
 from dcp_s3.integrations.megatron_async import RankWrite, finalize, results_queue, to_host, write_rank
 
 __all__ = ["COMMON_KEY", "CONFIG_KEY", "save", "load", "load_common_state_dict"]
@@ -103,10 +103,6 @@ def _location(checkpoint_dir: str | os.PathLike[str]) -> str:
     if not isinstance(text, str) or not text:
         raise ConfigError(f"checkpoint_dir {checkpoint_dir!r}: expected s3://bucket/key or a local directory")
     return s3_location(checkpoint_dir) or text.rstrip("/")
-
-
-def _bytes_item(obj: Any) -> io.BytesIO:
-    return io.BytesIO(torch_save_bytes(obj))
 
 
 # --------------------------------------------------------------------------------------------------- saving
@@ -141,13 +137,9 @@ def save(
         sharded_state_dict, validate_access_integrity, preprocess_common_before_consistancy_check
     )
     flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica)
-    clash = sorted(set(flat) & set(_RESERVED))
-    if clash:
-        raise ConfigError(f"sharded keys {clash} are reserved for Megatron's common state in {location}")
-    pyt_state_dict: dict[str, Any] = mcore_to_pyt_state_dict(flat, False)
-    if dist.get_rank() == 0:  # rank 0 alone writes common.pt and metadata.json in Megatron's own save
-        pyt_state_dict[COMMON_KEY] = _bytes_item(common_state_dict)
-        pyt_state_dict[CONFIG_KEY] = _bytes_item(dataclasses.asdict(CONFIG))
+    # rank 0 alone writes common.pt and metadata.json in Megatron's own save
+    side = {COMMON_KEY: common_state_dict, CONFIG_KEY: dataclasses.asdict(CONFIG)}
+    pyt_state_dict = carry(mcore_to_pyt_state_dict(flat, False), side, location, rank=dist.get_rank())
     write = RankWrite(StorageOptions.of(options).writer(location))
     (_, metadata, _), *_ = save_state_dict_async_plan(
         pyt_state_dict,
@@ -340,8 +332,7 @@ def _load_one_save(
     dcp.load(pyt_state_dict, storage_reader=options.reader(location), planner=planner)
     common, config = pyt_state_dict.pop(COMMON_KEY), pyt_state_dict.pop(CONFIG_KEY)
     _check_config(config, location)
-    if not isinstance(common, dict):
-        raise CheckpointFormatError(f"{location} ({COMMON_KEY}): expected a dict, found {type(common).__name__}")
+    common = as_dict(common, location, COMMON_KEY)
     mcore = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
     mcore = _replace_sharded_keys_with_state_dict_keys(mcore, flat_mapping, rename_mapping)
     _restore_dict_types(mcore, sharded_state_dict)
@@ -356,7 +347,4 @@ def load_common_state_dict(checkpoint_dir: str | os.PathLike[str], *, options: O
     opts = StorageOptions.of(options)
     dcp.load(state, storage_reader=opts.reader(location), planner=_LoadPlanner(location, None))
     _check_config(state[CONFIG_KEY], location)
-    common = state[COMMON_KEY]
-    if not isinstance(common, dict):
-        raise CheckpointFormatError(f"{location} ({COMMON_KEY}): expected a dict, found {type(common).__name__}")
-    return common
+    return as_dict(state[COMMON_KEY], location, COMMON_KEY)

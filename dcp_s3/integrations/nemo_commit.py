@@ -42,6 +42,7 @@ from dcp_s3.errors import (
     ConfigError,
     S3TransferError,
 )
+from dcp_s3.integrations import _committed as lookup
 
 __all__ = [
     "COMMIT",
@@ -297,11 +298,9 @@ class Saves:
 
     def committed_names(self) -> list[str]:
         """Rank 0: the names NeMo's scheme makes under the root that hold a commit object, oldest step first
-        (one listing and one HEAD per name; whether each commit is sound is :meth:`checkpoint`'s question)."""
-        store = self.root_store()
-        _, subdirs = store.list_dir("")
-        owned = [n for n in self.ownership().owned(d.rstrip("/") for d in subdirs) if store.size(f"{n}/{COMMIT}")]
-        return sorted(owned, key=lambda n: int(CHECKPOINT_NAMES.fullmatch(n).group(1)))  # type: ignore[union-attr]
+        (:func:`dcp_s3.integrations._committed.committed`; whether each commit is sound is :meth:`checkpoint`'s
+        question)."""
+        return lookup.committed(self.root_store(), self.ownership(), marker=COMMIT, order=_step)
 
     def checkpoint(self, name: str) -> list[str] | None:
         """Rank 0: the DCP part directories of checkpoint ``name`` under the root (``save.<token>/<part>``) when it
@@ -320,7 +319,10 @@ class Saves:
 
     def latest(self) -> str | None:
         """Rank 0: the newest checkpoint under the root (by step), as a location, or None."""
-        return next((f"{self.root}/{n}" for n in reversed(self.committed_names()) if self.checkpoint(n)), None)
+        name = lookup.latest(
+            self.root_store(), self.ownership(), marker=COMMIT, order=_step, accept=lambda n: bool(self.checkpoint(n))
+        )
+        return None if name is None else f"{self.root}/{name}"
 
     def prune(self, keep: int) -> None:
         """Rank 0: delete every checkpoint under the root but the newest ``keep`` (by step), each when the ownership
@@ -335,6 +337,10 @@ class Saves:
             marker.retire(store.object_store, [store.key(f"{name}/{COMMIT}")], prefix=store.key(f"{name}/"))
             self.commits.pop(location, None)
             logger.info("pruned old NeMo checkpoint %s", location)
+
+
+def _step(name: str) -> int:
+    return int(CHECKPOINT_NAMES.fullmatch(name).group(1))  # type: ignore[union-attr]  # owned names only
 
 
 def split_part(path: str) -> tuple[str, str]:

@@ -77,6 +77,7 @@ from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._dcp.store import Store
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError
+from dcp_s3.integrations import _committed as lookup
 from dcp_s3.integrations._locations import s3_location
 
 if TYPE_CHECKING:  # torch >= 2.9 (torchtitan 0.3.0's own torch); this module is imported on older ones too
@@ -180,27 +181,18 @@ class S3CheckpointManager(CheckpointManager):
         finally:
             store.close()
 
-    def _steps(self, folder: str) -> list[int]:
-        """The N of every ``step-N/`` directly in ``folder``, committed or not, ascending (one listing)."""
-        with self._at(folder) as (store, prefix):
-            _, subdirs = store.list_dir(prefix)
-        names = (sub[len(prefix) :].rstrip("/") for sub in subdirs)
-        return sorted(int(m.group(1)) for m in map(_STEP_DIR.fullmatch, names) if m)
-
     def _committed(self, checkpoint_id: str) -> bool:
         """Whether a DCP checkpoint is committed at ``checkpoint_id`` (its ``.metadata`` exists)."""
         with self._at(checkpoint_id) as (store, prefix):
             return store.size(prefix + METADATA_KEY) is not None
 
-    # -- torchtitan's hooks ----------------------------------------------------------------------------
-
     def _find_load_step(self, folder: str = "") -> int:
-        """The newest step whose ``.metadata`` exists in ``folder`` (default: the checkpoint folder), or -1."""
-        folder = folder or self.folder
-        for step in reversed(self._steps(folder)):
-            if self._committed(self._create_checkpoint_id(step, folder)):
-                return step
-        return -1
+        """torchtitan's hook: the newest step whose ``.metadata`` exists in ``folder`` (default: the checkpoint
+        folder), or -1 (:func:`dcp_s3.integrations._committed.latest`)."""
+        with self._at(folder or self.folder) as (store, prefix):
+            name = lookup.latest(store, _STEP_DIR, prefix)
+        match = None if name is None else _STEP_DIR.fullmatch(name.rpartition("/")[2])
+        return -1 if match is None else int(match.group(1))
 
     @torch.no_grad()
     def dcp_save(
@@ -364,14 +356,10 @@ class S3CheckpointManager(CheckpointManager):
         ``.metadata`` (an async upload in progress, a crashed save) is neither counted nor purged."""
         if not self._should_purge():
             return
-        ownership = self._ownership()
-        committed = [
-            step
-            for step in self._steps(self.folder)
-            if ownership.owns(f"step-{step}") and self._committed(self._create_checkpoint_id(step))
-        ]
-        for step in committed[: -self.keep_latest_k]:
-            self.purge_queue.put(self._create_checkpoint_id(step))
+        with self._at(self.folder) as (store, _):
+            found = lookup.committed(store, self._ownership())
+        for name in found[: -self.keep_latest_k]:
+            self.purge_queue.put(f"{self.folder.rstrip('/')}/{name}")
 
     def _remove_checkpoint(self, checkpoint_id: str) -> None:
         """Delete a committed step this manager names: its ``.metadata`` first (the step is then no

@@ -32,10 +32,9 @@ from typing import Any
 
 from dcp_s3._checkpointer.ownership import Ownership
 from dcp_s3._dcp.storage_options import StorageOptions
-from dcp_s3._objstore.uri import parse_s3_uri
 from dcp_s3.admin._cleanup import remove_checkpoint
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
-from dcp_s3.integrations._locations import s3_location
+from dcp_s3.integrations._locations import s3_location, s3_root
 
 __all__ = ["LocalDirs", "CHECKPOINT_DIR"]
 
@@ -59,10 +58,9 @@ class LocalDirs:
             if not isinstance(local, (str, os.PathLike)):
                 raise ConfigError(f"local_dirs: key {local!r} is not a local directory path")
             try:
-                parse_s3_uri(target, require_key=False)
+                self.roots[_real(local)] = s3_root(target)
             except InvalidCheckpointIdError as exc:
                 raise ConfigError(f"local_dirs[{os.fspath(local)!r}]: {exc}") from None
-            self.roots[_real(local)] = target.rstrip("/")
         #: mapped checkpoint directory (real local path) -> (its S3 root, its name, the parts saved into it)
         self.saved: dict[str, tuple[str, str, set[str]]] = {}
 

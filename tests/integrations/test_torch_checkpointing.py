@@ -480,6 +480,18 @@ def test_keep_last_deletes_only_owned_committed_checkpoints(bucket: str, s3_env:
     assert storage.ls(Path("")) == ["best", "step_10", "step_11", "step_3", "tmp_step_0"]
 
 
+def test_latest_is_the_newest_committed_checkpoint_as_a_url(bucket: str, s3_env: Any) -> None:
+    """The s3:// stand-in for the tutorial's latest-checkpoint finder (``Path(root).iterdir()`` sees no bucket)."""
+    storage = _storage(bucket)
+    assert storage.latest() is None
+    for n in (9, 10):
+        _stage(storage, f"step_{n}", {"m": b"x"})
+        storage.rename(Path(f"tmp_step_{n}"), Path(f"step_{n}"), is_directory=True)
+    _stage(storage, "step_11", {"m": b"x"})  # a stage that never committed
+    storage.write(Path("step_12/m"), b"plain")  # a scheme name, never committed
+    assert storage.latest() == f"s3://{bucket}/run/step_10"  # by number: step_10 after step_9
+
+
 # -- torch_checkpointing's CheckpointManager on 2 gloo ranks (FSDP2-sharded model) ----------------------
 
 

@@ -12,16 +12,15 @@ A checkpoint goes marker first (it is then no checkpoint), then every object und
 
 from __future__ import annotations
 
-import re
-
-from dcp_s3._checkpointer.names import DIGITS, scheme
+from dcp_s3._checkpointer.names import scheme
 from dcp_s3._checkpointer.ownership import Ownership
 from dcp_s3._commit import retire
 from dcp_s3._dcp.store import Store
 from dcp_s3.errors import ConfigError, DeletionRefusedError
+from dcp_s3.integrations import _committed as lookup
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER
 
-__all__ = ["ownership", "delete_checkpoint", "committed_checkpoints", "doomed"]
+__all__ = ["ownership", "delete_checkpoint", "committed_checkpoints", "latest_checkpoint", "doomed"]
 
 
 def ownership(store: Store, root: str, names: str) -> Ownership:
@@ -41,12 +40,13 @@ def delete_checkpoint(store: Store, root: str, names: str, name: str) -> None:
 
 def committed_checkpoints(store: Store, root: str, names: str, folder: str) -> list[str]:
     """The owned, committed checkpoints directly in ``folder`` (relative to the root), oldest first by the
-    numbers in their names (``step_10`` after ``step_9``)."""
-    own = ownership(store, root, names)
-    lead = folder + "/" if folder else ""
-    found = [d.rstrip("/") for d in store.list_dir(lead)[1]]
-    found = [n for n in own.owned(found) if store.size(f"{n}/{MARKER}") is not None]
-    return sorted(found, key=lambda n: [int(x) for x in re.findall(DIGITS, n)])
+    numbers in their names (``step_10`` after ``step_9``): :func:`dcp_s3.integrations._committed.committed`."""
+    return lookup.committed(store, ownership(store, root, names), folder)
+
+
+def latest_checkpoint(store: Store, root: str, names: str, folder: str) -> str | None:
+    """The newest of :func:`committed_checkpoints` (asked newest first), or None."""
+    return lookup.latest(store, ownership(store, root, names), folder)
 
 
 def doomed(committed: list[str], count: int) -> list[str]:

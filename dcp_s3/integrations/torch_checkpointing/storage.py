@@ -365,6 +365,14 @@ class S3Storage(Storage):
             self.store, config.root, config.checkpoint_names, self.name_of(folder)
         )
 
+    def latest(self, folder: str = "") -> str | None:
+        """The newest committed checkpoint this storage owns directly in ``folder``, as the URL to load, or None
+        (a server error raises, never an older one): the ``s3://`` stand-in for a finder over ``Path.iterdir``."""
+        name = tc_retention.latest_checkpoint(
+            self.store, self.config.root, self.config.checkpoint_names, self.name_of(folder)
+        )
+        return None if name is None else self.store.url(name)
+
     def keep_last(self, count: int, folder: str = "") -> list[str]:
         """Delete all but the newest ``count`` committed checkpoints owned in ``folder``; returns what went."""
         gone = tc_retention.doomed(self.committed(folder), count)
