@@ -16,8 +16,9 @@ checkpoints; :mod:`~dcp_s3._checkpointer.ranks` rank coordination; :mod:`~dcp_s3
 (one rank's check of its local copy, and its load alone).
 """
 
-from dcp_s3._checkpointer.manager import AsyncSave, Checkpointer
+from dcp_s3._checkpointer.manager import Checkpointer
 from dcp_s3._checkpointer.objects import latest_checkpoint, load_object, save_object
+from dcp_s3._checkpointer.save_parts import AsyncSave
 
 __all__ = [
     "AsyncSave",

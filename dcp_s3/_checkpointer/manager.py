@@ -23,7 +23,8 @@ lives, the parts' writers/readers, which step a load takes, loading one part),
 objects, ``latest_checkpoint``), :mod:`~dcp_s3._checkpointer.ranks` (run on rank 0, share the outcome),
 :mod:`~dcp_s3._checkpointer.training_state` (argument checks, scheduler/scaler/callback state),
 :mod:`~dcp_s3._planners.optim_match` (optimizer compatibility, checked inside the load),
-:mod:`~dcp_s3._checkpointer.legacy` (single-file checkpoints) and :mod:`~dcp_s3._checkpointer.retention` (``keep_last``).
+:mod:`~dcp_s3._checkpointer.legacy` (single-file checkpoints), :mod:`~dcp_s3._checkpointer.retention` (``keep_last``)
+and :mod:`~dcp_s3._checkpointer.save_parts` (the parts of a save, the handle of an asynchronous one).
 """
 
 from __future__ import annotations
@@ -32,20 +33,19 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from dcp_s3._checkpointer.generations import PART_DIRS, commit_step, generation_name, marker_entry
 from dcp_s3._checkpointer.legacy import ALLOW_MISSING_OPTIM_ENV, load_legacy
 from dcp_s3._checkpointer.objects import latest_checkpoint, load_object, save_object
 from dcp_s3._checkpointer.ranks import Ranks, distributed, rank, world_size
 from dcp_s3._checkpointer.retention import retain_last
+from dcp_s3._checkpointer.save_parts import AsyncSave, Part, save_parts
 from dcp_s3._checkpointer.step_io import StepIO, load_model, load_optim
 from dcp_s3._checkpointer.steps import MARKER_FORMAT, MARKER_SUFFIX
 from dcp_s3._checkpointer.tier_load import tiered_load
@@ -53,7 +53,6 @@ from dcp_s3._checkpointer.tiers import Tiers
 from dcp_s3._checkpointer.training_state import check_dicts, restore, state_of, warn
 from dcp_s3._dcp import Store, open_store
 from dcp_s3._layout import new_token
-from dcp_s3._planners.trainable import TrainableOnlySavePlanner
 from dcp_s3._torch_compat import async_save
 from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 from dcp_s3.errors import ConfigError, DcpS3Error
@@ -64,58 +63,6 @@ log = logging.getLogger(__name__)
 
 
 # -- the manager ------------------------------------------------------------------------------------
-class AsyncSave:
-    """Handle of an asynchronous save: ``result()`` waits for it and returns the step location.
-
-    Returned by ``save`` of a ``Checkpointer(..., async_save=True)``, not made by users.
-
-    Args:
-        path: the step's location (``<save_dir>/<step>``), also the ``path`` attribute.
-        future: the save running in the background; its result is ``path``.
-    """
-
-    def __init__(self, path: str, future: Future[str]) -> None:
-        self.path = path
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> str:
-        """Wait until every part is written and (on rank 0) the marker too; re-raise any failure.
-
-        Args:
-            timeout: seconds to wait at most (then ``TimeoutError``); None: until the save ends.
-
-        Returns:
-            The step's location.
-        """
-        return self._future.result(timeout)
-
-    wait = result
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "running"
-        return f"AsyncSave({self.path!r}, {state})"
-
-
-#: One part of a save: (model key, "model" or "optim", its state dict, the planner that saves it).
-_Part = tuple[str, str, dict[str, Any], Any]
-
-
-def _parts(
-    model_dict: Mapping[str, nn.Module], optimizer_dict: Mapping[str, torch.optim.Optimizer] | None
-) -> list[_Part]:
-    """The parts of a save: each model's trainable state, then its optimizer's state if it has one."""
-    parts: list[_Part] = []
-    for key, model in model_dict.items():
-        parts.append((key, "model", get_model_state_dict(model), TrainableOnlySavePlanner(model)))
-        if optimizer_dict is not None and key in optimizer_dict:
-            osd = get_optimizer_state_dict(model, optimizer_dict[key])
-            parts.append((key, "optim", osd, DefaultSavePlanner()))
-    return parts
-
-
 class Checkpointer:
     """Save and resume training state under ``save_dir`` (``s3://bucket/prefix`` or a local directory).
 
@@ -252,7 +199,7 @@ class Checkpointer:
         if self._tiers is None and tier is not None:
             raise ConfigError(f"tier={tier!r} needs local_root")
         store, step = self._io.locate(path, iteration)
-        parts = _parts(model_dict, optimizer_dict)
+        parts = save_parts(model_dict, optimizer_dict)
         suffixes = [f"{key}_{kind}" for key, kind, _, _ in parts]
         content: dict[str, Any] = {
             "format": MARKER_FORMAT,
@@ -279,7 +226,7 @@ class Checkpointer:
             return self._save_now(store, step, token, parts, commit)
         return self._save_in_background(store, step, token, parts, commit)
 
-    def _save_now(self, store: Store, step: str, token: str, parts: list[_Part], commit: Callable[[], None]) -> str:
+    def _save_now(self, store: Store, step: str, token: str, parts: list[Part], commit: Callable[[], None]) -> str:
         """Save every part in this thread, then commit the step (rank 0); returns its location."""
         location = store.url(step)
         t0 = time.perf_counter()
@@ -291,7 +238,7 @@ class Checkpointer:
         return location
 
     def _save_in_background(
-        self, store: Store, step: str, token: str, parts: list[_Part], commit: Callable[[], None]
+        self, store: Store, step: str, token: str, parts: list[Part], commit: Callable[[], None]
     ) -> AsyncSave:
         """Start every part's asynchronous save (each on its own process group) and, on the background thread,
         wait for them and commit the step (rank 0); returns the handle of the pending save."""
