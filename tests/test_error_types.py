@@ -32,7 +32,7 @@ PROTOCOL = {
     ("_untrusted/metadata_pickle.py", "EOFError"),  # the restricted unpickler's end-of-data signal, as pickle's own
     ("testing/__init__.py", "ImportError"),  # dcp_s3.testing without pytest: an import that cannot succeed
     # Fabric's load(strict=True) contract: a requested key the checkpoint lacks is a KeyError, as Lightning raises
-    ("integrations/lightning_fabric.py", "KeyError"),
+    ("integrations/_lightning_fabric.py", "KeyError"),
 }
 # What Python's data model requires these methods to raise (a module's __getattr__, a lazy
 # Sequence's or Mapping's __getitem__).

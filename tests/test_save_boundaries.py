@@ -42,8 +42,8 @@ BEGINS = {
     ),
     ("_checkpointer/manager.py", "Checkpointer.save"): "Checkpointer.save",
     ("_checkpointer/tiers.py", "Tiers.save"): "Checkpointer.save (local tier)",
-    ("integrations/nemo_commit.py", "Saves.begin"): "NeMo's CheckpointLifecycle.reserve",
-    ("integrations/torch_checkpointing/writers.py", "StageWriters.for_file"): (
+    ("integrations/_nemo_commit.py", "Saves.begin"): "NeMo's CheckpointLifecycle.reserve",
+    ("integrations/torch_checkpointing/_writers.py", "StageWriters.for_file"): (
         "the first file of a save begun by torch_checkpointing's CheckpointWriter.write"
     ),
 }
@@ -132,7 +132,7 @@ def test_no_side_effect_begins_a_save() -> None:
 #: Integration classes that implement a file-system interface a framework calls during a save -> the behavioural test
 #: that runs each of their side effects and probes inside a save and checks the commit still names every file.
 FILE_SYSTEMS = {
-    ("integrations/torch_checkpointing/storage.py", "S3Storage"): (
+    ("integrations/torch_checkpointing/_storage.py", "S3Storage"): (
         "tests/integrations/test_torch_checkpointing.py::test_a_callbacks_mkdir_of_the_stage_does_not_drop_the_model_from_"
         "the_commit"
     ),

@@ -26,7 +26,7 @@ What each caller may delete (its root as configured; the names its scheme makes)
   process saved in the block, once the Trainer's ``rotate_checkpoints`` removed its local directory;
 - ``S3CheckpointManager``'s ``keep_latest_k`` purge: under ``folder``, ``step-<N>``.
 - NeMo AutoModel's ``S3Checkpointer`` ``max_recent_checkpoints``: under ``checkpoint_dir``, ``epoch_<E>_step_<S>``
-  whose commit object and DCP parts are there (:mod:`dcp_s3.integrations.nemo_commit`).
+  whose commit object and DCP parts are there (:mod:`dcp_s3.integrations._nemo_commit`).
 - torch_checkpointing's ``S3Storage.rmdir`` and its ``KeepLast`` retention: under the storage's ``root``,
   the names its ``checkpoint_names`` pattern matches, committed by its marker ``.dcp_s3-commit``
   (:mod:`dcp_s3.integrations.torch_checkpointing`).

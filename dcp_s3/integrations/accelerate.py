@@ -21,7 +21,7 @@ The four functions are public here too, with an ``options`` keyword, for code th
 
 The transformers ``Trainer`` passes local directories (``<output_dir>/checkpoint-<step>``): with
 ``local_dirs={output_dir: "s3://bucket/run"}`` a directory under ``output_dir`` stands for the same
-place under the S3 root (:mod:`dcp_s3.integrations.trainer_dirs`); its shards go to S3, the Trainer's
+place under the S3 root (:mod:`dcp_s3.integrations._trainer_dirs`); its shards go to S3, the Trainer's
 small files stay in ``output_dir``, and the checkpoints saved in the block that its ``save_total_limit``
 rotation deletes locally are deleted in the bucket too (transformers' ``rotate_checkpoints`` is wrapped
 in the block). Loading deletes nothing, and neither does leaving the block (normally or through an
@@ -49,7 +49,7 @@ from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3.errors import ConfigError, DcpS3Error
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations._patching import ContextPatch, Handler, Site
-from dcp_s3.integrations.trainer_dirs import LocalDirs
+from dcp_s3.integrations._trainer_dirs import LocalDirs
 
 __all__ = [
     "route_fsdp_checkpoints",

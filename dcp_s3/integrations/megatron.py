@@ -33,7 +33,7 @@ Async (``async_sharded_save=True``) returns Megatron's ``AsyncRequest``, schedul
 own (``AsyncCallsQueue.schedule_async_request``): planning runs on every rank at once, the tensors are copied
 to host memory by its ``preload_fn``, the worker process writes this rank's objects, and the finalize step
 (every rank) gathers the results and commits ``.metadata`` on rank 0 — or raises on every rank
-(:mod:`dcp_s3.integrations.megatron_async`).
+(:mod:`dcp_s3.integrations._megatron_async`).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.integrations._locations import s3_location
+from dcp_s3.integrations._megatron_async import RankWrite, finalize, results_queue, to_host, write_rank
 from dcp_s3.integrations._side_state import as_dict, carry
-from dcp_s3.integrations.megatron_async import RankWrite, finalize, results_queue, to_host, write_rank
 
 __all__ = ["COMMON_KEY", "CONFIG_KEY", "save", "load", "load_common_state_dict"]
 

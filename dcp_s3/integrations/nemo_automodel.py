@@ -20,7 +20,7 @@ What one save holds, and its commit. A NeMo checkpoint ``<checkpoint_dir>/<name>
 rank (``save_on_global_ranks``), the data loader state of every data-parallel rank (``save_on_dp_ranks``),
 and what NeMo's recipes write themselves with ``open``/``torch.save`` — ``losses.json``, ``config.yaml``,
 ``<key>.pt`` — here :meth:`S3Checkpointer.save_losses`, :meth:`~S3Checkpointer.save_config`,
-:meth:`~S3Checkpointer.save_state` (:mod:`dcp_s3.integrations.nemo_files`). On S3 (:mod:`dcp_s3.integrations.nemo_commit`):
+:meth:`~S3Checkpointer.save_state` (:mod:`dcp_s3.integrations._nemo_files`). On S3 (:mod:`dcp_s3.integrations._nemo_commit`):
 
 - ``lifecycle.reserve(path)`` (every rank, before anything is written, as NeMo's recipes call it) draws one
   *save token* on rank 0 and shares it; a checkpoint already committed at ``path`` is a ``FileExistsError``,
@@ -96,9 +96,9 @@ from dcp_s3._torch_compat import default_stager
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, S3TransferError
 from dcp_s3.integrations._bounded_upload import bounded
 from dcp_s3.integrations._locations import s3_location
+from dcp_s3.integrations._nemo_commit import COMMIT, Saves, split_part
+from dcp_s3.integrations._nemo_files import RecipeFiles
 from dcp_s3.integrations._patching import ContextPatch, Site
-from dcp_s3.integrations.nemo_commit import COMMIT, Saves, split_part
-from dcp_s3.integrations.nemo_files import RecipeFiles
 
 __all__ = ["S3CheckpointingConfig", "S3Checkpointer", "S3CheckpointLifecycle", "COMMIT"]
 

@@ -110,7 +110,9 @@ def test_resume_and_keep_last_ignore_a_foreign_step_of_other_digits(
 def _schemes() -> dict[str, tuple[re.Pattern[str], str]]:
     """Every naming scheme dcp_s3 deletes or resumes by, with a name it makes (ASCII digits)."""
     from dcp_s3._checkpointer.local_root import RANK_DIR_RE
-    from dcp_s3.integrations import nemo_commit, torchtitan, trainer_dirs
+    from dcp_s3.integrations import _nemo_commit as nemo_commit
+    from dcp_s3.integrations import _trainer_dirs as trainer_dirs
+    from dcp_s3.integrations import torchtitan
     from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
 
     return {

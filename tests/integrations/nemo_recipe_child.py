@@ -46,7 +46,8 @@ from torch.distributed.fsdp import fully_shard
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dcp_s3 import _commit as dcp_commit
-from dcp_s3.integrations import nemo_automodel, nemo_commit
+from dcp_s3.integrations import _nemo_commit as nemo_commit
+from dcp_s3.integrations import nemo_automodel
 from dcp_s3.integrations.nemo_recipe import s3_recipe
 from tests.dist_utils import full
 

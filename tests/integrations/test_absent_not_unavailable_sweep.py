@@ -21,17 +21,18 @@ from dcp_s3._checkpointer import latest_checkpoint
 from dcp_s3._dcp import open_store
 from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._local_server import LocalS3Server
-from dcp_s3.integrations import lightning_io, nemo_commit
-from dcp_s3.integrations.trainer_dirs import LocalDirs
+from dcp_s3.integrations import _lightning_io as lightning_io
+from dcp_s3.integrations import _nemo_commit as nemo_commit
+from dcp_s3.integrations._trainer_dirs import LocalDirs
 
-#: torch_checkpointing's commit marker (``dcp_s3.integrations.torch_checkpointing.commit.MARKER``; that package
+#: torch_checkpointing's commit marker (``dcp_s3.integrations.torch_checkpointing._commit.MARKER``; that package
 #: imports torch_checkpointing, which the torch-range environments lack).
 TC_MARKER = ".dcp_s3-commit"
 FAST = ClientConfig(retry_attempts=2, read_timeout=2.0, connect_timeout=2.0)
 
 
 def _torch_checkpointing(root: str, endpoint: str) -> Any:
-    tc_retention = pytest.importorskip("dcp_s3.integrations.torch_checkpointing.retention")  # torch >= 2.11 only
+    tc_retention = pytest.importorskip("dcp_s3.integrations.torch_checkpointing._retention")  # torch >= 2.11 only
     store = open_store(root, endpoint_url=endpoint, client=FAST)
     return tc_retention.committed_checkpoints(store, root, r"step_[0-9]+", "")
 
@@ -148,5 +149,5 @@ def test_a_server_error_on_the_newest_commit_raises(lookup: str, s3_env: LocalS3
 
 
 def test_the_sweeps_marker_is_torch_checkpointings() -> None:
-    commit = pytest.importorskip("dcp_s3.integrations.torch_checkpointing.commit")
+    commit = pytest.importorskip("dcp_s3.integrations.torch_checkpointing._commit")
     assert commit.MARKER == TC_MARKER

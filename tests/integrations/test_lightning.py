@@ -39,8 +39,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dcp_s3 import StorageOptions
 from dcp_s3._layout import METADATA_KEY
+from dcp_s3.integrations._lightning_io import META_KEY
 from dcp_s3.integrations.lightning import S3FabricStrategy, S3ModelCheckpoint, S3TrainerStrategy
-from dcp_s3.integrations.lightning_io import META_KEY
 
 pytestmark = pytest.mark.multiproc
 
@@ -377,7 +377,7 @@ def test_crafted_metadata_is_refused_not_run(tmp_path: Path) -> None:
     """The metadata bytes are unpickled weights-only after dcp_s3's check: a pickle that calls
     ``os.system`` is a CheckpointFormatError naming the checkpoint; plain metadata loads."""
     from dcp_s3 import CheckpointFormatError
-    from dcp_s3.integrations.lightning_io import load_sharded, save_sharded
+    from dcp_s3.integrations._lightning_io import load_sharded, save_sharded
 
     options = StorageOptions()
     module = nn.Linear(4, 2)
@@ -394,7 +394,7 @@ def test_metadata_declaring_more_than_its_stored_bytes_allow_is_refused_before_a
     (at most 64 times its stored bytes, or 64 MiB) before its buffer is allocated or decoded, so memory stays
     flat; the reason names the item and both sizes. (Such a checkpoint once grew every rank by 2x its size.)"""
     from dcp_s3 import CheckpointFormatError
-    from dcp_s3.integrations.lightning_io import load_sharded
+    from dcp_s3.integrations._lightning_io import load_sharded
 
     location, declared = str(tmp_path / "crafted"), 256 << 20
     module = nn.Linear(4, 2)

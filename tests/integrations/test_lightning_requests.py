@@ -1,4 +1,4 @@
-"""Lightning checkpoints (dcp_s3.integrations.lightning_io): what each rank asks the server when loading.
+"""Lightning checkpoints (dcp_s3.integrations._lightning_io): what each rank asks the server when loading.
 
 Each rank talks through a counting proxy of its own. The stored Lightning metadata is sized from the
 ``.metadata`` the load reads once (on its coordinator, shared), so no rank reads ``.metadata`` again.
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from dcp_s3 import StorageOptions
 from dcp_s3._local_server import LocalS3Server
-from dcp_s3.integrations.lightning_io import load_sharded, save_sharded
+from dcp_s3.integrations._lightning_io import load_sharded, save_sharded
 
 pytestmark = pytest.mark.multiproc
 

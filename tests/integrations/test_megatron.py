@@ -50,7 +50,7 @@ from dcp_s3._dcp import open_store
 from dcp_s3._layout import METADATA_KEY
 from dcp_s3._local_server import LocalS3Server
 from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
-from dcp_s3.integrations import megatron_async
+from dcp_s3.integrations import _megatron_async as megatron_async
 from dcp_s3.integrations.megatron import COMMON_KEY, _sharded_object, load, load_common_state_dict, save
 
 pytestmark = pytest.mark.multiproc

@@ -52,7 +52,7 @@ from dcp_s3._metadata.formats import load_metadata
 from dcp_s3._objstore.s3 import S3ObjectStore
 from dcp_s3.admin._listing import list_steps
 from dcp_s3.errors import CheckpointNotFoundError
-from dcp_s3.integrations import megatron_async
+from dcp_s3.integrations import _megatron_async as megatron_async
 from dcp_s3.integrations.megatron import load, save
 
 pytestmark = pytest.mark.multiproc

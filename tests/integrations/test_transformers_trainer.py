@@ -34,8 +34,8 @@ from torch import nn
 
 from dcp_s3 import ConfigError, StorageOptions
 from dcp_s3._layout import METADATA_KEY
+from dcp_s3.integrations._trainer_dirs import LocalDirs
 from dcp_s3.integrations.accelerate import route_fsdp_checkpoints
-from dcp_s3.integrations.trainer_dirs import LocalDirs
 
 pytestmark = pytest.mark.multiproc
 

@@ -7,6 +7,6 @@ for torch_checkpointing's ``rename``; :mod:`.paths` where a path of the library 
 :mod:`.writers` which writer id a save's files go under (a fresh one per save).
 """
 
-from dcp_s3.integrations.torch_checkpointing.storage import KeepLast, S3Storage, S3StorageConfig
+from dcp_s3.integrations.torch_checkpointing._storage import KeepLast, S3Storage, S3StorageConfig
 
 __all__ = ["S3StorageConfig", "S3Storage", "KeepLast"]

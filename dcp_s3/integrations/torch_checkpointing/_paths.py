@@ -6,7 +6,7 @@ directory ``<parent>/<temp_dir_prefix><name>`` its writer derives from it, and t
 path is one of three places (:class:`Where`):
 
 - a **stage**: a part starting with the temp prefix; its files live below the *final* name
-  (:mod:`dcp_s3.integrations.torch_checkpointing.commit`);
+  (:mod:`dcp_s3.integrations.torch_checkpointing._commit`);
 - in a **committed** checkpoint: an ancestor (or the path itself) has a commit marker; the path itself
   re-reads the marker (a load looks at the directory first), a file below one read before uses that read;
 - **plain**: anything else, an object or a prefix as it is.
@@ -21,8 +21,8 @@ from pathlib import Path
 from dcp_s3._dcp.store import Store
 from dcp_s3.errors import InvalidCheckpointIdError
 from dcp_s3.integrations._locations import s3_location
-from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
-from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manifest
+from dcp_s3.integrations.torch_checkpointing import _commit as tc_commit
+from dcp_s3.integrations.torch_checkpointing._commit import MARKER, STAGED, Manifest
 
 __all__ = ["Where", "split", "in_stage", "locate", "contents", "shown"]
 

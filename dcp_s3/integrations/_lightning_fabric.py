@@ -5,7 +5,7 @@
 
 An ``s3://`` path is one DCP checkpoint: the model and optimizer shards, and the rest of the state
 (what Lightning writes to ``meta.pt`` on rank 0's disk) inside it
-(:mod:`~dcp_s3.integrations.lightning_io`). Any other path goes to Lightning's own code unchanged.
+(:mod:`~dcp_s3.integrations._lightning_io`). Any other path goes to Lightning's own code unchanged.
 Differences from Lightning's sharded load, on ``s3://`` paths: model and optimizers are read in one
 ``dcp.load``; a state value with ``load_state_dict`` (a scheduler, a stateful data loader) is
 restored in place, as Fabric's other strategies do, instead of being replaced by its state dict.
@@ -24,8 +24,8 @@ from torch.optim import Optimizer
 
 from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3.errors import ConfigError
+from dcp_s3.integrations._lightning_io import load_sharded, save_sharded
 from dcp_s3.integrations._locations import s3_location
-from dcp_s3.integrations.lightning_io import load_sharded, save_sharded
 
 __all__ = ["S3FabricStrategy", "sharded_module_key", "is_stateful"]
 

@@ -23,7 +23,7 @@ import uuid
 
 from dcp_s3._torch_compat import default_store
 from dcp_s3.errors import CheckpointFormatError, ConfigError
-from dcp_s3.integrations.torch_checkpointing.commit import check_id
+from dcp_s3.integrations.torch_checkpointing._commit import check_id
 
 __all__ = ["KEY", "agreed_attempt", "check_attempt", "new_attempt"]
 

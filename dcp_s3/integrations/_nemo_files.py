@@ -5,7 +5,7 @@ A NeMo AutoModel checkpoint holds, beside its DCP parts, the RNG state of every 
 (``rng/rng_global_rank_<r>.pt``, :meth:`RecipeFiles.save_on_global_ranks`), the data loader state of every
 data-parallel rank (``dataloader/dataloader_dp_rank_<d>.pt``, :meth:`RecipeFiles.save_on_dp_ranks`) and rank 0's
 ``losses.json``, ``config.yaml`` and ``<key>.pt``. On S3 each is an object of the save in progress
-(:meth:`dcp_s3.integrations.nemo_commit.Saves.write_file`, listed in the commit with its size) and is read back only
+(:meth:`dcp_s3.integrations._nemo_commit.Saves.write_file`, listed in the commit with its size) and is read back only
 from the committed save, checked against its recorded size; ``.pt`` files are loaded with dcp_s3's checks of untrusted
 archives (``weights_only`` unless the config's ``allow_legacy_pickle_restore`` trusts them). A local path keeps NeMo's
 behaviour (its own methods, or files under the path). Nothing here imports NeMo: :class:`RecipeFiles` is a mixin
@@ -26,7 +26,7 @@ from dcp_s3._checkpointer.ranks import distributed
 from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from dcp_s3.integrations._locations import s3_location
-from dcp_s3.integrations.nemo_commit import COMPONENT, Saves
+from dcp_s3.integrations._nemo_commit import COMPONENT, Saves
 
 __all__ = ["RecipeFiles"]
 

@@ -18,7 +18,7 @@ from dcp_s3._commit import retire
 from dcp_s3._dcp.store import Store
 from dcp_s3.errors import ConfigError, DeletionRefusedError
 from dcp_s3.integrations import _committed as lookup
-from dcp_s3.integrations.torch_checkpointing.commit import MARKER
+from dcp_s3.integrations.torch_checkpointing._commit import MARKER
 
 __all__ = ["ownership", "delete_checkpoint", "committed_checkpoints", "latest_checkpoint", "doomed"]
 

@@ -16,7 +16,7 @@ Chosen where a ``CheckpointManager`` is configured (tested with torch-checkpoint
 
 - **The commit.** torch_checkpointing writes a save under ``<parent>/tmp_<name>`` and rank 0 renames that
   directory onto ``<parent>/<name>`` after a barrier. On S3 the files are written below ``<name>/`` from
-  the start and the rename writes a commit marker (:mod:`dcp_s3.integrations.torch_checkpointing.commit`): no copy, no
+  the start and the rename writes a commit marker (:mod:`dcp_s3.integrations.torch_checkpointing._commit`): no copy, no
   delete, atomic, and an occupied destination is refused (``CheckpointExistsError``, an ``OSError``). The
   marker names only the files of this job attempt's writers (:mod:`.attempts`): a restarted job saves a name
   a killed save left behind without ever combining the two. Each save has a fresh writer (:mod:`.writers`): a
@@ -30,7 +30,7 @@ Chosen where a ``CheckpointManager`` is configured (tested with torch-checkpoint
   ``root``, the ``checkpoint_names`` pattern matches, through :mod:`dcp_s3._checkpointer.ownership`;
   anything else is refused (``DeletionRefusedError``). :class:`KeepLast` is a retention on top of it.
 - **Bounded memory.** ``stream_write`` is a multipart upload from a fixed pool of part buffers;
-  ``stream_read`` serves ``readinto`` with concurrent ranged GETs (:mod:`dcp_s3.integrations.torch_checkpointing.streams`).
+  ``stream_read`` serves ``readinto`` with concurrent ranged GETs (:mod:`dcp_s3.integrations.torch_checkpointing._streams`).
 
 What cannot be done: renaming a directory that is not a stage, or a stage onto another name (there is no
 rename on S3; ``ConfigError``); writing into a committed checkpoint; ``write_to_temp_dir=False`` (the
@@ -66,14 +66,14 @@ from dcp_s3.errors import (
     DeletionRefusedError,
 )
 from dcp_s3.integrations._locations import s3_location
-from dcp_s3.integrations.torch_checkpointing import attempts as tc_attempts
-from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
-from dcp_s3.integrations.torch_checkpointing import paths as tc_paths
-from dcp_s3.integrations.torch_checkpointing import retention as tc_retention
-from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manifest
-from dcp_s3.integrations.torch_checkpointing.paths import Where
-from dcp_s3.integrations.torch_checkpointing.streams import ObjectReadStream, ObjectWriteStream
-from dcp_s3.integrations.torch_checkpointing.writers import StageWriters, watch_saves
+from dcp_s3.integrations.torch_checkpointing import _attempts as tc_attempts
+from dcp_s3.integrations.torch_checkpointing import _commit as tc_commit
+from dcp_s3.integrations.torch_checkpointing import _paths as tc_paths
+from dcp_s3.integrations.torch_checkpointing import _retention as tc_retention
+from dcp_s3.integrations.torch_checkpointing._commit import MARKER, STAGED, Manifest
+from dcp_s3.integrations.torch_checkpointing._paths import Where
+from dcp_s3.integrations.torch_checkpointing._streams import ObjectReadStream, ObjectWriteStream
+from dcp_s3.integrations.torch_checkpointing._writers import StageWriters, watch_saves
 
 __all__ = ["S3StorageConfig", "S3Storage", "KeepLast"]
 
@@ -91,7 +91,7 @@ class S3StorageConfig(StorageConfig):
     ``root``, matched in full) that ``rmdir`` and :class:`KeepLast` may delete. ``rank``/``world_size``:
     this process's, from ``torch.distributed`` when left None. ``attempt``: the job attempt this process's saves
     belong to (32 hex digits), agreed by every rank through the process group's store when left None
-    (:mod:`dcp_s3.integrations.torch_checkpointing.attempts`): a restarted job's saves never meet a killed one's.
+    (:mod:`dcp_s3.integrations.torch_checkpointing._attempts`): a restarted job's saves never meet a killed one's.
     """
 
     root: str
@@ -200,7 +200,7 @@ class S3Storage(Storage):
 
     def mkdir(self, path: Path, recursive: bool = True) -> None:
         """Nothing: no directory to make (a stage is claimed by its first file), and no sign of anything (a save
-        begins where torch_checkpointing's writer says: :mod:`dcp_s3.integrations.torch_checkpointing.writers`)."""
+        begins where torch_checkpointing's writer says: :mod:`dcp_s3.integrations.torch_checkpointing._writers`)."""
         self._parts(path)  # a path elsewhere is refused, as for every other call
 
     # -- reading -----------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ class S3Storage(Storage):
         self.store.delete([where.name])
 
     def rmdir(self, path: Path) -> None:
-        """Delete a committed checkpoint this storage owns (:mod:`dcp_s3.integrations.torch_checkpointing.retention`); anything
+        """Delete a committed checkpoint this storage owns (:mod:`dcp_s3.integrations.torch_checkpointing._retention`); anything
         else is refused with ``DeletionRefusedError`` and nothing is deleted."""
         name = self.name_of(path)
         tc_retention.delete_checkpoint(self.store, self.config.root, self.config.checkpoint_names, name)

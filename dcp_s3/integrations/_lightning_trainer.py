@@ -8,7 +8,7 @@
 
 Each checkpoint is one DCP checkpoint: model and optimizer shards and the rest of Lightning's
 checkpoint (loops, callbacks, schedulers, hyper-parameters: its ``meta.pt``) inside it
-(:mod:`~dcp_s3.integrations.lightning_io`), committed at once and read from the bucket by every
+(:mod:`~dcp_s3.integrations._lightning_io`), committed at once and read from the bucket by every
 rank. ``S3ModelCheckpoint`` is ``ModelCheckpoint`` that finds, and through the strategy deletes,
 checkpoints in the bucket (Lightning's asks fsspec/s3fs and deletes only local directories).
 Paths that are not ``s3://`` go to Lightning's own code unchanged.
@@ -35,14 +35,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from dcp_s3._checkpointer.ownership import Ownership, refuse
 from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3.errors import CheckpointFormatError, ConfigError
-from dcp_s3.integrations._locations import s3_location
-from dcp_s3.integrations.lightning_io import (
+from dcp_s3.integrations._lightning_io import (
     checkpoint_exists,
     delete_checkpoint,
     list_checkpoints,
     load_sharded,
     save_sharded,
 )
+from dcp_s3.integrations._locations import s3_location
 
 __all__ = ["S3TrainerStrategy", "S3ModelCheckpoint"]
 

@@ -12,8 +12,8 @@ options say ``allow_unsafe_byte_items=True``) — after dcp_s3's own check of th
 (:func:`dcp_s3._untrusted.torch_files.torch_load`), so a crafted checkpoint is a
 ``CheckpointFormatError``, never code that runs.
 
-Nothing here imports Lightning; the strategies in :mod:`~dcp_s3.integrations.lightning_fabric` and
-:mod:`~dcp_s3.integrations.lightning_trainer` call it.
+Nothing here imports Lightning; the strategies in :mod:`~dcp_s3.integrations._lightning_fabric` and
+:mod:`~dcp_s3.integrations._lightning_trainer` call it.
 """
 
 from __future__ import annotations
