@@ -349,6 +349,7 @@ def measure_independent(server: Any, bucket: str, args: argparse.Namespace, item
 
     item = dict(item)
     src, label = item.pop("src", common.REPO_ROOT), item.pop("label", None)
+    args = argparse.Namespace(**{**vars(args), "objects": item.pop("objects", args.objects)})
     env = {**os.environ, **server.env()}
     prep = prepare(server, bucket, args, **item)
     with ThrottleProxy(server.endpoint_url, **prep["proxy_kw"]) as proxy:
@@ -357,8 +358,23 @@ def measure_independent(server: Any, bucket: str, args: argparse.Namespace, item
     row = {
         **summarize(results, events, "write", prep["row"]["enforced_rate"], None, None, prep["burst"]),
         **prep["row"],
+        "objects": args.objects,
     }
     return {**row, "mode": f"{row['mode']} ({label})"} if label else row
+
+
+def calibrate(server: Any, bucket: str, args: argparse.Namespace) -> float:
+    """Writes per second that the savers, the proxy and the server sustain together on this machine now, with
+    nothing throttled (one independent round of ``args.ranks`` savers x ``args.objects``): the enforced rate of a
+    calibrated run is a fraction of it, so that the proxy's refusals, not the machine, limit the savers."""
+    from throttle_proxy import ThrottleProxy
+
+    env = {**os.environ, **server.env()}
+    run = f"calibrate-{int(time.time() * 1000)}"
+    with ThrottleProxy(server.endpoint_url, write_rate=1e6, read_rate=1e6) as proxy:
+        run_independent(proxy, bucket, env, "controller", args, 3500.0, run)
+        sent = [t for t, kind, ok, _ in proxy.events if kind == "write" and ok]
+    return len(sent) / max(1e-9, max(sent) - min(sent))
 
 
 def baseline_tree(ref: str) -> Path:
@@ -467,6 +483,13 @@ def main() -> None:
         help="independent scenario: also run the savers on the code at this git ref, interleaved",
     )
     ap.add_argument("--repeats", type=int, default=1, help="independent scenario: runs of each controller")
+    ap.add_argument(
+        "--calibrate",
+        type=float,
+        default=None,
+        help="independent scenario: enforce this fraction of the writes/s measured unthrottled first (the "
+        "objects per saver follow from each overload)",
+    )
     args = ap.parse_args()
     if args.render:
         saved = json.loads(Path(args.out).read_text())
@@ -490,8 +513,8 @@ def main() -> None:
     for scenario in ("prefixes", "drop", "uneven", "load"):
         if scenario in scenarios:
             plan += [{"scenario": scenario, "mode": m, "overload": 20.0} for m in modes]
-    if "independent" in scenarios:
-        item = {"scenario": "independent", "mode": "controller", "overload": 20.0}
+    for overload in overloads if "independent" in scenarios else []:
+        item = {"scenario": "independent", "mode": "controller", "overload": overload}
         for _ in range(args.repeats):
             if args.baseline_ref:
                 plan += [{**item, "src": baseline_tree(args.baseline_ref), "label": args.baseline_ref}]
@@ -501,6 +524,15 @@ def main() -> None:
     with LocalS3Server.start("seaweedfs") as server:
         bucket = server.create_bucket(common.new_bucket_name("throttle"))
         rows = measure_job(server, bucket, args, [i for i in plan if i["scenario"] != "independent"])
+        if args.calibrate and any(i["scenario"] == "independent" for i in plan):
+            # Each independent row's enforced rate = calibrate x what the machine sustains now; its savers get the
+            # objects that make all their writes in --burst-s seconds that many times the enforced rate.
+            sustained = calibrate(server, bucket, args)
+            target = args.calibrate * sustained
+            print(f"calibrated: {sustained:.0f} writes/s unthrottled, enforcing about {target:.0f}", flush=True)
+            for i in plan:
+                if i["scenario"] == "independent":
+                    i["objects"] = max(2, round(i["overload"] * target * args.burst_s / args.ranks) - 1)
         try:
             rows += [measure_independent(server, bucket, args, i) for i in plan if i["scenario"] == "independent"]
         finally:  # the extracted --baseline-ref trees
