@@ -17,8 +17,10 @@ controller's overhead against botocore alone), ``hot`` (one prefix at each overl
 told ``--budget-multiples`` x the enforced rate), ``prefixes`` (``key_prefixes=4``, one of them hot),
 ``drop`` (the capacity halves mid-save), ``uneven`` (rank 0 has 4x the objects of the others: the
 ranks still sending must take up what the finished ones leave), ``load`` (every rank loads its shards with throttled ranged GETs),
-``independent`` (separate processes, each its own no_dist save and told the whole budget; ``--baseline-ref REF``
-runs the same savers on the code at git ``REF`` too, interleaved, for before and after in one run).
+``independent`` (separate processes, each its own no_dist save and told the whole budget, at each of ``--overloads``;
+``--baseline-ref REF`` runs the same savers on the code at git ``REF`` too, interleaved, for before and after in one
+run; ``--calibrate F`` first measures the writes/s the savers sustain unthrottled on this machine now and enforces F x
+that, each saver getting the objects its overload needs, so that the proxy, not a loaded machine, limits them).
 Reported: failed saves, makespan / ideal, attempts per accepted request, refused fraction (all, and in steady
 state: the second half of the makespan), goodput (accepted requests per second over the enforced rate), p99
 request latency (retries included), spread of finish times, and in the JSON the refused fraction per 5 s from the
