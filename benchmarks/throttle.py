@@ -58,11 +58,11 @@ def _timed_client(writer_or_reader: Any, ops: tuple[str, ...]) -> list[float]:
     """Latencies (retries included) of ``ops`` made by the writer's or reader's (shared, cached) client."""
     latencies: list[float] = []
 
-    def start(context: dict[str, Any], **_: Any) -> None:
-        context["bench_t0"] = time.monotonic()
+    def start(context: dict[str, Any], model: Any, **_: Any) -> None:
+        context["bench_t0"], context["bench_op"] = time.monotonic(), model.name
 
-    def end(context: dict[str, Any], model: Any, **_: Any) -> None:
-        if model.name in ops:
+    def end(context: dict[str, Any], **_: Any) -> None:  # (after-call-error passes no model)
+        if context.get("bench_op") in ops:
             latencies.append(time.monotonic() - context.get("bench_t0", time.monotonic()))
 
     events = writer_or_reader._session.client_config.client().meta.events
@@ -143,7 +143,7 @@ def child(args: argparse.Namespace) -> None:
             dcp.save(_state(0, args.objects), storage_writer=io, no_dist=True)
         error = None
     except BaseException as exc:  # noqa: BLE001
-        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        error = f"{type(exc).__name__}: {str(exc)[:300]} ... {str(exc)[-600:]}"
     print(
         "RESULT " + json.dumps({"error": error, "t0": t0, "t1": time.monotonic(), "latencies": latencies}), flush=True
     )
@@ -370,7 +370,9 @@ def measure_independent(server: Any, bucket: str, args: argparse.Namespace, item
     load = prep["spec"]["load"]
     if load:  # the checkpoints to load, saved unthrottled just before
         with ThrottleProxy(server.endpoint_url, write_rate=1e6, read_rate=1e6) as plain:
-            run_independent(plain, bucket, env, "controller", args, 3500.0, prep["run"], Path(src))
+            saved = run_independent(plain, bucket, env, "controller", args, 3500.0, prep["run"], Path(src))
+        if any(r["error"] for r in saved):
+            raise RuntimeError(f"the unthrottled save before the load failed: {[r['error'] for r in saved]}")
     with ThrottleProxy(server.endpoint_url, **prep["proxy_kw"]) as proxy:
         results = run_independent(
             proxy, bucket, env, item["mode"], args, prep["budget"], prep["run"], Path(src), load=load
