@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed.checkpoint as dcp
 
-    import dcp_s3.storage.writer as writer_module
+    import dcp_s3._dcp.writer as writer_module
     from dcp_s3 import S3StorageReader, S3StorageWriter
-    from dcp_s3.codec import Codec
+    from dcp_s3._codec import Codec
 
     sd = build(args.size_mib)
     logical = sum(t.nbytes for t in sd.values())

@@ -52,11 +52,11 @@ import torch.multiprocessing as mp
 from benchmarks.gpu_check_h2d import RowsRequest, h2d_breakdown
 from benchmarks.gpu_fw_common import s3_target
 from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3._dcp.staging import DeviceStaging, PinnedPool, Stagings, load_pinned_bound, save_pinned_bound
+from dcp_s3._dcp.tensor_bytes import StagedRows, payload_chunks
+from dcp_s3._objstore.config import TransferConfig
+from dcp_s3._planners.sharing import broadcast_bytes, collective_device
 from dcp_s3.errors import DcpS3Error
-from dcp_s3.objstore.config import TransferConfig
-from dcp_s3.planners.sharing import broadcast_bytes, collective_device
-from dcp_s3.storage.staging import DeviceStaging, PinnedPool, Stagings, load_pinned_bound, save_pinned_bound
-from dcp_s3.storage.tensor_bytes import StagedRows, payload_chunks
 
 MiB = 1 << 20
 GiB = 1 << 30

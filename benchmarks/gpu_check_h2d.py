@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from dcp_s3.storage.staging import CudaSideStream, DeviceStaging, PinnedPool, wait_copy
-from dcp_s3.storage.tensor_bytes import StagedRows
+from dcp_s3._dcp.staging import CudaSideStream, DeviceStaging, PinnedPool, wait_copy
+from dcp_s3._dcp.tensor_bytes import StagedRows
 
 
 class RowsRequest:

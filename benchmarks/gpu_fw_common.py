@@ -156,7 +156,7 @@ def s3_target() -> Iterator[Target | None]:
     if not extra and importlib.util.find_spec("moto") is None:
         yield None
         return
-    from dcp_s3.local_server import LocalS3Server  # noqa: PLC0415  (imports boto3: only where a server runs)
+    from dcp_s3._local_server import LocalS3Server  # noqa: PLC0415  (imports boto3: only where a server runs)
 
     saved = os.environ.get("PYTHONPATH")
     if extra:  # the server's process alone sees moto's packages

@@ -25,9 +25,9 @@ from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from benchmarks.gpu_fw_common import Record, init_group, same_state
+from dcp_s3._dcp import open_store
+from dcp_s3._layout import METADATA_KEY
 from dcp_s3.integrations.megatron import load, save
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.store import open_store
 
 MiB = 1 << 20
 

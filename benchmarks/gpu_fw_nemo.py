@@ -44,9 +44,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from benchmarks.gpu_fw_common import Record, Target, init_group, s3_target, same_state
+from dcp_s3._dcp import open_store
 from dcp_s3.errors import ConfigError
 from dcp_s3.integrations.nemo_automodel import COMMIT, S3Checkpointer, S3CheckpointingConfig
-from dcp_s3.store import open_store
 
 WAIT_S = 120  # the deadline of each wait on an async save's futures
 SYNC = "sync save + resume through S3Checkpointer, bit-exact"

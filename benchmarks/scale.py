@@ -56,7 +56,7 @@ if __package__ in (None, ""):
 
 from benchmarks import common, scale_ranks  # noqa: E402
 from benchmarks.scale_models import MODELS, ModelShape, measure_metadata, shard_rows, sharded_tensors  # noqa: E402
-from dcp_s3.layout import rank_prefix  # noqa: E402
+from dcp_s3._layout import rank_prefix  # noqa: E402
 
 PUT_LIMIT = 3500  # requests / s / prefix (S3 guidance)
 GET_LIMIT = 5500

@@ -75,7 +75,7 @@ def build_metadata(model: ModelShape, ranks: int) -> Any:
         TensorStorageMetadata,
     )
 
-    from dcp_s3.layout import ItemLocation
+    from dcp_s3._layout import ItemLocation
 
     props = TensorProperties(dtype=torch.float32)
     sd_md: dict[str, Any] = {}
@@ -116,7 +116,7 @@ def chunk_count(model: ModelShape, ranks: int) -> int:
 
 
 def measure_metadata(model: ModelShape, ranks_list: list[int], max_entries: int) -> dict[int, dict[str, Any]]:
-    from dcp_s3.metadata.formats import dump_metadata, load_metadata
+    from dcp_s3._metadata.formats import dump_metadata, load_metadata
 
     out: dict[int, dict[str, Any]] = {}
     per_entry: float | None = None

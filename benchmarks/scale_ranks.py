@@ -122,7 +122,7 @@ def gathered(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: int)
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from dcp_s3.layout import ItemLocation
+    from dcp_s3._layout import ItemLocation
 
     plan = plans(tensors, ranks, shard, only=ranks // 2)[0]
     out: dict[str, float] = {}
@@ -163,7 +163,7 @@ def time_after(tensors: list[tuple[str, tuple[int, ...]]], ranks: int, shard: in
     packed and pickled as ``create_local_plan`` sends it (rank-local work, not timed), then, timed as
     the coordinator runs them: unpickling the gathered plans, ``create_global_plan``, pickling the
     global plans for the scatter."""
-    from dcp_s3.planners.scale import ScalableSavePlanner, packed_plan
+    from dcp_s3._planners.scale import ScalableSavePlanner, packed_plan
 
     per_shard: dict[int, bytes] = {}
     blobs = []
@@ -201,7 +201,7 @@ def time_repeat(ranks: int) -> tuple[float, int]:
     """Seconds of the coordinator's step on a repeated save with plan caching, and one empty plan's bytes."""
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from dcp_s3.planners.scale import ScalableSavePlanner
+    from dcp_s3._planners.scale import ScalableSavePlanner
 
     planner = _fresh(ScalableSavePlanner)
     planner.create_global_plan(plans([("t", (8, 8))], ranks, min(ranks, 8)))  # fills the cache

@@ -2,7 +2,7 @@
 
 Kinds (``KINDS``):
 
-* ``seaweedfs``: ``dcp_s3.local_server.LocalS3Server`` as the tests run it (data on disk, 4 MiB filer
+* ``seaweedfs``: ``dcp_s3._local_server.LocalS3Server`` as the tests run it (data on disk, 4 MiB filer
   chunks, ``GOMEMLIMIT=384MiB``).
 * ``seaweedfs_shm``: the same ``weed mini`` tuned for throughput: data and metadata on tmpfs
   (``/dev/shm``), 64 MiB filer chunks (a 16 MiB part is one volume write, not four), a 2 GiB Go
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_s3.local_server import ACCESS_KEY, SECRET_KEY, LocalS3Server, weed_mini_command
+from dcp_s3._local_server import ACCESS_KEY, SECRET_KEY, LocalS3Server, weed_mini_command
 
 __all__ = ["BenchServer", "start", "KINDS", "ProcessCPU"]
 

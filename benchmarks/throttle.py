@@ -524,7 +524,7 @@ def main() -> None:
         child(args)
         return
     sys.path.insert(0, str(common.REPO_ROOT / "tests"))  # the tests' throttling proxy and gloo launcher
-    from dcp_s3.local_server import LocalS3Server
+    from dcp_s3._local_server import LocalS3Server
 
     scenarios, modes = args.scenarios.split(","), args.modes.split(",")
     overloads = [float(x) for x in args.overloads.split(",")]

@@ -15,7 +15,7 @@ seconds. A refused request is sent again. Figures: makespan over the ideal ``(re
 capacity``, refused fraction in all and in the second half of the makespan (steady state: ``steady``), the
 benchmark's definitions.
 
-``--baseline REF`` loads the controller (``dcp_s3/objstore/throttle.py`` and its modules) as it was at git ``REF``
+``--baseline REF`` loads the controller (``dcp_s3/_objstore/throttle.py`` and its modules) as it was at git ``REF``
 beside the current one, so
 that one run gives before and after on the same seeds. ``tests/objstore/test_throttle.py`` holds the same cases
 to their targets.
@@ -38,8 +38,8 @@ from types import ModuleType
 from typing import Any
 
 from benchmarks import common
-from dcp_s3.objstore import throttle
-from dcp_s3.objstore.rate_limits import RateKey
+from dcp_s3._objstore import throttle
+from dcp_s3._objstore.rate_limits import RateKey
 
 KEY = RateKey("b", "run/", "write")
 
@@ -198,14 +198,14 @@ CONTROLLER_MODULES = ("rate_limits", "rate_bucket", "throttle")
 
 
 def load_baseline(ref: str) -> ModuleType:
-    """``dcp_s3/objstore/throttle.py`` as it was at git ``ref``, as a module of its own, with the controller's
+    """``dcp_s3/_objstore/throttle.py`` as it was at git ``ref``, as a module of its own, with the controller's
     modules it imports as they were at ``ref`` too (those that exist there), not the working tree's."""
     folder = Path(tempfile.mkdtemp())
     replaced: dict[str, ModuleType | None] = {}
     try:
         for name in CONTROLLER_MODULES:
             shown = subprocess.run(
-                ["git", "show", f"{ref}:dcp_s3/objstore/{name}.py"],
+                ["git", "show", f"{ref}:dcp_s3/_objstore/{name}.py"],
                 cwd=common.REPO_ROOT,
                 check=name == "throttle",  # the others are absent at refs before the split
                 capture_output=True,
@@ -220,9 +220,9 @@ def load_baseline(ref: str) -> ModuleType:
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module  # (its dataclasses look their module up)
             spec.loader.exec_module(module)
-            # The next modules' ``from dcp_s3.objstore.<name> import ...`` find this one (until the end).
-            replaced.setdefault(f"dcp_s3.objstore.{name}", sys.modules.get(f"dcp_s3.objstore.{name}"))
-            sys.modules[f"dcp_s3.objstore.{name}"] = module
+            # The next modules' ``from dcp_s3._objstore.<name> import ...`` find this one (until the end).
+            replaced.setdefault(f"dcp_s3._objstore.{name}", sys.modules.get(f"dcp_s3._objstore.{name}"))
+            sys.modules[f"dcp_s3._objstore.{name}"] = module
     finally:
         for qualified, original in replaced.items():
             if original is None:
@@ -263,7 +263,7 @@ def render(before: list[dict[str, Any]], after: list[dict[str, Any]], ref: str, 
     )
     return (
         f"Simulated (`python -m benchmarks.throttle_sim`): median / mean (worst) over {seeds} seeds; before = "
-        f"`dcp_s3/objstore/throttle.py` at `{ref}`, after = the working tree, same seeds, one run. Every rank "
+        f"`dcp_s3/_objstore/throttle.py` at `{ref}`, after = the working tree, same seeds, one run. Every rank "
         f"sends its requests over 8 threads; answers take 50 ms + an exponential 100 ms; ranks start over 1 s; "
         f"the store refuses past the capacity with a bucket as deep as the ranks. Overload = all requests "
         f"offered in 1 s over the capacity; the budget each job is told is the capacity unless said.\n\n{table}\n"

@@ -32,9 +32,16 @@ from dcp_s3.errors import (
 )
 
 if TYPE_CHECKING:
-    from dcp_s3.checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
-    from dcp_s3.objstore import ClientConfig, TransferConfig
-    from dcp_s3.planners import (
+    from dcp_s3._checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
+    from dcp_s3._dcp import (
+        S3HuggingFaceStorageReader,
+        S3HuggingFaceStorageWriter,
+        S3StorageReader,
+        S3StorageWriter,
+        StorageOptions,
+    )
+    from dcp_s3._objstore import ClientConfig, TransferConfig
+    from dcp_s3._planners import (
         MetaRankLoadPlanner,
         ScalableLoadPlanner,
         ScalableSavePlanner,
@@ -42,17 +49,10 @@ if TYPE_CHECKING:
         TrainableOnlySavePlanner,
         frozen_parameter_fqns,
     )
-    from dcp_s3.storage import (
-        S3HuggingFaceStorageReader,
-        S3HuggingFaceStorageWriter,
-        S3StorageReader,
-        S3StorageWriter,
-    )
-    from dcp_s3.store import StorageOptions
 
 __version__ = "0.3.0"
 
-# Imported on first use, so that ``import dcp_s3.objstore.base`` (the torch-free object stores) does not load
+# Imported on first use, so that ``import dcp_s3._objstore.base`` (the torch-free object stores) does not load
 # torch and DCP, and ``import dcp_s3`` stays cheap.
 _LAZY = {
     "S3StorageWriter": "storage",

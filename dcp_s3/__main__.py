@@ -1,5 +1,5 @@
 import sys
 
-from dcp_s3.cli.commands import main
+from dcp_s3._cli.commands import main
 
 sys.exit(main())

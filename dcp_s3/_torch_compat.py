@@ -225,7 +225,7 @@ def placeholder_metadata() -> Metadata:
     return Metadata(state_dict_metadata={})
 
 
-# -- used by the security checks (dcp_s3.untrusted) and dcp_s3.planners.sharing -----------------------------
+# -- used by the security checks (dcp_s3._untrusted) and dcp_s3._planners.sharing -----------------------------
 
 #: ``torch.serialization._get_layout``: how pickled metadata names a tensor layout.
 get_layout = torch.serialization._get_layout

@@ -78,7 +78,7 @@ class TorchCompatibilityError(DcpS3Error, RuntimeError):
 
 
 class LocalServerError(DcpS3Error, RuntimeError):
-    """A local test server (:mod:`dcp_s3.local_server`) is not installed or did not start."""
+    """A local test server (:mod:`dcp_s3._local_server`) is not installed or did not start."""
 
 
 class S3ThrottledError(S3TransferError):
@@ -87,4 +87,4 @@ class S3ThrottledError(S3TransferError):
 
 class DeletionRefusedError(DcpS3Error, PermissionError):
     """dcp_s3 refused to delete a location it does not own as a committed checkpoint (see
-    :mod:`dcp_s3.checkpointer.ownership`); nothing was deleted."""
+    :mod:`dcp_s3._checkpointer.ownership`); nothing was deleted."""

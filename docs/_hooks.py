@@ -35,7 +35,7 @@ def on_files(files, config):
 
 def _help_text() -> str:
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal width: the same text on every machine
-    from dcp_s3.cli.commands import build_parser
+    from dcp_s3._cli.commands import build_parser
 
     parser = build_parser()
     out = ["## `dcp-s3 --help`", "", "```text", parser.format_help().rstrip(), "```", ""]

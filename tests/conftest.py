@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._local_server import LocalS3Server
 
 
 @pytest.fixture(scope="session")

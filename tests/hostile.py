@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.storage.reader import S3StorageReader
-from dcp_s3.store import open_store
+from dcp_s3._dcp import open_store
+from dcp_s3._dcp.reader import S3StorageReader
+from dcp_s3._layout import METADATA_KEY
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""dcp_s3.commit, the one commit primitive, on a real S3 server (SeaweedFS) and on local disk."""
+"""dcp_s3._commit, the one commit primitive, on a real S3 server (SeaweedFS) and on local disk."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from dcp_s3 import commit
+from dcp_s3 import _commit as commit
+from dcp_s3._dcp.store import Store
+from dcp_s3._dcp.store_opening import open_store
+from dcp_s3._layout import new_token
 from dcp_s3.errors import CheckpointFormatError, ConfigError
-from dcp_s3.layout import new_token
-from dcp_s3.store.base import Store
-from dcp_s3.store.opening import open_store
 
 
 @pytest.fixture(params=["s3", "local"])

@@ -1,10 +1,10 @@
-"""One commit primitive: no module of dcp_s3 but :mod:`dcp_s3.commit` writes an object only if it is absent.
+"""One commit primitive: no module of dcp_s3 but :mod:`dcp_s3._commit` writes an object only if it is absent.
 
 A conditional write ("create, never replace") is how a marker is published; each copy of it was a place where a
 save's commit could break (issue 51). The scan reads the source (``ast``) of every module of the package and
 finds each call that asks for one: ``if_none_match=`` anything but ``False`` (``ObjectStore.put``/``put_views``),
 or ``overwrite=`` anything but ``True`` on a ``.write(...)`` (``Store.write``). The exceptions are the mechanism
-itself, each named with its reason below; anything else must call :func:`dcp_s3.commit.publish`.
+itself, each named with its reason below; anything else must call :func:`dcp_s3._commit.publish`.
 """
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dcp_s3"
-COMMIT_MODULE = "commit.py"
+COMMIT_MODULE = "_commit.py"
 
 #: (module path under dcp_s3/, enclosing function): why it may ask for a conditional write.
 ALLOWED = {
-    ("objstore/s3.py", "S3ObjectStore.put"): "the S3 put itself: forwards its caller's if_none_match to put_views",
-    ("objstore/s3.py", "S3ObjectStore.conditional_writes_supported"): (
+    ("_objstore/s3.py", "S3ObjectStore.put"): "the S3 put itself: forwards its caller's if_none_match to put_views",
+    ("_objstore/s3.py", "S3ObjectStore.conditional_writes_supported"): (
         "the capability probe: a throwaway object under PROBE_PREFIX, never a marker, deleted at once"
     ),
-    ("store/base.py", "Store.write"): "Store.write itself: forwards its caller's overwrite as if_none_match",
-    ("admin/convert.py", "_to_one_file"): (
+    ("_dcp/store.py", "Store.write"): "Store.write itself: forwards its caller's overwrite as if_none_match",
+    ("admin/_convert.py", "_to_one_file"): (
         "dcp-s3 convert's one output file (.safetensors/.pt, no marker) honours the user's --force; no commit"
     ),
-    ("testing/objstore_conformance.py", "ObjectStoreConformance.test_conditional_put_refuses_an_existing_key"): (
+    ("testing/_objstore_conformance.py", "ObjectStoreConformance.test_conditional_put_refuses_an_existing_key"): (
         "the conformance suite tests the mechanism on each backend"
     ),
 }
@@ -73,14 +73,14 @@ def conditional_writes(package: Path = PACKAGE) -> dict[tuple[str, str], list[st
 def test_only_the_commit_module_writes_only_if_absent() -> None:
     found = conditional_writes()
     outside = {k: v for k, v in found.items() if k[0] != COMMIT_MODULE and k not in ALLOWED}
-    assert not outside, "conditional writes outside dcp_s3/commit.py (use dcp_s3.commit.publish):\n" + "\n".join(
+    assert not outside, "conditional writes outside dcp_s3/_commit.py (use dcp_s3._commit.publish):\n" + "\n".join(
         line for calls in outside.values() for line in calls
     )
 
 
 def test_the_commit_module_does_publish_and_each_exception_still_exists() -> None:
     found = conditional_writes()
-    assert any(k[0] == COMMIT_MODULE for k in found), "the scan no longer sees dcp_s3.commit.publish's write"
+    assert any(k[0] == COMMIT_MODULE for k in found), "the scan no longer sees dcp_s3._commit.publish's write"
     stale = sorted(set(ALLOWED) - set(found))
     assert not stale, f"listed exceptions that no longer write conditionally (remove them): {stale}"
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 API = "\n".join(p.read_text() for p in (ROOT / "docs" / "api").glob("*.md"))
 #: The set-up commands, exactly: users copy them, and .ci/run runs the test command's `pytest -q`.
-DEMO = 'pip install "torch==2.13.0" -e ".[demo]" && python -m dcp_s3.demo'
+DEMO = 'pip install "torch==2.13.0" -e ".[demo]" && python -m dcp_s3._demo'
 TESTS = 'pip install "torch==2.13.0" -e ".[test]" && pip install --no-deps torchtitan==0.3.0 nemo-automodel==0.7.0 torch-checkpointing==0.1.1 && python -m pytest -q -n 2 --dist loadfile'
 
 

@@ -29,7 +29,7 @@ BUILTIN_EXCEPTIONS = {
 ALWAYS_ALLOWED = {"NotImplementedError"}
 #: (module, exception): a builtin that a protocol requires, not an error of ours.
 PROTOCOL = {
-    ("untrusted/metadata_pickle.py", "EOFError"),  # the restricted unpickler's end-of-data signal, as pickle's own
+    ("_untrusted/metadata_pickle.py", "EOFError"),  # the restricted unpickler's end-of-data signal, as pickle's own
     ("testing/__init__.py", "ImportError"),  # dcp_s3.testing without pytest: an import that cannot succeed
     # Fabric's load(strict=True) contract: a requested key the checkpoint lacks is a KeyError, as Lightning raises
     ("integrations/lightning_fabric.py", "KeyError"),
@@ -108,9 +108,9 @@ def test_every_error_is_a_picklable_dcp_s3_error(name: str) -> None:
 def test_argument_errors_are_typed_and_name_the_argument(tmp_path: Path) -> None:
     from torch import nn
 
-    from dcp_s3.checkpointer import Checkpointer
-    from dcp_s3.codec import Codec
-    from dcp_s3.planners import frozen_parameter_fqns
+    from dcp_s3._checkpointer import Checkpointer
+    from dcp_s3._codec import Codec
+    from dcp_s3._planners import frozen_parameter_fqns
 
     ckpt = Checkpointer(tmp_path / "run")
     model = nn.Linear(2, 2)

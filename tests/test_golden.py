@@ -22,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_s3 import Checkpointer, S3StorageReader
+from dcp_s3._cli import main as cli_main
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.admin import inspect_checkpoint, list_steps
-from dcp_s3.cli import main as cli_main
-from dcp_s3.local_server import LocalS3Server
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 
@@ -206,7 +206,7 @@ def test_step_parts_load_with_torch(label: str, entry: dict[str, Any], tmp_path:
     root = _local_copy(label, entry, tmp_path)
     want_model, want_opt, _ = golden_state.training_objects()
     names = {id(p): n for n, p in want_model.named_parameters()}
-    # A re-saved step's marker names its part directories, relative to the step (dcp_s3.checkpointer.generations).
+    # A re-saved step's marker names its part directories, relative to the step (dcp_s3._checkpointer.generations).
     marker = torch.load(root / "0000007.pth", weights_only=True)
     dirs = marker.get("part_dirs", {"model_model": "model_model", "model_optim": "model_optim"})
     loaded = {}

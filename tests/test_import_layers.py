@@ -23,11 +23,11 @@ LINT = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-
 #: Every import inside a function body in dcp_s3, by (module path, imported module): why it is there.
 FUNCTION_LOCAL_IMPORTS = {
     **{
-        ("cli/handlers.py", "dcp_s3.admin"): "`dcp-s3 --help` and argument errors answer without importing torch",
-        ("cli/handlers.py", "dcp_s3.demo"): "`dcp-s3 demo` only: the demo imports torch and FSDP",
-        ("cli/handlers.py", "dcp_s3.local_server"): "`dcp-s3 server` only: boto3 and the server's start-up",
+        ("_cli/handlers.py", "dcp_s3.admin"): "`dcp-s3 --help` and argument errors answer without importing torch",
+        ("_cli/handlers.py", "dcp_s3._demo"): "`dcp-s3 demo` only: the demo imports torch and FSDP",
+        ("_cli/handlers.py", "dcp_s3._local_server"): "`dcp-s3 server` only: boto3 and the server's start-up",
     },
-    ("admin/convert.py", "safetensors.torch"): "optional dependency, only for `convert --format safetensors`",
+    ("admin/_convert.py", "safetensors.torch"): "optional dependency, only for `convert --format safetensors`",
     # Private torch names that only one feature needs: a torch without them still imports dcp_s3.
     ("_torch_compat.py", "torch.distributed.checkpoint.utils"): "_DistWrapper, or None where torch lacks it",
     ("_torch_compat.py", "torch.distributed.checkpoint._extension"): "only items written with torch's transforms",
@@ -66,36 +66,36 @@ def _append(path: Path, line: str) -> None:
 
 def test_an_upward_import_fails_naming_it(package_copy: Path) -> None:
     # The object stores reaching up into the checkpoint manager, hidden inside a function.
-    _append(package_copy / "dcp_s3/objstore/buffers.py", "def _f():\n    import dcp_s3.checkpointer.steps")
+    _append(package_copy / "dcp_s3/_objstore/buffers.py", "def _f():\n    import dcp_s3._checkpointer.steps")
     out = _lint(package_copy)
     assert out.returncode != 0
-    assert "dcp_s3.objstore.buffers -> dcp_s3.checkpointer.steps" in out.stdout, out.stdout
+    assert "dcp_s3._objstore.buffers -> dcp_s3._checkpointer.steps" in out.stdout, out.stdout
 
 
 def test_an_import_cycle_fails_naming_it(package_copy: Path) -> None:
     # codec.format is imported by codec.v1; importing it back (only for type checking) closes a circle.
     _append(
-        package_copy / "dcp_s3/codec/format.py",
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dcp_s3.codec.v1 import encode_frame",
+        package_copy / "dcp_s3/_codec/format.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dcp_s3._codec.v1 import encode_frame",
     )
     out = _lint(package_copy)
     assert out.returncode != 0
-    assert "No cycles are allowed in dcp_s3.codec" in out.stdout, out.stdout
+    assert "No cycles are allowed in dcp_s3._codec" in out.stdout, out.stdout
     assert ".v1 -> .format" in out.stdout or ".format -> .v1" in out.stdout, out.stdout  # the import to remove
 
 
 def test_torch_below_the_storage_layer_fails(package_copy: Path) -> None:
-    _append(package_copy / "dcp_s3/objstore/redact.py", "import torch")
+    _append(package_copy / "dcp_s3/_objstore/redact.py", "import torch")
     out = _lint(package_copy)
     assert out.returncode != 0
-    assert "dcp_s3.objstore is not allowed to import torch" in out.stdout, out.stdout
+    assert "dcp_s3._objstore is not allowed to import torch" in out.stdout, out.stdout
 
 
 def test_a_framework_outside_the_integrations_fails(package_copy: Path) -> None:
-    _append(package_copy / "dcp_s3/checkpointer/objects.py", "def _f():\n    import torchtitan")
+    _append(package_copy / "dcp_s3/_checkpointer/objects.py", "def _f():\n    import torchtitan")
     out = _lint(package_copy)
     assert out.returncode != 0
-    assert "dcp_s3.checkpointer.objects -> torchtitan" in out.stdout, out.stdout
+    assert "dcp_s3._checkpointer.objects -> torchtitan" in out.stdout, out.stdout
 
 
 def _function_local_imports() -> set[tuple[str, str]]:

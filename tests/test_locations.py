@@ -14,12 +14,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3 import InvalidCheckpointIdError, S3StorageReader, S3StorageWriter
-from dcp_s3.checkpointer import Checkpointer
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._dcp import open_store
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.uri import s3_location
 from dcp_s3.integrations import dcp_route
 from dcp_s3.integrations._locations import s3_location as integration_location
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.uri import s3_location
-from dcp_s3.store import open_store
 
 LOOK_ALIKES = ["s3:/{b}/x", "s3//{b}/x", "S3://{b}/x", "s3:{b}/x", "S3:/{b}/x", "s3:///{b}/x"]
 

@@ -10,7 +10,7 @@ import dcp_s3
 
 PACKAGE = Path(dcp_s3.__file__).parent
 #: Where the package's own root logger is named: its NullHandler, the command line's error report.
-ROOT_LOGGER_USERS = {"__init__.py", "cli/commands.py"}
+ROOT_LOGGER_USERS = {"__init__.py", "_cli/commands.py"}
 
 
 def logger_problems(path: Path, rel: str) -> Iterator[str]:

@@ -1,4 +1,4 @@
-"""The class names stored in ``.metadata`` pickles are pinned (dcp_s3/untrusted/pinned_names.py).
+"""The class names stored in ``.metadata`` pickles are pinned (dcp_s3/_untrusted/pinned_names.py).
 
 Every checkpoint written so far names ``dcp_s3.layout.ItemLocation`` and (compressed items)
 ``dcp_s3.codec.FrameIndex`` by module path. These tests fail when a refactor would make such a
@@ -21,12 +21,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
-from dcp_s3.codec import FrameIndex
+from dcp_s3._codec import FrameIndex
+from dcp_s3._layout import ItemLocation
+from dcp_s3._metadata.formats import load_metadata
+from dcp_s3._untrusted.metadata_pickle import unpickle_metadata
+from dcp_s3._untrusted.pinned_names import DCP_S3_NAMES, pinned
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.layout import ItemLocation
-from dcp_s3.metadata.formats import load_metadata
-from dcp_s3.untrusted.metadata_pickle import unpickle_metadata
-from dcp_s3.untrusted.pinned_names import DCP_S3_NAMES, pinned
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 
@@ -37,7 +37,7 @@ GOLDEN_ZSTD = GOLDEN / "0.2.0" / "s3" / "golden" / "ckpt" / "zstd"
 KEEP = (
     "Existing checkpoints store this name. Keep `{0}` importable at that path (a re-export: "
     "torch's FileSystemReader unpickles .metadata with plain pickle, which imports it) and keep "
-    "its entry in dcp_s3/untrusted/pinned_names.py."
+    "its entry in dcp_s3/_untrusted/pinned_names.py."
 )
 
 
@@ -100,7 +100,7 @@ def test_todays_pickles_name_exactly_the_pinned_paths(tmp_path: Path, compressio
     assert names == asked
     unpinned = sorted(f"{m}.{n}" for m, n in names - set(pinned()))
     assert not unpinned, (
-        f"today's .metadata pickles name {unpinned}, which dcp_s3/untrusted/pinned_names.py does not pin: "
+        f"today's .metadata pickles name {unpinned}, which dcp_s3/_untrusted/pinned_names.py does not pin: "
         "checkpoints written now would not load. Keep the class's __module__ at its pinned path "
         "(assign it after moving the class) or add the new name to pinned_names._frozen()."
     )

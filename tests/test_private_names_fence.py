@@ -29,10 +29,10 @@ PACKAGE = Path(dcp_s3.__file__).parent
 
 #: (module, private name) -> the one file (relative to the package) that may use it.
 ALLOWED = {
-    ("sys", "_current_frames"): "objstore/deadline.py",
-    ("sys", "_getframe"): "planners/sharing.py",
-    ("pickle", "_Unpickler"): "untrusted/metadata_pickle.py",
-    ("pickle", "_Stop"): "untrusted/metadata_pickle.py",
+    ("sys", "_current_frames"): "_objstore/deadline.py",
+    ("sys", "_getframe"): "_planners/sharing.py",
+    ("pickle", "_Unpickler"): "_untrusted/metadata_pickle.py",
+    ("pickle", "_Stop"): "_untrusted/metadata_pickle.py",
 }
 
 
@@ -40,7 +40,7 @@ ALLOWED = {
 FRAME_ATTRIBUTES = {"f_back", "f_locals", "f_globals"}
 FRAME_FUNCTIONS = {("inspect", "currentframe"), ("inspect", "stack"), ("inspect", "getouterframes")}
 FRAME_FUNCTIONS |= {("traceback", "walk_stack"), ("sys", "_getframe"), ("sys", "_current_frames")}
-FRAME_WALKERS = {"objstore/deadline.py", "planners/sharing.py"}
+FRAME_WALKERS = {"_objstore/deadline.py", "_planners/sharing.py"}
 _ATTR_FUNCTIONS = {"getattr", "hasattr", "setattr", "delattr"}
 
 

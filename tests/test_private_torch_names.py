@@ -305,7 +305,7 @@ def test_private_torch_names_are_used_only_in_the_compat_module() -> None:
             subclasses += [f"{module_name}.{name}" for name in torch_subclasses(source, namespace)]
     assert files > 50, files  # every subpackage, not only the top level
     # the classes checked for overrides: the guard sees what they really subclass
-    assert {"dcp_s3.planners.scale.ScalableSavePlanner", "dcp_s3.planners.load.ScalableLoadPlanner"} <= set(
+    assert {"dcp_s3._planners.scale.ScalableSavePlanner", "dcp_s3._planners.load.ScalableLoadPlanner"} <= set(
         subclasses
     ), subclasses
     assert not offenders, "private torch names outside dcp_s3/_torch_compat.py:\n" + "\n".join(offenders)

@@ -31,17 +31,17 @@ DRAWS = {"new_token", "new_writer"}
 
 #: (module, function) that draws a token -> the boundary it stands for. Each is a framework's call or dcp_s3's own.
 BEGINS = {
-    ("storage/writer.py", "S3StorageWriter._write_all"): "DCP's StorageWriter.write_data (dcp.save)",
-    ("storage/writer.py", "S3StorageWriter.prepare_global_plan"): "not a save: the conditional-write probe's key",
-    ("storage/job_progress.py", "job_counts"): "not a save: a progress counter's key",
-    ("storage/_hf_writer.py", "S3HuggingFaceStorageWriter.prepare_global_plan"): (
+    ("_dcp/writer.py", "S3StorageWriter._write_all"): "DCP's StorageWriter.write_data (dcp.save)",
+    ("_dcp/writer.py", "S3StorageWriter.prepare_global_plan"): "not a save: the conditional-write probe's key",
+    ("_dcp/job_progress.py", "job_counts"): "not a save: a progress counter's key",
+    ("_dcp/hf_writer.py", "S3HuggingFaceStorageWriter.prepare_global_plan"): (
         "DCP's StorageWriter.prepare_global_plan (dcp.save): the export's id and staging prefix"
     ),
-    ("storage/_hf_writer.py", "S3HuggingFaceStorageWriter._check_conditional_writes"): (
+    ("_dcp/hf_writer.py", "S3HuggingFaceStorageWriter._check_conditional_writes"): (
         "not a save: the conditional-write probe's key"
     ),
-    ("checkpointer/manager.py", "Checkpointer.save"): "Checkpointer.save",
-    ("checkpointer/tiers.py", "Tiers.save"): "Checkpointer.save (local tier)",
+    ("_checkpointer/manager.py", "Checkpointer.save"): "Checkpointer.save",
+    ("_checkpointer/tiers.py", "Tiers.save"): "Checkpointer.save (local tier)",
     ("integrations/nemo_commit.py", "Saves.begin"): "NeMo's CheckpointLifecycle.reserve",
     ("integrations/torch_checkpointing/writers.py", "StageWriters.for_file"): (
         "the first file of a save begun by torch_checkpointing's CheckpointWriter.write"

@@ -25,7 +25,7 @@ from dist_utils import run_ranks  # noqa: E402
 from fault_proxy import FaultProxy, Rule  # noqa: E402
 from objects import data_name  # noqa: E402
 
-from dcp_s3.local_server import LocalS3Server  # noqa: E402
+from dcp_s3._local_server import LocalS3Server  # noqa: E402
 
 MiB = 1 << 20
 CYCLES = 50
@@ -52,7 +52,7 @@ def _soak_rank(rank: int, world: int, endpoint: str, bucket: str, cycles: int) -
     import torch.distributed.checkpoint as dcp
 
     from dcp_s3 import S3StorageReader, S3StorageWriter
-    from dcp_s3.objstore.config import TransferConfig
+    from dcp_s3._objstore.config import TransferConfig
 
     proc = psutil.Process()
     rss: list[int] = []

@@ -28,8 +28,8 @@ from dcp_s3 import (
     ScalableSavePlanner,
 )
 from dcp_s3 import _torch_compat as compat
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.errors import TorchCompatibilityError
-from dcp_s3.local_server import LocalS3Server
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 

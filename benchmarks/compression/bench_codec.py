@@ -1,4 +1,4 @@
-"""Benchmark dcp_s3.codec against plain zstd and Blosc2 on realistic checkpoint tensors.
+"""Benchmark dcp_s3._codec against plain zstd and Blosc2 on realistic checkpoint tensors.
 
     python benchmarks/compression/bench_codec.py [--steps 20] [--reps 3] [--cache /tmp/bench_data.npz]
 
@@ -52,7 +52,7 @@ sys.path.insert(0, str(_TREE))
 
 from model_data import make_data  # noqa: E402
 
-from dcp_s3.codec import Codec  # noqa: E402
+from dcp_s3._codec import Codec  # noqa: E402
 
 ELEMENT = {
     "bf16 weights": (2, True),

@@ -23,7 +23,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 from model_data import make_data  # noqa: E402
 
-from dcp_s3.codec.v1 import LITERAL_PARAMS as _LITERAL_PARAMS  # noqa: E402
+from dcp_s3._codec.v1 import LITERAL_PARAMS as _LITERAL_PARAMS  # noqa: E402
 
 PLANE = 1 << 20  # exponents of one 4 MiB fp32 frame
 

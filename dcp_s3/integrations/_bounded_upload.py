@@ -24,8 +24,8 @@ from typing import Any
 
 from torch.futures import Future
 
+from dcp_s3._dcp.writer import S3StorageWriter
 from dcp_s3.errors import S3TransferError
-from dcp_s3.storage.writer import S3StorageWriter
 
 __all__ = ["bounded"]
 

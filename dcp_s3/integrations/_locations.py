@@ -1,4 +1,4 @@
-"""Where an integration's path points: the one location rule (:func:`dcp_s3.objstore.uri.s3_location`) as the
+"""Where an integration's path points: the one location rule (:func:`dcp_s3._objstore.uri.s3_location`) as the
 frameworks need it.
 
 Frameworks pass their paths through ``pathlib`` and ``os.path.normpath``, which fold ``s3://bucket/key`` into
@@ -8,7 +8,7 @@ look-alikes (``s3//b/k``, ``S3://b/k``) like the core does, never sending them t
 
 from __future__ import annotations
 
-from dcp_s3.objstore.uri import s3_location as _s3_location
+from dcp_s3._objstore.uri import s3_location as _s3_location
 
 __all__ = ["s3_location"]
 

@@ -25,7 +25,7 @@ place under the S3 root (:mod:`dcp_s3.integrations.trainer_dirs`); its shards go
 small files stay in ``output_dir``, and the checkpoints saved in the block that its ``save_total_limit``
 rotation deletes locally are deleted in the bucket too (transformers' ``rotate_checkpoints`` is wrapped
 in the block). Loading deletes nothing, and neither does leaving the block (normally or through an
-exception): see :mod:`dcp_s3.checkpointer.ownership`.
+exception): see :mod:`dcp_s3._checkpointer.ownership`.
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.fsdp import StateDictType
 
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3.errors import ConfigError, DcpS3Error
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations._patching import ContextPatch, Handler, Site
 from dcp_s3.integrations.trainer_dirs import LocalDirs
-from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = [
     "route_fsdp_checkpoints",

@@ -41,11 +41,11 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._objstore.uri import s3_location
 from dcp_s3._torch_compat import async_save_sites, get_storage_setup, set_storage_setup, storage_setup_sites
 from dcp_s3.errors import ConfigError
 from dcp_s3.integrations._patching import ContextPatch, Site
-from dcp_s3.objstore.uri import s3_location
-from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["enable", "disable", "s3_route", "active_options", "is_routed"]
 

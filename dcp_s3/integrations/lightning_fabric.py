@@ -22,10 +22,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3.errors import ConfigError
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.lightning_io import load_sharded, save_sharded
-from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["S3FabricStrategy", "sharded_module_key", "is_stateful"]
 

@@ -9,7 +9,7 @@ Lightning would have written to ``meta.pt`` held in one ``uint8`` tensor (rank 0
 rank reads the metadata from the bucket. Loading unpickles those bytes as Lightning loads
 ``meta.pt`` — with ``weights_only`` unless the caller passes ``weights_only=False`` (or the storage
 options say ``allow_unsafe_byte_items=True``) — after dcp_s3's own check of the archive
-(:func:`dcp_s3.untrusted.torch_files.torch_load`), so a crafted checkpoint is a
+(:func:`dcp_s3._untrusted.torch_files.torch_load`), so a crafted checkpoint is a
 ``CheckpointFormatError``, never code that runs.
 
 Nothing here imports Lightning; the strategies in :mod:`~dcp_s3.integrations.lightning_fabric` and
@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from dcp_s3.admin.cleanup import remove_checkpoint
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._layout import METADATA_KEY
+from dcp_s3._untrusted.foreign_items import BYTE_ITEM_FLOOR, BYTE_ITEM_RATIO, byte_item_limit
+from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
+from dcp_s3.admin._cleanup import remove_checkpoint
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.store.storage_options import StorageOptions
-from dcp_s3.untrusted.foreign_items import BYTE_ITEM_FLOOR, BYTE_ITEM_RATIO, byte_item_limit
-from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = [
     "META_KEY",
@@ -86,7 +86,7 @@ def _trusted(options: StorageOptions, weights_only: bool | None) -> bool:
 def _meta_size(metadata: Metadata, location: str) -> int | None:
     """The byte length of the stored metadata, or None when the checkpoint holds none. It is Lightning's
     ``meta.pt``, a byte item in all but name: the rule of byte items bounds it
-    (:func:`~dcp_s3.untrusted.foreign_items.byte_item_limit`: at most 64 times its stored bytes, or 64 MiB),
+    (:func:`~dcp_s3._untrusted.foreign_items.byte_item_limit`: at most 64 times its stored bytes, or 64 MiB),
     before its buffer is allocated, so a few stored kilobytes that decompress to a gigabyte are refused on
     every rank at no cost."""
     entry = metadata.state_dict_metadata.get(META_KEY)

@@ -13,7 +13,7 @@ rank. ``S3ModelCheckpoint`` is ``ModelCheckpoint`` that finds, and through the s
 checkpoints in the bucket (Lightning's asks fsspec/s3fs and deletes only local directories).
 Paths that are not ``s3://`` go to Lightning's own code unchanged.
 
-Rotation deletes by ownership (:mod:`dcp_s3.checkpointer.ownership`): only committed checkpoints under
+Rotation deletes by ownership (:mod:`dcp_s3._checkpointer.ownership`): only committed checkpoints under
 the callback's own ``dirpath`` whose names its ``filename``/``last`` templates make. Lightning restores
 ``best_model_path`` from a checkpoint even when ``dirpath`` changed, and guards "outside dirpath" for
 local paths only: a fine-tune resumed from another run's checkpoint, or a crafted stored path, would
@@ -32,7 +32,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from dcp_s3.checkpointer.ownership import Ownership, refuse
+from dcp_s3._checkpointer.ownership import Ownership, refuse
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.lightning_io import (
@@ -42,7 +43,6 @@ from dcp_s3.integrations.lightning_io import (
     load_sharded,
     save_sharded,
 )
-from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["S3TrainerStrategy", "S3ModelCheckpoint"]
 
@@ -195,7 +195,7 @@ class S3ModelCheckpoint(ModelCheckpoint):
 
     def ownership(self) -> Ownership:
         """What this callback's rotation may delete: names its templates make directly under ``dirpath``
-        (``<filename>[-v<N>].ckpt``, ``<last>[-v<N>].ckpt``; see :mod:`dcp_s3.checkpointer.ownership`)."""
+        (``<filename>[-v<N>].ckpt``, ``<last>[-v<N>].ckpt``; see :mod:`dcp_s3._checkpointer.ownership`)."""
         assert self.dirpath is not None
         templates = [self.filename or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}", self.CHECKPOINT_NAME_LAST]
         names = "|".join(

@@ -25,7 +25,7 @@ place of its file-system writer and readers, and with no file of their own:
   strict modes that first read the checkpoint's metadata check that the load read the same save, by its
   ``save_id``), so the common state never comes from another save than the tensors;
 - hostile input: the common state, the config and every ShardedObject are byte items, which the reader
-  refuses unless weights-only loading would accept them (``dcp_s3.untrusted``), as Megatron-core's own
+  refuses unless weights-only loading would accept them (``dcp_s3._untrusted``), as Megatron-core's own
   ``torch.load`` of ``common.pt`` (weights-only by default) does; classes registered with
   ``torch.serialization.add_safe_globals`` are accepted, ``allow_unsafe_byte_items=True`` accepts anything.
 
@@ -76,11 +76,11 @@ from megatron.core.dist_checkpointing.validation import (
 )
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._untrusted.torch_files import torch_save_bytes
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.megatron_async import RankWrite, finalize, results_queue, to_host, write_rank
-from dcp_s3.store.storage_options import StorageOptions
-from dcp_s3.untrusted.torch_files import torch_save_bytes
 
 __all__ = ["COMMON_KEY", "CONFIG_KEY", "save", "load", "load_common_state_dict"]
 

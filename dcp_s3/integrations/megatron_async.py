@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
+from dcp_s3._dcp.writer import S3StorageWriter
 from dcp_s3.errors import DcpS3Error
-from dcp_s3.storage.writer import S3StorageWriter
 
 __all__ = ["RankWrite", "RESULT_WAIT_S", "write_rank", "to_host", "results_queue", "finalize"]
 

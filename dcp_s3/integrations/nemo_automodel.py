@@ -34,7 +34,7 @@ and what NeMo's recipes write themselves with ``open``/``torch.save`` — ``loss
 One save per load: the first load call for a checkpoint reads its commit once (rank 0, shared); every part
 and file is then read below the one ``save.<token>/`` it names, and a file it does not list (or of another
 size) is refused. The commit is checked field by field before use; ``.pt`` files are loaded with dcp_s3's
-checks of untrusted archives (:func:`dcp_s3.untrusted.torch_files.torch_load`), ``weights_only`` unless the
+checks of untrusted archives (:func:`dcp_s3._untrusted.torch_files.torch_load`), ``weights_only`` unless the
 config's ``allow_legacy_pickle_restore`` says the checkpoint is trusted. Retention (``max_recent_checkpoints``)
 deletes by ownership: committed ``epoch_<E>_step_<S>`` checkpoints under the configured ``checkpoint_dir``
 only, the newest ``max_recent_checkpoints`` by step kept; a name without a commit is neither counted nor deleted.
@@ -88,15 +88,15 @@ from nemo_automodel.components.checkpoint.lifecycle import CheckpointLifecycle
 from nemo_automodel.components.checkpoint.utils import find_latest_checkpoint
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from dcp_s3._checkpointer.ranks import world_size
+from dcp_s3._dcp.storage_options import StorageOptions
 from dcp_s3._torch_compat import default_stager
-from dcp_s3.checkpointer.ranks import world_size
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, S3TransferError
 from dcp_s3.integrations._bounded_upload import bounded
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations._patching import ContextPatch, Site
 from dcp_s3.integrations.nemo_commit import COMMIT, Saves, split_part
 from dcp_s3.integrations.nemo_files import RecipeFiles
-from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["S3CheckpointingConfig", "S3Checkpointer", "S3CheckpointLifecycle", "COMMIT"]
 

@@ -4,7 +4,7 @@ proven by its save token, and the retention of committed checkpoints by ownershi
 A NeMo AutoModel checkpoint ``<checkpoint_dir>/<name>/`` on S3 holds one save: every object of it below
 ``<name>/save.<token>/`` (NeMo's own layout there: ``model/``, ``optim/``, ``rng/...``), and the commit
 ``<name>/dcp_s3_commit.json``, written last by rank 0 with a PUT that never replaces another
-(:func:`dcp_s3.commit.publish`; :class:`Commit`: the token, the DCP parts, each small file with its size). Loads
+(:func:`dcp_s3._commit.publish`; :class:`Commit`: the token, the DCP parts, each small file with its size). Loads
 read the commit once (rank 0, shared) and read everything below the one save it names; a stored commit is untrusted
 input, checked field by field (:meth:`Commit.parse`) before any name in it is used.
 
@@ -14,7 +14,7 @@ gathers: the commit is written only after every rank's upload completed, and a f
 fails the commit on every rank, nothing written.
 
 Retention deletes under the configured root only ``epoch_<E>_step_<S>`` names (NeMo's scheme) whose commit
-and DCP parts are there (:mod:`dcp_s3.checkpointer.ownership`), commit first. Nothing here imports NeMo.
+and DCP parts are there (:mod:`dcp_s3._checkpointer.ownership`), commit first. Nothing here imports NeMo.
 """
 
 from __future__ import annotations
@@ -28,10 +28,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_s3 import commit as marker
-from dcp_s3.checkpointer.ownership import Ownership, refuse
-from dcp_s3.checkpointer.ownership import committed as parts_committed
-from dcp_s3.checkpointer.ranks import Ranks, distributed, world_size
+from dcp_s3 import _commit as marker
+from dcp_s3._checkpointer.ownership import Ownership, refuse
+from dcp_s3._checkpointer.ownership import committed as parts_committed
+from dcp_s3._checkpointer.ranks import Ranks, distributed, world_size
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._dcp.store import Store
+from dcp_s3._layout import METADATA_KEY, new_token
 from dcp_s3.errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -39,9 +42,6 @@ from dcp_s3.errors import (
     ConfigError,
     S3TransferError,
 )
-from dcp_s3.layout import METADATA_KEY, new_token
-from dcp_s3.store.base import Store
-from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = [
     "COMMIT",
@@ -65,7 +65,7 @@ FORMAT = "dcp_s3.nemo_automodel/1"
 #: The directory of one save's objects inside a checkpoint: ``save.<token>``.
 SAVE_DIR = "save."
 #: NeMo's checkpoint names (``epoch_<E>_step_<S>``, as ``list_automodel_checkpoints`` matches them).
-CHECKPOINT_NAMES = re.compile(r"epoch_[0-9]+_step_([0-9]+)")  # ASCII digits: dcp_s3.checkpointer.names
+CHECKPOINT_NAMES = re.compile(r"epoch_[0-9]+_step_([0-9]+)")  # ASCII digits: dcp_s3._checkpointer.names
 #: The largest commit read (NeMo's are a few kilobytes) and the largest small file it may list.
 MAX_COMMIT_BYTES = 1 << 20
 MAX_FILE_BYTES = 1 << 30

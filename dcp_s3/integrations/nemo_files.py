@@ -22,11 +22,11 @@ from typing import Any
 import torch.distributed as dist
 import yaml
 
-from dcp_s3.checkpointer.ranks import distributed
+from dcp_s3._checkpointer.ranks import distributed
+from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 from dcp_s3.errors import CheckpointFormatError, CheckpointNotFoundError, ConfigError
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.nemo_commit import COMPONENT, Saves
-from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 __all__ = ["RecipeFiles"]
 

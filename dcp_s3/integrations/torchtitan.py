@@ -18,7 +18,7 @@ and deletes steps through s3fs (whose listing cache silently stops ``keep_latest
   exists (a save that never committed is not a step), found by rank 0 alone with one delimiter listing
   of the folder and one HEAD per step tried, newest first, and shared with the other ranks (one
   broadcast per load); ``initial_load_path`` may be an ``s3://`` checkpoint;
-- the ``keep_latest_k`` purge counts and deletes committed steps only (:mod:`dcp_s3.checkpointer.ownership`):
+- the ``keep_latest_k`` purge counts and deletes committed steps only (:mod:`dcp_s3._checkpointer.ownership`):
   a ``step-N`` without ``.metadata`` — an async upload still running, or what a crash left — is neither
   counted nor deleted, so the purge never leaves the folder without a step to resume from. It runs after
   each save and again once an async save has committed; it deletes a step's objects through the same
@@ -57,14 +57,14 @@ from torchtitan.components.checkpointer.base import purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.tools.utils import GarbageCollection
 
-from dcp_s3.checkpointer.ownership import Ownership
-from dcp_s3.checkpointer.ranks import Ranks
+from dcp_s3._checkpointer.ownership import Ownership
+from dcp_s3._checkpointer.ranks import Ranks
+from dcp_s3._dcp.hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._dcp.store import Store
+from dcp_s3._layout import METADATA_KEY
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError
 from dcp_s3.integrations._locations import s3_location
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.storage._hf_reader import INDEX_NAME, SINGLE_NAME, S3HuggingFaceStorageReader
-from dcp_s3.store.base import Store
-from dcp_s3.store.storage_options import StorageOptions
 
 if TYPE_CHECKING:  # torch >= 2.9 (torchtitan 0.3.0's own torch); this module is imported on older ones too
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
@@ -74,7 +74,7 @@ __all__ = ["S3CheckpointManager"]
 logger = logging.getLogger(__name__)
 
 #: torchtitan's step directories: ``step-<N>`` (``CheckpointManager._create_checkpoint_id``).
-_STEP_DIR = re.compile(r"step-([0-9]+)")  # ASCII digits: dcp_s3.checkpointer.names
+_STEP_DIR = re.compile(r"step-([0-9]+)")  # ASCII digits: dcp_s3._checkpointer.names
 
 
 class S3CheckpointManager(CheckpointManager):

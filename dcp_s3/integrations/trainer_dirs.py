@@ -9,7 +9,7 @@ the shards go to S3 and only an empty ``pytorch_model_fsdp_<i>`` directory stays
 the Trainer's resume looks for.
 
 What the Trainer's rotation deletes locally is deleted in the bucket too (:meth:`LocalDirs.mirror`),
-by ownership (:mod:`dcp_s3.checkpointer.ownership`): a mapped ``checkpoint-<step>`` directly under a
+by ownership (:mod:`dcp_s3._checkpointer.ownership`): a mapped ``checkpoint-<step>`` directly under a
 mapped root whose shards *this process saved* in the block (:meth:`LocalDirs.record_save`), whose local
 directory the Trainer's ``rotate_checkpoints`` removed *during that call*, and whose saved parts are
 committed in the bucket, has its S3 checkpoint removed (``.metadata`` first). So ``save_total_limit``
@@ -30,19 +30,19 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from dcp_s3.admin.cleanup import remove_checkpoint
-from dcp_s3.checkpointer.ownership import Ownership
+from dcp_s3._checkpointer.ownership import Ownership
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._objstore.uri import parse_s3_uri
+from dcp_s3.admin._cleanup import remove_checkpoint
 from dcp_s3.errors import CheckpointNotFoundError, ConfigError, InvalidCheckpointIdError
 from dcp_s3.integrations._locations import s3_location
-from dcp_s3.objstore.uri import parse_s3_uri
-from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["LocalDirs", "CHECKPOINT_DIR"]
 
 logger = logging.getLogger(__name__)
 
 #: The Trainer's checkpoint directory names (``PREFIX_CHECKPOINT_DIR`` is ``"checkpoint"``).
-CHECKPOINT_DIR = re.compile(r"checkpoint-[0-9]+")  # ASCII digits: dcp_s3.checkpointer.names
+CHECKPOINT_DIR = re.compile(r"checkpoint-[0-9]+")  # ASCII digits: dcp_s3._checkpointer.names
 
 
 def _real(path: Any) -> str:

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dcp_s3 import commit
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer import manager as checkpointer
-from dcp_s3.store import base as store
+from dcp_s3 import _commit as commit
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer import manager as checkpointer
+from dcp_s3._dcp import store
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:

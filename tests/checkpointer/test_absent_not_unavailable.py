@@ -10,8 +10,8 @@ import torch
 from fault_proxy import FaultProxy, Rule
 
 from dcp_s3 import ClientConfig, S3TransferError
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._local_server import LocalS3Server
 
 pytestmark = pytest.mark.torch_range
 

@@ -18,9 +18,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from dcp_s3 import CheckpointFormatError, CheckpointNotFoundError, ConfigError
-from dcp_s3.checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.store import open_store
+from dcp_s3._checkpointer import AsyncSave, Checkpointer, latest_checkpoint, load_object, save_object
+from dcp_s3._dcp import open_store
+from dcp_s3._local_server import LocalS3Server
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 

@@ -20,16 +20,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from dcp_s3.admin.cleanup import collect_garbage, find_garbage
-from dcp_s3.admin.listing import list_steps
-from dcp_s3.admin.verify import verify_checkpoint
-from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
-from dcp_s3.checkpointer.generations import find_complete
-from dcp_s3.checkpointer.retention import retain_last
-from dcp_s3.cli import commands as cli
+from dcp_s3._checkpointer import Checkpointer, latest_checkpoint
+from dcp_s3._checkpointer.generations import find_complete
+from dcp_s3._checkpointer.retention import retain_last
+from dcp_s3._cli import commands as cli
+from dcp_s3._dcp import open_store
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3.admin._cleanup import collect_garbage, find_garbage
+from dcp_s3.admin._listing import list_steps
+from dcp_s3.admin._verify import verify_checkpoint
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.store import open_store
 from tests.checkpointer.resave_child import build, first_state, snapshot, train_a_bit
 from tests.held_child import HeldChild
 
@@ -311,7 +311,7 @@ def test_ls_shows_a_failed_read_with_an_empty_message_as_unreadable(
     def fail(*_: Any, **__: Any) -> Any:
         raise CheckpointFormatError("")
 
-    monkeypatch.setattr("dcp_s3.admin.listing._read_metadata", fail)
+    monkeypatch.setattr("dcp_s3.admin._listing._read_metadata", fail)
     assert cli.main(["ls", str(run)]) == 0
     out = capsys.readouterr().out
     assert "UNREADABLE" in out.splitlines()[1] and "complete" not in out.splitlines()[1]
@@ -365,8 +365,8 @@ def test_resave_on_2_fsdp2_ranks(tmp_path: Path, async_save: bool) -> None:
 def test_finding_steps_reads_markers_newest_first_and_copies_keep_their_meaning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from dcp_s3._dcp import store as store_module
     from dcp_s3.admin import copy_checkpoint
-    from dcp_s3.store import base as store_module
 
     run = tmp_path / "run"
     model, optim, _ = first_state()

@@ -21,8 +21,8 @@ from counting_proxy import CountingProxy, reset
 from dist_utils import run_ranks
 from test_checkpointer import Net, build, same, snapshot, train, trainable
 
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._local_server import LocalS3Server
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.torch_range]  # torch_range: also on the lowest and highest torch
 

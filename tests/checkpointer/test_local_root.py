@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_s3.checkpointer.local_root import RANK_DIR_RE, rank_dir, rank_dirs
+from dcp_s3._checkpointer.local_root import RANK_DIR_RE, rank_dir, rank_dirs
 
 RANKS = [0, 7, 99_999, 100_000, 123_456, 1_048_575]
 

@@ -11,10 +11,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer.names import CHECKPOINTER_STEPS, number, scheme, step_iteration
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.admin import collect_garbage, find_garbage, list_steps
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer.names import CHECKPOINTER_STEPS, number, scheme, step_iteration
-from dcp_s3.local_server import LocalS3Server
 
 ARABIC = "٠١٢٣٤٥٦٧٨٩"  # Arabic-Indic digits: str.isdigit(), int() and \d take them
 FULLWIDTH = "０１２３４５６７８９"
@@ -109,7 +109,7 @@ def test_resume_and_keep_last_ignore_a_foreign_step_of_other_digits(
 
 def _schemes() -> dict[str, tuple[re.Pattern[str], str]]:
     """Every naming scheme dcp_s3 deletes or resumes by, with a name it makes (ASCII digits)."""
-    from dcp_s3.checkpointer.local_root import RANK_DIR_RE
+    from dcp_s3._checkpointer.local_root import RANK_DIR_RE
     from dcp_s3.integrations import nemo_commit, torchtitan, trainer_dirs
     from dcp_s3.integrations.torch_checkpointing import S3StorageConfig
 

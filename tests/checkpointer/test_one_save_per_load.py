@@ -21,8 +21,8 @@ from dist_utils import run_ranks
 from test_checkpointer import build, same, snapshot, train, trainable
 from test_tiers import damage, local_objects
 
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._local_server import LocalS3Server
 from tests.checkpointer import resave_child
 from tests.checkpointer.test_checkpointer_atomic import Child
 from tests.checkpointer.test_checkpointer_atomic import which as old_or_new

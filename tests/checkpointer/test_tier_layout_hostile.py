@@ -15,8 +15,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_s3.checkpointer.local_layout import globalize
-from dcp_s3.checkpointer.tier_reshard import _check_cover
+from dcp_s3._checkpointer.local_layout import globalize
+from dcp_s3._checkpointer.tier_reshard import _check_cover
 from dcp_s3.errors import CheckpointFormatError
 
 

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from test_checkpointer import build, same, snapshot, train, trainable
 
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer.local_root import rank_store
-from dcp_s3.checkpointer.tier_reshard import shared_copies
-from dcp_s3.cli import commands as cli
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer.local_root import rank_store
+from dcp_s3._checkpointer.tier_reshard import shared_copies
+from dcp_s3._cli import commands as cli
 from dcp_s3.errors import CheckpointFormatError
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

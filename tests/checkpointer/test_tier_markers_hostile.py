@@ -16,10 +16,10 @@ import pytest
 from hostile import PeakRss, memory_cap
 from test_checkpointer import build, same, snapshot, train, trainable
 
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer.tiers import LOCAL_ENTRY
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer.tiers import LOCAL_ENTRY
+from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),

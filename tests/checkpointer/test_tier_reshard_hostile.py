@@ -14,10 +14,10 @@ import pytest
 from hostile import read_metadata, touch, write_metadata
 from test_checkpointer import build
 
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer.tier_reshard import check_shared, shared_copies
-from dcp_s3.checkpointer.tiers import LOCAL_ENTRY
-from dcp_s3.untrusted.torch_files import torch_load, torch_save_bytes
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer.tier_reshard import check_shared, shared_copies
+from dcp_s3._checkpointer.tiers import LOCAL_ENTRY
+from dcp_s3._untrusted.torch_files import torch_load, torch_save_bytes
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

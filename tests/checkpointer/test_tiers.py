@@ -23,11 +23,11 @@ from counting_proxy import CountingProxy, reset
 from dist_utils import run_ranks
 from test_checkpointer import build, same, snapshot, train, trainable
 
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer.generations import find_complete
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.formats import load_metadata
-from dcp_s3.store import open_store
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer.generations import find_complete
+from dcp_s3._dcp import open_store
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.formats import load_metadata
 
 pytestmark = [pytest.mark.multiproc]
 

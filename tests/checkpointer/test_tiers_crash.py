@@ -20,10 +20,10 @@ import torch
 from held_child import HeldChild
 from test_checkpointer_atomic import same
 
-from dcp_s3.admin.cleanup import collect_garbage, find_garbage
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer.generations import find_complete
-from dcp_s3.store import open_store
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer.generations import find_complete
+from dcp_s3._dcp import open_store
+from dcp_s3.admin._cleanup import collect_garbage, find_garbage
 from tests.checkpointer.resave_child import build, first_state, snapshot, train_a_bit
 
 CHILD = str(Path(__file__).with_name("tiers_child.py"))

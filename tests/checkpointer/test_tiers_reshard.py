@@ -25,9 +25,9 @@ from dist_utils import run_ranks
 from test_checkpointer import build, snapshot, train
 from test_tiers import check, data_gets, fresh_load
 
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.formats import load_metadata
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.formats import load_metadata
 
 pytestmark = [pytest.mark.multiproc]
 

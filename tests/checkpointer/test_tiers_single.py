@@ -11,11 +11,11 @@ from counting_proxy import CountingProxy, reset
 from fault_proxy import FaultProxy, Rule
 from test_checkpointer import build, train
 
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer.generations import find_complete
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer.generations import find_complete
+from dcp_s3._dcp import Store, open_store
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.errors import ConfigError
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.store import Store, open_store
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from dcp_s3 import commit
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer import manager as checkpointer
-from dcp_s3.store import base as store
+from dcp_s3 import _commit as commit
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer import manager as checkpointer
+from dcp_s3._dcp import store
 
 sys.path.insert(0, os.path.dirname(__file__))
 from resave_child import build, first_state, snapshot, train_a_bit  # noqa: E402

@@ -19,12 +19,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from dcp_s3 import S3StorageReader
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer.generations import find_complete
-from dcp_s3.cli import commands as cli
-from dcp_s3.cli.text import human_size, parse_duration
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.store import open_store
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer.generations import find_complete
+from dcp_s3._cli import commands as cli
+from dcp_s3._cli.text import human_size, parse_duration
+from dcp_s3._dcp import open_store
+from dcp_s3._local_server import LocalS3Server
 from tests.objects import data_key
 
 

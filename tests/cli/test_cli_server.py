@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp_s3.checkpointer import Checkpointer
+from dcp_s3._checkpointer import Checkpointer
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])

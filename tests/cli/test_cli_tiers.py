@@ -18,9 +18,9 @@ import torch
 from hostile import PeakRss, memory_cap
 from torch import nn
 
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.cli import commands as cli
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._cli import commands as cli
+from dcp_s3._local_server import LocalS3Server
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -16,9 +16,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_s3 import CheckpointFormatError, CheckpointNotFoundError, S3StorageReader, S3StorageWriter
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.admin import convert_checkpoint
-from dcp_s3.admin.streaming import chunk_rows
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3.admin._streaming import chunk_rows
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

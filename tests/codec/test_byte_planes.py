@@ -1,4 +1,4 @@
-"""The byte-grouping kernels (dcp_s3.codec.byte_planes) against a frozen reference.
+"""The byte-grouping kernels (dcp_s3._codec.byte_planes) against a frozen reference.
 
 The stored layout of codec version 1 is a contract (golden checkpoints), so any kernel in the
 package (today's numpy passes, or a faster one later) must produce exactly the bytes of the
@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcp_s3.codec import Codec, grouping_for_dtype, stored_span
-from dcp_s3.codec.byte_planes import UINT, group, ungroup
+from dcp_s3._codec import Codec, grouping_for_dtype, stored_span
+from dcp_s3._codec.byte_planes import UINT, group, ungroup
 
 FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 BLOCK_ELEMENTS = 1 << 16  # the old implementation's block

@@ -1,4 +1,4 @@
-"""Tests of dcp_s3.codec: round trips, ranged decode, index format, pipelining."""
+"""Tests of dcp_s3._codec: round trips, ranged decode, index format, pipelining."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcp_s3.codec import (
+from dcp_s3._codec import (
     CODEC_NAME,
     CODEC_VERSION,
     GROUP_FLOAT,
@@ -349,7 +349,7 @@ def test_index_from_a_newer_codec_fails_clearly_on_unpickle(
 
 
 def test_pickle_references_only_the_frame_index_class(encoded_items: dict[str, Any]) -> None:
-    # dcp_s3.layout unpickles metadata with an allow-list of classes.
+    # dcp_s3._layout unpickles metadata with an allow-list of classes.
     _, index, _ = encoded_items["bf16"]
 
     class Strict(pickle.Unpickler):
@@ -397,7 +397,7 @@ def test_codec_pickles_and_does_not_import_torch() -> None:
     code = (
         "import sys, dcp_s3\n"
         "if 'torch' in sys.modules: sys.exit(0)  # the package itself may need torch\n"
-        "import dcp_s3.codec\n"
+        "import dcp_s3._codec\n"
         "sys.exit(3 if 'torch' in sys.modules else 0)\n"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -517,7 +517,7 @@ def test_reader_accepts_a_frame_made_of_several_zstd_frames(codec: Codec) -> Non
 def test_the_registry_decides_what_a_reader_accepts(
     encoded_items: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_s3.codec import format as codec_module
+    from dcp_s3._codec import format as codec_module
 
     _, index, _ = encoded_items["int"]
     descriptor = f"{CODEC_NAME}/{CODEC_VERSION}"
@@ -529,7 +529,7 @@ def test_the_registry_decides_what_a_reader_accepts(
     assert not codec_module.accepts([descriptor], newer)  # descriptors must name the index's codec
     # A decoder registered for a new version is accepted with no other change (no second list).
     monkeypatch.setattr(
-        codec_module, "DECODERS", {**codec_module.DECODERS, (CODEC_NAME, CODEC_VERSION + 1): "dcp_s3.codec.v2"}
+        codec_module, "DECODERS", {**codec_module.DECODERS, (CODEC_NAME, CODEC_VERSION + 1): "dcp_s3._codec.v2"}
     )
     assert codec_module.accepts([f"{CODEC_NAME}/{CODEC_VERSION + 1}"], newer)
     assert f"{CODEC_NAME!r} version {CODEC_VERSION + 1}" in codec_module.supported()

@@ -19,9 +19,9 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcp_s3.codec import CODEC_NAME, GROUP_FLOAT, Codec, FrameIndex, grouping_for_dtype, stored_span
-from dcp_s3.codec.byte_planes import join_top, split_top
-from dcp_s3.codec.v2 import HEADER
+from dcp_s3._codec import CODEC_NAME, GROUP_FLOAT, Codec, FrameIndex, grouping_for_dtype, stored_span
+from dcp_s3._codec.byte_planes import join_top, split_top
+from dcp_s3._codec.v2 import HEADER
 from dcp_s3.errors import CheckpointFormatError
 
 FAST = settings(
@@ -74,7 +74,7 @@ def reference_split(src: bytes, es: int) -> tuple[bytes, bytes]:
 def test_split_and_join_match_the_documented_layout(
     data: bytes, es: int, ab: tuple[int, int], block: int, shift: int, src_shift: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dcp_s3.codec import byte_planes
+    from dcp_s3._codec import byte_planes
 
     monkeypatch.setattr(byte_planes, "BLOCK_ELEMENTS", block)  # block edges inside small inputs
     # Any alignment of the source and of the rest (the encoder writes the rest at any offset of the
@@ -167,7 +167,7 @@ def _kinds() -> dict[str, tuple[bytes, int]]:
 def test_encoder_round_trips_every_kind_in_whole_frames() -> None:
     # Frames of the default size (4 MiB): the top plane's zstd setting is chosen on a sample, and the
     # rest's layout is written by the overlapping stores of split_top, as saves do it.
-    from dcp_s3.codec import v1
+    from dcp_s3._codec import v1
 
     literal = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(**v1.LITERAL_PARAMS))
     level_1 = zstandard.ZstdCompressor(level=1)
@@ -219,7 +219,7 @@ def test_encoder_zstd_work_per_frame(dtype: torch.dtype, rest_packed: bool) -> N
     # one sample of the rest, and the rest itself (with two samples of its own) only when that sample shrinks
     # (small integers as float64). The samples stay under 10% of the bytes coded (with version 1's 32 KiB
     # samples an fp32 frame's were 12.5%).
-    from dcp_s3.codec import v1, v2
+    from dcp_s3._codec import v1, v2
 
     n = (4 << 20) // dtype.itemsize
     raw = torch.arange(n, dtype=dtype).view(torch.uint8).numpy() if rest_packed else weights(n, dtype)
@@ -325,7 +325,7 @@ def test_hostile_frames_are_format_errors(body: bytes, match: str) -> None:
 def test_hostile_sizes_allocate_nothing_beyond_the_frame(monkeypatch: pytest.MonkeyPatch) -> None:
     # Section lengths are checked against the frame's raw size (from the index, itself bounded by
     # MAX_FRAME_SIZE) before any buffer is sized: a header claiming 4 GiB sections fails first.
-    from dcp_s3.codec import v2
+    from dcp_s3._codec import v2
 
     sized: list[int] = []
     real = v2._scratch

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from dcp_s3.objstore import ObjectStore
-from dcp_s3.objstore.s3 import S3ObjectStore
+from dcp_s3._objstore import ObjectStore
+from dcp_s3._objstore.s3 import S3ObjectStore
 from dcp_s3.testing import ObjectStoreConformance, S3Raw, StoreConformance, Target
 
 ENV = ("DCP_S3_COMPAT_ENDPOINT", "DCP_S3_COMPAT_ACCESS_KEY", "DCP_S3_COMPAT_SECRET_KEY", "DCP_S3_COMPAT_BUCKET")

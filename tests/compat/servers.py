@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._local_server import LocalS3Server
 
 __all__ = ["Server", "Unavailable", "STARTERS", "free_port"]
 
@@ -153,7 +153,7 @@ def _which(name: str, install: str) -> str:
     return path
 
 
-# -- servers CI runs too (dcp_s3.local_server) ------------------------------------------------------------------
+# -- servers CI runs too (dcp_s3._local_server) ------------------------------------------------------------------
 def _local(kind: str) -> Server:
     import importlib.metadata
 

@@ -7,7 +7,7 @@ Run it with THAT version's code on the path, never with the code under test::
     git -C <repo> worktree remove /tmp/old-0.3.0
 
 It starts a throw-away S3 server on 127.0.0.1 (SeaweedFS ``weed mini``, or ``--server moto``)
-through that version's ``dcp_s3.local_server``, writes every kind of checkpoint the version
+through that version's ``dcp_s3._local_server``, writes every kind of checkpoint the version
 supports (found by looking at its API: compression, key prefixes, compact metadata, local
 directories, the Checkpointer), downloads every object of the bucket byte-for-byte into
 ``tests/golden/<label>/s3/<bucket>/<key>``, writes the local-directory checkpoints under
@@ -136,7 +136,7 @@ def _save_blocks(uri: str, options: dict[str, Any], block_size: int) -> None:
     """``float_state()`` saved raw, each tensor's payload checksummed in blocks of ``block_size`` bytes (the
     writer's ``BLOCK_SIZE``, set for this save only)."""
     from dcp_s3 import S3StorageWriter
-    from dcp_s3.storage import data_objects
+    from dcp_s3._dcp import data_objects
 
     default = data_objects.BLOCK_SIZE
     data_objects.BLOCK_SIZE = block_size
@@ -250,7 +250,7 @@ def main() -> None:
         ap.error("--label is required")
 
     import dcp_s3
-    from dcp_s3.local_server import LocalS3Server
+    from dcp_s3._local_server import LocalS3Server
 
     here = Path(dcp_s3.__file__).resolve().parent.parent
     if here == HERE.parent.parent:

@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from dcp_s3 import commit as dcp_commit
+from dcp_s3 import _commit as dcp_commit
 from dcp_s3.integrations import nemo_automodel, nemo_commit
 from dcp_s3.integrations.nemo_recipe import s3_recipe
 from tests.dist_utils import full
@@ -207,7 +207,7 @@ def hold_at(phase: str, held: str, release: str) -> None:
             return publish(objects, key, body, **kwargs)
 
         nemo_commit.Saves.commit = held_commit  # type: ignore[method-assign]
-        dcp_commit.publish = held_publish  # the one conditional write of every commit (dcp_s3.commit)
+        dcp_commit.publish = held_publish  # the one conditional write of every commit (dcp_s3._commit)
     elif phase != "none":
         raise SystemExit(f"unknown phase {phase!r}")
 

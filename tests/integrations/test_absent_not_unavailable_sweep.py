@@ -17,12 +17,12 @@ import pytest
 from fault_proxy import FaultProxy, Rule
 
 from dcp_s3 import ClientConfig, S3TransferError
-from dcp_s3.checkpointer import latest_checkpoint
+from dcp_s3._checkpointer import latest_checkpoint
+from dcp_s3._dcp import open_store
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.integrations import lightning_io, nemo_commit
 from dcp_s3.integrations.trainer_dirs import LocalDirs
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.store import open_store
-from dcp_s3.store.storage_options import StorageOptions
 
 #: torch_checkpointing's commit marker (``dcp_s3.integrations.torch_checkpointing.commit.MARKER``; that package
 #: imports torch_checkpointing, which the torch-range environments lack).
@@ -101,7 +101,7 @@ LOOKUPS: dict[str, tuple[Callable[[str, str], Any], list[str], str, str]] = {
         "HeadObject",
     ),
     "Lightning checkpoint_exists (resume)": (_lightning_exists, ["b.ckpt/.metadata"], "b.ckpt/.metadata", "HeadObject"),
-    "dcp_s3.checkpointer.latest_checkpoint": (
+    "dcp_s3._checkpointer.latest_checkpoint": (
         _latest_step,
         ["0000001.pth", "0000001.model_model/.metadata", "0000002.pth", "0000002.model_model/.metadata"],
         "0000002.model_model/.metadata",

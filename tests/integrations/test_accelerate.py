@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.fsdp import fully_shard
 
 from dcp_s3 import ConfigError, StorageOptions
+from dcp_s3._layout import METADATA_KEY
 from dcp_s3.integrations.accelerate import route_fsdp_checkpoints
-from dcp_s3.layout import METADATA_KEY
 
 pytestmark = pytest.mark.multiproc
 

@@ -5,7 +5,7 @@ retention must not delete — a checkpoint under another root, a name learnt fro
 a directory without ``.metadata``, a checkpoint whose local directory is missing — runs the real
 framework code against SeaweedFS (ranks as real processes), and asserts it survives, next to the
 deletions the surface does own (so a test that deletes nothing at all fails too). The rule is
-:mod:`dcp_s3.checkpointer.ownership`'s.
+:mod:`dcp_s3._checkpointer.ownership`'s.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from dist_utils import run_ranks
 from torch import nn
 
 from dcp_s3 import StorageOptions
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.checkpointer.ownership import CHECKPOINTER_STEPS, Ownership
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.store import open_store
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._checkpointer.ownership import CHECKPOINTER_STEPS, Ownership
+from dcp_s3._dcp import open_store
+from dcp_s3._layout import METADATA_KEY
 
 
 def _plain(name: str) -> str:
     """``<step>.m_model.<16 hex>/...`` -> ``<step>.m_model/...``: a Checkpointer part's generation directory (every
-    save writes one, :mod:`dcp_s3.checkpointer.generations`) as a test can predict it."""
+    save writes one, :mod:`dcp_s3._checkpointer.generations`) as a test can predict it."""
     return re.sub(r"\.[0-9a-f]{16}(?=/|$)", "", name)
 
 

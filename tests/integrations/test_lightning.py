@@ -38,9 +38,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from dcp_s3 import StorageOptions
+from dcp_s3._layout import METADATA_KEY
 from dcp_s3.integrations.lightning import S3FabricStrategy, S3ModelCheckpoint, S3TrainerStrategy
 from dcp_s3.integrations.lightning_io import META_KEY
-from dcp_s3.layout import METADATA_KEY
 
 pytestmark = pytest.mark.multiproc
 

@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from dcp_s3 import StorageOptions
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.integrations.lightning_io import load_sharded, save_sharded
-from dcp_s3.local_server import LocalS3Server
 
 pytestmark = pytest.mark.multiproc
 

@@ -46,12 +46,12 @@ from fault_proxy import FaultProxy, Rule
 from hostile import read_metadata, replace_items, root_causes, torch_saved, touch, write_metadata
 from objects import object_keys
 
+from dcp_s3._dcp import open_store
+from dcp_s3._layout import METADATA_KEY
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.errors import CheckpointFormatError, ConfigError, DcpS3Error
 from dcp_s3.integrations import megatron_async
 from dcp_s3.integrations.megatron import COMMON_KEY, _sharded_object, load, load_common_state_dict, save
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.store import open_store
 
 pytestmark = pytest.mark.multiproc
 

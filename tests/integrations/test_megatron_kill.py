@@ -46,14 +46,14 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from objects import object_keys
 from test_megatron import _assert_bit_exact, _cpu_async_queue, _expected, _flat, _sharded, _values
 
-from dcp_s3.admin.listing import list_steps
+from dcp_s3._layout import METADATA_KEY, referenced_objects
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.formats import load_metadata
+from dcp_s3._objstore.s3 import S3ObjectStore
+from dcp_s3.admin._listing import list_steps
 from dcp_s3.errors import CheckpointNotFoundError
 from dcp_s3.integrations import megatron_async
 from dcp_s3.integrations.megatron import load, save
-from dcp_s3.layout import METADATA_KEY, referenced_objects
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.formats import load_metadata
-from dcp_s3.objstore.s3 import S3ObjectStore
 
 pytestmark = pytest.mark.multiproc
 

@@ -126,7 +126,7 @@ def test_async_save_commits_after_every_upload(seaweed: Any, bucket: str, tmp_pa
     staging completed; each commit appears only after the uploads; retention keeps two by ownership; fresh processes
     resume the newest bit-exact with the SAVED values; a save whose uploads fail is committed nowhere and fails on
     every rank within the deadline."""
-    from dcp_s3.store import open_store
+    from dcp_s3._dcp import open_store
 
     root = f"s3://{bucket}/{RUN}"
     store = open_store(root)

@@ -251,7 +251,7 @@ def test_save_and_resume_bit_exact_through_s3(
 ) -> None:
     """Two FSDP2 ranks save three checkpoints with NeMo's Checkpointer (model, optimizer and scheduler, RNG, data
     loader, recipe state, losses, config) and keep the last two; fresh processes resume the newest bit-exact."""
-    from dcp_s3.store import open_store
+    from dcp_s3._dcp import open_store
 
     work, tmp = tmp_path / "work", rank_tmp
     work.mkdir()
@@ -332,7 +332,7 @@ def test_hostile_stored_files_are_refused(
 ) -> None:
     """A stored ``.pt`` that would run code, a file of another size than its commit says, a commit naming a path
     outside its save, or one that is no commit: each refused with the object named, before anything runs."""
-    from dcp_s3.store import open_store
+    from dcp_s3._dcp import open_store
 
     monkeypatch.chdir(tmp_path)
     t = _single(bucket, seaweed)
@@ -384,7 +384,7 @@ def test_retention_deletes_only_committed_owned_checkpoints(
     ``epoch_*_step_*`` (older or newer, even with a DCP part committed), one whose commit does not read or names
     parts that are not there (newer ones: never counted as the one to keep), other names and another root whose
     name starts like this one (``run2``) stay."""
-    from dcp_s3.store import open_store
+    from dcp_s3._dcp import open_store
 
     monkeypatch.chdir(tmp_path)
     root = f"s3://{bucket}/{RUN}"
@@ -439,7 +439,7 @@ def test_an_interrupted_save_is_replaced_never_mixed_in(
 ) -> None:
     """A save killed before its commit leaves a checkpoint that is not there (not the latest, not loadable); the
     rerun of that step writes a save of its own beside it, and a load reads only the committed one's parts."""
-    from dcp_s3.store import open_store
+    from dcp_s3._dcp import open_store
 
     monkeypatch.chdir(tmp_path)
     root = f"s3://{bucket}/{RUN}"

@@ -555,7 +555,7 @@ def test_a_save_killed_mid_upload_leaves_the_last_committed_step(
 
     from held_child import HeldChild
 
-    from dcp_s3.store import open_store
+    from dcp_s3._dcp import open_store
 
     child = str(Path(__file__).with_name("titan_child.py"))
     dump, tmp = tmp_path / "dump", rank_tmp

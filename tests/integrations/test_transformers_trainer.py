@@ -33,9 +33,9 @@ from test_accelerate import _equal, _model, _state, _train
 from torch import nn
 
 from dcp_s3 import ConfigError, StorageOptions
+from dcp_s3._layout import METADATA_KEY
 from dcp_s3.integrations.accelerate import route_fsdp_checkpoints
 from dcp_s3.integrations.trainer_dirs import LocalDirs
-from dcp_s3.layout import METADATA_KEY
 
 pytestmark = pytest.mark.multiproc
 

@@ -23,20 +23,21 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_s3 import S3StorageReader, S3StorageWriter, ScalableSavePlanner, layout
+from dcp_s3 import S3StorageReader, S3StorageWriter, ScalableSavePlanner
+from dcp_s3 import _layout as layout
+from dcp_s3._codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
+from dcp_s3._layout import CODEC_DESCRIPTOR, ItemLocation
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata import formats
+from dcp_s3._metadata.compact import MAGIC
+from dcp_s3._metadata.compact_chunks import ExplicitChunks, RuleChunks
+from dcp_s3._metadata.compact_read import materialize
+from dcp_s3._metadata.compact_storage import CompactStorage
+from dcp_s3._metadata.compact_write import dump_compact
+from dcp_s3._metadata.formats import dump_metadata, load_metadata
+from dcp_s3._planners.load import ScalableLoadPlanner
 from dcp_s3._torch_compat import _StorageInfo
-from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
 from dcp_s3.errors import ConfigError
-from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata import formats
-from dcp_s3.metadata.compact import MAGIC
-from dcp_s3.metadata.compact_chunks import ExplicitChunks, RuleChunks
-from dcp_s3.metadata.compact_read import materialize
-from dcp_s3.metadata.compact_storage import CompactStorage
-from dcp_s3.metadata.compact_write import dump_compact
-from dcp_s3.metadata.formats import dump_metadata, load_metadata
-from dcp_s3.planners.load import ScalableLoadPlanner
 from tests.objects import object_keys
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
@@ -284,7 +285,7 @@ def test_inspect_verify_and_overwrite_on_a_compact_checkpoint(
     bucket: str, s3_env: LocalS3Server, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The CLI reads compact metadata; a save over a compact checkpoint deletes the objects it replaced."""
-    from dcp_s3.cli import commands as cli
+    from dcp_s3._cli import commands as cli
 
     state = fsdp_like_state()
     uri = f"s3://{bucket}/ckpt"

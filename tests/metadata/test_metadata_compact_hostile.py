@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from dcp_s3._metadata.compact import MAGIC
+from dcp_s3._metadata.formats import dump_metadata, load_metadata
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.metadata.compact import MAGIC
-from dcp_s3.metadata.formats import dump_metadata, load_metadata
 from tests.metadata.test_metadata_compact import hand_built
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)

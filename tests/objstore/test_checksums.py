@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.checksums import crc32c_combine
 from dcp_s3.errors import ConfigError
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.checksums import crc32c_combine
 from tests.objects import data_key, hooked
 
 crc32c = crc32c_module.crc32c

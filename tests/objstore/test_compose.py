@@ -1,4 +1,4 @@
-"""``dcp_s3.objstore.compose``: one object made of given bytes and ranges of stored objects.
+"""``dcp_s3._objstore.compose``: one object made of given bytes and ranges of stored objects.
 
 The plan obeys S3's part rules (every part but the last >= the minimum) and copies large spans; on SeaweedFS
 and moto the parts are UploadPartCopy requests (the server's bytes, never this process's) and the result is
@@ -18,12 +18,12 @@ import pytest
 from botocore.config import Config
 from fault_proxy import FaultProxy, Rule
 
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.base import ObjectStore, Span
-from dcp_s3.objstore.buffers import MIN_PART_SIZE
-from dcp_s3.objstore.compose import Piece, batches, compose, plan_parts
-from dcp_s3.objstore.local import LocalObjectStore
-from dcp_s3.objstore.s3 import S3ObjectStore
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.base import ObjectStore, Span
+from dcp_s3._objstore.buffers import MIN_PART_SIZE
+from dcp_s3._objstore.compose import Piece, batches, compose, plan_parts
+from dcp_s3._objstore.local import LocalObjectStore
+from dcp_s3._objstore.s3 import S3ObjectStore
 
 MiB = 1 << 20
 

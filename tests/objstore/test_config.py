@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from dcp_s3._dcp import open_store
+from dcp_s3._dcp.options import Settings
+from dcp_s3._objstore.config import ClientConfig, TransferConfig
+from dcp_s3._objstore.uri import parse_s3_uri
 from dcp_s3.errors import ConfigError, InvalidCheckpointIdError
-from dcp_s3.objstore.config import ClientConfig, TransferConfig
-from dcp_s3.objstore.uri import parse_s3_uri
-from dcp_s3.storage.options import Settings
-from dcp_s3.store import open_store
 
 
 def test_parse_s3_uri() -> None:
@@ -103,7 +103,7 @@ def test_decode_threads_are_a_small_bounded_setting() -> None:
     import os
 
     from dcp_s3 import S3StorageReader
-    from dcp_s3.objstore.config import TransferConfig
+    from dcp_s3._objstore.config import TransferConfig
 
     assert TransferConfig().decode_threads == min(4, os.cpu_count() or 1)
     assert S3StorageReader("s3://bucket/x", transfer=TransferConfig(decode_threads=3))._codec.threads == 3

@@ -22,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 from fault_proxy import FaultProxy, Rule
 
 from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.s3 import S3ObjectStore
 from dcp_s3.errors import ConfigError, S3ThrottledError
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.s3 import S3ObjectStore
 
 WRITES = {
     "PutObject",

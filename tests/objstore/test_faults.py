@@ -30,9 +30,9 @@ from dist_utils import free_port  # noqa: E402
 from fault_proxy import FaultProxy, Rule  # noqa: E402
 
 from dcp_s3 import S3StorageReader, S3StorageWriter  # noqa: E402
+from dcp_s3._local_server import LocalS3Server  # noqa: E402
+from dcp_s3._objstore.config import TransferConfig  # noqa: E402
 from dcp_s3.admin import collect_garbage, find_garbage  # noqa: E402
-from dcp_s3.local_server import LocalS3Server  # noqa: E402
-from dcp_s3.objstore.config import TransferConfig  # noqa: E402
 from tests.objects import TOKEN
 
 MiB = 1 << 20
@@ -356,11 +356,11 @@ def test_get_bodies_are_read_through_public_response_apis_only() -> None:
     ``_raw_stream``, ``_connection``): they change between releases without notice."""
     import ast
 
-    import dcp_s3.objstore
+    import dcp_s3._objstore
 
     private = {"_fp", "_raw_stream", "_original_response", "_connection"}
     found = []
-    for path in Path(dcp_s3.objstore.__file__).parent.glob("*.py"):
+    for path in Path(dcp_s3._objstore.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "value", None)
             if name in private:

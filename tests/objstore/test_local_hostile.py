@@ -24,8 +24,13 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 import dcp_s3
-from dcp_s3 import S3StorageReader, S3StorageWriter, TransferConfig, cli
-from dcp_s3.checkpointer import Checkpointer
+from dcp_s3 import S3StorageReader, S3StorageWriter, TransferConfig
+from dcp_s3 import _cli as cli
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._dcp import open_store
+from dcp_s3._dcp.session import LocalDir, parse_location
+from dcp_s3._layout import METADATA_KEY
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -33,10 +38,6 @@ from dcp_s3.errors import (
     DcpS3Error,
     S3TransferError,
 )
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.storage.session import LocalDir, parse_location
-from dcp_s3.store import open_store
 
 ROOT = Path(dcp_s3.__file__).resolve().parents[1]  # the children import the dcp_s3 under test
 STATE = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}
@@ -163,8 +164,8 @@ CHILD = textwrap.dedent(
     import torch
     import torch.distributed.checkpoint as dcp
     import dcp_s3
-    from dcp_s3 import S3StorageReader, S3StorageWriter, cli
-    import dcp_s3.admin, dcp_s3.store.local, dcp_s3.store.s3, dcp_s3.checkpointer  # noqa: F401  (before setuid)
+    from dcp_s3 import S3StorageReader, S3StorageWriter, _cli as cli
+    import dcp_s3.admin, dcp_s3._dcp.store_local, dcp_s3._dcp.store_s3, dcp_s3._checkpointer  # noqa: F401  (before setuid)
 
     what, target = sys.argv[1], sys.argv[2]
     state = {"w": torch.zeros(3, 4), "b": torch.zeros(5)}
@@ -193,7 +194,7 @@ CHILD = textwrap.dedent(
             elif what == "cp":
                 result["code"] = cli.main(["cp", target, os.environ["CHILD_CP_TO"]])
             elif what == "store-write":
-                dcp_s3.store.local.LocalStore(target).write("x.pth", b"data")
+                dcp_s3._dcp.store_local.LocalStore(target).write("x.pth", b"data")
             else:
                 result["code"] = cli.main([what, target] + (["--yes", "--older-than", "0s"] if what == "gc" else []))
     except BaseException as exc:  # MemoryError and DCP's CheckpointException included
@@ -395,7 +396,7 @@ def test_a_failed_file_write_is_a_wrapped_os_error(tmp_path: Path) -> None:
 
 
 def test_os_errors_keep_their_builtin_and_name_the_path(tmp_path: Path) -> None:
-    from dcp_s3.objstore.local_fs import wrap_os_error
+    from dcp_s3._objstore.local_fs import wrap_os_error
 
     err = wrap_os_error(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), "write", "/ckpt/.metadata")
     assert isinstance(err, S3TransferError) and isinstance(err, OSError) and err.errno == errno.ENOSPC
@@ -438,7 +439,7 @@ def test_file_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_whole_reads_stop_at_the_limit_whatever_the_size_said() -> None:
-    from dcp_s3.objstore.local import LocalObjectStore
+    from dcp_s3._objstore.local import LocalObjectStore
 
     # /proc files are regular files that report 0 bytes and hold more: as a file growing while read
     status = LocalObjectStore("/proc/self").get("status")
@@ -448,7 +449,7 @@ def test_whole_reads_stop_at_the_limit_whatever_the_size_said() -> None:
 
 
 def test_follow_symlinks_is_for_reads_and_listings_only(tmp_path: Path) -> None:
-    from dcp_s3.objstore.local import LocalObjectStore
+    from dcp_s3._objstore.local import LocalObjectStore
 
     outside, root = tmp_path / "outside", tmp_path / "root"
     (outside / "d").mkdir(parents=True)

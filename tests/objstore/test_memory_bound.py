@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.config import TransferConfig
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.config import TransferConfig
 
 MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +121,7 @@ def test_buffer_reader_is_a_seekable_view_of_the_buffer() -> None:
     """What botocore needs of an upload body: reads in pieces, length by seek/tell, rewind for a retry."""
     from botocore.utils import determine_content_length
 
-    from dcp_s3.objstore.buffers import BufferReader
+    from dcp_s3._objstore.buffers import BufferReader
 
     buf = bytearray(b"0123456789")
     with BufferReader(buf, 7) as body:

@@ -16,13 +16,13 @@ import botocore
 import pytest
 from botocore.exceptions import ClientError
 
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.base import RangeRead, coalesce
+from dcp_s3._objstore.buffers import BufferPool, fit_part_size
+from dcp_s3._objstore.config import ClientConfig
+from dcp_s3._objstore.s3 import S3ObjectStore
+from dcp_s3._objstore.user_agent import USER_AGENT
 from dcp_s3.errors import S3TransferError
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.base import RangeRead, coalesce
-from dcp_s3.objstore.buffers import BufferPool, fit_part_size
-from dcp_s3.objstore.config import ClientConfig
-from dcp_s3.objstore.s3 import S3ObjectStore
-from dcp_s3.objstore.user_agent import USER_AGENT
 
 MiB = 1 << 20
 
@@ -185,8 +185,8 @@ def test_object_stores_and_codec_do_not_import_torch() -> None:
     """Every module of the torch-free subpackages (the object stores, the codec): importing them, in a
     fresh interpreter, loads no torch."""
     code = (
-        "import importlib, pkgutil, sys, dcp_s3.objstore, dcp_s3.codec\n"
-        "names = [m.name for p in (dcp_s3.objstore, dcp_s3.codec) for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.')]\n"
+        "import importlib, pkgutil, sys, dcp_s3._objstore, dcp_s3._codec\n"
+        "names = [m.name for p in (dcp_s3._objstore, dcp_s3._codec) for m in pkgutil.walk_packages(p.__path__, p.__name__ + '.')]\n"
         "assert len(names) >= 14, names\n"
         "for name in names: importlib.import_module(name)\n"
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
@@ -201,8 +201,8 @@ def test_object_stores_and_codec_do_not_import_torch() -> None:
 
 
 def test_wrong_region_is_a_config_error_naming_the_right_one() -> None:
+    from dcp_s3._objstore.s3_requests import translate_error
     from dcp_s3.errors import ConfigError
-    from dcp_s3.objstore.s3_requests import translate_error
 
     response = {
         "Error": {"Code": "AuthorizationHeaderMalformed", "Message": "the region 'us-east-1' is wrong"},
@@ -217,8 +217,8 @@ def test_wrong_region_is_a_config_error_naming_the_right_one() -> None:
 def test_credential_errors_are_decided_by_type_not_message() -> None:
     from botocore.exceptions import NoCredentialsError, ParamValidationError, PartialCredentialsError
 
+    from dcp_s3._objstore.s3_requests import translate_error
     from dcp_s3.errors import S3AccessDeniedError
-    from dcp_s3.objstore.s3_requests import translate_error
 
     for exc in (NoCredentialsError(), PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY")):
         assert isinstance(translate_error(exc, "PUT", "bkt", "k"), S3AccessDeniedError), exc

@@ -20,8 +20,8 @@ from dist_utils import run_ranks
 from throttle_proxy import ThrottleProxy
 
 from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.rate_hooks import request_stats
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.rate_hooks import request_stats
 
 SAVER = Path(__file__).with_name("throttled_saver.py")
 pytestmark = pytest.mark.multiproc

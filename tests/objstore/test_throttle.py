@@ -16,11 +16,11 @@ import statistics
 import pytest
 
 from benchmarks import throttle_sim
+from dcp_s3._objstore.rate_bucket import DECREASE, INCREASE, LEARNT_DOUBLING_S, MIN_RATE, RECOVER, START_FRACTION
+from dcp_s3._objstore.rate_hooks import controller_for, request_stats_since
+from dcp_s3._objstore.rate_limits import RateKey, is_throttle, rate_key
+from dcp_s3._objstore.throttle import IDLE_FORGET_S, RateController
 from dcp_s3.errors import S3ThrottledError
-from dcp_s3.objstore.rate_bucket import DECREASE, INCREASE, LEARNT_DOUBLING_S, MIN_RATE, RECOVER, START_FRACTION
-from dcp_s3.objstore.rate_hooks import controller_for, request_stats_since
-from dcp_s3.objstore.rate_limits import RateKey, is_throttle, rate_key
-from dcp_s3.objstore.throttle import IDLE_FORGET_S, RateController
 
 KEY = RateKey("b", "run/", "write")
 

@@ -18,14 +18,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from crc32c import crc32c
 
-import dcp_s3.storage.writer as writer_module
+import dcp_s3._dcp.writer as writer_module
 from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.buffers import MIN_PART_SIZE, BufferPool
+from dcp_s3._objstore.config import ClientConfig
+from dcp_s3._objstore.s3 import S3ObjectStore
+from dcp_s3._objstore.s3_multipart import direct_part_size
 from dcp_s3.errors import S3TransferError
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.buffers import MIN_PART_SIZE, BufferPool
-from dcp_s3.objstore.config import ClientConfig
-from dcp_s3.objstore.s3 import S3ObjectStore
-from dcp_s3.objstore.s3_multipart import direct_part_size
 
 MiB = 1 << 20
 PART = MIN_PART_SIZE  # 5 MiB

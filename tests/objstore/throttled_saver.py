@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3 import ClientConfig, S3StorageWriter
-from dcp_s3.objstore.rate_hooks import request_stats
+from dcp_s3._objstore.rate_hooks import request_stats
 
 
 def main() -> None:

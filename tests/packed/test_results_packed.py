@@ -21,15 +21,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from dcp_s3._codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
+from dcp_s3._layout import CODEC_DESCRIPTOR, ItemLocation
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.compact_chunks import RuleChunks
+from dcp_s3._metadata.compact_write import dump_compact
+from dcp_s3._metadata.formats import load_metadata
+from dcp_s3._packed.results import PackedResults
 from dcp_s3._torch_compat import _StorageInfo
-from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
 from dcp_s3.errors import ConfigError
-from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.compact_chunks import RuleChunks
-from dcp_s3.metadata.compact_write import dump_compact
-from dcp_s3.metadata.formats import load_metadata
-from dcp_s3.packed.results import PackedResults
 from tests.metadata.test_metadata_compact import fsdp_chunks, hand_built
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)

@@ -1,4 +1,4 @@
-"""Tests of dcp_s3.planners: trainable-only save/load and meta-rank loads."""
+"""Tests of dcp_s3._planners: trainable-only save/load and meta-rank loads."""
 
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.planners import (
+from dcp_s3._planners import (
     MetaRankLoadPlanner,
     TrainableOnlyLoadPlanner,
     TrainableOnlySavePlanner,
     frozen_parameter_fqns,
 )
+from dcp_s3.errors import CheckpointFormatError
 from tests.dist_utils import run_ranks
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)

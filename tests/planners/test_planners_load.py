@@ -21,9 +21,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.compact_chunks import ExplicitChunks, RuleChunks
-from dcp_s3.planners.load import ScalableLoadPlanner, read_items_for_chunks
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.compact_chunks import ExplicitChunks, RuleChunks
+from dcp_s3._planners.load import ScalableLoadPlanner, read_items_for_chunks
 from tests.objects import object_keys
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
@@ -156,8 +156,8 @@ def test_resharding_load_is_bit_exact_and_plans_match(bucket: str, s3_env: Local
     uri = f"s3://{bucket}/fsdp"
     run_ranks(save_job, 4, s3_env.env(), uri)
     body = s3_env.client().get_object(Bucket=bucket, Key="fsdp/.metadata")["Body"].read()
-    from dcp_s3.metadata.compact import MAGIC
-    from dcp_s3.metadata.formats import load_metadata
+    from dcp_s3._metadata.compact import MAGIC
+    from dcp_s3._metadata.formats import load_metadata
 
     assert body.startswith(MAGIC)
     md = load_metadata(body, uri)
@@ -173,8 +173,8 @@ def test_local_plan_on_compact_metadata_equals_torchs_and_keeps_its_errors() -> 
 
     from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 
-    from dcp_s3.metadata.formats import dump_metadata, load_metadata
-    from dcp_s3.planners.load import local_load_plan
+    from dcp_s3._metadata.formats import dump_metadata, load_metadata
+    from dcp_s3._planners.load import local_load_plan
     from tests.metadata.test_metadata_compact import hand_built
 
     stock = hand_built()
@@ -198,8 +198,8 @@ def test_checkpointer_loads_compact_metadata_through_the_scalable_planner(tmp_pa
     """The Checkpointer's load planners are ScalableLoadPlanners: a step saved with compact
     metadata (model with a frozen layer, AdamW state) resumes bit-exact, frozen weights untouched."""
     from dcp_s3 import Checkpointer, TrainableOnlyLoadPlanner
-    from dcp_s3.metadata.compact import MAGIC
-    from dcp_s3.planners.optim_match import OptimizerLoadPlanner
+    from dcp_s3._metadata.compact import MAGIC
+    from dcp_s3._planners.optim_match import OptimizerLoadPlanner
 
     assert issubclass(TrainableOnlyLoadPlanner, ScalableLoadPlanner)
     assert issubclass(OptimizerLoadPlanner, ScalableLoadPlanner)

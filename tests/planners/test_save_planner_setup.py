@@ -21,10 +21,10 @@ from dist_utils import run_ranks
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
-import dcp_s3.planners  # noqa: F401  (registers dcp_s3's planners as subclasses)
+import dcp_s3._planners  # noqa: F401  (registers dcp_s3's planners as subclasses)
 from dcp_s3 import S3StorageReader, S3StorageWriter
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.planners.scale import ScalableSavePlanner
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._planners.scale import ScalableSavePlanner
 
 
 class Observed(ScalableSavePlanner):

@@ -15,10 +15,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_s3 import CheckpointFormatError
-from dcp_s3.packed.plans import PackedItems, PackedMapping
-from dcp_s3.planners.save import dedup_save_plans, global_save_plan, merged_planner_data
-from dcp_s3.planners.scale import ScalableSavePlanner
-from dcp_s3.planners.vector import vector_global_plan
+from dcp_s3._packed.plans import PackedItems, PackedMapping
+from dcp_s3._planners.save import dedup_save_plans, global_save_plan, merged_planner_data
+from dcp_s3._planners.scale import ScalableSavePlanner
+from dcp_s3._planners.vector import vector_global_plan
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 

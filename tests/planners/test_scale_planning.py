@@ -24,11 +24,11 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-import dcp_s3.planners.scale as ps
+import dcp_s3._planners.scale as ps
 from dcp_s3 import CheckpointFormatError, CheckpointNotFoundError, S3StorageReader, S3StorageWriter
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.packed.plans import PackedItems
-from dcp_s3.planners.scale import ScalableSavePlanner, validate_global_plan
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._packed.plans import PackedItems
+from dcp_s3._planners.scale import ScalableSavePlanner, validate_global_plan
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 

@@ -28,10 +28,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.compact_chunks import RuleChunks, chunk_rule, rule_chunk
-from dcp_s3.planners.scale import ScalableSavePlanner
-from dcp_s3.planners.vector import rule_dim
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.compact_chunks import RuleChunks, chunk_rule, rule_chunk
+from dcp_s3._planners.scale import ScalableSavePlanner
+from dcp_s3._planners.vector import rule_dim
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dcp_s3 import ConfigError, S3StorageReader, S3StorageWriter
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._local_server import LocalS3Server
 
 pytestmark = pytest.mark.multiproc
 

@@ -27,10 +27,10 @@ from dcp_s3 import (
     ServerCapabilityError,
     save_object,
 )
-from dcp_s3.layout import METADATA_KEY, referenced_objects
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.compact import MAGIC as COMPACT_MAGIC
-from dcp_s3.metadata.formats import dump_metadata, load_metadata
+from dcp_s3._layout import METADATA_KEY, referenced_objects
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.compact import MAGIC as COMPACT_MAGIC
+from dcp_s3._metadata.formats import dump_metadata, load_metadata
 from tests.fault_proxy import FaultProxy, Rule
 from tests.held_child import HeldChild
 from tests.objects import data_keys, object_keys

@@ -18,10 +18,10 @@ from test_storage import assert_same, blank_like, keys, sample_state
 from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3._layout import CODEC_DESCRIPTOR
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.admin import convert_checkpoint
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.layout import CODEC_DESCRIPTOR
-from dcp_s3.local_server import LocalS3Server
 from tests.objects import data_key, hooked
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)

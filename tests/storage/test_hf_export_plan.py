@@ -1,4 +1,4 @@
-"""The byte plan of a Hugging Face export (``dcp_s3.storage._hf_export_plan``), checked by building the files
+"""The byte plan of a Hugging Face export (``dcp_s3._dcp.hf_export_plan``), checked by building the files
 it describes from each rank's piece bytes in memory and reading them with the released ``safetensors``:
 whole-row chunks are one span each, column chunks one run per row, and a plan that covers a tensor twice
 or not at all is refused naming the tensor."""
@@ -11,8 +11,8 @@ from safetensors.torch import load
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from dcp_s3._dcp.hf_export_plan import ExportPlan, plan_export
 from dcp_s3.errors import ConfigError
-from dcp_s3.storage._hf_export_plan import ExportPlan, plan_export
 
 
 def _item(name: str, full: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> WriteItem:

@@ -20,7 +20,7 @@ from hostile import root_causes
 from safetensors.torch import load_file, save, save_file
 
 from dcp_s3 import CheckpointFormatError, CheckpointNotFoundError, S3HuggingFaceStorageReader
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._local_server import LocalS3Server
 
 
 def _upload(s3: LocalS3Server, bucket: str, prefix: str, folder: Path) -> list[str]:
@@ -199,7 +199,7 @@ def test_index_naming_a_file_outside_the_prefix_is_refused(s3_env: LocalS3Server
 
 
 def test_index_naming_too_many_shards_is_refused_before_any_shard_is_read(s3_env: LocalS3Server, bucket: str) -> None:
-    from dcp_s3.storage._safetensors_header import MAX_SHARDS
+    from dcp_s3._dcp.safetensors_header import MAX_SHARDS
 
     index = {"weight_map": {f"w{i}": f"s{i}.safetensors" for i in range(MAX_SHARDS + 1)}}
     _put(s3_env, bucket, "many/model.safetensors.index.json", json.dumps(index).encode())
@@ -329,7 +329,7 @@ def test_header_longer_than_the_first_read(s3_env: LocalS3Server, bucket: str, t
 
 def test_header_length_cap_holds_however_large_the_object() -> None:
     """The 100 MiB cap, not only the object's size, bounds the header read (a 1 TiB object declaring 2**40)."""
-    from dcp_s3.storage._safetensors_header import MAX_HEADER_BYTES, header_length
+    from dcp_s3._dcp.safetensors_header import MAX_HEADER_BYTES, header_length
 
     assert header_length(struct.pack("<Q", MAX_HEADER_BYTES), 1 << 50, "obj") == MAX_HEADER_BYTES
     with pytest.raises(CheckpointFormatError, match="at most") as info:

@@ -29,8 +29,8 @@ from dcp_s3 import (
     S3HuggingFaceStorageWriter,
     S3TransferError,
 )
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3._torch_compat import checkpoint_failures
-from dcp_s3.local_server import LocalS3Server
 
 MiB = 1 << 20
 

@@ -37,10 +37,10 @@ from dcp_s3 import (
     StorageOptions,
     TransferConfig,
 )
+from dcp_s3._cli import main as cli_main
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3._torch_compat import async_save
-from dcp_s3.cli import main as cli_main
 from dcp_s3.integrations import dcp_route
-from dcp_s3.local_server import LocalS3Server
 
 #: Whether this botocore has ``request_checksum_calculation`` (1.36 on; ``AWS_REQUEST_CHECKSUM_CALCULATION``).
 CHECKSUM_SETTING = "request_checksum_calculation" in botocore.config.Config.OPTION_DEFAULTS

@@ -12,10 +12,11 @@ from botocore.exceptions import ClientError
 from crc32c import crc32c
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_s3 import S3StorageReader, S3StorageWriter, layout
+from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3 import _layout as layout
+from dcp_s3._dcp.block_checks import BlockLedger
+from dcp_s3._local_server import LocalS3Server
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.storage.block_checks import BlockLedger
 from tests.objects import data_key, hooked
 
 MiB = 1 << 20

@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.formats import load_metadata
+from dcp_s3._layout import METADATA_KEY
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.formats import load_metadata
 from tests.objects import data_key
 
 ROWS, COLS = 3000, 1024  # 12,288,000 bytes of float32: three 4 MiB blocks (frames), the last one shorter

@@ -1,11 +1,11 @@
-"""The count of ranks still sending a save's or load's requests (``dcp_s3.storage.job_progress``), on a real
+"""The count of ranks still sending a save's or load's requests (``dcp_s3._dcp.job_progress``), on a real
 c10d store; the ranks taking up what finished ranks leave is in ``tests/objstore/test_rate_control.py``."""
 
 from __future__ import annotations
 
 from torch.distributed import HashStore
 
-from dcp_s3.storage.job_progress import JobCount, StoreProgress, job_counts
+from dcp_s3._dcp.job_progress import JobCount, StoreProgress, job_counts
 
 
 def test_ranks_sharing_a_key_prefix_share_a_count() -> None:

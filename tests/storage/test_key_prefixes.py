@@ -26,15 +26,16 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from dcp_s3 import S3StorageReader, S3StorageWriter, cli
-from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
-from dcp_s3.checkpointer.steps import scan
+from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3 import _cli as cli
+from dcp_s3._checkpointer import Checkpointer, latest_checkpoint
+from dcp_s3._checkpointer.steps import scan
+from dcp_s3._dcp import Entry
+from dcp_s3._layout import is_key_prefix_dir, rank_prefix
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.base import relative_name_problem
+from dcp_s3._untrusted.metadata_check import check_object_name
 from dcp_s3.errors import CheckpointFormatError, ConfigError
-from dcp_s3.layout import is_key_prefix_dir, rank_prefix
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.base import relative_name_problem
-from dcp_s3.store import Entry
-from dcp_s3.untrusted.metadata_check import check_object_name
 from tests.objects import data_key, object_keys, untokened
 
 PLAIN = "plain/ckpt"  # dcp.save with key_prefixes=2 on 3 ranks
@@ -93,7 +94,7 @@ def test_metadata_object_names_follow_the_shared_rules_and_more(bad: Any) -> Non
 def test_bad_key_prefixes_are_config_errors(bad: Any) -> None:
     with pytest.raises(ConfigError, match=f"key_prefixes={bad!r}"):
         rank_prefix(0, bad)
-    if bad is None:  # a storage option given as None means its default (dcp_s3.storage.options)
+    if bad is None:  # a storage option given as None means its default (dcp_s3._dcp.options)
         assert S3StorageWriter("s3://bucket/ckpt", key_prefixes=bad).key_prefixes == 1
         return
     with pytest.raises(ConfigError, match=f"key_prefixes={bad!r}"):

@@ -17,9 +17,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from dcp_s3 import CheckpointExistsError, S3StorageReader, S3StorageWriter
+from dcp_s3._layout import METADATA_KEY, referenced_objects
+from dcp_s3._metadata.formats import dump_metadata, load_metadata
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.layout import METADATA_KEY, referenced_objects
-from dcp_s3.metadata.formats import dump_metadata, load_metadata
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 
@@ -94,7 +94,7 @@ def test_metadata_naming_a_file_outside_the_directory_is_refused(tmp_path: Path)
     with pytest.raises(BaseException, match="invalid object path '../secret.distcp'"):
         dcp.load(blank(), storage_reader=S3StorageReader(tmp_path / "ck"), no_dist=True)
     # An overwrite does not delete it either (and the object store refuses such names on its own:
-    # dcp_s3/testing/objstore_conformance.py).
+    # dcp_s3/testing/_objstore_conformance.py).
     dcp.save(state(5), storage_writer=S3StorageWriter(tmp_path / "ck"), no_dist=True)
     assert outside.read_bytes() == b"not yours"
 

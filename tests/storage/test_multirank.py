@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._local_server import LocalS3Server
 from tests.objects import data_key
 
 pytestmark = pytest.mark.multiproc

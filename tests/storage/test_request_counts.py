@@ -19,8 +19,8 @@ from dist_utils import run_ranks
 from torch import nn
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._local_server import LocalS3Server
 
 pytestmark = pytest.mark.multiproc
 

@@ -14,11 +14,11 @@ from dist_utils import run_ranks
 from throttle_proxy import ThrottleProxy
 
 from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter
-from dcp_s3.layout import METADATA_KEY
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.formats import load_metadata
-from dcp_s3.objstore.rate_hooks import request_stats
-from dcp_s3.storage.request_report import RankResults, split_results, summary
+from dcp_s3._dcp.request_report import RankResults, split_results, summary
+from dcp_s3._layout import METADATA_KEY
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.formats import load_metadata
+from dcp_s3._objstore.rate_hooks import request_stats
 
 
 def _throttled_save(rank: int, world: int, env: dict[str, str], uri: str, endpoint: str) -> dict:

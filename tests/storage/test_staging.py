@@ -1,4 +1,4 @@
-"""Pinned staging of CUDA tensors (``dcp_s3.storage.staging``), tested on CPU.
+"""Pinned staging of CUDA tensors (``dcp_s3._dcp.staging``), tested on CPU.
 
 The pool, its bound, the fallback and the order of copies and uploads are plain logic: a fake side
 stream stands in for CUDA, whose copies run only when their event is waited for (as a real copy may
@@ -22,11 +22,11 @@ from fault_proxy import FaultProxy, Rule
 from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_s3 import S3StorageReader, S3StorageWriter
+from dcp_s3._dcp import staging as staging_mod
+from dcp_s3._dcp.staging import DeviceStaging, PinnedPool, Stagings, device_chunks, save_pinned_bound
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.config import ClientConfig, TransferConfig
 from dcp_s3.errors import DcpS3Error
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.config import ClientConfig, TransferConfig
-from dcp_s3.storage import staging as staging_mod
-from dcp_s3.storage.staging import DeviceStaging, PinnedPool, Stagings, device_chunks, save_pinned_bound
 
 MiB = 1 << 20
 

@@ -23,7 +23,7 @@ from dcp_s3 import (
     S3StorageReader,
     S3StorageWriter,
 )
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._local_server import LocalS3Server
 from tests.objects import data_key, data_keys, data_name, hooked
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
@@ -301,7 +301,7 @@ def test_non_s3_uris_rejected(uri: str) -> None:
 @pytest.mark.parametrize("path", ["/tmp/ckpt", "file:///tmp/ckpt", Path("/tmp/ckpt"), "rel/ckpt"])
 def test_local_paths_select_the_local_backend(path: str | Path) -> None:
     """Local paths used to be refused; they now mean the local object store (same format and protocol)."""
-    from dcp_s3.objstore.local import LocalObjectStore
+    from dcp_s3._objstore.local import LocalObjectStore
 
     assert S3StorageWriter.validate_checkpoint_id(path) and S3StorageReader.validate_checkpoint_id(path)
     writer = S3StorageWriter(path)

@@ -18,23 +18,23 @@ import torch.distributed.checkpoint as dcp
 
 import dcp_s3
 from dcp_s3 import ClientConfig, ConfigError, S3StorageReader, S3StorageWriter, StorageOptions, TransferConfig
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.storage.options import KEYWORDS, ReaderSettings, Settings, WriterSettings
-from dcp_s3.store import open_store
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._dcp import open_store
+from dcp_s3._dcp.options import KEYWORDS, ReaderSettings, Settings, WriterSettings
+from dcp_s3._local_server import LocalS3Server
 
 PACKAGE = Path(dcp_s3.__file__).parent
 #: The classes that declare the settings (their fields, with defaults and checks).
 PARTS = (ClientConfig, TransferConfig, WriterSettings, ReaderSettings)
 #: Parameters and fields that share a setting's name but are another thing: (module, function or class, name).
 OTHER_MEANINGS = {
-    ("layout.py", "rank_prefix", "key_prefixes"),  # the layout's own function of a count, 1 = flat
-    ("metadata/formats.py", "dump_metadata", "metadata_format"),  # the function's format, "dcp" = torch's
-    ("admin/convert.py", "convert_checkpoint", "overwrite"),  # a conversion's rule for its destination
-    ("admin/copying.py", "copy_checkpoint", "overwrite"),  # a copy's rule for its destination
-    ("store/base.py", "write", "overwrite"),  # one object's write, not a checkpoint's
-    ("testing/targets.py", "writer", "overwrite"),  # the conformance targets' call, passed on as given
-    ("local_server.py", "LocalS3Server", "region"),  # the local server's own region, which it reports
+    ("_layout.py", "rank_prefix", "key_prefixes"),  # the layout's own function of a count, 1 = flat
+    ("_metadata/formats.py", "dump_metadata", "metadata_format"),  # the function's format, "dcp" = torch's
+    ("admin/_convert.py", "convert_checkpoint", "overwrite"),  # a conversion's rule for its destination
+    ("admin/_copying.py", "copy_checkpoint", "overwrite"),  # a copy's rule for its destination
+    ("_dcp/store.py", "write", "overwrite"),  # one object's write, not a checkpoint's
+    ("testing/_targets.py", "writer", "overwrite"),  # the conformance targets' call, passed on as given
+    ("_local_server.py", "LocalS3Server", "region"),  # the local server's own region, which it reports
 }
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_s3 import ConfigError, S3StorageReader, S3StorageWriter, StorageOptions
-from dcp_s3.local_server import LocalS3Server
+from dcp_s3._local_server import LocalS3Server
 
 
 def test_writer_and_reader_each_get_their_own_options(bucket: str, s3_env: LocalS3Server) -> None:

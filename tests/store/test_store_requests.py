@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 from torch import nn
 
-from dcp_s3.checkpointer import Checkpointer, latest_checkpoint
-from dcp_s3.checkpointer.generations import find_complete
-from dcp_s3.checkpointer.retention import retain_last
-from dcp_s3.checkpointer.steps import complete_steps, scan
-from dcp_s3.cli import commands as cli
-from dcp_s3.cli.text import parse_request_arg
+from dcp_s3._checkpointer import Checkpointer, latest_checkpoint
+from dcp_s3._checkpointer.generations import find_complete
+from dcp_s3._checkpointer.retention import retain_last
+from dcp_s3._checkpointer.steps import complete_steps, scan
+from dcp_s3._cli import commands as cli
+from dcp_s3._cli.text import parse_request_arg
+from dcp_s3._dcp import open_store
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore import config, s3_multipart
+from dcp_s3._objstore import s3 as objstore_s3
 from dcp_s3.errors import CheckpointNotFoundError
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore import config, s3_multipart
-from dcp_s3.objstore import s3 as objstore_s3
-from dcp_s3.store import open_store
 
 MiB = 1 << 20
 OWNER = "123456789012"

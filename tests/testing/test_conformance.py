@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from dcp_s3._objstore.base import ObjectStore
+from dcp_s3._objstore.local import LocalObjectStore
+from dcp_s3._objstore.s3 import S3ObjectStore
 from dcp_s3.errors import CheckpointFormatError
-from dcp_s3.objstore.base import ObjectStore
-from dcp_s3.objstore.local import LocalObjectStore
-from dcp_s3.objstore.s3 import S3ObjectStore
 from dcp_s3.testing import LocalRaw, LocalS3Server, ObjectStoreConformance, S3Raw, StoreConformance, Target
 
 

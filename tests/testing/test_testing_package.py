@@ -11,7 +11,8 @@ import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from dcp_s3 import local_server, testing
+from dcp_s3 import _local_server as local_server
+from dcp_s3 import testing
 from dcp_s3.testing import ObjectStoreConformance, StoreConformance
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +35,7 @@ def test_no_module_but_dcp_s3_testing_imports_pytest() -> None:
         """
         import sys
         from pathlib import Path
-        import dcp_s3, dcp_s3.storage, dcp_s3.checkpointer, dcp_s3.admin
+        import dcp_s3, dcp_s3._dcp, dcp_s3._checkpointer, dcp_s3.admin
         assert "pytest" not in sys.modules and "_pytest" not in sys.modules, "the public modules load pytest"
         top = Path(dcp_s3.__file__).parent
         for path in sorted(top.rglob("*.py")):  # not pkgutil.walk_packages: it imports dcp_s3.testing to descend
@@ -62,7 +63,7 @@ def test_without_pytest_the_import_names_the_extra() -> None:
                 return None
 
         sys.meta_path.insert(0, NoPytest())
-        from dcp_s3.local_server import LocalS3Server  # the documented path needs no pytest
+        from dcp_s3._local_server import LocalS3Server  # the documented path needs no pytest
         try:
             import dcp_s3.testing
         except ImportError as exc:
@@ -95,7 +96,7 @@ from pathlib import Path
 
 import pytest
 
-from dcp_s3.objstore.local import LocalObjectStore
+from dcp_s3._objstore.local import LocalObjectStore
 from dcp_s3.testing import LocalRaw, ObjectStoreConformance, StoreConformance, Target
 
 

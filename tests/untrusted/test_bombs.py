@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkSto
 
 import dcp_s3
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
+from dcp_s3._untrusted.byte_items import byte_item_problem
 from dcp_s3.admin import convert_checkpoint
-from dcp_s3.untrusted.byte_items import byte_item_problem
 
 pytestmark = pytest.mark.torch_range  # also run on the lowest and the highest supported torch (.ci/run)
 
@@ -59,7 +59,7 @@ _CHILD = textwrap.dedent(
     import json, resource, sys, time
     import psutil, torch
     from bomb_child import blank_load
-    import dcp_s3.storage.reader, dcp_s3.untrusted.foreign_items, dcp_s3.untrusted.weights_only  # noqa: F401  (mapped before the limit)
+    import dcp_s3._dcp.reader, dcp_s3._untrusted.foreign_items, dcp_s3._untrusted.weights_only  # noqa: F401  (mapped before the limit)
     limit = psutil.Process().memory_info().vms + int(sys.argv[1])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     start = psutil.Process().memory_info().rss
@@ -289,7 +289,7 @@ def test_convert_refuses_metadata_whose_chunks_do_not_cover_the_tensor(tmp_path:
 @pytest.mark.parametrize("table", ["codecs", "objects", "transforms"])
 def test_compact_metadata_with_an_empty_table_is_a_format_error(table: str) -> None:
     """An empty codecs table used to raise IndexError when the first compressed entry was built."""
-    from dcp_s3.metadata.formats import load_metadata
+    from dcp_s3._metadata.formats import load_metadata
     from tests.metadata.test_metadata_compact_hostile import WHERE, genuine, join
 
     header, arrays = genuine()
@@ -355,7 +355,7 @@ def test_verify_never_loads_a_marker_the_checker_refuses(tmp_path: Path, monkeyp
     """``dcp-s3 verify`` reads a step's marker to check its parts; a refused marker is never handed to
     ``torch.load`` (which would run the punycode encoding, ~10 s here, or grow the memo array)."""
     from dcp_s3 import Checkpointer
-    from dcp_s3.admin.verify import verify_checkpoint
+    from dcp_s3.admin._verify import verify_checkpoint
 
     run = tmp_path / "run"
     Checkpointer(run).save({"m": torch.nn.Linear(2, 2)}, iteration=5)

@@ -24,7 +24,12 @@ import torch.distributed.checkpoint as dcp
 from botocore.compat import HAS_CRT
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter, TransferConfig, cli
+from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter, TransferConfig
+from dcp_s3 import _cli as cli
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._objstore.redact import RedactSecrets
+from dcp_s3._objstore.uri import parse_s3_uri
 from dcp_s3.admin import (
     collect_garbage,
     convert_checkpoint,
@@ -32,7 +37,6 @@ from dcp_s3.admin import (
     find_garbage,
     remove_checkpoint,
 )
-from dcp_s3.checkpointer import Checkpointer
 from dcp_s3.errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -40,9 +44,6 @@ from dcp_s3.errors import (
     DcpS3Error,
     InvalidCheckpointIdError,
 )
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.objstore.redact import RedactSecrets
-from dcp_s3.objstore.uri import parse_s3_uri
 
 STATE = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5)}
 

@@ -58,13 +58,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_s3 import CheckpointFormatError, S3StorageReader, S3StorageWriter
+from dcp_s3._checkpointer import Checkpointer
+from dcp_s3._codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
+from dcp_s3._layout import CODEC_DESCRIPTOR, ItemLocation
+from dcp_s3._local_server import LocalS3Server
+from dcp_s3._metadata.formats import load_metadata
+from dcp_s3._untrusted.byte_items import byte_item_problem
 from dcp_s3.admin import convert_checkpoint, inspect_checkpoint, verify_checkpoint
-from dcp_s3.checkpointer import Checkpointer
-from dcp_s3.codec import CODEC_NAME, CODEC_VERSION, GROUP_FLOAT, FrameIndex
-from dcp_s3.layout import CODEC_DESCRIPTOR, ItemLocation
-from dcp_s3.local_server import LocalS3Server
-from dcp_s3.metadata.formats import load_metadata
-from dcp_s3.untrusted.byte_items import byte_item_problem
 
 
 def state() -> dict[str, Any]:
@@ -326,7 +326,7 @@ def test_metadata_name_lookup_imports_nothing() -> None:
     script = textwrap.dedent(
         """
         import sys, pickle
-        import dcp_s3.metadata.formats as layout
+        import dcp_s3._metadata.formats as layout
         from dcp_s3 import CheckpointFormatError
         lazy = [m for m in ("_dynamo", "_inductor", "_export", "onnx") if f"torch.{m}" not in sys.modules]
         assert lazy, "every lazy submodule is already imported"
@@ -758,7 +758,7 @@ def test_a_plan_beyond_the_stored_chunk_is_refused(bucket: str, s3_env: LocalS3S
 
 
 def test_cli_convert_refuses_payloads_unless_told(bucket: str, s3_env: LocalS3Server, tmp_path: Path) -> None:
-    from dcp_s3.cli import main
+    from dcp_s3._cli import main
 
     marker = tmp_path / "pwned"
     uri = f"s3://{bucket}/ck"

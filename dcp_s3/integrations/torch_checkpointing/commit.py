@@ -21,7 +21,7 @@ directory never moves. Its objects are written, from the start, below the *final
   taken from stored text), and the object's size and ETag must equal the manifest's. Every file of
   one load comes from one save, or the read is refused.
 
-Claims and the marker are published, read back and deleted by :mod:`dcp_s3.commit`, the one commit primitive.
+Claims and the marker are published, read back and deleted by :mod:`dcp_s3._commit`, the one commit primitive.
 
 A save killed after a rank claimed its place leaves that claim and its writer's files. The job restarted
 (a new attempt) claims places of its own and commits only its own writers' files: a dead attempt's
@@ -41,11 +41,11 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dcp_s3 import commit as marker
-from dcp_s3.checkpointer.names import number
+from dcp_s3 import _commit as marker
+from dcp_s3._checkpointer.names import number
+from dcp_s3._dcp.store import Store
+from dcp_s3._objstore.base import check_relative_name
 from dcp_s3.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError
-from dcp_s3.objstore.base import check_relative_name
-from dcp_s3.store.base import Store
 
 __all__ = [
     "MARKER",

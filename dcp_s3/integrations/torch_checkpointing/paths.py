@@ -18,11 +18,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dcp_s3._dcp.store import Store
 from dcp_s3.errors import InvalidCheckpointIdError
 from dcp_s3.integrations._locations import s3_location
 from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manifest
-from dcp_s3.store.base import Store
 
 __all__ = ["Where", "split", "in_stage", "locate", "contents", "shown"]
 

@@ -2,24 +2,24 @@
 
 torch_checkpointing's ``CheckpointManager`` has no retention of its own (0.1.1: it neither lists nor deletes
 checkpoints); a user deletes with ``Storage.rmdir``, and :class:`~dcp_s3.integrations.torch_checkpointing.KeepLast`
-keeps the newest few. Both come here, and here every deletion asks :mod:`dcp_s3.checkpointer.ownership`:
+keeps the newest few. Both come here, and here every deletion asks :mod:`dcp_s3._checkpointer.ownership`:
 only a checkpoint under the storage's configured ``root`` whose name its ``checkpoint_names`` pattern matches
 in full, and which is committed (its ``.dcp_s3-commit`` marker exists as the store says when it deletes). A
 stage that never committed, a plain directory, another scheme's name, the root: refused, nothing deleted.
 A checkpoint goes marker first (it is then no checkpoint), then every object under its name
-(:func:`dcp_s3.commit.retire`).
+(:func:`dcp_s3._commit.retire`).
 """
 
 from __future__ import annotations
 
 import re
 
-from dcp_s3.checkpointer.names import DIGITS, scheme
-from dcp_s3.checkpointer.ownership import Ownership
-from dcp_s3.commit import retire
+from dcp_s3._checkpointer.names import DIGITS, scheme
+from dcp_s3._checkpointer.ownership import Ownership
+from dcp_s3._commit import retire
+from dcp_s3._dcp.store import Store
 from dcp_s3.errors import ConfigError, DeletionRefusedError
 from dcp_s3.integrations.torch_checkpointing.commit import MARKER
-from dcp_s3.store.base import Store
 
 __all__ = ["ownership", "delete_checkpoint", "committed_checkpoints", "doomed"]
 

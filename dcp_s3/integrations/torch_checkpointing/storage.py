@@ -11,7 +11,7 @@ Chosen where a ``CheckpointManager`` is configured (tested with torch-checkpoint
     ))
     manager.save("s3://bucket/run1/step_100", {"model": model.state_dict()})  # or "step_100": relative to the root
 
-:class:`S3Storage` implements torch_checkpointing's ``Storage`` over a :class:`dcp_s3.store.base.Store`
+:class:`S3Storage` implements torch_checkpointing's ``Storage`` over a :class:`dcp_s3._dcp.store.Store`
 (the object store, client settings and I/O pool every dcp_s3 tool uses). What it owns, and why:
 
 - **The commit.** torch_checkpointing writes a save under ``<parent>/tmp_<name>`` and rank 0 renames that
@@ -27,7 +27,7 @@ Chosen where a ``CheckpointManager`` is configured (tested with torch-checkpoint
   reads its marker; every file then read through it is the object of the writer and ETag that marker
   names, or the read is refused (``CheckpointFormatError``).
 - **Deletion by ownership.** ``rmdir`` deletes a committed checkpoint whose name, below the configured
-  ``root``, the ``checkpoint_names`` pattern matches, through :mod:`dcp_s3.checkpointer.ownership`;
+  ``root``, the ``checkpoint_names`` pattern matches, through :mod:`dcp_s3._checkpointer.ownership`;
   anything else is refused (``DeletionRefusedError``). :class:`KeepLast` is a retention on top of it.
 - **Bounded memory.** ``stream_write`` is a multipart upload from a fixed pool of part buffers;
   ``stream_read`` serves ``readinto`` with concurrent ranged GETs (:mod:`dcp_s3.integrations.torch_checkpointing.streams`).
@@ -54,7 +54,10 @@ import torch.distributed as dist
 from torch_checkpointing.checkpoint_writer import CallbackArgs
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
-from dcp_s3.checkpointer.names import scheme
+from dcp_s3._checkpointer.names import scheme
+from dcp_s3._dcp.storage_options import StorageOptions
+from dcp_s3._dcp.store import Store
+from dcp_s3._objstore.buffers import BufferPool
 from dcp_s3.errors import (
     CheckpointExistsError,
     CheckpointFormatError,
@@ -71,9 +74,6 @@ from dcp_s3.integrations.torch_checkpointing.commit import MARKER, STAGED, Manif
 from dcp_s3.integrations.torch_checkpointing.paths import Where
 from dcp_s3.integrations.torch_checkpointing.streams import ObjectReadStream, ObjectWriteStream
 from dcp_s3.integrations.torch_checkpointing.writers import StageWriters, watch_saves
-from dcp_s3.objstore.buffers import BufferPool
-from dcp_s3.store.base import Store
-from dcp_s3.store.storage_options import StorageOptions
 
 __all__ = ["S3StorageConfig", "S3Storage", "KeepLast"]
 

@@ -5,7 +5,7 @@ returns, and loads either with ``torch.load`` on the stream ``Storage.stream_rea
 reads and seeks through the zip container) or by ``readinto`` of the whole file into one mmap-like
 buffer. Both are served here without holding an object in memory:
 
-- :class:`ObjectWriteStream` feeds an :class:`~dcp_s3.objstore.base.ObjectWriter` (a multipart upload on
+- :class:`ObjectWriteStream` feeds an :class:`~dcp_s3._objstore.base.ObjectWriter` (a multipart upload on
   S3, parts sent concurrently from the store's buffer pool: at most ``max_concurrency + 2`` parts in
   memory). The object appears whole on a clean ``close``; an exception inside the ``with`` block
   aborts it, leaving no object and no orphan upload.
@@ -21,9 +21,9 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from dcp_s3._dcp.store import Store
+from dcp_s3._objstore.base import ObjectWriter, RangeRead
 from dcp_s3.errors import CheckpointFormatError, ConfigError
-from dcp_s3.objstore.base import ObjectWriter, RangeRead
-from dcp_s3.store.base import Store
 
 __all__ = ["ObjectWriteStream", "ObjectReadStream"]
 

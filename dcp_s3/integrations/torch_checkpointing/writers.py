@@ -34,10 +34,10 @@ from typing import Any
 
 from torch_checkpointing.checkpoint_writer import CheckpointWriter
 
+from dcp_s3._dcp.store import Store
 from dcp_s3.errors import CheckpointFormatError, ConfigError
 from dcp_s3.integrations._patching import ContextPatch, Site
 from dcp_s3.integrations.torch_checkpointing import commit as tc_commit
-from dcp_s3.store.base import Store
 
 __all__ = ["StageWriters", "watch_saves"]
 

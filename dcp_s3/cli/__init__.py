@@ -1,8 +1,0 @@
-"""The ``dcp-s3`` command line (:mod:`~dcp_s3.cli.commands`; what each sub-command does:
-:mod:`~dcp_s3.cli.handlers`; text in and out: :mod:`~dcp_s3.cli.text`)."""
-
-from dcp_s3.cli.commands import main
-
-__all__ = [
-    "main",
-]
