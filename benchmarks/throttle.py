@@ -17,8 +17,12 @@ controller's overhead against botocore alone), ``hot`` (one prefix at each overl
 told ``--budget-multiples`` x the enforced rate), ``prefixes`` (``key_prefixes=4``, one of them hot),
 ``drop`` (the capacity halves mid-save), ``uneven`` (rank 0 has 4x the objects of the others: the
 ranks still sending must take up what the finished ones leave), ``load`` (every rank loads its shards with throttled ranged GETs),
-``independent`` (separate processes, each its own no_dist save and told the whole budget; ``--baseline-ref REF``
-runs the same savers on the code at git ``REF`` too, interleaved, for before and after in one run).
+``independent`` (separate processes, each its own no_dist save and told the whole budget, at each of ``--overloads``;
+``--baseline-ref REF`` runs the same savers on the code at git ``REF`` too, interleaved, for before and after in one
+run; ``--calibrate F`` first measures the writes/s the savers sustain unthrottled on this machine now and enforces F x
+that, each saver getting the objects its overload needs, so that the proxy, not a loaded machine, limits them),
+``independent-load`` (the same savers' checkpoints, saved unthrottled first, loaded by as many independent processes
+with throttled GETs; not in the default list).
 Reported: failed saves, makespan / ideal, attempts per accepted request, refused fraction (all, and in steady
 state: the second half of the makespan), goodput (accepted requests per second over the enforced rate), p99
 request latency (retries included), spread of finish times, and in the JSON the refused fraction per 5 s from the
@@ -54,11 +58,11 @@ def _timed_client(writer_or_reader: Any, ops: tuple[str, ...]) -> list[float]:
     """Latencies (retries included) of ``ops`` made by the writer's or reader's (shared, cached) client."""
     latencies: list[float] = []
 
-    def start(context: dict[str, Any], **_: Any) -> None:
-        context["bench_t0"] = time.monotonic()
+    def start(context: dict[str, Any], model: Any, **_: Any) -> None:
+        context["bench_t0"], context["bench_op"] = time.monotonic(), model.name
 
-    def end(context: dict[str, Any], model: Any, **_: Any) -> None:
-        if model.name in ops:
+    def end(context: dict[str, Any], **_: Any) -> None:  # (after-call-error passes no model)
+        if context.get("bench_op") in ops:
             latencies.append(time.monotonic() - context.get("bench_t0", time.monotonic()))
 
     events = writer_or_reader._session.client_config.client().meta.events
@@ -116,21 +120,30 @@ def _one(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child(args: argparse.Namespace) -> None:
-    """One independent saver (the contrast mode): prints one JSON line."""
+    """One independent saver (the contrast mode), or loader with ``--load``: prints one JSON line."""
     import torch.distributed.checkpoint as dcp
 
-    from dcp_s3 import ClientConfig, S3StorageWriter
+    from dcp_s3 import ClientConfig, S3StorageReader, S3StorageWriter
 
-    client = ClientConfig(**MODES[args.mode], endpoint_url=args.endpoint, prefix_write_rate=args.rate)
-    writer = S3StorageWriter(args.uri, client=client, files_per_rank=args.objects)
-    latencies = _timed_client(writer, WRITES)
+    rate = {"prefix_read_rate": args.rate} if args.load else {"prefix_write_rate": args.rate}
+    client = ClientConfig(**MODES[args.mode], endpoint_url=args.endpoint, **rate)
+    io: Any
+    if args.load:
+        io = S3StorageReader(args.uri, client=client)
+        latencies = _timed_client(io, ("GetObject", "HeadObject"))
+    else:
+        io = S3StorageWriter(args.uri, client=client, files_per_rank=args.objects)
+        latencies = _timed_client(io, WRITES)
     time.sleep(max(0.0, args.start_at - time.time()))
     t0 = time.monotonic()
     try:
-        dcp.save(_state(0, args.objects), storage_writer=writer, no_dist=True)
+        if args.load:
+            dcp.load(_state(0, args.objects), storage_reader=io, no_dist=True)
+        else:
+            dcp.save(_state(0, args.objects), storage_writer=io, no_dist=True)
         error = None
     except BaseException as exc:  # noqa: BLE001
-        error = f"{type(exc).__name__}: {str(exc)[:300]}"
+        error = f"{type(exc).__name__}: {str(exc)[:300]} ... {str(exc)[-600:]}"
     print(
         "RESULT " + json.dumps({"error": error, "t0": t0, "t1": time.monotonic(), "latencies": latencies}), flush=True
     )
@@ -145,6 +158,7 @@ def run_independent(
     budget: float,
     run: str,
     src: Path = common.REPO_ROOT,
+    load: bool = False,
 ) -> list[dict[str, Any]]:
     start_at = time.time() + 8 + 2 * args.ranks  # every saver has imported torch by then
     procs = [
@@ -166,6 +180,7 @@ def run_independent(
                 str(args.objects),
                 "--start-at",
                 str(start_at),
+                *(["--load"] if load else []),
             ],
             env={**env, "PYTHONPATH": str(src)},
             stdout=subprocess.PIPE,
@@ -262,7 +277,7 @@ def prepare(
     rate = offered / overload if overload else None
     enforced = rate if rate is not None else 1e6
     run = f"{scenario}-{mode}-{overload:g}-{budget_multiple:g}-{int(time.time() * 1000)}"
-    load = scenario == "load"
+    load = scenario in ("load", "independent-load")
     key_prefixes = 4 if scenario == "prefixes" else 1
     drop = (args.drop_at, 0.5) if scenario == "drop" else None
     senders = -(-args.ranks // key_prefixes)  # ranks writing to one prefix (rank r: p-(r % key_prefixes))
@@ -349,16 +364,41 @@ def measure_independent(server: Any, bucket: str, args: argparse.Namespace, item
 
     item = dict(item)
     src, label = item.pop("src", common.REPO_ROOT), item.pop("label", None)
+    args = argparse.Namespace(**{**vars(args), "objects": item.pop("objects", args.objects)})
     env = {**os.environ, **server.env()}
     prep = prepare(server, bucket, args, **item)
+    load = prep["spec"]["load"]
+    if load:  # the checkpoints to load, saved just before straight to the server (the proxy drops connections then)
+        direct = argparse.Namespace(url=server.endpoint_url)
+        saved = run_independent(direct, bucket, env, "controller", args, 3500.0, prep["run"], Path(src))
+        if any(r["error"] for r in saved):
+            raise RuntimeError(f"the unthrottled save before the load failed: {[r['error'] for r in saved]}")
     with ThrottleProxy(server.endpoint_url, **prep["proxy_kw"]) as proxy:
-        results = run_independent(proxy, bucket, env, item["mode"], args, prep["budget"], prep["run"], Path(src))
+        results = run_independent(
+            proxy, bucket, env, item["mode"], args, prep["budget"], prep["run"], Path(src), load=load
+        )
         events = list(proxy.events)
+    kind = "read" if load else "write"
     row = {
-        **summarize(results, events, "write", prep["row"]["enforced_rate"], None, None, prep["burst"]),
+        **summarize(results, events, kind, prep["row"]["enforced_rate"], None, None, prep["burst"]),
         **prep["row"],
+        "objects": args.objects,
     }
     return {**row, "mode": f"{row['mode']} ({label})"} if label else row
+
+
+def calibrate(server: Any, bucket: str, args: argparse.Namespace) -> float:
+    """Writes per second that the savers, the proxy and the server sustain together on this machine now, with
+    nothing throttled (one independent round of ``args.ranks`` savers x ``args.objects``): the enforced rate of a
+    calibrated run is a fraction of it, so that the proxy's refusals, not the machine, limit the savers."""
+    from throttle_proxy import ThrottleProxy
+
+    env = {**os.environ, **server.env()}
+    run = f"calibrate-{int(time.time() * 1000)}"
+    with ThrottleProxy(server.endpoint_url, write_rate=1e6, read_rate=1e6) as proxy:
+        run_independent(proxy, bucket, env, "controller", args, 3500.0, run)
+        sent = [t for t, kind, ok, _ in proxy.events if kind == "write" and ok]
+    return len(sent) / max(1e-9, max(sent) - min(sent))
 
 
 def baseline_tree(ref: str) -> Path:
@@ -451,6 +491,7 @@ def main() -> None:
     ap.add_argument("--uri")
     ap.add_argument("--rate", type=float, default=3500.0)
     ap.add_argument("--start-at", type=float, default=0.0)
+    ap.add_argument("--load", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--objects", type=int, default=16)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--overloads", default="5,20,50")
@@ -467,6 +508,13 @@ def main() -> None:
         help="independent scenario: also run the savers on the code at this git ref, interleaved",
     )
     ap.add_argument("--repeats", type=int, default=1, help="independent scenario: runs of each controller")
+    ap.add_argument(
+        "--calibrate",
+        type=float,
+        default=None,
+        help="independent scenario: enforce this fraction of the writes/s measured unthrottled first (the "
+        "objects per saver follow from each overload)",
+    )
     args = ap.parse_args()
     if args.render:
         saved = json.loads(Path(args.out).read_text())
@@ -490,8 +538,9 @@ def main() -> None:
     for scenario in ("prefixes", "drop", "uneven", "load"):
         if scenario in scenarios:
             plan += [{"scenario": scenario, "mode": m, "overload": 20.0} for m in modes]
-    if "independent" in scenarios:
-        item = {"scenario": "independent", "mode": "controller", "overload": 20.0}
+    independent = [s for s in ("independent", "independent-load") if s in scenarios]
+    for scenario, overload in [(s, o) for o in overloads for s in independent]:
+        item = {"scenario": scenario, "mode": "controller", "overload": overload}
         for _ in range(args.repeats):
             if args.baseline_ref:
                 plan += [{**item, "src": baseline_tree(args.baseline_ref), "label": args.baseline_ref}]
@@ -500,9 +549,20 @@ def main() -> None:
     out = Path(args.out)
     with LocalS3Server.start("seaweedfs") as server:
         bucket = server.create_bucket(common.new_bucket_name("throttle"))
-        rows = measure_job(server, bucket, args, [i for i in plan if i["scenario"] != "independent"])
+        rows = measure_job(server, bucket, args, [i for i in plan if not i["scenario"].startswith("independent")])
+        if args.calibrate and any(i["scenario"].startswith("independent") for i in plan):
+            # Each independent row's enforced rate = calibrate x what the machine sustains now; its savers get the
+            # objects that make all their writes in --burst-s seconds that many times the enforced rate.
+            sustained = calibrate(server, bucket, args)
+            target = args.calibrate * sustained
+            print(f"calibrated: {sustained:.0f} writes/s unthrottled, enforcing about {target:.0f}", flush=True)
+            for i in plan:
+                if i["scenario"].startswith("independent"):
+                    i["objects"] = max(2, round(i["overload"] * target * args.burst_s / args.ranks) - 1)
         try:
-            rows += [measure_independent(server, bucket, args, i) for i in plan if i["scenario"] == "independent"]
+            rows += [
+                measure_independent(server, bucket, args, i) for i in plan if i["scenario"].startswith("independent")
+            ]
         finally:  # the extracted --baseline-ref trees
             for src in {i["src"] for i in plan if "src" in i}:
                 shutil.rmtree(src, ignore_errors=True)

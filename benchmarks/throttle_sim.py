@@ -157,6 +157,9 @@ CASES: list[tuple[str, list[int], int, float, float, float | None]] = [
     ("8 independent jobs, 5x", [1] * 8, 17, 5, 1, None),
     ("8 independent jobs, 50x", [1] * 8, 17, 50, 1, None),
     ("8 independent jobs x 64 requests, 20x", [1] * 8, 64, 20, 1, None),
+    # The sizes of issue 53's calibrated run on the proxy (benchmarks.throttle --calibrate 0.5: 11-13 writes/s there).
+    ("8 independent jobs x 33 requests, 20x", [1] * 8, 33, 20, 1, None),
+    ("8 independent jobs x 8 requests, 5x", [1] * 8, 8, 5, 1, None),
     ("4 independent jobs, 20x", [1] * 4, 17, 20, 1, None),
     ("16 independent jobs, 20x", [1] * 16, 17, 20, 1, None),
     ("2 jobs of 4 ranks, 20x", [4, 4], 17, 20, 1, None),

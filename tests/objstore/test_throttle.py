@@ -439,6 +439,24 @@ def test_in_flight_attempts_are_capped() -> None:
     assert controller.try_acquire(KEY) == 0
 
 
+def test_a_refused_attempt_waits_for_a_new_token() -> None:
+    """Issue 53's rule "a retry of a refused request waits for a token, never goes out at once", for a process alone
+    and a rank of a job: a refusal empties the key's tokens, so the next attempt (the retry, which takes a token in
+    ``request-created`` like any attempt) waits at least one interval at the rate cut to. A guard: true before
+    issue 53 too."""
+    now = [1.0]
+    for share in (1, 8):  # a process alone; a rank of a job of 8
+        controller = RateController(write_rate=40 * share, clock=lambda: now[0])
+        controller.set_share(share, 1)
+        paced(controller, now, 0.5)
+        while wait := controller.try_acquire(KEY):
+            now[0] += wait
+        now[0] += 0.001
+        controller.release(KEY, refused=True)
+        wait = controller.try_acquire(KEY)
+        assert wait >= 0.9 / controller.rate(KEY), wait  # (less the 1 ms since the refused attempt was sent)
+
+
 def test_keys_and_throttle_answers() -> None:
     assert rate_key("PutObject", "b", "run/step-1/__0_0.distcp") == RateKey("b", "run/step-1/", "write")
     assert rate_key("GetObject", "b", "top") == RateKey("b", "", "read")
