@@ -192,7 +192,7 @@ def measure(module: ModuleType, seeds: int) -> list[dict[str, Any]]:
     return rows
 
 
-#: The controller's modules in ``dcp_s3/objstore``, each importing only those before it (``rate_limits`` and
+#: The controller's modules in ``dcp_s3/_objstore`` (``dcp_s3/objstore`` before issue 51), each importing only those before it (``rate_limits`` and
 #: ``rate_bucket`` were part of ``throttle.py`` until they were split out of it).
 CONTROLLER_MODULES = ("rate_limits", "rate_bucket", "throttle")
 
@@ -202,17 +202,28 @@ def load_baseline(ref: str) -> ModuleType:
     modules it imports as they were at ``ref`` too (those that exist there), not the working tree's."""
     folder = Path(tempfile.mkdtemp())
     replaced: dict[str, ModuleType | None] = {}
+    import dcp_s3._objstore.config  # noqa: F401 -- what an old ref's modules import as dcp_s3.objstore.config
+
+    # Before issue 51 the object stores were ``dcp_s3.objstore``: an old ref's modules import that name.
+    for qualified in [m for m in sys.modules if m.startswith("dcp_s3._objstore.")]:
+        old_name = qualified.replace("dcp_s3._objstore.", "dcp_s3.objstore.", 1)
+        replaced.setdefault(old_name, sys.modules.get(old_name))
+        sys.modules[old_name] = sys.modules[qualified]
     try:
         for name in CONTROLLER_MODULES:
-            shown = subprocess.run(
-                ["git", "show", f"{ref}:dcp_s3/_objstore/{name}.py"],
-                cwd=common.REPO_ROOT,
-                check=name == "throttle",  # the others are absent at refs before the split
-                capture_output=True,
-                text=True,
-            )
+            for folder_name in ("_objstore", "objstore"):
+                shown = subprocess.run(
+                    ["git", "show", f"{ref}:dcp_s3/{folder_name}/{name}.py"],
+                    cwd=common.REPO_ROOT,
+                    capture_output=True,
+                    text=True,
+                )
+                if shown.returncode == 0:
+                    break
             if shown.returncode != 0:
-                continue
+                if name == "throttle":
+                    raise RuntimeError(f"no dcp_s3 throttle module at {ref}: {shown.stderr.strip()}")
+                continue  # the others are absent at refs before the split
             path = folder / f"{name}_baseline.py"
             path.write_text(shown.stdout)
             spec = importlib.util.spec_from_file_location(f"{name}_baseline", path)
@@ -221,8 +232,9 @@ def load_baseline(ref: str) -> ModuleType:
             sys.modules[spec.name] = module  # (its dataclasses look their module up)
             spec.loader.exec_module(module)
             # The next modules' ``from dcp_s3._objstore.<name> import ...`` find this one (until the end).
-            replaced.setdefault(f"dcp_s3._objstore.{name}", sys.modules.get(f"dcp_s3._objstore.{name}"))
-            sys.modules[f"dcp_s3._objstore.{name}"] = module
+            for prefix in ("dcp_s3._objstore", "dcp_s3.objstore"):
+                replaced.setdefault(f"{prefix}.{name}", sys.modules.get(f"{prefix}.{name}"))
+                sys.modules[f"{prefix}.{name}"] = module
     finally:
         for qualified, original in replaced.items():
             if original is None:
