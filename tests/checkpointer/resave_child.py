@@ -34,7 +34,7 @@ from torch import nn
 
 from dcp_s3 import _commit as commit
 from dcp_s3._checkpointer import Checkpointer
-from dcp_s3._checkpointer import manager as checkpointer
+from dcp_s3._checkpointer import save_parts as checkpointer  # where the save builds its planners
 from dcp_s3._dcp import store
 
 

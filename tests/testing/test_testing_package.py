@@ -81,6 +81,7 @@ def test_the_face() -> None:
     assert sorted(testing.__all__) == [
         "LocalRaw",
         "LocalS3Server",
+        "ObjectStore",
         "ObjectStoreConformance",
         "Raw",
         "S3Raw",
